@@ -1,0 +1,144 @@
+"""Triton kernel: quantize new tokens of one cached path and pack them straight into the cache planes.
+
+Same arithmetic as `quant_pack_ref.quantize_ref` (see its docstring); byte layout in `quantmla_hf/format.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantmla_hf.format import PathFormat
+
+from .quant_pack_ref import SCALE_MIN
+
+
+@triton.jit
+def _fp16_round_up(s):
+    s16 = s.to(tl.float16)
+    bumped = (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+    return tl.where(s16.to(tl.float32) < s, bumped, s16)
+
+
+@triton.jit
+def _scale_and_zero(lo, hi, QMAX: tl.constexpr, S_MIN: tl.constexpr):
+    s = _fp16_round_up(tl.maximum(tl.div_rn(hi - lo, tl.full(lo.shape, QMAX, tl.float32)), S_MIN))
+    z = tl.floor(tl.div_rn(-lo, s.to(tl.float32)) + 0.5)
+    return s, z
+
+
+@triton.jit
+def quant_pack_fwd_kernel(
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    T,
+    start,
+    stride_xb,
+    stride_xt,
+    stride_cb,
+    stride_ct,
+    stride_sb,
+    stride_st,
+    stride_zb,
+    stride_zt,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    S_MIN: tl.constexpr,
+):
+    # One program per (batch row, new token); int64 so that offsets past 2**31 bytes stay valid.
+    pid = tl.program_id(0).to(tl.int64)
+    i_b = pid // T
+    i_t = pid % T
+    PACK: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = GROUP // PACK
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = 1 << (BITS - 1)
+
+    o_g = tl.arange(0, BLOCK_G)
+    o_n = tl.arange(0, NB)
+    m_g = o_g < G
+    o_elem = o_g[:, None] * GROUP + o_n[None, :] * PACK
+    m_x = m_g[:, None] & (o_n[None, :] < NB)
+    p_x = x_ptr + i_b * stride_xb + i_t * stride_xt + o_elem
+
+    b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)
+    lo = tl.min(b_x, axis=1)
+    hi = tl.max(b_x, axis=1)
+    for k in tl.static_range(1, PACK):
+        b_x = tl.load(p_x + k, mask=m_x, other=0.0).to(tl.float32)
+        lo = tl.minimum(lo, tl.min(b_x, axis=1))
+        hi = tl.maximum(hi, tl.max(b_x, axis=1))
+
+    s, z = _scale_and_zero(lo, hi, QMAX, S_MIN)
+    outside = (z - HALF < -128.0) | (z - HALF > 127.0)
+    s_w, z_w = _scale_and_zero(tl.minimum(lo, 0.0), tl.maximum(hi, 0.0), QMAX, S_MIN)
+    s = tl.where(outside, s_w, s)
+    z = tl.where(outside, z_w, z)
+    s32 = s.to(tl.float32)
+
+    b_byte = tl.zeros((BLOCK_G, NB), dtype=tl.int32)
+    for k in tl.static_range(PACK):
+        b_x = tl.load(p_x + k, mask=m_x, other=0.0).to(tl.float32)
+        b_q = tl.floor(tl.div_rn(b_x, s32[:, None]) + z[:, None] + 0.5)
+        b_q = tl.minimum(tl.maximum(b_q, 0.0), QMAX).to(tl.int32)
+        b_byte = b_byte | (b_q << (BITS * k))
+
+    pos = start + i_t
+    p_codes = codes_ptr + i_b * stride_cb + pos * stride_ct + o_g[:, None] * NB + o_n[None, :]
+    tl.store(p_codes, b_byte.to(tl.uint8), mask=m_x)
+    tl.store(scale_ptr + i_b * stride_sb + pos * stride_st + o_g, s, mask=m_g)
+    tl.store(zero_ptr + i_b * stride_zb + pos * stride_zt + o_g, (z - HALF).to(tl.int8), mask=m_g)
+
+
+def quant_pack_fwd(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start: int, fmt: PathFormat
+) -> None:
+    """Host wrapper: launch one program per (row, token) of `x`."""
+    B, T, _ = x.shape
+    if B * T == 0:
+        return
+    quant_pack_fwd_kernel[(B * T,)](
+        x,
+        codes,
+        scale,
+        zero,
+        T,
+        start,
+        x.stride(0),
+        x.stride(1),
+        codes.stride(0),
+        codes.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        zero.stride(0),
+        zero.stride(1),
+        G=fmt.n_groups,
+        BLOCK_G=triton.next_power_of_2(fmt.n_groups),
+        GROUP=fmt.group,
+        BITS=fmt.bits,
+        S_MIN=SCALE_MIN,
+    )
+
+
+def quantize_pack(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start: int, fmt: PathFormat
+) -> None:
+    """Quantize `x: [B, T, dim]` and write it into positions `[start, start + T)` of the planes
+    `codes: [B, capacity, code_bytes] uint8`, `scale: [B, capacity, G] fp16`, `zero: [B, capacity, G] int8`.
+    """
+    if not fmt.quantized:
+        raise ValueError("quantize_pack handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
+    if x.dim() != 3 or x.shape[-1] != fmt.dim:
+        raise ValueError(f"x must be [B, T, {fmt.dim}], got {tuple(x.shape)}")
+    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
+        raise ValueError("quantize_pack needs the last dimension of every tensor to be contiguous")
+    if start < 0 or start + x.shape[1] > codes.shape[1]:
+        raise ValueError(
+            f"writing {x.shape[1]} tokens at position {start} overflows the cache capacity {codes.shape[1]}"
+        )
+    quant_pack_fwd(x, codes, scale, zero, start, fmt)

@@ -1,0 +1,22 @@
+"""QuantMLA: 4- and 2-bit KV cache for MLA models in Hugging Face Transformers."""
+
+from .attention import ATTN_IMPLEMENTATION, register_attention
+from .cache import QuantMLACache, QuantMLALayer
+from .config import QuantMLAConfig
+from .format import CacheFormat, PathFormat
+from .hooks import install_cache_hooks
+from .mla import MLADims, mla_dims
+
+register_attention()
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CacheFormat",
+    "MLADims",
+    "PathFormat",
+    "QuantMLACache",
+    "QuantMLAConfig",
+    "QuantMLALayer",
+    "install_cache_hooks",
+    "mla_dims",
+]

@@ -1,0 +1,157 @@
+"""`QuantMLAConfig`: what a user asks of the QuantMLA KV cache, validated on construction."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+QUANT_METHOD = "quantmla"
+
+CONTENT_BITS = (2, 4, 8, 16)
+ROPE_BITS = (4, 8, 16)
+TRANSFORMS = ("learned", "hadamard", "smooth", "none")
+KERNELS = ("auto", "triton", "torch")
+
+
+def _check_choice(name: str, value: Any, accepted: tuple) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+class QuantMLAConfig(QuantizationConfigMixin):
+    """Configuration of the QuantMLA KV cache and of the transforms that make it accurate.
+
+    Args:
+        content_bits: bits per element of the cached content latent `c` (`[d_c]` per token): 2, 4, 8 or 16.
+            16 keeps the latent unquantized in the dtype the model computes in (the BF16-latent baseline).
+        rope_bits: bits per element of the cached post-RoPE key `k_R` (`[d_R]` per token): 4, 8 or 16.
+        group_size: elements sharing one scale and zero point (per token, asymmetric). A path narrower than
+            the group (MiniCPM3's d_R = 32) is one group. Must divide d_c and d_R otherwise.
+        sink_tokens: the first real tokens of each sequence kept in the model dtype beside their packed copy.
+        recent_tokens: the most recent tokens kept in the model dtype beside their packed copy.
+        transform: how the latent is prepared for quantization: "learned" (QuantMLA: learned rotation and
+            scale, fused offline), "hadamard" (QuaRot-style), "smooth" (SmoothQuant-style scaling) or "none" (RTN).
+        kernel: "triton" for the Triton kernels, "torch" for the PyTorch reference, "auto" for Triton on CUDA
+            and PyTorch elsewhere.
+        calibration_data: text used to learn the transforms: a list of strings, a path to a text file, or
+            `None` (then a transform other than "none" cannot be calibrated at load time).
+        calibration_samples: number of calibration sequences (the last ~10% are held out for checkpoint selection).
+        calibration_seq_len: tokens per calibration sequence.
+        calibration_steps: optimisation steps per layer and path.
+        calibration_lr: learning rate of the transform parameters.
+        seed: seed for sampling calibration windows and initialising transforms.
+        calibrated: set by the library once the transform has been learned and fused into the weights; a
+            checkpoint saved with `calibrated=True` loads without calibration.
+        cache_block_size: tokens per allocation block of the packed cache (storage grows by whole blocks).
+    """
+
+    def __init__(
+        self,
+        content_bits: int = 4,
+        rope_bits: int = 4,
+        group_size: int = 64,
+        sink_tokens: int = 4,
+        recent_tokens: int = 128,
+        transform: str = "learned",
+        kernel: str = "auto",
+        calibration_data: str | list[str] | None = None,
+        calibration_samples: int = 64,
+        calibration_seq_len: int = 512,
+        calibration_steps: int = 100,
+        calibration_lr: float = 5e-3,
+        seed: int = 0,
+        calibrated: bool = False,
+        cache_block_size: int = 256,
+        **kwargs,
+    ):
+        self.quant_method = QUANT_METHOD
+        self.content_bits = content_bits
+        self.rope_bits = rope_bits
+        self.group_size = group_size
+        self.sink_tokens = sink_tokens
+        self.recent_tokens = recent_tokens
+        self.transform = transform
+        self.kernel = kernel
+        self.calibration_data = calibration_data
+        self.calibration_samples = calibration_samples
+        self.calibration_seq_len = calibration_seq_len
+        self.calibration_steps = calibration_steps
+        self.calibration_lr = calibration_lr
+        self.seed = seed
+        self.calibrated = calibrated
+        self.cache_block_size = cache_block_size
+        # Keys written by the library after calibration (e.g. the measured cache footprint) round-trip untouched.
+        self.extra = {k: v for k, v in kwargs.items() if k != "quant_method"}
+        self.post_init()
+
+    def post_init(self) -> None:
+        """Validate every field; errors name the bad value and the accepted ones."""
+        _check_choice("content_bits", self.content_bits, CONTENT_BITS)
+        _check_choice("rope_bits", self.rope_bits, ROPE_BITS)
+        _check_int("group_size", self.group_size, 1)
+        if self.group_size & (self.group_size - 1) or self.group_size < 8:
+            raise ValueError(f"group_size must be a power of two >= 8 (64 is the default), got {self.group_size}")
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("recent_tokens", self.recent_tokens, 0)
+        _check_choice("transform", self.transform, TRANSFORMS)
+        _check_choice("kernel", self.kernel, KERNELS)
+        if self.calibration_data is not None and not isinstance(self.calibration_data, (str, list, tuple)):
+            raise ValueError(
+                "calibration_data must be a path to a text file or a list of strings, "
+                f"got {type(self.calibration_data).__name__}"
+            )
+        if isinstance(self.calibration_data, (list, tuple)) and not all(
+            isinstance(t, str) for t in self.calibration_data
+        ):
+            raise ValueError("calibration_data given as a list must hold strings only")
+        _check_int("calibration_samples", self.calibration_samples, 2)
+        _check_int("calibration_seq_len", self.calibration_seq_len, 8)
+        _check_int("calibration_steps", self.calibration_steps, 0)
+        if not isinstance(self.calibration_lr, (int, float)) or not self.calibration_lr > 0:
+            raise ValueError(f"calibration_lr must be a positive number, got {self.calibration_lr!r}")
+        _check_int("seed", self.seed, 0)
+        _check_int("cache_block_size", self.cache_block_size, 1)
+
+    @property
+    def name(self) -> str:
+        """Short name of the cache precision, e.g. "C4R4"."""
+        return f"C{self.content_bits}R{self.rope_bits}"
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when a data-dependent transform still has to be learned and fused."""
+        return self.transform in ("learned", "smooth") and not self.calibrated
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "quant_method": self.quant_method,
+            "content_bits": self.content_bits,
+            "rope_bits": self.rope_bits,
+            "group_size": self.group_size,
+            "sink_tokens": self.sink_tokens,
+            "recent_tokens": self.recent_tokens,
+            "transform": self.transform,
+            "kernel": self.kernel,
+            # Calibration text can be large; a saved checkpoint only records where it came from.
+            "calibration_data": self.calibration_data if isinstance(self.calibration_data, str) else None,
+            "calibration_samples": self.calibration_samples,
+            "calibration_seq_len": self.calibration_seq_len,
+            "calibration_steps": self.calibration_steps,
+            "calibration_lr": self.calibration_lr,
+            "seed": self.seed,
+            "calibrated": self.calibrated,
+            "cache_block_size": self.cache_block_size,
+        }
+        out.update(copy.deepcopy(self.extra))
+        return out
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k != "quant_method")
+        return f"QuantMLAConfig({fields})"

@@ -1,0 +1,57 @@
+"""Forward hooks that connect a model to the `QuantMLACache` of the forward in flight.
+
+A pre-hook on the top-level model sees the cache and the 2D attention mask that `generate` (or the user) passes:
+- before the first tokens are cached it records each row's left padding, so the sink tokens are the first real
+  tokens of every row, not padding;
+- it shares the cache with the MLA attention modules, which the "quantmla" attention implementation reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import ATTN_IMPLEMENTATION, QuantMLAState
+from .cache import QuantMLACache
+
+CACHE_KWARGS = ("cache", "past_key_values")  # transformers >= 5.18 says `cache`, 5.17 `past_key_values`
+
+
+def is_mla_attention(module: torch.nn.Module) -> bool:
+    """True for the MLA attention modules of the supported families."""
+    return all(hasattr(module, a) for a in ("kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm", "layer_idx"))
+
+
+def mla_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if is_mla_attention(m)]
+
+
+def _pre_forward(model, args, kwargs):
+    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    state: QuantMLAState = model._quantmla_state
+    state.cache = cache if isinstance(cache, QuantMLACache) else None
+    if state.cache is None:
+        return None
+    state.cache.set_native(model.config._attn_implementation == ATTN_IMPLEMENTATION)
+    mask = kwargs.get("attention_mask")
+    if state.cache.get_seq_length() == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        state.cache.set_left_padding(mask)
+    return None
+
+
+def install_cache_hooks(model: torch.nn.Module) -> QuantMLAState:
+    """Install (once) the pre-forward hook on `model` and share its state with every MLA attention module."""
+    state = getattr(model, "_quantmla_state", None)
+    if state is not None:
+        return state
+    modules = mla_attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} has no MLA attention module (with kv_a_proj_with_mqa, kv_a_layernorm and "
+            "kv_b_proj); QuantMLA only applies to Multi-head Latent Attention models"
+        )
+    state = QuantMLAState()
+    model._quantmla_state = state
+    for m in modules:
+        m._quantmla_state = state
+    model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    return state
