@@ -1,0 +1,13 @@
+"""Test set-up: Triton kernels run in the interpreter on machines without a GPU.
+
+TRITON_INTERPRET must be set before triton is first imported, hence here, at collection time.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(min(4, os.cpu_count() or 1))

@@ -1,0 +1,24 @@
+"""Shared test helpers: comparison with a reference, and the cache keyword of the installed transformers."""
+
+from __future__ import annotations
+
+import torch
+from packaging import version
+import transformers
+
+# transformers 5.17 names the cache argument `past_key_values`; later releases call it `cache`.
+CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__) < version.parse("5.18") else "cache"
+
+
+def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) -> None:
+    """Relative RMSE `||out - ref|| / ||ref||` below `ratio`, identical NaN/inf positions, cosine above 1 - ratio."""
+    ref64, out64 = ref.double(), out.double()
+    assert torch.equal(torch.isnan(ref64), torch.isnan(out64)), f"{name}: NaN positions differ"
+    assert torch.equal(torch.isinf(ref64), torch.isinf(out64)), f"{name}: inf positions differ"
+    finite = torch.isfinite(ref64)
+    r, o = ref64[finite], out64[finite]
+    err = (o - r).norm() / r.norm().clamp_min(1e-30)
+    assert err <= ratio, f"{name}: relative error {err:.3e} > {ratio:.1e}"
+    if r.numel() > 1 and r.norm() > 0:
+        cos = torch.nn.functional.cosine_similarity(o.flatten(), r.flatten(), dim=0)
+        assert cos >= 1 - ratio, f"{name}: cosine {cos:.6f} < {1 - ratio}"
