@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import QuantMLAConfig
 from .format import CacheFormat
+from .hadamard import hadamard_matrix
 from .mla import mla_dims
 from .packed_store import PackedPathStore
 
@@ -49,9 +50,14 @@ class QuantMLALayer(CacheLayerMixin):
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, fmt: CacheFormat, kernel: str = "auto", block_size: int = 256):
+    def __init__(
+        self, fmt: CacheFormat, kernel: str = "auto", block_size: int = 256, rope_rotation: torch.Tensor | None = None
+    ):
         super().__init__()
         self.fmt = fmt
+        # Online rotation of the RoPE key (QuaRot-style baseline, `[d_R, d_R]` orthogonal): every stored copy of k_R
+        # is `k_R @ rope_rotation.T`; reads rotate back. A latent-space kernel rotates the query instead.
+        self.rope_rotation = rope_rotation
         self.kernel = kernel
         self.block_size = block_size
         self.length = 0
@@ -118,7 +124,9 @@ class QuantMLALayer(CacheLayerMixin):
             return latent, k_rot
         start, total = self.length, self.length + c_new.shape[1]
         history_c = self._reconstruct(self.content, self.sink_content, self.recent_content, start, total)
-        history_r = self._reconstruct(self.rope, self.sink_rope, self.recent_rope, start, total)
+        history_r = self._rotate_rope(
+            self._reconstruct(self.rope, self.sink_rope, self.recent_rope, start, total), inverse=True
+        )
         self.append(c_new, r_new)
         return (
             torch.cat([history_c, c_new], dim=1).unsqueeze(1),
@@ -144,6 +152,7 @@ class QuantMLALayer(CacheLayerMixin):
         """Write `c_new: [B, T, d_c]`, `r_new: [B, T, d_R]` at the end: packed copies, then sink and recent copies."""
         T, start = c_new.shape[1], self.length
         end = start + T
+        r_new = self._rotate_rope(r_new, inverse=False)
         use_triton = _use_triton(self.kernel, c_new.device)
         for store, x in ((self.content, c_new), (self.rope, r_new)):
             store.reserve(end, start)
@@ -196,6 +205,12 @@ class QuantMLALayer(CacheLayerMixin):
             out[:, lo:end] = recent[:, positions % R]
         return out
 
+    def _rotate_rope(self, r: torch.Tensor, inverse: bool) -> torch.Tensor:
+        if self.rope_rotation is None:
+            return r
+        rot = self.rope_rotation.to(device=r.device)
+        return (r.float() @ (rot if inverse else rot.T)).to(r.dtype)
+
     def read_history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The reconstructed cache `[B, N, d_c]`, `[B, N, d_R]` as attention sees it after the last update."""
         if not self.is_initialized:
@@ -203,7 +218,7 @@ class QuantMLALayer(CacheLayerMixin):
         n = self.length
         return (
             self._reconstruct(self.content, self.sink_content, self.recent_content, n, n),
-            self._reconstruct(self.rope, self.sink_rope, self.recent_rope, n, n),
+            self._rotate_rope(self._reconstruct(self.rope, self.sink_rope, self.recent_rope, n, n), inverse=True),
         )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -294,8 +309,10 @@ class QuantMLACache(Cache):
         self.quantization_config = quantization_config
         self.dims = mla_dims(config)
         self.format = CacheFormat.from_config(self.dims.kv_lora_rank, self.dims.rope_dim, quantization_config)
+        # QuaRot-style baseline: its RoPE-path Hadamard must act after RoPE, so it stays online, in the cache.
+        rope_rotation = hadamard_matrix(self.dims.rope_dim) if quantization_config.transform == "hadamard" else None
         layers = [
-            QuantMLALayer(self.format, quantization_config.kernel, quantization_config.cache_block_size)
+            QuantMLALayer(self.format, quantization_config.kernel, quantization_config.cache_block_size, rope_rotation)
             for _ in range(self.dims.num_cache_layers)
         ]
         super().__init__(layers=layers, **kwargs)
