@@ -58,8 +58,8 @@ class PathFormat:
             raise ValueError(f"bits must be one of 2, 4, 8, 16, got {self.bits}")
         if self.dim <= 0:
             raise ValueError(f"a cached path needs a positive width, got dim={self.dim}")
-        if self.bits < 16 and self.dim % self.group == 0 and (self.dim * self.bits) % 8:
-            raise ValueError(f"dim={self.dim} at {self.bits} bits does not fill whole bytes")
+        if self.bits < 16 and (self.group * self.bits) % 8:
+            raise ValueError(f"a group of {self.group} elements at {self.bits} bits does not fill whole bytes")
         if self.bits < 16 and self.dim % self.group:
             raise ValueError(
                 f"the cached width {self.dim} is not divisible by group_size={self.group_size}: "
@@ -144,10 +144,9 @@ class CacheFormat:
 
     def persistent_bytes(self, n_tokens: int, dtype: torch.dtype = torch.bfloat16, block_size: int = 1) -> int:
         """Bytes one layer of one sequence of `n_tokens` holds: packed copies rounded up to whole blocks,
-        plus the sink and recent copies in `dtype`."""
+        plus the sink and recent buffers in `dtype` (allocated whole once anything is cached)."""
+        if n_tokens == 0:
+            return 0
         blocks = -(-n_tokens // block_size)
-        protected = min(self.sink_tokens, n_tokens) + min(self.recent_tokens, n_tokens)
-        return (
-            blocks * block_size * self.packed_bytes_per_token(dtype)
-            + (self.sink_tokens + self.recent_tokens) * self.dense_bytes_per_token(dtype) * (protected > 0)
-        )
+        protected = (self.sink_tokens + self.recent_tokens) * self.dense_bytes_per_token(dtype)
+        return blocks * block_size * self.packed_bytes_per_token(dtype) + protected
