@@ -20,3 +20,9 @@ __all__ = [
     "install_cache_hooks",
     "mla_dims",
 ]
+
+from .integration import apply_quantmla, build_cache  # noqa: E402
+from .quantizer import QuantMLAHfQuantizer, register_quantmla  # noqa: E402
+
+register_quantmla()
+__all__ += ["QuantMLAHfQuantizer", "apply_quantmla", "build_cache", "register_quantmla"]

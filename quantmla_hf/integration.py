@@ -1,0 +1,272 @@
+"""Model surgery behind `QuantMLAHfQuantizer`: check the model is MLA, learn/fuse the transform, connect the cache.
+
+Everything here works on a loaded `PreTrainedModel` (weights materialized), so it serves both
+`from_pretrained(..., quantization_config=QuantMLAConfig(...))` and `apply_quantmla(model, config)` on a model
+built in memory. After `prepare_model`:
+
+- the MLA attention modules share the `QuantMLACache` of the forward in flight (`hooks.install_cache_hooks`);
+- the attention implementation is "quantmla" (latent-space decode straight from the packed cache);
+- `generate()` (and therefore `pipeline("text-generation")`) builds a `QuantMLACache` from the model's
+  quantization config when the caller passes no cache and asks for no `cache_implementation`;
+- `save_pretrained` also writes a model card (README.md) rendered from `model_cards/quantmla_model_card.md`
+  unless the directory already has one, and `push_to_hub` uploads that card instead of transformers' generic one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import types
+
+import torch
+import transformers
+from packaging import version
+
+from .attention import ATTN_IMPLEMENTATION
+from .cache import QuantMLACache
+from .config import QuantMLAConfig
+from .hooks import install_cache_hooks, mla_attention_modules
+from .mla import MLADims, mla_dims
+
+# transformers 5.17 passes the cache to forward as `past_key_values`; 5.18 renamed it `cache`.
+GENERATE_CACHE_KWARG = (
+    "past_key_values" if version.parse(transformers.__version__).release < (5, 18) else "cache"
+)
+
+CALIBRATION_HINT = (
+    "pass the text in the config, e.g. QuantMLAConfig(transform={transform!r}, calibration_data=['some text', ...]) "
+    "or QuantMLAConfig(transform={transform!r}, calibration_data='/path/to/calibration.txt') (from the command line: "
+    "`quantmla quantize MODEL --out DIR --calibration FILE`); or pick transform='hadamard' or 'none', which need no data"
+)
+
+
+def check_mla_model(model: torch.nn.Module) -> MLADims:
+    """The MLA widths of `model`, or a `ValueError` naming what makes it unsupported."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no `config`; QuantMLA applies to transformers PreTrainedModels")
+    dims = mla_dims(config)
+    modules = mla_attention_modules(model)
+    if len(modules) != dims.num_cache_layers:
+        raise ValueError(
+            f"the {dims.model_type!r} config announces {dims.num_cache_layers} MLA cache layers but the model has "
+            f"{len(modules)} MLA attention modules (with kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj)"
+        )
+    return dims
+
+
+def build_cache(model: torch.nn.Module, quantization_config: QuantMLAConfig | None = None) -> QuantMLACache:
+    """A fresh `QuantMLACache` for `model`, from `quantization_config` or the model's own quantization config."""
+    qconfig = quantization_config or _model_qconfig(model)
+    return QuantMLACache(config=model.config.get_text_config(decoder=True), quantization_config=qconfig)
+
+
+def _model_qconfig(model) -> QuantMLAConfig:
+    qconfig = getattr(model.config, "quantization_config", None)
+    if isinstance(qconfig, dict):
+        qconfig = QuantMLAConfig.from_dict(qconfig)
+    if not isinstance(qconfig, QuantMLAConfig):
+        raise ValueError(
+            f"{type(model).__name__} carries no QuantMLAConfig (quantization_config={qconfig!r}); load it with "
+            "from_pretrained(..., quantization_config=QuantMLAConfig(...)) or call quantmla_hf.apply_quantmla(model, config)"
+        )
+    return qconfig
+
+
+def _resolve_calibration_data(data):
+    """Calibration text as given: a list of strings, or the path of a UTF-8 text file (checked here)."""
+    if isinstance(data, str):
+        if not os.path.isfile(data):
+            raise FileNotFoundError(
+                f"calibration_data={data!r} is not a file; give a path to a UTF-8 text file or a list of strings"
+            )
+    return data
+
+
+def _resolve_tokenizer(model, qconfig: QuantMLAConfig, tokenizer):
+    """The tokenizer for calibration: the one given, `qconfig.extra['tokenizer']`, or the checkpoint's own."""
+    tokenizer = tokenizer if tokenizer is not None else qconfig.extra.get("tokenizer")
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    source = tokenizer or getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None)
+    if not source:
+        raise ValueError(
+            "calibration text needs a tokenizer, and this model was not loaded from a checkpoint that has one; "
+            "pass QuantMLAConfig(..., tokenizer='name-or-path') or apply_quantmla(model, config, tokenizer=tokenizer)"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"could not load a tokenizer from {source!r} for calibration ({err}); pass "
+            "QuantMLAConfig(..., tokenizer='name-or-path') with a tokenizer that matches the model"
+        ) from err
+
+
+def _load_calibration():
+    try:
+        from .calibration import quantize
+    except ImportError as err:
+        raise ImportError(
+            "this QuantMLA transform is learned/fused by quantmla_hf.calibration.quantize, which is not available in "
+            f"this installation ({err}); use transform='none' or reinstall quantmla-hf"
+        ) from err
+    return quantize
+
+
+def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, tokenizer=None) -> None:
+    """Learn and fuse the transform that `qconfig` asks for, once (sets `qconfig.calibrated`).
+
+    "none" needs nothing; "hadamard" is data-free; "learned" and "smooth" need calibration text, from
+    `calibration_data` or `qconfig.calibration_data`, or they fail with an error saying how to provide it.
+    """
+    if qconfig.transform == "none" or qconfig.calibrated:
+        return
+    data = calibration_data if calibration_data is not None else qconfig.calibration_data
+    if qconfig.needs_calibration and data is None:
+        raise ValueError(
+            f"transform={qconfig.transform!r} learns its transform from calibration text, but none was given: "
+            + CALIBRATION_HINT.format(transform=qconfig.transform)
+        )
+    quantize = _load_calibration()
+    if data is not None:
+        data = _resolve_calibration_data(data)
+        if isinstance(data, (str, list, tuple)):
+            tokenizer = _resolve_tokenizer(model, qconfig, tokenizer)
+    quantize(model, qconfig, data, tokenizer=tokenizer)
+    qconfig.calibrated = True
+    if data is not None and "calibration_source" not in qconfig.extra:
+        qconfig.extra["calibration_source"] = data if isinstance(data, str) else f"{len(data)} texts given in memory"
+    if not isinstance(qconfig.extra.get("tokenizer"), (str, type(None))):
+        del qconfig.extra["tokenizer"]  # a tokenizer object cannot go into config.json
+
+
+def prepare_model(model, qconfig: QuantMLAConfig, calibration_data=None, tokenizer=None, pre_quantized: bool = False):
+    """Make a loaded MLA `model` use the QuantMLA cache described by `qconfig` (in place; returns `model`).
+
+    `pre_quantized` says the checkpoint already carried this config (then its name is not the base model).
+    """
+    check_mla_model(model)
+    name = getattr(model.config, "name_or_path", "") or ""
+    if not pre_quantized and "base_model" not in qconfig.extra and name.count("/") == 1 and not os.path.exists(name):
+        qconfig.extra["base_model"] = name  # a Hub id: the model card's base_model
+    calibrate_if_needed(model, qconfig, calibration_data, tokenizer)
+    model.config.quantization_config = qconfig
+    install_cache_hooks(model)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    _install_generation_default(model)
+    _install_model_card(model)
+    return model
+
+
+def apply_quantmla(model, quantization_config: QuantMLAConfig | None = None, calibration_data=None, tokenizer=None):
+    """Quantize the KV cache of an MLA model already in memory, as `from_pretrained(quantization_config=...)` would.
+
+    Args:
+        model: a transformers MLA causal LM (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, LongCat-Flash, MiniCPM3).
+        quantization_config: the `QuantMLAConfig` (default C4R4 with the learned transform).
+        calibration_data: text for a learned/smooth transform (list of strings or a text file path); overrides
+            `quantization_config.calibration_data`.
+        tokenizer: tokenizer for the calibration text (default: the one saved with the model's checkpoint).
+
+    Returns the same model, ready to `generate`, `save_pretrained` and `push_to_hub`.
+    """
+    from .quantizer import QuantMLAHfQuantizer
+
+    qconfig = quantization_config if quantization_config is not None else QuantMLAConfig()
+    quantizer = QuantMLAHfQuantizer(qconfig, pre_quantized=False)
+    prepare_model(model, qconfig, calibration_data, tokenizer)
+    model.hf_quantizer = quantizer
+    model.is_quantized = True
+    model.quantization_method = qconfig.quant_method
+    return model
+
+
+def _install_generation_default(model) -> None:
+    """Make `generate` build a `QuantMLACache` when the caller gives no cache and no `cache_implementation`.
+
+    `GenerationMixin._prepare_cache_for_generation` is where every transformers release from 5.17 on decides the
+    cache of a `generate` call (5.17 stores it under `past_key_values`, later releases under `cache`). This wraps
+    the model's bound method: a cache the caller passes, `use_cache=False` and an explicit `cache_implementation`
+    all go through untouched; otherwise the QuantMLA cache is placed where the stock code looks for a user cache.
+    """
+    if getattr(model, "_quantmla_generation_default", False):
+        return
+    stock = model._prepare_cache_for_generation
+
+    @functools.wraps(stock)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        ours = None
+        if (
+            model_kwargs.get(GENERATE_CACHE_KWARG) is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation is None
+        ):
+            ours = model_kwargs[GENERATE_CACHE_KWARG] = build_cache(self)
+        out = stock(generation_config, model_kwargs, *args, **kwargs)
+        if ours is not None:
+            # The stock code marks any cache it finds as the caller's, which only changes when generate may stop
+            # early without syncing; ours is generate's own, as a DynamicCache would be.
+            ours._is_user_defined = False
+        return out
+
+    model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+    model._quantmla_generation_default = True
+
+
+def _install_model_card(model) -> None:
+    """`save_pretrained` also writes the QuantMLA model card; `push_to_hub` uploads it (instead of a generic one)."""
+    if getattr(model, "_quantmla_model_card", False):
+        return
+    stock_save = model.save_pretrained
+
+    @functools.wraps(stock_save)
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "private", "create_pr") if k in kwargs}
+        out = stock_save(save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return out
+        from .model_card import write_model_card
+
+        write_model_card(self, save_directory)
+        if push_to_hub:
+            # transformers would upload its generic card; upload the directory with ours instead.
+            from huggingface_hub import HfApi
+
+            api = HfApi(token=kwargs.get("token"))
+            repo_id = hub_kwargs.get("repo_id") or os.path.basename(os.path.normpath(save_directory))
+            repo_id = api.create_repo(repo_id, private=hub_kwargs.get("private"), exist_ok=True).repo_id
+            write_model_card(self, save_directory, repo_id=repo_id)
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=save_directory, create_pr=hub_kwargs.get("create_pr", False),
+                commit_message=hub_kwargs.get("commit_message") or "Upload QuantMLA model",
+            )
+        return out
+
+    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
+                    token=None, revision: str | None = None, create_pr: bool = False,
+                    max_shard_size="50GB", tags: list[str] | None = None, **card_kwargs):
+        """Upload the quantized checkpoint and its QuantMLA model card to `repo_id` (on `HF_ENDPOINT`).
+
+        `card_kwargs` go to `quantmla_hf.model_card.render_model_card` (e.g. `eval_results`, `base_model`).
+        """
+        from huggingface_hub import HfApi
+
+        from .model_card import write_model_card
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp:
+            stock_save(tmp, max_shard_size=max_shard_size)
+            write_model_card(self, tmp, overwrite=True, repo_id=repo_id, tags=tags, **card_kwargs)
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=tmp, commit_message=commit_message or "Upload QuantMLA model",
+                revision=revision, create_pr=create_pr,
+            )
+
+    model.save_pretrained = types.MethodType(save_pretrained, model)
+    model.push_to_hub = types.MethodType(push_to_hub, model)
+    model._quantmla_model_card = True
