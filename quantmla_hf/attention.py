@@ -26,22 +26,79 @@ ATTN_IMPLEMENTATION = "quantmla"
 
 @dataclass
 class QuantMLAState:
-    """Shared by the MLA modules of one model: the cache of the forward in flight."""
+    """Shared by the MLA modules of one model: the cache of the forward in flight, and whether the attention mask
+    of that forward is plain left padding + causal (checked once per forward, not once per layer)."""
 
     cache: QuantMLACache | None = None
+    mask_key: tuple | None = None
+    mask_is_padding_causal: bool = False
+
+
+def _kernel_is_triton(layer, device: torch.device) -> bool:
+    if layer.kernel == "torch":
+        return False
+    return layer.kernel == "triton" or device.type == "cuda"
+
+
+def expected_mask(left_padding: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """Bool `[B, q_len, kv_len]`: row b, query t sees positions `[left_padding[b], kv_len - q_len + t]`."""
+    pos = torch.arange(kv_len, device=left_padding.device)
+    limit = kv_len - q_len + 1 + torch.arange(q_len, device=left_padding.device)
+    return (pos[None, None, :] >= left_padding[:, None, None]) & (pos[None, None, :] < limit[None, :, None])
+
+
+def _mask_is_padding_causal(state, layer, attention_mask, q_len: int) -> bool:
+    """True when the kernel's own masking (left padding + causal) is exactly `attention_mask`."""
+    n = layer.length
+    if attention_mask is None:
+        return layer.max_left_padding == 0
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-1] != n:
+        return False
+    key = (attention_mask.data_ptr(), attention_mask._version, tuple(attention_mask.shape), n,
+           layer.left_padding.data_ptr())
+    if state is not None and state.mask_key == key:
+        return state.mask_is_padding_causal
+    want = expected_mask(layer.left_padding, q_len, n)
+    ok = bool(torch.equal(attention_mask[:, 0].expand_as(want), want))
+    if state is not None:
+        state.mask_key, state.mask_is_padding_causal = key, ok
+    return ok
 
 
 def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
     """Absorbed attention of `query: [B, H, Tq, d_nope + d_R]` over everything `layer` holds.
 
+    With a left-padding + causal mask (or none) it reads the packed planes and the sink/recent copies directly:
+    the Triton kernel (`kernels/mla_decode.py`) where the layer's kernel choice says so, else its PyTorch reference.
+    Any other mask goes through the reconstructed history and `absorbed_attention_ref`.
+
     Returns `[B, Tq, H, d_v]`.
     """
     nope = module.qk_nope_head_dim
+    B, H, Tq, _ = query.shape
     q_nope, q_rot = query[..., :nope], query[..., nope:]
-    w_uk, w_uv = split_kv_b(module.kv_b_proj.weight, query.shape[1], nope, module.v_head_dim)
-    content, k_rot = layer.read_history()
-    out, _ = absorbed_attention_ref(q_nope, q_rot, content, k_rot, w_uk, w_uv, scaling, attention_mask)
-    return out
+    w_uk, w_uv = split_kv_b(module.kv_b_proj.weight, H, nope, module.v_head_dim)
+    state = getattr(module, "_quantmla_state", None)
+    if not _mask_is_padding_causal(state, layer, attention_mask, Tq):
+        content, k_rot = layer.read_history()
+        out, _ = absorbed_attention_ref(q_nope, q_rot, content, k_rot, w_uk, w_uv, scaling, attention_mask)
+        return out
+    # q_lat[b, h, t] = q_nope[b, h, t] @ W_UK[h]: [B, H, Tq, d_c], in the model dtype like the stock projections.
+    q_lat = torch.matmul(q_nope, w_uk.to(q_nope.dtype).unsqueeze(0)).float()
+    q_rot = q_rot.float()
+    if layer.rope_rotation is not None:
+        # The stored k_R copies are k_R @ rot.T; rotating the query the same way leaves q . k unchanged.
+        q_rot = q_rot @ layer.rope_rotation.to(device=q_rot.device, dtype=torch.float32).T
+    if _kernel_is_triton(layer, query.device):
+        from .kernels.mla_decode import mla_decode as decode
+    else:
+        from .kernels.mla_decode_ref import mla_decode_ref as decode
+    o_lat, _ = decode(
+        q_lat, q_rot, layer.content.planes, layer.rope.planes, layer.fmt, layer.sink_content, layer.sink_rope,
+        layer.recent_content, layer.recent_rope, layer.left_padding, layer.length, scaling,
+    )
+    out = torch.matmul(o_lat.to(query.dtype), w_uv.to(query.dtype).transpose(1, 2).unsqueeze(0))  # [B, H, Tq, d_v]
+    return out.transpose(1, 2)
 
 
 def quantmla_attention_forward(
