@@ -1,0 +1,61 @@
+"""The quantizer as a differentiable function, and the two path objectives.
+
+- `fake_quantize(x, fmt)`: forward values are exactly `dequantize_ref(quantize_ref(x))` (the cache's quantizer);
+  gradients come from the same per-token group affine quantizer with straight-through rounding, whose step and
+  zero point follow the group's min/max (so growing a channel grows its error, as it does in the cache).
+- `output_nmse`: normalized attention-output error after `o_proj` (the content objective).
+- `positional_qk_nmse`: normalized positional-QK error over all valid causal pairs and heads (the RoPE objective).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla_hf.format import PathFormat
+from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN, dequantize_ref, quantize_ref
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    return x + (torch.floor(x + 0.5) - x).detach()
+
+
+def quantize_dequantize(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
+    """What the cache gives back for `x: [..., dim]` (no gradient); identity for a 16-bit path."""
+    if not fmt.quantized:
+        return x
+    return dequantize_ref(*quantize_ref(x, fmt), fmt, x.dtype)
+
+
+def fake_quantize(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
+    """Quantize-dequantize `x: [..., dim]` with straight-through gradients (see the module docstring)."""
+    if not fmt.quantized:
+        return x
+    exact = quantize_dequantize(x.detach().float(), fmt)
+    xg = x.float().reshape(*x.shape[:-1], fmt.n_groups, fmt.group)
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    step = ((hi - lo) / fmt.qmax).clamp_min(SCALE_MIN)
+    zero = _round_ste(-lo / step)
+    q = torch.clamp(_round_ste(xg / step) + zero, 0, fmt.qmax)
+    surrogate = ((q - zero) * step).reshape(x.shape)
+    return (surrogate + (exact - surrogate).detach()).to(x.dtype)
+
+
+def output_nmse(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`||out - ref||^2 / ||ref||^2` over all elements (fp32 scalar)."""
+    return (out.float() - ref.float()).pow(2).sum() / ref.float().pow(2).sum().clamp_min(1e-30)
+
+
+def positional_qk_nmse(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, sums: bool = False):
+    """Normalized positional-QK error `sum |q (k - k_hat)^T|^2 / sum |q k^T|^2` over causal pairs `j <= t`.
+
+    Args:
+        q: `[B, H, T, d_R]` post-RoPE (transformed) queries.
+        k, k_hat: `[B, T, d_R]` post-RoPE (transformed) keys and their quantized reconstruction.
+        sums: return `(numerator, denominator)` instead of their ratio (to aggregate over batches).
+    """
+    T = q.shape[2]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    err = torch.einsum("bhtr,bjr->bhtj", q.float(), (k - k_hat).float()).masked_fill(~causal, 0)
+    ref = torch.einsum("bhtr,bjr->bhtj", q.float(), k.float()).masked_fill(~causal, 0)
+    num, den = err.pow(2).sum(), ref.pow(2).sum()
+    return (num, den) if sums else num / den.clamp_min(1e-30)

@@ -1,0 +1,176 @@
+"""`quantize`: calibrate and fuse the QuantMLA transforms of a model, one attention module at a time."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import QuantMLAConfig
+from ..format import CacheFormat
+from ..hooks import mla_attention_modules
+from ..mla import mla_dims, text_config
+from .baselines import hadamard_content, smooth_content, smooth_rope
+from .capture import AttentionRunner, LatentHook, capture_inputs
+from .fusion import fuse_content, fuse_rope
+from .learn import ContentLearner, LearnSettings, RopeLearner, rope_streams, teacher_outputs
+from .transforms import rope_kind, rope_layout, start_rotations
+
+HELDOUT_FRACTION = 0.1
+DEFAULT_BATCH = 8
+
+
+def calibration_token_ids(data, tokenizer, samples: int, seq_len: int, seed: int, vocab_size: int | None = None):
+    """Token windows `[N, T]` (int64) from `data`: token ids `[N, T]`, a list of strings or a text-file path.
+
+    Text is joined with blank lines, tokenized once and cut into non-overlapping `seq_len` windows, of which
+    `samples` are drawn with `seed` (all of them when fewer exist; at least 2 are needed, one to hold out).
+    """
+    if isinstance(data, torch.Tensor):
+        if data.is_floating_point() or data.is_complex():
+            if not torch.isfinite(data).all():
+                raise ValueError("calibration_data contains NaN or inf; pass integer token ids [N, T]")
+            raise ValueError(f"calibration_data as a tensor must hold integer token ids [N, T], got dtype {data.dtype}")
+        if data.dim() != 2 or data.shape[0] < 2:
+            raise ValueError(f"calibration token ids must be [N, T] with N >= 2, got {tuple(data.shape)}")
+        if vocab_size is not None and (int(data.min()) < 0 or int(data.max()) >= vocab_size):
+            raise ValueError(f"calibration token ids must lie in [0, {vocab_size}), got [{int(data.min())}, {int(data.max())}]")
+        return data.long()
+    if isinstance(data, (str, os.PathLike)):
+        if not os.path.isfile(data):
+            raise ValueError(f"calibration_data {str(data)!r} is not a file; pass a text-file path, a list of strings or token ids")
+        with open(data, encoding="utf-8") as f:
+            data = [f.read()]
+    if not isinstance(data, (list, tuple)) or not data or not all(isinstance(t, str) for t in data):
+        raise ValueError("calibration_data must be token ids [N, T], a non-empty list of strings or a text-file path")
+    if tokenizer is None:
+        raise ValueError("calibration_data given as text needs a tokenizer: quantize(model, config, texts, tokenizer=tok)")
+    ids = torch.tensor(tokenizer("\n\n".join(data), add_special_tokens=False)["input_ids"], dtype=torch.long)
+    n = ids.numel() // seq_len
+    if n < 2:
+        raise ValueError(f"calibration text gives {ids.numel()} tokens, fewer than 2 windows of calibration_seq_len={seq_len}; "
+                         "pass more text or lower calibration_seq_len")
+    windows = ids[: n * seq_len].view(n, seq_len)
+    pick = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: min(samples, n)]
+    return windows[pick.sort().values]
+
+
+def _check_finite_weights(module: torch.nn.Module) -> None:
+    for name, p in module.named_parameters():
+        if p.device.type != "meta" and not torch.isfinite(p).all():
+            raise ValueError(f"weight {name} of attention layer {module.layer_idx} contains NaN or inf; the checkpoint "
+                             "is corrupt or was cast to a dtype that overflows")
+
+
+def _split(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    held = max(1, round(HELDOUT_FRACTION * n))
+    idx = torch.arange(n)
+    return idx[: n - held], idx[n - held :]
+
+
+def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None,
+             tokenizer=None, *, batch_size: int = DEFAULT_BATCH, progress: bool = True) -> torch.nn.Module:
+    """Calibrate the cache transform of `quantization_config.transform` and fuse it into `model`'s weights.
+
+    Args:
+        model: a transformers MLA model (any supported family); its weights change in place.
+        quantization_config: `QuantMLAConfig` (or its dict); `calibrated` and `extra["calibration"]` are set.
+        calibration_data: token ids `[N, T]`, a list of strings or a text-file path (strings need `tokenizer`);
+            defaults to `quantization_config.calibration_data`. Not needed for "none" and "hadamard".
+        batch_size: calibration windows per forward and per optimisation step.
+        progress: show a tqdm bar over attention modules.
+
+    Returns:
+        `model`, whose fused weights compute the same full-precision function and cache the transformed paths.
+    """
+    cfg = quantization_config if quantization_config is not None else QuantMLAConfig()
+    cfg = QuantMLAConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
+    if cfg.calibrated:
+        return model
+    dims = mla_dims(model.config)
+    modules = mla_attention_modules(model)
+    for m in modules:
+        _check_finite_weights(m)
+    record = {"transform": cfg.transform, "layers": []}
+    if cfg.transform == "hadamard":
+        for m in modules:
+            fuse_content(m, *hadamard_content(m.kv_a_layernorm.weight.detach()))
+    elif cfg.transform in ("smooth", "learned"):
+        data = calibration_data if calibration_data is not None else cfg.calibration_data
+        if data is None:
+            raise ValueError(f"transform={cfg.transform!r} needs calibration_data (token ids, strings or a text file)")
+        ids = calibration_token_ids(data, tokenizer, cfg.calibration_samples, cfg.calibration_seq_len, cfg.seed,
+                                    getattr(text_config(model.config), "vocab_size", None))
+        fmt = CacheFormat.from_config(dims.kv_lora_rank, dims.rope_dim, cfg)
+        layout, kind = rope_layout(model.config, dims.rope_dim), rope_kind(model.config)
+        settings = LearnSettings(steps=cfg.calibration_steps, lr=cfg.calibration_lr, seed=cfg.seed)
+        train, held = _split(ids.shape[0])
+        record.update(windows=list(ids.shape), heldout_windows=int(held.numel()), steps=cfg.calibration_steps,
+                      lr=cfg.calibration_lr, batch_size=batch_size)
+        was_training = model.training
+        model.eval()
+        bar = tqdm(modules, desc=f"QuantMLA {cfg.transform} {cfg.name}", disable=not progress)
+        for m in bar:
+            start = time.perf_counter()
+            torch.manual_seed(cfg.seed)
+            inputs = capture_inputs(model, m, ids, batch_size)
+            entry = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform, settings, train, held)
+            entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
+            record["layers"].append(entry)
+            if "content" in entry:
+                bar.set_postfix(content=f"{entry['content']['heldout_rtn']:.2e}->{entry['content']['heldout_best']:.2e}",
+                                rope=f"{entry['rope']['heldout_rtn']:.2e}->{entry['rope']['heldout_best']:.2e}")
+            del inputs
+        model.train(was_training)
+    cfg.calibrated = True
+    cfg.extra["calibration"] = record
+    return model
+
+
+def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transform: str, settings: LearnSettings,
+                     train: torch.Tensor, held: torch.Tensor) -> dict:
+    """Calibrate and fuse one attention module from its captured inputs; returns what was done."""
+    runner = AttentionRunner(module, inputs)
+    q, k = rope_streams(runner, kind)
+    w = module.kv_a_layernorm.weight.detach().float()
+    if transform == "smooth":
+        latent_max = torch.zeros_like(w)
+        with torch.no_grad():
+            for _, h in inputs.batches():
+                hook = LatentHook()
+                runner(h, None, hook)
+                latent_max = torch.maximum(latent_max, hook.latent.abs().flatten(0, -2).amax(0).float())
+        fuse_content(module, *smooth_content(latent_max, runner.params["kv_b_proj.weight"], w))
+        fuse_rope(module, layout, torch.zeros(layout.n_pairs), smooth_rope(q, k, layout))
+        return {}
+    entry = {}
+    if fmt.content.quantized:
+        teacher = teacher_outputs(runner)
+        learner = ContentLearner(runner, teacher, fmt.content)
+        candidates = {name: (r0, _start_scale(name, r0, w)) for name, r0 in start_rotations(w).items()}
+        latent_max = torch.zeros_like(w)
+        with torch.no_grad():
+            for _, h in inputs.batches():
+                hook = LatentHook()
+                runner(h, None, hook)
+                latent_max = torch.maximum(latent_max, hook.latent.abs().flatten(0, -2).amax(0).float())
+        candidates["smooth"] = smooth_content(latent_max, runner.params["kv_b_proj.weight"], w)
+        rotation, scale, report = learner.learn(candidates, train, held, settings)
+        fuse_content(module, rotation, scale)
+        entry["content"] = report.to_dict()
+        del teacher
+    if fmt.rope.quantized:
+        learner = RopeLearner(q, k, layout, fmt.rope, inputs.batch_size)
+        starts = {"identity": torch.ones(layout.n_pairs, device=q.device), "smooth": smooth_rope(q, k, layout)}
+        theta, scale, report = learner.learn(starts, train, held, settings)
+        fuse_rope(module, layout, theta, scale)
+        entry["rope"] = report.to_dict()
+    return entry
+
+
+def _start_scale(name: str, r0: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if name == "identity":
+        return w.abs().clamp_min(1e-8)
+    return torch.full_like(w, float(w.pow(2).mean().sqrt().clamp_min(1e-8)))
