@@ -41,6 +41,11 @@ CALIBRATION_HINT = (
 )
 
 
+def generated_cache(output):
+    """The cache of a `generate(..., return_dict_in_generate=True)` output (`cache` from 5.18, else `past_key_values`)."""
+    return output.get("cache", None) if output.get("cache", None) is not None else output.get("past_key_values", None)
+
+
 def check_mla_model(model: torch.nn.Module) -> MLADims:
     """The MLA widths of `model`, or a `ValueError` naming what makes it unsupported."""
     config = getattr(model, "config", None)
