@@ -333,8 +333,8 @@ class QuantMLACache(Cache):
         if attention_mask.dim() != 2:
             raise ValueError(f"attention_mask must be [B, T], got {tuple(attention_mask.shape)}")
         valid = attention_mask.to(torch.bool)
-        # Index of the first real token; an all-padding row pads everything.
-        first = torch.where(valid.any(1), valid.to(torch.int8).argmax(1), torch.full_like(valid[:, 0], 1, dtype=torch.long) * valid.shape[1])
+        # Index of the first real token; an all-padding row is padding throughout.
+        first = torch.where(valid.any(1), valid.to(torch.int8).argmax(1), valid.shape[1])
         for layer in self.layers:
             layer.set_left_padding(first)
 

@@ -39,14 +39,11 @@ def _load(path: str, dtype: torch.dtype, quantization_config=None):
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
-def _complete(model, tokenizer, prompt: str, max_new_tokens: int, cache=None) -> tuple[str, object]:
+def _complete(model, tokenizer, prompt: str, max_new_tokens: int, cache) -> str:
+    """Greedy continuation of `prompt` generated with `cache`."""
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-    extra = {} if cache is None else {_cache_kwarg(): cache}
-    out = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True, **extra
-    )
-    text = tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    return text, out.past_key_values if hasattr(out, "past_key_values") else None
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **{_cache_kwarg(): cache})
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def _cache_kwarg() -> str:
@@ -84,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"quantized {qconfig.name} with transform={qconfig.transform} in {time.time() - t0:.1f} s")
 
     print(f"\nprompt: {args.prompt!r}")
-    text, _ = _complete(baseline, tokenizer, args.prompt, args.max_new_tokens, DynamicCache(config=baseline.config))
+    text = _complete(baseline, tokenizer, args.prompt, args.max_new_tokens, DynamicCache(config=baseline.config))
     print(f"  unquantized cache: {text!r}")
     cache = QuantMLACache(config=quantized.config, quantization_config=quantized.config.quantization_config)
-    text, _ = _complete(quantized, tokenizer, args.prompt, args.max_new_tokens, cache)
+    text = _complete(quantized, tokenizer, args.prompt, args.max_new_tokens, cache)
     print(f"  {qconfig.name} cache:    {text!r}")
 
     ids = tokenizer(EVALUATION_TEXT.read_text(), return_tensors="pt")["input_ids"][0]
