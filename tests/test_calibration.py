@@ -1,0 +1,160 @@
+"""Calibration: on a tiny model with planted outlier channels (latent and RoPE key) the learned transforms cut the
+attention-output error of C4R4 and C2R4 against RTN, the objectives fall, the function is kept; baselines and
+input validation."""
+
+import copy
+import os
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from quantmla_hf.analysis import quantized_attention_error
+from quantmla_hf.calibration import calibration_token_ids, quantize
+from quantmla_hf.config import QuantMLAConfig
+from quantmla_hf.hadamard import hadamard_matrix
+from quantmla_hf.hooks import mla_attention_modules
+from quantmla_hf.tiny_models import tiny_mla_model
+
+D_C = 64
+TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "quantmla_hf", "assets", "reference_model", "tokenizer.json")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def planted(family="deepseek_v3", seed=0):
+    """Tiny model whose latent has 4 outlier channels (norm weight 10 vs ~1) and whose RoPE key has one outlier
+    frequency pair (pre-RoPE rows x10), with queries' RoPE rows x3 so positions matter."""
+    model = tiny_mla_model(family, seed=seed)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in mla_attention_modules(model):
+            w = 0.5 + torch.rand(D_C, generator=g)
+            w[torch.randperm(D_C, generator=g)[:4]] = 10.0
+            m.kv_a_layernorm.weight.copy_(w)
+            m.kv_a_proj_with_mqa.weight[D_C : D_C + 2] *= 10
+            q = m.q_proj if getattr(m, "q_proj", None) is not None else m.q_b_proj
+            q.weight.view(m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, -1)[:, m.qk_nope_head_dim :] *= 3
+    return model
+
+
+def ids(n, seed, t=32):
+    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def base():
+    return planted()
+
+
+@pytest.mark.parametrize("content_bits,gain", [(4, 0.5), (2, 0.75)])
+def test_learned_beats_rtn_and_objectives_fall(base, content_bits, gain):
+    model = copy.deepcopy(base)
+    test_ids = ids(8, seed=1)
+    ref = logits(model, test_ids)
+    rtn = quantized_attention_error(model, test_ids, content_bits, 4, 64)
+    cfg = QuantMLAConfig(content_bits=content_bits, rope_bits=4, calibration_steps=40, calibration_lr=1e-2)
+    quantize(model, cfg, ids(16, seed=0), batch_size=4, progress=False)
+    learned = quantized_attention_error(model, test_ids, content_bits, 4, 64)
+    assert rel(logits(model, test_ids), ref) <= 1e-5  # the fused model computes the same function
+    assert sum(learned) < gain * sum(rtn), (learned, rtn)
+    assert cfg.calibrated and len(cfg.extra["calibration"]["layers"]) == 2
+    for layer in cfg.extra["calibration"]["layers"]:
+        for path in ("content", "rope"):
+            r = layer[path]
+            assert r["train_best"] < r["train_start"], (path, r)  # learning lowered the objective
+            assert r["heldout_best"] < r["heldout_rtn"], (path, r)
+            assert r["selected"] == "learned"
+
+
+def test_smooth_and_hadamard_baselines(base):
+    test_ids = ids(8, seed=1)
+    ref = logits(base, test_ids)
+    rtn = sum(quantized_attention_error(base, test_ids, 4, 4, 64))
+    smooth = copy.deepcopy(base)
+    quantize(smooth, QuantMLAConfig(transform="smooth"), ids(8, seed=0), batch_size=4, progress=False)
+    assert rel(logits(smooth, test_ids), ref) <= 1e-5
+    assert sum(quantized_attention_error(smooth, test_ids, 4, 4, 64)) < 0.5 * rtn
+    had = copy.deepcopy(base)
+    cfg = QuantMLAConfig(transform="hadamard")
+    quantize(had, cfg, progress=False)  # no data needed
+    assert rel(logits(had, test_ids), ref) <= 1e-5 and cfg.calibrated
+    assert sum(quantized_attention_error(had, test_ids, 4, 4, 64, rope_rotation=hadamard_matrix(16))) < rtn
+    c0 = mla_attention_modules(base)[0].kv_a_proj_with_mqa.weight[:D_C]
+    c1 = mla_attention_modules(had)[0].kv_a_proj_with_mqa.weight[:D_C]
+    assert torch.allclose(c1, hadamard_matrix(D_C) @ c0, atol=1e-5)
+
+
+def test_hadamard_needs_power_of_two_latent():
+    model = tiny_mla_model("deepseek_v3", kv_lora_rank=48)
+    with pytest.raises(ValueError, match="power-of-two kv_lora_rank"):
+        quantize(model, QuantMLAConfig(transform="hadamard", group_size=16), progress=False)
+
+
+def test_none_is_a_no_op():
+    model = tiny_mla_model("minicpm3")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = QuantMLAConfig(transform="none")
+    assert quantize(model, cfg) is model and cfg.calibrated
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_longcat_is_deterministic_and_keeps_its_function():
+    """Two MLA modules per decoder layer; the same seed gives the same fused weights."""
+    x = ids(6, seed=0, t=16)
+    ref = logits(tiny_mla_model("longcat_flash"), x)
+    runs = []
+    for _ in range(2):
+        model = tiny_mla_model("longcat_flash")
+        cfg = QuantMLAConfig(content_bits=2, group_size=16, calibration_steps=4, calibration_seq_len=16)
+        quantize(model, cfg, x, batch_size=3, progress=False)
+        assert len(cfg.extra["calibration"]["layers"]) == 4
+        assert rel(logits(model, x), ref) <= 1e-5
+        runs.append(model.state_dict())
+    assert all(torch.equal(v, runs[1][k]) for k, v in runs[0].items())
+
+
+def test_bad_data_and_weights_raise():
+    model = tiny_mla_model("deepseek_v2")
+    cfg = QuantMLAConfig()
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize(model, cfg, torch.full((4, 16), float("nan")))
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        quantize(model, cfg, ["some text"])
+    with pytest.raises(ValueError, match="needs calibration_data"):
+        quantize(model, cfg)
+    with pytest.raises(ValueError, match=r"in \[0, 128\)"):
+        quantize(model, cfg, torch.full((4, 16), 500))
+    with torch.no_grad():
+        mla_attention_modules(model)[1].kv_b_proj.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="kv_b_proj.weight of attention layer 1 contains NaN or inf"):
+        quantize(model, cfg, ids(4, seed=0))
+
+
+@pytest.mark.skipif(not os.path.exists(TOKENIZER), reason="reference tokenizer asset not built yet")
+def test_text_and_file_become_windows(tmp_path):
+    tok = PreTrainedTokenizerFast(tokenizer_file=TOKENIZER)
+    text = "The quick brown fox jumps over the lazy dog. " * 40
+    windows = calibration_token_ids([text, text], tok, samples=5, seq_len=16, seed=0)
+    assert windows.shape == (5, 16) and windows.dtype == torch.long
+    path = tmp_path / "calib.txt"
+    path.write_text(text)
+    again = calibration_token_ids(str(path), tok, samples=3, seq_len=16, seed=0)
+    assert again.shape == (3, 16)
+    with pytest.raises(ValueError, match="fewer than 2 windows"):
+        calibration_token_ids(["short"], tok, samples=3, seq_len=512, seed=0)
