@@ -1,0 +1,37 @@
+"""`optimum-cli quantmla ...`: the `quantmla` command line as an optimum-cli subcommand.
+
+optimum-cli discovers subcommands in files of the `optimum.commands.register` namespace package that define
+`REGISTER_COMMANDS`. This module holds the command and is importable without optimum (then `REGISTER_COMMANDS`
+is empty); a one-line file shipped as `optimum/commands/register/register_quantmla.py`,
+
+    from quantmla_hf.optimum_cli import REGISTER_COMMANDS  # noqa: F401
+
+makes `optimum-cli quantmla quantize MODEL --out DIR` run `quantmla quantize MODEL --out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+try:
+    from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
+except ImportError:  # optimum is optional
+    BaseOptimumCLICommand = CommandInfo = None
+
+REGISTER_COMMANDS: list = []
+
+if BaseOptimumCLICommand is not None:
+
+    class QuantMLACommand(BaseOptimumCLICommand):
+        COMMAND = CommandInfo(name="quantmla", help="QuantMLA KV-cache quantization (same as the `quantmla` command)")
+
+        @staticmethod
+        def parse_args(parser: argparse.ArgumentParser) -> None:
+            parser.add_argument("quantmla_args", nargs=argparse.REMAINDER, help="arguments of `quantmla`")
+
+        def run(self) -> None:
+            from .cli import main
+
+            raise SystemExit(main(self.args.quantmla_args))
+
+    REGISTER_COMMANDS = [QuantMLACommand]

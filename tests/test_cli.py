@@ -1,0 +1,91 @@
+"""The `quantmla` command line end to end on a tiny checkpoint (in process; the Hub push is in test_hub.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import metadata
+
+import pytest
+from transformers import AutoTokenizer
+
+from quantmla_hf.cli import main
+from quantmla_hf.demo import EVALUATION_TEXT, REFERENCE_MODEL
+from quantmla_hf.tiny_models import tiny_mla_model
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A tiny random deepseek_v3 checkpoint with the reference tokenizer beside it."""
+    path = tmp_path_factory.mktemp("base")
+    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    tiny_mla_model("deepseek_v3", seed=6, vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_console_script_is_declared():
+    (entry,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "quantmla"]
+    assert entry.value == "quantmla_hf.cli:main" and entry.load() is main
+
+
+def test_quantize_generate_eval(base_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    rc = main(["quantize", str(base_dir), "--out", str(out), "--transform", "none", "--group-size", "16",
+               "--sink-tokens", "1", "--recent-tokens", "4", "--content-bits", "2"])
+    assert rc == 0
+    saved = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "quantmla" and saved["content_bits"] == 2 and saved["recent_tokens"] == 4
+    assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
+    assert "saved C2R4" in capsys.readouterr().out
+
+    assert main(["generate", str(out), "--prompt", "The city", "--prompt", "A", "--max-new-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("The city") and lines[1].startswith("A")
+    assert "QuantMLACache C2R4" in captured.err
+
+    result = tmp_path / "eval.json"
+    rc = main(["eval", str(out), "--text", str(EVALUATION_TEXT), "--window", "24", "--prefill", "6",
+               "--max-windows", "1", "--json", str(result)])
+    assert rc == 0
+    res = json.loads(result.read_text())
+    assert res["windows"] == 1 and res["tokens_scored"] == 18 and res["cache"] == "C2R4"
+    assert all(math.isfinite(res[k]) and res[k] > 1 for k in ("bf16_perplexity", "quantmla_perplexity"))
+    # 2-bit history beyond a 4-token window changes the predictions
+    assert res["bf16_perplexity"] != res["quantmla_perplexity"]
+    table = capsys.readouterr().out
+    assert "BF16" in table and "C2R4" in table
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["quantize", "{base}", "--out", "{tmp}/x", "--transform", "learned"], "calibration_data"),
+        (["quantize", "{tmp}/missing", "--out", "{tmp}/x"], "missing"),
+        (["eval", "{base}", "--text", "{tmp}/nope.txt", "--transform", "none"], "nope.txt: no such file"),
+        (["eval", "{base}", "--text", "{text}", "--window", "10", "--prefill", "9"], "--prefill"),
+    ],
+)
+def test_errors_exit_1_with_a_message(base_dir, tmp_path, capsys, argv, message):
+    argv = [a.format(base=base_dir, tmp=tmp_path, text=EVALUATION_TEXT) for a in argv]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"quantmla {argv[0]}: error:" in err and message in err
+
+
+def test_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize"])
+    assert exc.value.code == 2
+
+
+def test_optimum_registration_module_imports_without_optimum():
+    import importlib.util
+
+    import quantmla_hf.optimum_cli as reg
+
+    if importlib.util.find_spec("optimum") is None:
+        assert reg.REGISTER_COMMANDS == []
+    else:
+        assert reg.REGISTER_COMMANDS[0].COMMAND.name == "quantmla"
