@@ -9,12 +9,14 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from quantmla_hf import QuantMLACache
 from quantmla_hf.analysis import quantized_attention_error
 from quantmla_hf.calibration import calibration_token_ids, quantize
 from quantmla_hf.config import QuantMLAConfig
 from quantmla_hf.hadamard import hadamard_matrix
 from quantmla_hf.hooks import mla_attention_modules
 from quantmla_hf.tiny_models import tiny_mla_model
+from helpers import CACHE_KWARG
 
 D_C = 64
 TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "quantmla_hf", "assets", "reference_model", "tokenizer.json")
@@ -57,6 +59,18 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+def decode_error(model, x, content_bits, prompt=24):
+    """Relative logits error of decoding `x[:, prompt:]` token by token with the real QuantMLACache (no protected
+    tokens, so every history token is read back from its packed copy) against the full-precision forward."""
+    cfg = QuantMLAConfig(content_bits=content_bits, rope_bits=4, sink_tokens=0, recent_tokens=0, transform="none")
+    with torch.no_grad():
+        ref = model(x).logits[:, prompt:]
+        cache = QuantMLACache(config=model.config, quantization_config=cfg)
+        model(x[:, :prompt], **{CACHE_KWARG: cache})
+        out = torch.cat([model(x[:, t : t + 1], **{CACHE_KWARG: cache}).logits for t in range(prompt, x.shape[1])], 1)
+    return rel(out, ref)
+
+
 @pytest.fixture(scope="module")
 def base():
     return planted()
@@ -68,11 +82,14 @@ def test_learned_beats_rtn_and_objectives_fall(base, content_bits, gain):
     test_ids = ids(8, seed=1)
     ref = logits(model, test_ids)
     rtn = quantized_attention_error(model, test_ids, content_bits, 4, 64)
+    decode_ids = ids(4, seed=5, t=40)
+    rtn_decode = decode_error(model, decode_ids, content_bits)
     cfg = QuantMLAConfig(content_bits=content_bits, rope_bits=4, calibration_steps=40, calibration_lr=1e-2)
     quantize(model, cfg, ids(16, seed=0), batch_size=4, progress=False)
     learned = quantized_attention_error(model, test_ids, content_bits, 4, 64)
     assert rel(logits(model, test_ids), ref) <= 1e-5  # the fused model computes the same function
     assert sum(learned) < gain * sum(rtn), (learned, rtn)
+    assert decode_error(model, decode_ids, content_bits) < 0.75 * rtn_decode
     assert cfg.calibrated and len(cfg.extra["calibration"]["layers"]) == 2
     for layer in cfg.extra["calibration"]["layers"]:
         for path in ("content", "rope"):
