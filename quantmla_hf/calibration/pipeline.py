@@ -114,7 +114,6 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
         bar = tqdm(modules, desc=f"QuantMLA {cfg.transform} {cfg.name}", disable=not progress)
         for m in bar:
             start = time.perf_counter()
-            torch.manual_seed(cfg.seed)
             inputs = capture_inputs(model, m, ids, batch_size)
             entry = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform, settings, train, held)
             entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
