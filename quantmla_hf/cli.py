@@ -3,7 +3,7 @@
     quantmla quantize MODEL --out DIR [--push-to-hub REPO] [--calibration FILE] [cache options]
     quantmla generate MODEL --prompt TEXT [--max-new-tokens N] [cache options when MODEL is not quantized]
     quantmla eval MODEL --text FILE [--window N --prefill N --stride N] [cache options]
-    quantmla analyze MODEL --calibration FILE [...]   (the dual-path error report of quantmla_hf.analysis)
+    quantmla analyze MODEL --calibration FILE [--out DIR]   (the dual-path error report: table + PNG)
     quantmla demo [...]                              (the embedded reference model, end to end)
 
 MODEL is a local directory or a Hub id (the Hub is `HF_ENDPOINT`). A MODEL whose config.json already carries a
@@ -74,8 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
     _add_cache_args(p, "none")
 
-    p = sub.add_parser("analyze", help="dual-path (content vs RoPE) error analysis", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
+    p = sub.add_parser("analyze", help="dual-path (content vs RoPE) matched-error analysis: table + PNG")
+    _add_model_args(p)
+    p.add_argument("--calibration", metavar="FILE", required=True, help="UTF-8 text the windows are cut from")
+    p.add_argument("--bits", type=int, default=4, help="bits of the error direction (default INT4)")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--samples", type=int, default=8, help="windows of text")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    p.add_argument("--out", metavar="DIR", default=None, help="write report.json, report.md and dual_path.png here")
 
     p = sub.add_parser("demo", help="the embedded reference model end to end", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -215,14 +221,26 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_analyze(argv: list[str]) -> int:
+def cmd_analyze(args) -> int:
     try:
-        from . import analysis
+        from .analysis import analyze
+        from .calibration import calibration_token_ids
     except ImportError as err:
         raise CLIError(f"the dual-path analysis (quantmla_hf.analysis) is not available in this installation: {err}")
-    if hasattr(analysis, "main"):
-        return int(analysis.main(argv) or 0)
-    raise CLIError("quantmla_hf.analysis has no command-line entry point (main); call quantmla_hf.analysis.analyze")
+    if not Path(args.calibration).is_file():
+        raise CLIError(f"--calibration {args.calibration}: no such file")
+    model, tokenizer = load_quantized(args, quantize_if_needed=False)
+    ids = calibration_token_ids(args.calibration, tokenizer, args.samples, args.seq_len, 0,
+                                getattr(model.config.get_text_config(decoder=True), "vocab_size", None))
+    report = analyze(model, ids, bits=args.bits, group_size=args.group_size)
+    print(report.to_markdown())
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+        (out / "report.md").write_text(report.to_markdown() + "\n", encoding="utf-8")
+        print(f"plot: {report.save_plot(str(out / 'dual_path.png'))}")
+    return 0
 
 
 def cmd_demo(argv: list[str]) -> int:
@@ -235,11 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "analyze":
-            return cmd_analyze(args.args)
         if args.command == "demo":
             return cmd_demo(args.args)
-        return {"quantize": cmd_quantize, "generate": cmd_generate, "eval": cmd_eval}[args.command](args)
+        commands = {"quantize": cmd_quantize, "generate": cmd_generate, "eval": cmd_eval, "analyze": cmd_analyze}
+        return commands[args.command](args)
     except (CLIError, ValueError, FileNotFoundError, ImportError, OSError) as err:
         print(f"quantmla {args.command}: error: {err}", file=sys.stderr)
         return 1

@@ -58,6 +58,17 @@ def test_quantize_generate_eval(base_dir, tmp_path, capsys):
     assert "BF16" in table and "C2R4" in table
 
 
+def test_analyze_writes_table_and_plot(base_dir, tmp_path, capsys):
+    pytest.importorskip("quantmla_hf.analysis")
+    from quantmla_hf.demo import CALIBRATION_TEXT
+
+    rc = main(["analyze", str(base_dir), "--calibration", str(CALIBRATION_TEXT), "--samples", "2", "--seq-len", "16",
+               "--group-size", "16", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report and (tmp_path / "dual_path.png").read_bytes().startswith(b"\x89PNG")
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -81,11 +92,11 @@ def test_usage_error_exits_2(capsys):
 
 
 def test_optimum_registration_module_imports_without_optimum():
-    import importlib.util
-
     import quantmla_hf.optimum_cli as reg
 
-    if importlib.util.find_spec("optimum") is None:
+    try:
+        import optimum.commands.base  # noqa: F401
+    except ImportError:
         assert reg.REGISTER_COMMANDS == []
     else:
         assert reg.REGISTER_COMMANDS[0].COMMAND.name == "quantmla"
