@@ -21,8 +21,10 @@ __all__ = [
     "mla_dims",
 ]
 
+from .analysis import analyze  # noqa: E402
+from .calibration import quantize  # noqa: E402
 from .integration import apply_quantmla, build_cache  # noqa: E402
 from .quantizer import QuantMLAHfQuantizer, register_quantmla  # noqa: E402
 
 register_quantmla()
-__all__ += ["QuantMLAHfQuantizer", "apply_quantmla", "build_cache", "register_quantmla"]
+__all__ += ["QuantMLAHfQuantizer", "analyze", "apply_quantmla", "build_cache", "quantize", "register_quantmla"]
