@@ -47,19 +47,16 @@ def _dot(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _load_packed(p_codes, p_scale, p_zero, stride_t, stride_mt, o_t, m_t, G: tl.constexpr, GP: tl.constexpr,
-                 GROUP: tl.constexpr, BITS: tl.constexpr, KDT: tl.constexpr):
-    """Codes of tokens `o_t` (rows of planes already offset to the batch row) as `(q - z)`: `[G, BN, GROUP]` in KDT
-    (exact small integers), and the scales `[G, 1, BN]` fp32."""
+def _load_packed(p_codes, p_scale, p_zero, stride_t, stride_mt, o_t, m_t, D: tl.constexpr, DP: tl.constexpr,
+                 G: tl.constexpr, GP: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens `o_t` of one packed path (planes already offset to the batch row), dequantized in registers:
+    `[BN, DP]` fp32 (zeros past D), exact (`(q - z) * s` of an 8-bit integer and an fp16 scale)."""
     PACK: tl.constexpr = 8 // BITS
-    NB: tl.constexpr = GROUP // PACK
     HALF: tl.constexpr = 1 << (BITS - 1)
     MASK: tl.constexpr = (1 << BITS) - 1
-    o_g = tl.arange(0, GP)
-    o_k = tl.arange(0, NB)
-    m_gt = (o_g[:, None] < G) & m_t[None, :]
-    p = p_codes + o_t[None, :, None] * stride_t + o_g[:, None, None] * NB + o_k[None, None, :]
-    b_byte = tl.load(p, mask=m_gt[:, :, None], other=0).to(tl.int32)
+    o_k = tl.arange(0, DP // PACK)
+    m_k = m_t[:, None] & (o_k[None, :] < D // PACK)
+    b_byte = tl.load(p_codes + o_t[:, None] * stride_t + o_k[None, :], mask=m_k, other=0).to(tl.int32)
     if BITS == 8:
         b_q = b_byte
     elif BITS == 4:
@@ -68,51 +65,49 @@ def _load_packed(p_codes, p_scale, p_zero, stride_t, stride_mt, o_t, m_t, G: tl.
         b_q = tl.interleave(
             tl.interleave(b_byte & MASK, (b_byte >> 4) & MASK), tl.interleave((b_byte >> 2) & MASK, b_byte >> 6)
         )
-    o_gt = o_t[None, :] * stride_mt + o_g[:, None]  # [GP, BN] offsets into the [cap, G] metadata
-    b_z = tl.load(p_zero + o_gt, mask=m_gt, other=0).to(tl.int32) + HALF
-    b_s = tl.load(p_scale + o_gt, mask=m_gt, other=0.0).to(tl.float32)
-    b_k = (b_q - b_z[:, :, None]).to(KDT)
-    return b_k, b_s[:, None, :]
-
-
-@triton.jit
-def _load_values(p_vals, stride_t, o_t, m_t, G: tl.constexpr, GP: tl.constexpr, GROUP: tl.constexpr,
-                 KDT: tl.constexpr):
-    """Model-dtype values of tokens `o_t`: `[GP, BN, GROUP]` in KDT (groups past G read as zeros)."""
     o_g = tl.arange(0, GP)
-    o_k = tl.arange(0, GROUP)
-    m = (o_g[:, None, None] < G) & m_t[None, :, None]
-    p = p_vals + o_t[None, :, None] * stride_t + o_g[:, None, None] * GROUP + o_k[None, None, :]
-    return tl.load(p, mask=m, other=0.0).to(KDT)
+    m_g = m_t[:, None] & (o_g[None, :] < G)
+    o_gt = o_t[:, None] * stride_mt + o_g[None, :]  # [BN, GP] offsets into the [cap, G] metadata
+    b_z = tl.load(p_zero + o_gt, mask=m_g, other=0).to(tl.int32) + HALF
+    b_s = tl.load(p_scale + o_gt, mask=m_g, other=0.0).to(tl.float32)
+    b_x = (tl.reshape(b_q, (BLOCK_N, GP, GROUP)) - b_z[:, :, None]).to(tl.float32) * b_s[:, :, None]
+    return tl.reshape(b_x, (BLOCK_N, DP))
 
 
 @triton.jit
-def _path_scores(q_hi, q_lo, b_k, EXACT: tl.constexpr):
-    """`q: [G, BM, GROUP]` against `b_k: [G, BN, GROUP]` -> `[G, BM, BN]` fp32."""
-    b_kt = tl.permute(b_k, (0, 2, 1))
-    d = _dot(q_hi, b_kt, EXACT)
-    if not EXACT:
-        d += _dot(q_lo, b_kt, EXACT)
-    return d
+def _load_values(p_vals, stride_t, o_t, m_t, D: tl.constexpr, DP: tl.constexpr):
+    """Model-dtype values of tokens `o_t`: `[BN, DP]` fp32 (zeros past D)."""
+    o_k = tl.arange(0, DP)
+    m = m_t[:, None] & (o_k[None, :] < D)
+    return tl.load(p_vals + o_t[:, None] * stride_t + o_k[None, :], mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _online_update(b_s, m_valid, m_i, l_i, acc_c, b_kc, b_sc, C_SCALED: tl.constexpr, KDT: tl.constexpr,
-                   EXACT: tl.constexpr):
-    """One online-softmax step with base-2 scores `b_s: [BM, BN]`; `b_kc: [Gc, BN, GROUP]` content (times `b_sc`
-    per token if C_SCALED) is the value."""
+def _scores(q_hi, q_lo, b_k, KDT: tl.constexpr, EXACT: tl.constexpr, K_LO: tl.constexpr):
+    """`q: [BM, D]` (high, low parts) against `b_k: [BN, D]` fp32 -> `[BM, BN]` fp32.
+
+    Not EXACT: q_hi.k_hi + q_lo.k_hi (+ q_hi.k_lo when the keys are not exact in fp16, K_LO), ~22-bit products."""
+    if EXACT:
+        return tl.dot(q_hi, tl.trans(b_k), input_precision="ieee")
+    else:
+        k_hi = b_k.to(KDT)
+        d = tl.dot(q_hi, tl.trans(k_hi)) + tl.dot(q_lo, tl.trans(k_hi))
+        if K_LO:
+            d += tl.dot(q_hi, tl.trans((b_k - k_hi.to(tl.float32)).to(KDT)))
+        return d
+
+
+@triton.jit
+def _online_update(b_s, m_valid, m_i, l_i, acc, b_v, KDT: tl.constexpr, EXACT: tl.constexpr):
+    """One online-softmax step with base-2 scores `b_s: [BM, BN]` and values `b_v: [BN, d_c]` fp32."""
     b_s = tl.where(m_valid, b_s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     b_p = tl.exp2(b_s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(b_p, axis=1)
-    if C_SCALED:
-        b_pv = b_p[None, :, :] * b_sc
-    else:
-        b_pv = b_p[None, :, :] + tl.zeros_like(b_sc)
-    acc_c = acc_c * alpha[None, :, None] + _dot(b_pv.to(KDT), b_kc, EXACT)
-    return m_new, l_i, acc_c
+    acc = acc * alpha[:, None] + _dot(b_p.to(KDT), b_v.to(KDT), EXACT)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -124,16 +119,16 @@ def mla_decode_fwd_kernel(
     length, M, Tq, tokens_per_split, num_splits, qk_scale,
     s_qb, s_qrb, s_c0b, s_c0t, s_c1b, s_c1t, s_r0b, s_r0t, s_r1b, s_r1t,
     s_scb, s_sct, s_srb, s_srt, s_rcb, s_rct, s_rrb, s_rrt,
-    GC: tl.constexpr, GCP: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
-    GR: tl.constexpr, GRP: tl.constexpr, GROUP_R: tl.constexpr, R_BITS: tl.constexpr,
+    D_C: tl.constexpr, D_CP: tl.constexpr, GC: tl.constexpr, GCP: tl.constexpr, GROUP_C: tl.constexpr,
+    C_BITS: tl.constexpr,
+    D_R: tl.constexpr, D_RP: tl.constexpr, GR: tl.constexpr, GRP: tl.constexpr, GROUP_R: tl.constexpr,
+    R_BITS: tl.constexpr,
     S: tl.constexpr, R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr,
 ):
     i_hb = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)
     i_s = tl.program_id(2).to(tl.int64)
-    D_C: tl.constexpr = GC * GROUP_C
-    D_R: tl.constexpr = GR * GROUP_R
     KDT: tl.constexpr = tl.float32 if EXACT else tl.float16
 
     o_m = i_hb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -142,26 +137,21 @@ def mla_decode_fwd_kernel(
     lim_m = length - Tq + (o_m % Tq) + 1
     lp = tl.load(lp_ptr + i_b)
 
-    o_gc = tl.arange(0, GCP)
-    o_kc = tl.arange(0, GROUP_C)
-    m_qc = (o_gc[:, None, None] < GC) & m_m[None, :, None]
-    o_qc = i_b * s_qb + o_m[None, :, None] * D_C + o_gc[:, None, None] * GROUP_C + o_kc[None, None, :]
-    q_c = tl.load(q_ptr + o_qc, mask=m_qc, other=0.0)
-    o_gr = tl.arange(0, GRP)
-    o_kr = tl.arange(0, GROUP_R)
-    m_qr = (o_gr[:, None, None] < GR) & m_m[None, :, None]
-    o_qr = i_b * s_qrb + o_m[None, :, None] * D_R + o_gr[:, None, None] * GROUP_R + o_kr[None, None, :]
-    q_r = tl.load(qr_ptr + o_qr, mask=m_qr, other=0.0)
-    # High and low halves of the query (two tensor-core dots ~ fp32 accuracy on exact keys).
+    o_c = tl.arange(0, D_CP)
+    o_r = tl.arange(0, D_RP)
+    m_qc = m_m[:, None] & (o_c[None, :] < D_C)
+    q_c = tl.load(q_ptr + i_b * s_qb + o_m[:, None] * D_C + o_c[None, :], mask=m_qc, other=0.0)
+    m_qr = m_m[:, None] & (o_r[None, :] < D_R)
+    q_r = tl.load(qr_ptr + i_b * s_qrb + o_m[:, None] * D_R + o_r[None, :], mask=m_qr, other=0.0)
+    # High and low fp16 halves of the query: two tensor-core dots give ~22-bit products.
     qc_hi = q_c.to(KDT)
     qc_lo = (q_c - qc_hi.to(tl.float32)).to(KDT)
     qr_hi = q_r.to(KDT)
     qr_lo = (q_r - qr_hi.to(tl.float32)).to(KDT)
-    one_c = tl.full((GCP, 1, BLOCK_N), 1.0, tl.float32)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((GCP, BLOCK_M, GROUP_C), tl.float32)
+    acc = tl.zeros((BLOCK_M, D_CP), tl.float32)
     is_dense = i_s == num_splits
 
     # Packed positions: this split's share of [S, length - R), intersected with [lp + S, ...); all of them lie
@@ -174,23 +164,18 @@ def mla_decode_fwd_kernel(
         o_t = start + tl.arange(0, BLOCK_N).to(tl.int64)
         m_t = (o_t < hi_s) & (o_t >= lo_valid)
         if C_BITS == 16:
-            b_kc = _load_values(c0_ptr + i_b * s_c0b, s_c0t, o_t, m_t, GC, GCP, GROUP_C, KDT)
-            b_sc = one_c
-            d_c = tl.sum(_path_scores(qc_hi, qc_lo, b_kc, EXACT), axis=0)
+            b_c = _load_values(c0_ptr + i_b * s_c0b, s_c0t, o_t, m_t, D_C, D_CP)
         else:
-            b_kc, b_sc = _load_packed(c0_ptr + i_b * s_c0b, c1_ptr + i_b * s_c1b, c2_ptr + i_b * s_c1b, s_c0t, s_c1t,
-                                      o_t, m_t, GC, GCP, GROUP_C, C_BITS, KDT)
-            d_c = tl.sum(_path_scores(qc_hi, qc_lo, b_kc, EXACT) * b_sc, axis=0)
+            b_c = _load_packed(c0_ptr + i_b * s_c0b, c1_ptr + i_b * s_c1b, c2_ptr + i_b * s_c1b, s_c0t, s_c1t,
+                               o_t, m_t, D_C, D_CP, GC, GCP, GROUP_C, C_BITS, BLOCK_N)
         if R_BITS == 16:
-            b_kr = _load_values(r0_ptr + i_b * s_r0b, s_r0t, o_t, m_t, GR, GRP, GROUP_R, KDT)
-            d_r = tl.sum(_path_scores(qr_hi, qr_lo, b_kr, EXACT), axis=0)
+            b_r = _load_values(r0_ptr + i_b * s_r0b, s_r0t, o_t, m_t, D_R, D_RP)
         else:
-            b_kr, b_sr = _load_packed(r0_ptr + i_b * s_r0b, r1_ptr + i_b * s_r1b, r2_ptr + i_b * s_r1b, s_r0t, s_r1t,
-                                      o_t, m_t, GR, GRP, GROUP_R, R_BITS, KDT)
-            d_r = tl.sum(_path_scores(qr_hi, qr_lo, b_kr, EXACT) * b_sr, axis=0)
+            b_r = _load_packed(r0_ptr + i_b * s_r0b, r1_ptr + i_b * s_r1b, r2_ptr + i_b * s_r1b, s_r0t, s_r1t,
+                               o_t, m_t, D_R, D_RP, GR, GRP, GROUP_R, R_BITS, BLOCK_N)
+        b_s = _scores(qc_hi, qc_lo, b_c, KDT, EXACT, C_BITS != 16) + _scores(qr_hi, qr_lo, b_r, KDT, EXACT, R_BITS != 16)
         m_valid = m_m[:, None] & m_t[None, :]
-        m_i, l_i, acc = _online_update((d_c + d_r) * qk_scale, m_valid, m_i, l_i, acc, b_kc, b_sc,
-                                       C_BITS != 16, KDT, EXACT)
+        m_i, l_i, acc = _online_update(b_s * qk_scale, m_valid, m_i, l_i, acc, b_c, KDT, EXACT)
 
     # The last split takes the model-dtype copies: the sink (slot j = position lp + j) ...
     n_sink = tl.where(is_dense, S, 0)
@@ -198,12 +183,11 @@ def mla_decode_fwd_kernel(
         o_j = start + tl.arange(0, BLOCK_N).to(tl.int64)
         o_t = lp + o_j
         m_t = (o_j < S) & (o_t < length)
-        b_kc = _load_values(sc_ptr + i_b * s_scb, s_sct, o_j, m_t, GC, GCP, GROUP_C, KDT)
-        b_kr = _load_values(sr_ptr + i_b * s_srb, s_srt, o_j, m_t, GR, GRP, GROUP_R, KDT)
-        b_s = tl.sum(_path_scores(qc_hi, qc_lo, b_kc, EXACT), axis=0)
-        b_s += tl.sum(_path_scores(qr_hi, qr_lo, b_kr, EXACT), axis=0)
+        b_c = _load_values(sc_ptr + i_b * s_scb, s_sct, o_j, m_t, D_C, D_CP)
+        b_r = _load_values(sr_ptr + i_b * s_srb, s_srt, o_j, m_t, D_R, D_RP)
+        b_s = _scores(qc_hi, qc_lo, b_c, KDT, EXACT, False) + _scores(qr_hi, qr_lo, b_r, KDT, EXACT, False)
         m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
-        m_i, l_i, acc = _online_update(b_s * qk_scale, m_valid, m_i, l_i, acc, b_kc, one_c, False, KDT, EXACT)
+        m_i, l_i, acc = _online_update(b_s * qk_scale, m_valid, m_i, l_i, acc, b_c, KDT, EXACT)
     # ... and the recent ring (positions [length - R, length) past the sink, slot p % R).
     r_lo = tl.maximum(hi, 0)
     r_hi = tl.where(is_dense, length, r_lo)
@@ -211,21 +195,18 @@ def mla_decode_fwd_kernel(
         o_t = start + tl.arange(0, BLOCK_N).to(tl.int64)
         m_t = (o_t < r_hi) & (o_t >= lo_valid)
         o_slot = o_t % R
-        b_kc = _load_values(rc_ptr + i_b * s_rcb, s_rct, o_slot, m_t, GC, GCP, GROUP_C, KDT)
-        b_kr = _load_values(rr_ptr + i_b * s_rrb, s_rrt, o_slot, m_t, GR, GRP, GROUP_R, KDT)
-        b_s = tl.sum(_path_scores(qc_hi, qc_lo, b_kc, EXACT), axis=0)
-        b_s += tl.sum(_path_scores(qr_hi, qr_lo, b_kr, EXACT), axis=0)
+        b_c = _load_values(rc_ptr + i_b * s_rcb, s_rct, o_slot, m_t, D_C, D_CP)
+        b_r = _load_values(rr_ptr + i_b * s_rrb, s_rrt, o_slot, m_t, D_R, D_RP)
+        b_s = _scores(qc_hi, qc_lo, b_c, KDT, EXACT, False) + _scores(qr_hi, qr_lo, b_r, KDT, EXACT, False)
         m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
-        m_i, l_i, acc = _online_update(b_s * qk_scale, m_valid, m_i, l_i, acc, b_kc, one_c, False, KDT, EXACT)
+        m_i, l_i, acc = _online_update(b_s * qk_scale, m_valid, m_i, l_i, acc, b_c, KDT, EXACT)
 
     # Partial results: o normalised by this split's sum, lse in natural log (-inf for an empty split).
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    b_o = acc * inv_l[None, :, None]
     b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_row = (i_b * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (b, m, split)
-    p_o = o_ptr + o_row[None, :, None] * D_C + o_gc[:, None, None] * GROUP_C + o_kc[None, None, :]
-    tl.store(p_o, b_o, mask=m_qc)
+    tl.store(o_ptr + o_row[:, None] * D_C + o_c[None, :], acc * inv_l[:, None], mask=m_qc)
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
@@ -259,12 +240,11 @@ def _planes(planes: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, t
     return planes["codes"], planes["scale"], planes["zero"]
 
 
-def _tiling(dim: int, fmt_path) -> tuple[int, int]:
-    """(groups, group width) of a path: its quantization groups, or 64-wide tiles of a 16-bit path."""
+def _tiling(fmt_path) -> tuple[int, int]:
+    """(groups, group width) of a path; a 16-bit path has no groups (one nominal group)."""
     if fmt_path.quantized:
         return fmt_path.n_groups, fmt_path.group
-    group = 64 if dim % 64 == 0 else dim
-    return dim // group, group
+    return 1, fmt_path.dim
 
 
 def default_num_splits(batch: int, head_blocks: int, n_packed: int, num_sms: int, block_n: int) -> int:
@@ -286,8 +266,9 @@ def mla_decode_fwd(
     q = q_lat.float().reshape(B, M, D_C).contiguous()
     qr = q_rot.float().reshape(B, M, D_R).contiguous()
     S, R = fmt.sink_tokens, fmt.recent_tokens
-    GC, GROUP_C = _tiling(D_C, fmt.content)
-    GR, GROUP_R = _tiling(D_R, fmt.rope)
+    GC, GROUP_C = _tiling(fmt.content)
+    GR, GROUP_R = _tiling(fmt.rope)
+    GCP, GRP = triton.next_power_of_2(GC), triton.next_power_of_2(GR)
     BLOCK_M = block_m or max(16, min(triton.next_power_of_2(M), 16 if D_C >= 256 else 64))
     BLOCK_N = block_n or (32 if D_C >= 256 else 16)
     head_blocks = triton.cdiv(M, BLOCK_M)
@@ -311,8 +292,10 @@ def mla_decode_fwd(
         r0.stride(0), r0.stride(1), r1.stride(0), r1.stride(1),
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
-        GC=GC, GCP=triton.next_power_of_2(GC), GROUP_C=GROUP_C, C_BITS=fmt.content.bits,
-        GR=GR, GRP=triton.next_power_of_2(GR), GROUP_R=GROUP_R, R_BITS=fmt.rope.bits,
+        D_C=D_C, D_CP=GCP * GROUP_C if fmt.content.quantized else triton.next_power_of_2(D_C), GC=GC, GCP=GCP,
+        GROUP_C=GROUP_C, C_BITS=fmt.content.bits,
+        D_R=D_R, D_RP=GRP * GROUP_R if fmt.rope.quantized else triton.next_power_of_2(D_R), GR=GR, GRP=GRP,
+        GROUP_R=GROUP_R, R_BITS=fmt.rope.bits,
         S=S, R=R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT=sink_c.dtype == torch.float32, **extra,
     )
     o = torch.empty((B, M, D_C), dtype=torch.float32, device=q.device)
