@@ -56,7 +56,10 @@ def cache_bytes(fmt, B, N):
 
 
 def run_check(out_lines):
-    """Kernel vs fp32 reference on rows 0 and B-1 (the kernel always runs on the whole batch)."""
+    """Kernel vs fp64 reference on rows 0 and B-1 (the kernel always runs on the whole batch).
+
+    An fp32 reference is itself off by ~1e-4 in the LSE when scores reach ~100 (C8R8 with random codes).
+    """
     cases = [
         ("C4R4", 16, 1, 4096, 1), ("C4R4", 16, 64, 4133, 1), ("C2R4", 16, 8, 32768, 1), ("C8R8", 16, 4, 32768, 1),
         ("C16R16", 16, 4, 32768, 1), ("C4R4", 128, 8, 32768, 1), ("C4R4", 128, 2, 131072, 1),
@@ -77,7 +80,8 @@ def run_check(out_lines):
         for b in sorted({0, B - 1}):
             sub = lambda d: {k: v[b : b + 1] for k, v in d.items()}  # noqa: E731
             ref_o, ref_lse = mla_decode_ref(q_lat[b : b + 1], q_rot[b : b + 1], sub(cp), sub(rp), fmt, sc[b : b + 1],
-                                            sr[b : b + 1], rc[b : b + 1], rr[b : b + 1], lp[b : b + 1], N, SCALING)
+                                            sr[b : b + 1], rc[b : b + 1], rr[b : b + 1], lp[b : b + 1], N, SCALING,
+                                            dtype=torch.float64)
             rel = ((o[b : b + 1] - ref_o).norm() / ref_o.norm()).item()
             lse_err = (lse[b : b + 1] - ref_lse).abs().max().item()
             ok = rel < 2e-3 and lse_err < 1e-4 and torch.isfinite(o).all().item()

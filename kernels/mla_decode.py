@@ -270,7 +270,11 @@ def mla_decode_fwd(
     GR, GROUP_R = _tiling(fmt.rope)
     GCP, GRP = triton.next_power_of_2(GC), triton.next_power_of_2(GR)
     BLOCK_M = block_m or max(16, min(triton.next_power_of_2(M), 16 if D_C >= 256 else 64))
-    BLOCK_N = block_n or (32 if D_C >= 256 else 16)
+    # Wide latents: 64-token tiles with 8 warps were the fastest of the launches tried on the H200
+    # (docs/BENCHMARKS.md, "launch sweep"); narrow (test-size) latents keep small tiles.
+    BLOCK_N = block_n or (64 if D_C >= 256 else 16)
+    if num_warps is None and D_C >= 256:
+        num_warps = 8
     head_blocks = triton.cdiv(M, BLOCK_M)
     n_packed = max(0, length - R - S)
     if num_splits is None:
