@@ -110,7 +110,8 @@ def _online_update(b_s, m_valid, m_i, l_i, acc, b_v, KDT: tl.constexpr, EXACT: t
     return m_new, l_i, acc
 
 
-@triton.jit
+# Lengths and counts change every decode step: specialising on them (== 1, % 16) would recompile mid-generation.
+@triton.jit(do_not_specialize=["length", "M", "Tq", "tokens_per_split", "num_splits"])
 def mla_decode_fwd_kernel(
     q_ptr, qr_ptr,
     c0_ptr, c1_ptr, c2_ptr, r0_ptr, r1_ptr, r2_ptr,
@@ -210,7 +211,7 @@ def mla_decode_fwd_kernel(
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSP"])
 def mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.constexpr,
                               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per (batch row, query row) and block of d_c.
