@@ -5,9 +5,19 @@ TRITON_INTERPRET must be set before triton is first imported, hence here, at col
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one torch thread (deterministic reductions, no oversubscription on the 2-core CI)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -10,12 +10,7 @@ from quantmla_hf.hooks import mla_attention_modules
 from quantmla_hf.tiny_models import tiny_mla_model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ids(n=6, t=32, seed=0):

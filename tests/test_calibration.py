@@ -22,12 +22,7 @@ D_C = 64
 TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "quantmla_hf", "assets", "reference_model", "tokenizer.json")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def planted(family="deepseek_v3", seed=0):

@@ -15,12 +15,7 @@ D_C, D_R = 64, 16
 CASES = [(f, {}) for f in TINY_FAMILIES] + [("deepseek_v3", {"rope_interleave": False})]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(family, overrides, seed=0):
