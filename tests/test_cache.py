@@ -91,14 +91,14 @@ def test_padding_longer_than_the_first_chunk_still_finds_the_sink():
 
 def test_triton_and_torch_kernels_build_the_same_cache():
     torch.manual_seed(2)
-    c, r = torch.randn(3, 30, D_C), torch.randn(3, 30, D_R)
+    c, r = torch.randn(2, 16, D_C), torch.randn(2, 16, D_R)
     layers = [QuantMLALayer(_fmt(2, 4), kernel=k, block_size=8) for k in ("torch", "triton")]
     for layer in layers:
-        _feed(layer, c, r, [17, 1, 1, 11])
+        _feed(layer, c, r, [9, 1, 6])
     for name in ("content", "rope"):
         a, b = getattr(layers[0], name).planes, getattr(layers[1], name).planes
         for plane in a:
-            assert torch.equal(a[plane][:, :30], b[plane][:, :30]), (name, plane)
+            assert torch.equal(a[plane][:, :16], b[plane][:, :16]), (name, plane)
 
 
 def test_storage_grows_by_whole_blocks():
@@ -211,7 +211,7 @@ def _budget_ratio(content_bits, n_tokens, chunk):
     [(4, 4096, 3.25), (4, 131072, 3.60), (2, 131072, 5.8)],
 )
 def test_persistent_bytes_meet_the_budget(content_bits, n_tokens, minimum):
-    ratio = _budget_ratio(content_bits, n_tokens, chunk=32768)
+    ratio = _budget_ratio(content_bits, n_tokens, chunk=65536)
     print(f"C{content_bits}R4 at {n_tokens} tokens: {ratio:.3f}x smaller than the BF16 latent cache")
     assert ratio >= minimum
 
