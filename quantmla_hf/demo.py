@@ -24,9 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--content-bits", type=int, default=4, choices=(2, 4, 8, 16))
     p.add_argument("--rope-bits", type=int, default=4, choices=(4, 8, 16))
     p.add_argument("--transform", default="learned", choices=("learned", "hadamard", "smooth", "none"))
-    p.add_argument("--calibration-steps", type=int, default=40, help="per layer and path (the library default is 100)")
+    # Smaller than the library defaults (64 x 512 tokens, 100 steps) so that the demo calibrates in about a minute
+    # on two CPU cores; real checkpoints should use the defaults.
+    p.add_argument("--calibration-samples", type=int, default=8)
+    p.add_argument("--calibration-seq-len", type=int, default=128)
+    p.add_argument("--calibration-steps", type=int, default=20, help="per layer and path")
     p.add_argument("--prompt", default="The history of the city")
     p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--decode-chunk", type=int, default=4, help="tokens per decode step when measuring perplexity")
     return p
 
 
@@ -53,6 +58,20 @@ def _cache_kwarg() -> str:
     return "past_key_values" if version.parse(transformers.__version__) < version.parse("5.18") else "cache"
 
 
+def _measured_bytes_per_token(make_cache, dtype: torch.dtype, n_tokens: int) -> tuple[float, float]:
+    """Bytes per token of a dense latent cache in `dtype` and of a QuantMLA cache holding `n_tokens` random
+    latents (fed through `update`, so the storage is what a real sequence of that length allocates)."""
+    cache = make_cache()
+    fmt = cache.format
+    gen = torch.Generator().manual_seed(0)
+    for layer_idx in range(len(cache.layers)):
+        latent = torch.randn(1, 1, n_tokens, fmt.content.dim, generator=gen).to(dtype)
+        k_rot = torch.randn(1, 1, n_tokens, fmt.rope.dim, generator=gen).to(dtype)
+        cache.update(latent, k_rot, layer_idx)
+    dense = fmt.dense_bytes_per_token(dtype) * len(cache.layers)
+    return dense, cache.nbytes() / n_tokens
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer, DynamicCache
 
@@ -61,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # BF16 on a GPU; on a CPU the arithmetic is fp32 (bf16 matmuls there are slow), the cache formats are the same.
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 
     qconfig = QuantMLAConfig(
@@ -70,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         rope_bits=args.rope_bits,
         transform=args.transform,
         calibration_data=str(CALIBRATION_TEXT),
-        calibration_samples=16,
-        calibration_seq_len=256,
+        calibration_samples=args.calibration_samples,
+        calibration_seq_len=args.calibration_seq_len,
         calibration_steps=args.calibration_steps,
     )
     print(f"model: {args.model}")
@@ -89,26 +107,23 @@ def main(argv: list[str] | None = None) -> int:
 
     ids = tokenizer(EVALUATION_TEXT.read_text(), return_tensors="pt")["input_ids"][0]
     window = min(512, ids.numel())
-    ppl_ref = decode_perplexity(baseline, ids, window=window, prefill=128)
-    measured = {}
+    ppl_ref = decode_perplexity(baseline, ids, window=window, prefill=128, chunk=args.decode_chunk)
 
     def make_cache():
-        measured["cache"] = QuantMLACache(config=quantized.config, quantization_config=quantized.config.quantization_config)
-        return measured["cache"]
+        return QuantMLACache(config=quantized.config, quantization_config=quantized.config.quantization_config)
 
-    ppl_q = decode_perplexity(quantized, ids, make_cache=make_cache, window=window, prefill=128)
-    cache = measured["cache"]
-    n_layers = len(cache.layers)
-    dense = cache.format.dense_bytes_per_token(torch.bfloat16) * n_layers
-    held = cache.bytes_per_token()
-    print(f"\ncache bytes per token, {n_layers} layers, measured from allocated storage at {cache.get_seq_length()} tokens:")
-    print(f"  BF16 latent cache: {dense:.0f}   {qconfig.name}: {held:.0f} ({dense / held:.2f}x smaller; the 4 sink + 128 "
-          "recent BF16 tokens weigh more at short lengths)")
-    packed = cache.format.packed_bytes_per_token() * n_layers
-    print(f"  packed copies alone: {packed} bytes/token ({dense / packed:.2f}x smaller)")
-    print(f"\nperplexity on the embedded evaluation text ({ppl_ref.tokens} tokens decoded against the cache):")
+    ppl_q = decode_perplexity(quantized, ids, make_cache=make_cache, window=window, prefill=128, chunk=args.decode_chunk)
+
+    print(f"\ncache bytes per token and sequence, all {len(make_cache().layers)} layers, from allocated storage:")
+    for n_tokens in (512, 4096, 32768):
+        dense, held = _measured_bytes_per_token(make_cache, dtype, n_tokens)
+        print(f"  {n_tokens:>6} tokens: BF16 latent cache {dense:7.0f}   "
+              f"{qconfig.name} {held:7.0f}   ({dense / held:.2f}x smaller)")
+    print("  (the BF16 sink and recent tokens are kept beside the packed copies, so short contexts gain less)")
+    print(f"\nperplexity on the embedded evaluation text ({ppl_ref.tokens} tokens decoded against the cache, "
+          f"{args.decode_chunk} at a time):")
     change = 100 * (ppl_q.perplexity / ppl_ref.perplexity - 1)
-    print(f"  unquantized: {ppl_ref.perplexity:.3f}   {qconfig.name}: {ppl_q.perplexity:.3f} ({change:+.2f}%)")
+    print(f"  unquantized cache: {ppl_ref.perplexity:.3f}   {qconfig.name} cache: {ppl_q.perplexity:.3f} ({change:+.2f}%)")
     return 0
 
 
