@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CACHE_KWARG
 from transformers import AutoTokenizer, DynamicCache
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig
@@ -135,8 +136,7 @@ def test_content_only_variant_keeps_the_function_and_the_rope_key(acc, model):
     with torch.no_grad():
         for name, mdl in (("base", model), ("fused", fused), ("content", content_only)):
             caches[name] = DynamicCache(config=model.config)
-            logits = mdl(ids, cache=caches[name]).logits if "cache" in mdl.forward.__code__.co_varnames else \
-                mdl(ids, past_key_values=caches[name]).logits
+            logits = mdl(ids, **{CACHE_KWARG: caches[name]}).logits
             torch.testing.assert_close(logits, model(ids).logits, rtol=1e-4, atol=1e-4)
     base_layer, fused_layer, content_layer = (caches[n].layers[0] for n in ("base", "fused", "content"))
     # DynamicCache keys = latent, values = post-RoPE k_R for MLA models.
