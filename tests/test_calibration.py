@@ -118,6 +118,16 @@ def test_hadamard_needs_power_of_two_latent():
         quantize(model, QuantMLAConfig(transform="hadamard", group_size=16), progress=False)
 
 
+def test_a_16_bit_rope_path_learns_only_the_content_path():
+    x = ids(6, seed=0, t=16)
+    model = tiny_mla_model("deepseek_v3")
+    ref = logits(model, x)
+    cfg = QuantMLAConfig(content_bits=2, rope_bits=16, group_size=16, calibration_steps=2, calibration_seq_len=16)
+    quantize(model, cfg, x, batch_size=3, progress=True)
+    assert all(set(entry) >= {"content"} and "rope" not in entry for entry in cfg.extra["calibration"]["layers"])
+    assert rel(logits(model, x), ref) <= 1e-5
+
+
 def test_none_is_a_no_op():
     model = tiny_mla_model("minicpm3")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -118,9 +118,9 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
             entry = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform, settings, train, held)
             entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
             record["layers"].append(entry)
-            if "content" in entry:
-                bar.set_postfix(content=f"{entry['content']['heldout_rtn']:.2e}->{entry['content']['heldout_best']:.2e}",
-                                rope=f"{entry['rope']['heldout_rtn']:.2e}->{entry['rope']['heldout_best']:.2e}")
+            # A 16-bit path is not learned and has no entry.
+            bar.set_postfix({path: f"{entry[path]['heldout_rtn']:.2e}->{entry[path]['heldout_best']:.2e}"
+                             for path in ("content", "rope") if path in entry})
             del inputs
         model.train(was_training)
     cfg.calibrated = True
@@ -135,12 +135,7 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
     q, k = rope_streams(runner, kind)
     w = module.kv_a_layernorm.weight.detach().float()
     if transform == "smooth":
-        latent_max = torch.zeros_like(w)
-        with torch.no_grad():
-            for _, h in inputs.batches():
-                hook = LatentHook()
-                runner(h, None, hook)
-                latent_max = torch.maximum(latent_max, hook.latent.abs().flatten(0, -2).amax(0).float())
+        latent_max = _latent_absmax(runner, inputs, w)
         fuse_content(module, *smooth_content(latent_max, runner.params["kv_b_proj.weight"], w))
         fuse_rope(module, layout, torch.zeros(layout.n_pairs), smooth_rope(q, k, layout))
         return {}
@@ -149,12 +144,7 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
         teacher = teacher_outputs(runner)
         learner = ContentLearner(runner, teacher, fmt.content)
         candidates = {name: (r0, _start_scale(name, r0, w)) for name, r0 in start_rotations(w).items()}
-        latent_max = torch.zeros_like(w)
-        with torch.no_grad():
-            for _, h in inputs.batches():
-                hook = LatentHook()
-                runner(h, None, hook)
-                latent_max = torch.maximum(latent_max, hook.latent.abs().flatten(0, -2).amax(0).float())
+        latent_max = _latent_absmax(runner, inputs, w)
         candidates["smooth"] = smooth_content(latent_max, runner.params["kv_b_proj.weight"], w)
         rotation, scale, report = learner.learn(candidates, train, held, settings)
         fuse_content(module, rotation, scale)
@@ -167,6 +157,17 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
         fuse_rope(module, layout, theta, scale)
         entry["rope"] = report.to_dict()
     return entry
+
+
+@torch.no_grad()
+def _latent_absmax(runner: AttentionRunner, inputs, w: torch.Tensor) -> torch.Tensor:
+    """Per-channel max |c| of the cached latent over all calibration windows: `[d_c]` fp32."""
+    latent_max = torch.zeros_like(w)
+    for _, h in inputs.batches():
+        hook = LatentHook()
+        runner(h, None, hook)
+        latent_max = torch.maximum(latent_max, hook.latent.abs().flatten(0, -2).amax(0).float())
+    return latent_max
 
 
 def _start_scale(name: str, r0: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
