@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from .calibration.capture import AttentionRunner, LatentHook, capture_inputs
 from .calibration.objectives import quantize_dequantize
+from .calibration.offload import materialized
 from .format import PathFormat
 from .hooks import mla_attention_modules
 
@@ -171,19 +172,21 @@ def analyze(model: torch.nn.Module, token_ids: torch.Tensor, bits: int = 4, grou
     was_training = model.training
     model.eval()
     for m in tqdm(mla_attention_modules(model), desc="dual-path analysis", disable=not progress):
-        runner = AttentionRunner(m, capture_inputs(model, m, token_ids, batch_size))
-        clean, c, r = _layer_streams(runner)
-        errors = []
-        for x in (c, r):
-            e = quantize_dequantize(x, PathFormat(x.shape[-1], bits, group_size)) - x
-            energy = float(e.pow(2).sum())
-            if energy == 0:
-                raise ValueError(f"layer {m.layer_idx}: INT{bits} quantization of a path is exact; no error direction")
-            errors.append(e * math.sqrt(target_nmse * float(x.pow(2).sum()) / energy))
-        e_c, e_r = errors
-        content = _output_nmse(runner, clean, lambda cc, rr, rows: (cc + e_c[rows.to(e_c.device)], rr))
-        rope = _output_nmse(runner, clean, lambda cc, rr, rows: (cc, rr + e_r[rows.to(e_r.device)]))
-        report.layers.append(LayerResponse(int(m.layer_idx), content / target_nmse, rope / target_nmse))
+        inputs = capture_inputs(model, m, token_ids, batch_size)
+        with materialized(m):  # offloaded weights are real while the layer is replayed
+            runner = AttentionRunner(m, inputs)
+            clean, c, r = _layer_streams(runner)
+            errors = []
+            for x in (c, r):
+                e = quantize_dequantize(x, PathFormat(x.shape[-1], bits, group_size)) - x
+                energy = float(e.pow(2).sum())
+                if energy == 0:
+                    raise ValueError(f"layer {m.layer_idx}: INT{bits} quantization of a path is exact; no error direction")
+                errors.append(e * math.sqrt(target_nmse * float(x.pow(2).sum()) / energy))
+            e_c, e_r = errors
+            content = _output_nmse(runner, clean, lambda cc, rr, rows: (cc + e_c[rows.to(e_c.device)], rr))
+            rope = _output_nmse(runner, clean, lambda cc, rr, rows: (cc, rr + e_r[rows.to(e_r.device)]))
+            report.layers.append(LayerResponse(int(m.layer_idx), content / target_nmse, rope / target_nmse))
     model.train(was_training)
     return report
 
@@ -199,17 +202,19 @@ def quantized_attention_error(model: torch.nn.Module, token_ids: torch.Tensor, c
     """
     out = []
     for m in mla_attention_modules(model):
-        runner = AttentionRunner(m, capture_inputs(model, m, token_ids, batch_size))
-        clean, c, r = _layer_streams(runner)
-        fc, fr = PathFormat(c.shape[-1], content_bits, group_size), PathFormat(r.shape[-1], rope_bits, group_size)
+        inputs = capture_inputs(model, m, token_ids, batch_size)
+        with materialized(m):  # offloaded weights are real while the layer is replayed
+            runner = AttentionRunner(m, inputs)
+            clean, c, r = _layer_streams(runner)
+            fc, fr = PathFormat(c.shape[-1], content_bits, group_size), PathFormat(r.shape[-1], rope_bits, group_size)
 
-        def quantized(cc, rr, rows):
-            if rope_rotation is None:
-                rr_hat = quantize_dequantize(rr, fr)
-            else:
-                rot = rope_rotation.to(rr)
-                rr_hat = quantize_dequantize(rr @ rot.T, fr) @ rot
-            return quantize_dequantize(cc, fc), rr_hat
+            def quantized(cc, rr, rows):
+                if rope_rotation is None:
+                    rr_hat = quantize_dequantize(rr, fr)
+                else:
+                    rot = rope_rotation.to(rr)
+                    rr_hat = quantize_dequantize(rr @ rot.T, fr) @ rot
+                return quantize_dequantize(cc, fc), rr_hat
 
-        out.append(_output_nmse(runner, clean, quantized))
+            out.append(_output_nmse(runner, clean, quantized))
     return out

@@ -128,6 +128,36 @@ def test_a_16_bit_rope_path_learns_only_the_content_path():
     assert rel(logits(model, x), ref) <= 1e-5
 
 
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_offloaded_attention_weights_are_calibrated_and_written_back(offload, tmp_path):
+    """accelerate keeps offloaded weights on `meta` and reloads them from its offload map at every forward: the
+    fused values must land in that map, identical to calibrating the resident model."""
+    from accelerate import cpu_offload, disk_offload
+
+    from quantmla_hf.analysis import analyze
+    from quantmla_hf.calibration.offload import materialized
+
+    x = ids(6, seed=0, t=16)
+    cfg = dict(content_bits=2, group_size=16, calibration_steps=2, calibration_seq_len=16)
+    resident = tiny_mla_model("deepseek_v3")
+    ref = logits(resident, x)
+    quantize(resident, QuantMLAConfig(**cfg), x, batch_size=3, progress=False)
+    model = tiny_mla_model("deepseek_v3")
+    if offload == "cpu":
+        cpu_offload(model, execution_device="cpu")
+    else:
+        disk_offload(model, str(tmp_path), execution_device="cpu")
+    assert mla_attention_modules(model)[0].kv_b_proj.weight.device.type == "meta"
+    quantize(model, QuantMLAConfig(**cfg), x, batch_size=3, progress=False)
+    assert rel(logits(model, x), ref) <= 1e-5
+    for fused, m in zip(mla_attention_modules(resident), mla_attention_modules(model)):
+        with materialized(m):
+            assert torch.equal(m.kv_b_proj.weight, fused.kv_b_proj.weight)
+            assert torch.equal(m.kv_a_proj_with_mqa.weight, fused.kv_a_proj_with_mqa.weight)
+        assert m.kv_b_proj.weight.device.type == "meta"
+    assert len(analyze(model, x, progress=False).layers) == 2
+
+
 def test_none_is_a_no_op():
     model = tiny_mla_model("minicpm3")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from .offload import execution_device
+
 
 class _Stop(Exception):
     pass
@@ -74,7 +76,7 @@ def cache_kwarg_name(module: torch.nn.Module) -> str:
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
-    return module.kv_a_proj_with_mqa.weight.device
+    return execution_device(module.kv_a_proj_with_mqa)
 
 
 @torch.no_grad()
@@ -94,7 +96,7 @@ def capture_inputs(model: torch.nn.Module, module: torch.nn.Module, token_ids: t
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        embed_device = model.get_input_embeddings().weight.device
+        embed_device = execution_device(model.get_input_embeddings())
         for i in range(0, token_ids.shape[0], batch_size):
             try:
                 model(input_ids=token_ids[i : i + batch_size].to(embed_device), use_cache=False)

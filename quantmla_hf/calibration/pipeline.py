@@ -16,6 +16,7 @@ from .baselines import hadamard_content, smooth_content, smooth_rope
 from .capture import AttentionRunner, LatentHook, capture_inputs
 from .fusion import fuse_content, fuse_rope
 from .learn import ContentLearner, LearnSettings, RopeLearner, rope_streams, teacher_outputs
+from .offload import materialized
 from .transforms import rope_kind, rope_layout, start_rotations
 
 HELDOUT_FRACTION = 0.1
@@ -92,11 +93,13 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
     dims = mla_dims(model.config)
     modules = mla_attention_modules(model)
     for m in modules:
-        _check_finite_weights(m)
+        with materialized(m):
+            _check_finite_weights(m)
     record = {"transform": cfg.transform, "layers": []}
     if cfg.transform == "hadamard":
         for m in modules:
-            fuse_content(m, *hadamard_content(m.kv_a_layernorm.weight.detach()))
+            with materialized(m):
+                fuse_content(m, *hadamard_content(m.kv_a_layernorm.weight.detach()))
     elif cfg.transform in ("smooth", "learned"):
         data = calibration_data if calibration_data is not None else cfg.calibration_data
         if data is None:
@@ -115,7 +118,8 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
         for m in bar:
             start = time.perf_counter()
             inputs = capture_inputs(model, m, ids, batch_size)
-            entry = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform, settings, train, held)
+            with materialized(m):
+                entry = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform, settings, train, held)
             entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
             record["layers"].append(entry)
             # A 16-bit path is not learned and has no entry.
