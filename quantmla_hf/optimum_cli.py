@@ -2,7 +2,8 @@
 
 optimum-cli discovers subcommands in files of the `optimum.commands.register` namespace package that define
 `REGISTER_COMMANDS`. This module holds the command and is importable without optimum (then `REGISTER_COMMANDS`
-is empty); a one-line file shipped as `optimum/commands/register/register_quantmla.py`,
+is empty); `quantmla_hf/optimum_register/register_quantmla.py`, installed as
+`optimum/commands/register/register_quantmla.py`,
 
     from quantmla_hf.optimum_cli import REGISTER_COMMANDS  # noqa: F401
 

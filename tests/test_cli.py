@@ -100,3 +100,21 @@ def test_optimum_registration_module_imports_without_optimum():
         assert reg.REGISTER_COMMANDS == []
     else:
         assert reg.REGISTER_COMMANDS[0].COMMAND.name == "quantmla"
+
+
+def test_optimum_cli_runs_the_quantmla_subcommand(base_dir, tmp_path):
+    """`optimum-cli quantmla ...` (registered through the optimum.commands.register namespace) runs `quantmla`."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "via-optimum"
+    script = "from optimum.commands.optimum_cli import main; main()"
+    args = ["quantmla", "quantize", str(base_dir), "--out", str(out), "--transform", "none", "--group-size", "16"]
+    # cwd outside the repository: `python -c` puts the working directory on sys.path
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "quantmla"
+    bad = subprocess.run([sys.executable, "-c", script, "quantmla", "quantize"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert bad.returncode == 2 and "MODEL" in bad.stderr.upper()
