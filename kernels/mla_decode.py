@@ -16,18 +16,24 @@ shares of the packed positions `[S, length - R)`; split `NS` takes the sink and 
 online softmax in base 2 and writes its partial `o: [B, M, NS+1, d_c]` (normalised) and `lse: [B, M, NS+1]`.
 Kernel 2 (`mla_decode_combine_kernel`): merges the splits of one (row, query row) by log-sum-exp.
 
-Arithmetic: every path is cut into groups of `GROUP` elements (the quantization group; a 16-bit path uses the same
-tiling with no scale) and scores are batched dots over groups, `[G, BM, GROUP] x [G, GROUP, BN]`, so the per-token
-group scale multiplies an exact integer dot: codes minus zero point are small integers, exact in fp16. The query is
-split into an fp16 high part and an fp16 low part (two dots, ~22 bits), so the scores and the LSE keep fp32-level
-accuracy on tensor cores. Probabilities enter the value dot as fp16 (`p * scale` for packed tokens). Model-dtype
-copies (bf16) are converted to fp16 for the dots, exact for magnitudes in [6e-5, 65504]. With fp32 models
-(`EXACT`) every dot is an fp32 IEEE dot instead. All offsets are int64.
+Arithmetic (design notes: docs/KERNELS.md "Arithmetic and accuracy"):
+
+    scores, one quantization group g at a time:  acc[m, j] += (q_g[m] . (code - z)_g[j]) * s_g[j]
+        `code - z` is a small integer, exact in fp16, so each dot is exact up to fp32 accumulation; a 16-bit path
+        is cut into nominal 64-column groups with unit scales
+    values, whole width:  o[m] += p[m, j] * V[j]  with  V = fp16((code - z) * s)  (one rounding) and fp16 p
+
+On CUDA the codes are dequantized by inline PTX (`_dequant_asm`: fp16 "magic number" 1536, no int-to-float
+conversion); the Triton interpreter has no inline assembly, so on CPU the same values come from plain Triton integer
+ops. Queries are scaled per row by a power of two that keeps them inside fp16's range; bf16/fp16 queries are then
+exact in one fp16 operand, fp32 queries use a high/low fp16 split (two dots, ~22-bit products). Model-dtype copies
+(bf16) are converted to fp16 for the dots, exact for magnitudes in [6e-5, 65504]. With fp32 models (`EXACT`) every
+dot is an fp32 IEEE dot instead. Batch-row and token offsets are int64.
 """
 
 from __future__ import annotations
 
-import math
+import os
 
 import torch
 import triton
@@ -46,68 +52,268 @@ def _dot(a, b, EXACT: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
-def _load_packed(p_codes, p_scale, p_zero, stride_t, stride_mt, o_t, m_t, D: tl.constexpr, DP: tl.constexpr,
-                 G: tl.constexpr, GP: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tokens `o_t` of one packed path (planes already offset to the batch row), dequantized in registers:
-    `[BN, DP]` fp32 (zeros past D), exact (`(q - z) * s` of an 8-bit integer and an fp16 scale)."""
-    PACK: tl.constexpr = 8 // BITS
-    HALF: tl.constexpr = 1 << (BITS - 1)
-    MASK: tl.constexpr = (1 << BITS) - 1
-    o_k = tl.arange(0, DP // PACK)
-    m_k = m_t[:, None] & (o_k[None, :] < D // PACK)
-    b_byte = tl.load(p_codes + o_t[:, None] * stride_t + o_k[None, :], mask=m_k, other=0).to(tl.int32)
-    if BITS == 8:
-        b_q = b_byte
-    elif BITS == 4:
-        b_q = tl.interleave(b_byte & MASK, b_byte >> 4)
+# fp16 "magic number" dequantization in inline PTX, four codes per instance, producing fp16 pairs in element order.
+# The input holds each code byte repeated once per code it carries (4 bits: b0 b0 b1 b1; 2 bits: b0 b0 b0 b0;
+# 8 bits: b0 b1 b2 b3), so one 32-bit register feeds one instance that writes codes 4i .. 4i+3 as two f16x2:
+#   prmt   places one byte in the low byte of both halves (8 bits: two bytes, with 0x66 above each),
+#   lop3   keeps one code per half, shifted by its bit offset k, and ORs in 0x6600 (fp16 1536: ulp 1 up to 2048),
+#   fma    `x * 2**-k - (1536 * 2**-k)` leaves the code exactly (8 bits: a plain subtraction of 1536),
+#   sub    the group's zero point z (an fp16 pair), and, scaled, `mul` by the group's fp16 scale (one rounding).
+# Operands: $0, $1 the two f16x2 outputs; $2 the four bytes; $3 .. $6 the z pair (4 copies, the first is used);
+# $7 .. $10 the scale pair.
+def _dequant_asm(bits: int, scaled: bool) -> str:
+    z, s = "$3", "$7"
+    lines = ["{", ".reg .b32 a, b, t0, t1, k0, k1, k2;"]
+    if bits == 8:
+        lines += ["mov.b32 k0, 0x66666666;", "mov.b32 k1, 0x66006600;",
+                  "prmt.b32 t0, $2, k0, 0x5140;", "prmt.b32 t1, $2, k0, 0x5342;",
+                  "sub.f16x2 t0, t0, k1;", "sub.f16x2 t1, t1, k1;"]
+    elif bits == 4:
+        # (1, 1/16) and -(1536, 96)
+        lines += ["mov.b32 k0, 0x66006600;", "mov.b32 k1, 0x2c003c00;", "mov.b32 k2, 0xd600e600;",
+                  "prmt.b32 a, $2, 0, 0x4140;", "prmt.b32 b, $2, 0, 0x4342;",
+                  "lop3.b32 t0, a, 0x00f0000f, k0, 0xea;", "lop3.b32 t1, b, 0x00f0000f, k0, 0xea;",
+                  "fma.rn.f16x2 t0, t0, k1, k2;", "fma.rn.f16x2 t1, t1, k1, k2;"]
     else:
-        b_q = tl.interleave(
+        # (1, 1/4), -(1536, 384) for codes 4i, 4i+1 and (1/16, 1/64), -(96, 24) for codes 4i+2, 4i+3
+        lines += ["mov.b32 k0, 0x66006600;", "prmt.b32 a, $2, 0, 0x4140;",
+                  "lop3.b32 t0, a, 0x000c0003, k0, 0xea;", "lop3.b32 t1, a, 0x00c00030, k0, 0xea;",
+                  "mov.b32 k1, 0x34003c00;", "mov.b32 k2, 0xde00e600;", "fma.rn.f16x2 t0, t0, k1, k2;",
+                  "mov.b32 k1, 0x24002c00;", "mov.b32 k2, 0xce00d600;", "fma.rn.f16x2 t1, t1, k1, k2;"]
+    lines += [f"sub.f16x2 t0, t0, {z};", f"sub.f16x2 t1, t1, {z};"]
+    if scaled:
+        lines += [f"mul.rn.f16x2 t0, t0, {s};", f"mul.rn.f16x2 t1, t1, {s};"]
+    lines += ["mov.b32 $0, t0;", "mov.b32 $1, t1;", "}"]
+    return "\n".join(lines)
+
+
+DEQUANT_ASM_2 = tl.constexpr(_dequant_asm(2, False))
+DEQUANT_ASM_4 = tl.constexpr(_dequant_asm(4, False))
+DEQUANT_ASM_8 = tl.constexpr(_dequant_asm(8, False))
+DEQUANT_SCALED_ASM_2 = tl.constexpr(_dequant_asm(2, True))
+DEQUANT_SCALED_ASM_4 = tl.constexpr(_dequant_asm(4, True))
+DEQUANT_SCALED_ASM_8 = tl.constexpr(_dequant_asm(8, True))
+
+
+@triton.jit
+def _dequant_bytes(b_byte, b_zero, b_scale, BITS: tl.constexpr, SCALED: tl.constexpr):
+    """`b_byte: [BN, NB]` uint8 code bytes, `b_zero, b_scale: [BN, NB * 8 // BITS]` int32 fp16 pairs (z, z) and
+    (s, s) of each element's group -> `[BN, NB * 8 // BITS]` fp16 `code - z` (exact) or `(code - z) * s` (one
+    fp16 rounding), in element order."""
+    BN: tl.constexpr = b_byte.shape[0]
+    NB: tl.constexpr = b_byte.shape[1]
+    if BITS == 4:
+        b_in = tl.reshape(tl.join(b_byte, b_byte), (BN, NB * 2))
+    elif BITS == 2:
+        b_in = tl.reshape(tl.join(tl.join(b_byte, b_byte), tl.join(b_byte, b_byte)), (BN, NB * 4))
+    else:
+        b_in = b_byte
+    if SCALED:
+        if BITS == 8:
+            return tl.inline_asm_elementwise(DEQUANT_SCALED_ASM_8, "=r,=r,r,r,r,r,r,r,r,r,r",
+                                             [b_in, b_zero, b_scale], dtype=tl.float16, is_pure=True, pack=4)
+        elif BITS == 4:
+            return tl.inline_asm_elementwise(DEQUANT_SCALED_ASM_4, "=r,=r,r,r,r,r,r,r,r,r,r",
+                                             [b_in, b_zero, b_scale], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(DEQUANT_SCALED_ASM_2, "=r,=r,r,r,r,r,r,r,r,r,r",
+                                             [b_in, b_zero, b_scale], dtype=tl.float16, is_pure=True, pack=4)
+    if BITS == 8:
+        return tl.inline_asm_elementwise(DEQUANT_ASM_8, "=r,=r,r,r,r,r,r", [b_in, b_zero], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+    elif BITS == 4:
+        return tl.inline_asm_elementwise(DEQUANT_ASM_4, "=r,=r,r,r,r,r,r", [b_in, b_zero], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(DEQUANT_ASM_2, "=r,=r,r,r,r,r,r", [b_in, b_zero], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+
+
+@triton.jit
+def _half_pair(x):
+    """fp16 values `x` -> int32 bit patterns of the pair (x, x)."""
+    b = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b * 0x10001
+
+
+@triton.jit
+def _unpack_bytes(b_byte, BITS: tl.constexpr):
+    """`[BN, nbytes]` int32 bytes -> `[BN, nbytes * 8 // BITS]` int32 codes in element order (interpreter path)."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if BITS == 8:
+        return b_byte
+    elif BITS == 4:
+        return tl.interleave(b_byte & MASK, b_byte >> 4)
+    else:
+        return tl.interleave(
             tl.interleave(b_byte & MASK, (b_byte >> 4) & MASK), tl.interleave((b_byte >> 2) & MASK, b_byte >> 6)
         )
-    o_g = tl.arange(0, GP)
-    m_g = m_t[:, None] & (o_g[None, :] < G)
-    o_gt = o_t[:, None] * stride_mt + o_g[None, :]  # [BN, GP] offsets into the [cap, G] metadata
-    b_z = tl.load(p_zero + o_gt, mask=m_g, other=0).to(tl.int32) + HALF
-    b_s = tl.load(p_scale + o_gt, mask=m_g, other=0.0).to(tl.float32)
-    b_x = (tl.reshape(b_q, (BLOCK_N, GP, GROUP)) - b_z[:, :, None]).to(tl.float32) * b_s[:, :, None]
-    return tl.reshape(b_x, (BLOCK_N, DP))
 
 
 @triton.jit
-def _load_values(p_vals, stride_t, o_t, m_t, D: tl.constexpr, DP: tl.constexpr):
-    """Model-dtype values of tokens `o_t`: `[BN, DP]` fp32 (zeros past D)."""
-    o_k = tl.arange(0, DP)
-    m = m_t[:, None] & (o_k[None, :] < D)
-    return tl.load(p_vals + o_t[:, None] * stride_t + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+def _packed_group(p_codes, p_scale, p_zero, stride_t, stride_mt, o_t, m_t, g: tl.constexpr, GROUP: tl.constexpr,
+                  GROUPP: tl.constexpr, BITS: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr):
+    """Group `g` of tokens `o_t: [BN]` of one packed path (planes offset to the batch row): the exact integers
+    `code - zero` as `[BN, GROUPP]` (fp16, fp32 when EXACT; padding columns hold finite junk that meets zero query
+    columns) and the group scales `[BN]` fp32 (0 where masked)."""
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    b_z = tl.load(p_zero + o_t * stride_mt + g, mask=m_t, other=0).to(tl.int32) + HALF
+    b_s = tl.load(p_scale + o_t * stride_mt + g, mask=m_t, other=0.0).to(tl.float32)
+    if ASM:
+        NB: tl.constexpr = GROUP * BITS // 8
+        o_k = tl.arange(0, NB)
+        b_byte = tl.load(p_codes + (o_t * stride_t)[:, None] + g * NB + o_k[None, :], mask=m_t[:, None], other=0)
+        zp = tl.broadcast_to(_half_pair(b_z)[:, None], (o_t.shape[0], GROUP))
+        return _dequant_bytes(b_byte, zp, zp, BITS, False), b_s
+    PACK: tl.constexpr = 8 // BITS
+    o_k = tl.arange(0, GROUPP // PACK)
+    m_k = m_t[:, None] & (o_k[None, :] < GROUP // PACK)
+    b_byte = tl.load(p_codes + (o_t * stride_t)[:, None] + g * (GROUP // PACK) + o_k[None, :], mask=m_k, other=0)
+    b_v = _unpack_bytes(b_byte.to(tl.int32), BITS) - b_z[:, None]
+    if EXACT:
+        return b_v.to(tl.float32), b_s
+    return b_v.to(tl.float16), b_s
 
 
 @triton.jit
-def _scores(q_hi, q_lo, b_k, KDT: tl.constexpr, EXACT: tl.constexpr, K_LO: tl.constexpr):
-    """`q: [BM, D]` (high, low parts) against `b_k: [BN, D]` fp32 -> `[BM, BN]` fp32.
+def _packed_values(p_codes, p_scale, p_zero, stride_t, stride_mt, o_t, m_t, D: tl.constexpr, DP: tl.constexpr,
+                   GROUP: tl.constexpr, BITS: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr):
+    """All `D` dequantized values `(code - zero) * scale` of tokens `o_t` as `[BN, DP]` (fp16 with one rounding,
+    fp32 when EXACT; zeros past D and for masked tokens)."""
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    if ASM:
+        NB: tl.constexpr = DP * BITS // 8
+        GP: tl.constexpr = DP // GROUP
+        BN: tl.constexpr = o_t.shape[0]
+        o_g = tl.arange(0, GP)
+        m_g = m_t[:, None] & (o_g[None, :] < D // GROUP)
+        o_meta = (o_t * stride_mt)[:, None] + o_g[None, :]  # [BN, GP]
+        b_z = tl.load(p_zero + o_meta, mask=m_g, other=0).to(tl.int32) + HALF
+        b_s = tl.load(p_scale + o_meta, mask=m_g, other=0.0)
+        # Each element takes its group's pairs: [BN, GP] -> [BN, GP, GROUP] -> [BN, DP].
+        zp = tl.reshape(tl.broadcast_to(_half_pair(b_z)[:, :, None], (BN, GP, GROUP)), (BN, DP))
+        sp = tl.reshape(tl.broadcast_to(_half_pair(b_s)[:, :, None], (BN, GP, GROUP)), (BN, DP))
+        o_k = tl.arange(0, NB)
+        b_byte = tl.load(p_codes + (o_t * stride_t)[:, None] + o_k[None, :],
+                         mask=m_t[:, None] & (o_k[None, :] < D * BITS // 8), other=0)
+        return _dequant_bytes(b_byte, zp, sp, BITS, True)
+    PACK: tl.constexpr = 8 // BITS
+    o_k = tl.arange(0, DP // PACK)
+    m_k = m_t[:, None] & (o_k[None, :] < D // PACK)
+    b_byte = tl.load(p_codes + (o_t * stride_t)[:, None] + o_k[None, :], mask=m_k, other=0)
+    o_d = tl.arange(0, DP)
+    m_d = m_t[:, None] & (o_d[None, :] < D)
+    o_meta = (o_t * stride_mt)[:, None] + (o_d // GROUP)[None, :]
+    b_z = tl.load(p_zero + o_meta, mask=m_d, other=0).to(tl.int32) + HALF
+    b_s = tl.load(p_scale + o_meta, mask=m_d, other=0.0).to(tl.float32)
+    b_v = (_unpack_bytes(b_byte.to(tl.int32), BITS) - b_z).to(tl.float32) * b_s
+    if EXACT:
+        return b_v
+    return b_v.to(tl.float16)
 
-    Not EXACT: q_hi.k_hi + q_lo.k_hi (+ q_hi.k_lo when the keys are not exact in fp16, K_LO), ~22-bit products."""
+
+@triton.jit
+def _dense_cols(p_vals, stride_t, o_t, m_t, col0: tl.constexpr, WIDTH: tl.constexpr, WIDTHP: tl.constexpr,
+                D: tl.constexpr, EXACT: tl.constexpr):
+    """Columns `[col0, col0 + WIDTH)` of model-dtype rows `o_t` as `[BN, WIDTHP]` (fp16, fp32 when EXACT; zeros
+    where masked or past D)."""
+    o_k = tl.arange(0, WIDTHP)
+    m = m_t[:, None] & (o_k[None, :] < WIDTH) & (col0 + o_k[None, :] < D)
+    b_v = tl.load(p_vals + (o_t * stride_t)[:, None] + col0 + o_k[None, :], mask=m, other=0.0)
+    if EXACT:
+        return b_v.to(tl.float32)
+    return b_v.to(tl.float16)
+
+
+@triton.jit
+def _query_cols(p_q, o_m, m_m, col0: tl.constexpr, WIDTH: tl.constexpr, WIDTHP: tl.constexpr, D: tl.constexpr,
+                inv_f, EXACT: tl.constexpr):
+    """Query columns `[col0, col0 + WIDTH)` of rows `o_m` times the per-row power of two `inv_f`:
+    `(hi, lo)` fp16 `[BM, WIDTHP]` with `lo` the rounding error of `hi` (fp32 `(q, q)` when EXACT)."""
+    o_k = tl.arange(0, WIDTHP)
+    m = m_m[:, None] & (o_k[None, :] < WIDTH) & (col0 + o_k[None, :] < D)
+    q = tl.load(p_q + o_m[:, None] * D + col0 + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    if EXACT:
+        return q, q
+    q = q * inv_f[:, None]
+    q_hi = q.to(tl.float16)
+    return q_hi, (q - q_hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _qk(q_hi, q_lo, b_k, EXACT: tl.constexpr, Q_SPLIT: tl.constexpr):
+    """`[BM, W] x [BN, W]^T -> [BM, BN]` fp32: fp32 IEEE when EXACT, else fp16 operands with fp32 accumulation
+    (plus the low part of the query when Q_SPLIT)."""
     if EXACT:
         return tl.dot(q_hi, tl.trans(b_k), input_precision="ieee")
-    else:
-        k_hi = b_k.to(KDT)
-        d = tl.dot(q_hi, tl.trans(k_hi)) + tl.dot(q_lo, tl.trans(k_hi))
-        if K_LO:
-            d += tl.dot(q_hi, tl.trans((b_k - k_hi.to(tl.float32)).to(KDT)))
-        return d
+    d = tl.dot(q_hi, tl.trans(b_k))
+    if Q_SPLIT:
+        d += tl.dot(q_lo, tl.trans(b_k))
+    return d
 
 
 @triton.jit
-def _online_update(b_s, m_valid, m_i, l_i, acc, b_v, KDT: tl.constexpr, EXACT: tl.constexpr):
-    """One online-softmax step with base-2 scores `b_s: [BM, BN]` and values `b_v: [BN, d_c]` fp32."""
+def _row_scale(p_q, o_m, m_m, D: tl.constexpr, DP: tl.constexpr, EXACT: tl.constexpr):
+    """Per-row power of two `f = 2**e` (`[BM]`) that keeps `|q| / f` below 2**14, so fp16 query operands neither
+    overflow nor lose bf16 bits; returns `(f, 1 / f)` (ones when EXACT)."""
+    o_k = tl.arange(0, DP)
+    q = tl.load(p_q + o_m[:, None] * D + o_k[None, :], mask=m_m[:, None] & (o_k[None, :] < D), other=0.0)
+    amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+    if EXACT:
+        e = tl.zeros_like(amax)
+    else:
+        e = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0) / 16384.0)), 0.0)
+    return tl.exp2(e), tl.exp2(-e)
+
+
+@triton.jit
+def _path_scores(p_q, o_m, m_m, inv_f, p0, p1, p2, stride_t, stride_mt, o_t, m_t, D: tl.constexpr,
+                 G: tl.constexpr, GROUP: tl.constexpr, GROUPP: tl.constexpr, BITS: tl.constexpr,
+                 EXACT: tl.constexpr, Q_SPLIT: tl.constexpr, ASM: tl.constexpr):
+    """Unscaled scores `q . k` of one path for tokens `o_t`: `[BM, BN]` fp32, one group at a time (a packed group's
+    integer dot times its per-token scale; a 16-bit path in columns of GROUP)."""
+    acc = tl.zeros((o_m.shape[0], o_t.shape[0]), tl.float32)
+    for g in tl.static_range(G):
+        q_hi, q_lo = _query_cols(p_q, o_m, m_m, g * GROUP, GROUP, GROUPP, D, inv_f, EXACT)
+        if BITS == 16:
+            b_k = _dense_cols(p0, stride_t, o_t, m_t, g * GROUP, GROUP, GROUPP, D, EXACT)
+            acc += _qk(q_hi, q_lo, b_k, EXACT, Q_SPLIT)
+        else:
+            b_k, b_s = _packed_group(p0, p1, p2, stride_t, stride_mt, o_t, m_t, g, GROUP, GROUPP, BITS, EXACT, ASM)
+            acc += _qk(q_hi, q_lo, b_k, EXACT, Q_SPLIT) * b_s[None, :]
+    return acc
+
+
+@triton.jit
+def _online_update(b_s, m_valid, m_i, l_i, acc, b_v, EXACT: tl.constexpr):
+    """One online-softmax step with base-2 scores `b_s: [BM, BN]`, values `b_v: [BN, D_CP]` (fp16, fp32 when
+    EXACT), accumulator `acc: [BM, D_CP]` fp32."""
     b_s = tl.where(m_valid, b_s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     b_p = tl.exp2(b_s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(b_p, axis=1)
-    acc = acc * alpha[:, None] + _dot(b_p.to(KDT), b_v.to(KDT), EXACT)
+    if EXACT:
+        acc = acc * alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(tl.float16), b_v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _dense_step(q_ptr_b, qr_ptr_b, o_m, m_m, inv_fc, inv_fr, fc, fr, p_c, s_ct, p_r, s_rt, o_slot, o_pos, m_t,
+                lim_m, m_i, l_i, acc, D_C: tl.constexpr, D_CP: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr,
+                GROUP_CP: tl.constexpr, D_R: tl.constexpr, GR: tl.constexpr, GROUP_R: tl.constexpr,
+                GROUP_RP: tl.constexpr, EXACT: tl.constexpr, Q_SPLIT: tl.constexpr):
+    """Softmax step over model-dtype copies (sink or recent slots `o_slot`, positions `o_pos`), causal per row."""
+    s_c = _path_scores(q_ptr_b, o_m, m_m, inv_fc, p_c, p_c, p_c, s_ct, s_ct, o_slot, m_t, D_C, GC, GROUP_C,
+                       GROUP_CP, 16, EXACT, Q_SPLIT, False)
+    s_r = _path_scores(qr_ptr_b, o_m, m_m, inv_fr, p_r, p_r, p_r, s_rt, s_rt, o_slot, m_t, D_R, GR, GROUP_R,
+                       GROUP_RP, 16, EXACT, Q_SPLIT, False)
+    b_v = _dense_cols(p_c, s_ct, o_slot, m_t, 0, D_C, D_CP, D_C, EXACT)
+    m_valid = m_m[:, None] & m_t[None, :] & (o_pos[None, :] < lim_m[:, None])
+    return _online_update(s_c * fc[:, None] + s_r * fr[:, None], m_valid, m_i, l_i, acc, b_v, EXACT)
 
 
 # Lengths and counts change every decode step: specialising on them (== 1, % 16) would recompile mid-generation.
@@ -120,35 +326,29 @@ def mla_decode_fwd_kernel(
     length, M, Tq, tokens_per_split, num_splits, qk_scale,
     s_qb, s_qrb, s_c0b, s_c0t, s_c1b, s_c1t, s_r0b, s_r0t, s_r1b, s_r1t,
     s_scb, s_sct, s_srb, s_srt, s_rcb, s_rct, s_rrb, s_rrt,
-    D_C: tl.constexpr, D_CP: tl.constexpr, GC: tl.constexpr, GCP: tl.constexpr, GROUP_C: tl.constexpr,
+    D_C: tl.constexpr, D_CP: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, GROUP_CP: tl.constexpr,
     C_BITS: tl.constexpr,
-    D_R: tl.constexpr, D_RP: tl.constexpr, GR: tl.constexpr, GRP: tl.constexpr, GROUP_R: tl.constexpr,
+    D_R: tl.constexpr, D_RP: tl.constexpr, GR: tl.constexpr, GROUP_R: tl.constexpr, GROUP_RP: tl.constexpr,
     R_BITS: tl.constexpr,
     S: tl.constexpr, R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr, Q_SPLIT: tl.constexpr,
+    C_ASM: tl.constexpr, R_ASM: tl.constexpr,
 ):
     i_hb = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)
     i_s = tl.program_id(2).to(tl.int64)
-    KDT: tl.constexpr = tl.float32 if EXACT else tl.float16
 
-    o_m = i_hb * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
     m_m = o_m < M
     # Causal limit of each query row: query t of Tq sees positions < length - Tq + t + 1.
     lim_m = length - Tq + (o_m % Tq) + 1
     lp = tl.load(lp_ptr + i_b)
-
-    o_c = tl.arange(0, D_CP)
-    o_r = tl.arange(0, D_RP)
-    m_qc = m_m[:, None] & (o_c[None, :] < D_C)
-    q_c = tl.load(q_ptr + i_b * s_qb + o_m[:, None] * D_C + o_c[None, :], mask=m_qc, other=0.0)
-    m_qr = m_m[:, None] & (o_r[None, :] < D_R)
-    q_r = tl.load(qr_ptr + i_b * s_qrb + o_m[:, None] * D_R + o_r[None, :], mask=m_qr, other=0.0)
-    # High and low fp16 halves of the query: two tensor-core dots give ~22-bit products.
-    qc_hi = q_c.to(KDT)
-    qc_lo = (q_c - qc_hi.to(tl.float32)).to(KDT)
-    qr_hi = q_r.to(KDT)
-    qr_lo = (q_r - qr_hi.to(tl.float32)).to(KDT)
+    q_b = q_ptr + i_b * s_qb
+    qr_b = qr_ptr + i_b * s_qrb
+    fc, inv_fc = _row_scale(q_b, o_m, m_m, D_C, D_CP, EXACT)
+    fr, inv_fr = _row_scale(qr_b, o_m, m_m, D_R, D_RP, EXACT)
+    fc = fc * qk_scale  # scores in base 2, pre-multiplied by scaling * log2(e)
+    fr = fr * qk_scale
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -161,22 +361,28 @@ def mla_decode_fwd_kernel(
     lo_s = S + i_s * tokens_per_split
     hi_s = tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, hi))
     lo_valid = lp + S
+    p_c0 = c0_ptr + i_b * s_c0b
+    p_c1 = c1_ptr + i_b * s_c1b
+    p_c2 = c2_ptr + i_b * s_c1b
+    p_r0 = r0_ptr + i_b * s_r0b
+    p_r1 = r1_ptr + i_b * s_r1b
+    p_r2 = r2_ptr + i_b * s_r1b
     for start in range(lo_s, hi_s, BLOCK_N):
         o_t = start + tl.arange(0, BLOCK_N).to(tl.int64)
         m_t = (o_t < hi_s) & (o_t >= lo_valid)
+        s_c = _path_scores(q_b, o_m, m_m, inv_fc, p_c0, p_c1, p_c2, s_c0t, s_c1t, o_t, m_t, D_C, GC, GROUP_C,
+                           GROUP_CP, C_BITS, EXACT, Q_SPLIT, C_ASM)
+        s_r = _path_scores(qr_b, o_m, m_m, inv_fr, p_r0, p_r1, p_r2, s_r0t, s_r1t, o_t, m_t, D_R, GR, GROUP_R,
+                           GROUP_RP, R_BITS, EXACT, Q_SPLIT, R_ASM)
         if C_BITS == 16:
-            b_c = _load_values(c0_ptr + i_b * s_c0b, s_c0t, o_t, m_t, D_C, D_CP)
+            b_v = _dense_cols(p_c0, s_c0t, o_t, m_t, 0, D_C, D_CP, D_C, EXACT)
         else:
-            b_c = _load_packed(c0_ptr + i_b * s_c0b, c1_ptr + i_b * s_c1b, c2_ptr + i_b * s_c1b, s_c0t, s_c1t,
-                               o_t, m_t, D_C, D_CP, GC, GCP, GROUP_C, C_BITS, BLOCK_N)
-        if R_BITS == 16:
-            b_r = _load_values(r0_ptr + i_b * s_r0b, s_r0t, o_t, m_t, D_R, D_RP)
-        else:
-            b_r = _load_packed(r0_ptr + i_b * s_r0b, r1_ptr + i_b * s_r1b, r2_ptr + i_b * s_r1b, s_r0t, s_r1t,
-                               o_t, m_t, D_R, D_RP, GR, GRP, GROUP_R, R_BITS, BLOCK_N)
-        b_s = _scores(qc_hi, qc_lo, b_c, KDT, EXACT, C_BITS != 16) + _scores(qr_hi, qr_lo, b_r, KDT, EXACT, R_BITS != 16)
+            # 8-bit values take the plain path: the scaled 8-bit assembly gave wrong values on the H200 (not
+            # understood; the unscaled 8-bit score path checks out).
+            b_v = _packed_values(p_c0, p_c1, p_c2, s_c0t, s_c1t, o_t, m_t, D_C, D_CP, GROUP_C, C_BITS, EXACT,
+                                 C_ASM and C_BITS != 8)
         m_valid = m_m[:, None] & m_t[None, :]
-        m_i, l_i, acc = _online_update(b_s * qk_scale, m_valid, m_i, l_i, acc, b_c, KDT, EXACT)
+        m_i, l_i, acc = _online_update(s_c * fc[:, None] + s_r * fr[:, None], m_valid, m_i, l_i, acc, b_v, EXACT)
 
     # The last split takes the model-dtype copies: the sink (slot j = position lp + j) ...
     n_sink = tl.where(is_dense, S, 0)
@@ -184,30 +390,27 @@ def mla_decode_fwd_kernel(
         o_j = start + tl.arange(0, BLOCK_N).to(tl.int64)
         o_t = lp + o_j
         m_t = (o_j < S) & (o_t < length)
-        b_c = _load_values(sc_ptr + i_b * s_scb, s_sct, o_j, m_t, D_C, D_CP)
-        b_r = _load_values(sr_ptr + i_b * s_srb, s_srt, o_j, m_t, D_R, D_RP)
-        b_s = _scores(qc_hi, qc_lo, b_c, KDT, EXACT, False) + _scores(qr_hi, qr_lo, b_r, KDT, EXACT, False)
-        m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
-        m_i, l_i, acc = _online_update(b_s * qk_scale, m_valid, m_i, l_i, acc, b_c, KDT, EXACT)
+        m_i, l_i, acc = _dense_step(q_b, qr_b, o_m, m_m, inv_fc, inv_fr, fc, fr, sc_ptr + i_b * s_scb, s_sct,
+                                    sr_ptr + i_b * s_srb, s_srt, o_j, o_t, m_t, lim_m, m_i, l_i, acc, D_C, D_CP, GC,
+                                    GROUP_C, GROUP_CP, D_R, GR, GROUP_R, GROUP_RP, EXACT, Q_SPLIT)
     # ... and the recent ring (positions [length - R, length) past the sink, slot p % R).
     r_lo = tl.maximum(hi, 0)
     r_hi = tl.where(is_dense, length, r_lo)
     for start in range(r_lo, r_hi, BLOCK_N):
         o_t = start + tl.arange(0, BLOCK_N).to(tl.int64)
         m_t = (o_t < r_hi) & (o_t >= lo_valid)
-        o_slot = o_t % R
-        b_c = _load_values(rc_ptr + i_b * s_rcb, s_rct, o_slot, m_t, D_C, D_CP)
-        b_r = _load_values(rr_ptr + i_b * s_rrb, s_rrt, o_slot, m_t, D_R, D_RP)
-        b_s = _scores(qc_hi, qc_lo, b_c, KDT, EXACT, False) + _scores(qr_hi, qr_lo, b_r, KDT, EXACT, False)
-        m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
-        m_i, l_i, acc = _online_update(b_s * qk_scale, m_valid, m_i, l_i, acc, b_c, KDT, EXACT)
+        m_i, l_i, acc = _dense_step(q_b, qr_b, o_m, m_m, inv_fc, inv_fr, fc, fr, rc_ptr + i_b * s_rcb, s_rct,
+                                    rr_ptr + i_b * s_rrb, s_rrt, o_t % R, o_t, m_t, lim_m, m_i, l_i, acc, D_C, D_CP,
+                                    GC, GROUP_C, GROUP_CP, D_R, GR, GROUP_R, GROUP_RP, EXACT, Q_SPLIT)
 
     # Partial results: o normalised by this split's sum, lse in natural log (-inf for an empty split).
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_row = (i_b * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (b, m, split)
-    tl.store(o_ptr + o_row[:, None] * D_C + o_c[None, :], acc * inv_l[:, None], mask=m_qc)
+    o_d = tl.arange(0, D_CP)
+    tl.store(o_ptr + o_row[:, None] * D_C + o_d[None, :], acc * inv_l[:, None],
+             mask=m_m[:, None] & (o_d[None, :] < D_C))
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
@@ -241,41 +444,62 @@ def _planes(planes: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, t
     return planes["codes"], planes["scale"], planes["zero"]
 
 
-def _tiling(fmt_path) -> tuple[int, int]:
-    """(groups, group width) of a path; a 16-bit path has no groups (one nominal group)."""
+def _tiling(fmt_path) -> tuple[int, int, int, int]:
+    """(groups, padded groups, group width, padded group width) of a path as the kernel tiles it. A 16-bit path is
+    cut into nominal groups of 64 with unit scales when 64 divides it, else one group of its whole width. Padded
+    sizes are powers of two, widths at least 16 (the dot minimum)."""
     if fmt_path.quantized:
-        return fmt_path.n_groups, fmt_path.group
-    return 1, fmt_path.dim
+        g, w = fmt_path.n_groups, fmt_path.group
+    elif fmt_path.dim % 64 == 0:
+        g, w = fmt_path.dim // 64, 64
+    else:
+        g, w = 1, fmt_path.dim
+    return g, triton.next_power_of_2(g), w, max(16, triton.next_power_of_2(w))
+
+
+def _use_asm(fmt_path, device: torch.device) -> bool:
+    """Inline-assembly dequantization: on CUDA (not the interpreter, which has no inline assembly), for groups of
+    at least 16 elements."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and fmt_path.quantized
+            and fmt_path.group >= 16 and (fmt_path.group * fmt_path.bits) % 32 == 0)
 
 
 def default_num_splits(batch: int, head_blocks: int, n_packed: int, num_sms: int, block_n: int) -> int:
-    """Splits of the packed positions so that about two waves of programs fill the GPU, each split keeping at
-    least 4 blocks of tokens (the partial outputs then stay small against the cache bytes read)."""
-    want = -(-2 * num_sms // max(1, batch * head_blocks))
+    """Splits of the packed positions: about 8 programs per multiprocessor (short programs keep the last wave's
+    tail small; 8 beat 2 and 16 on the H200, docs/BENCHMARKS.md), each split keeping at least 4 blocks of tokens
+    (the partial outputs then stay small against the cache bytes read)."""
+    want = -(-8 * num_sms // max(1, batch * head_blocks))
     most = max(1, n_packed // (4 * block_n))
     return max(1, min(want, most))
 
 
 def mla_decode_fwd(
     q_lat, q_rot, content, rope, fmt: CacheFormat, sink_c, sink_r, recent_c, recent_r, left_padding, length,
-    scaling, num_splits=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+    scaling, num_splits=None, block_m=None, block_n=None, num_warps=None, num_stages=None, maxnreg=None,
 ):
     """Host wrapper: flatten (head, query) rows, pick blocks and splits, launch both kernels."""
     B, H, Tq, D_C = q_lat.shape
     D_R = q_rot.shape[-1]
     M = H * Tq
-    q = q_lat.float().reshape(B, M, D_C).contiguous()
-    qr = q_rot.float().reshape(B, M, D_R).contiguous()
+    # fp32 queries keep ~22-bit products through a high/low fp16 split (two dots); bf16/fp16 queries are exact in
+    # one fp16 operand (after the kernel's per-row power-of-two scaling).
+    q_split = q_lat.dtype == torch.float32 or q_rot.dtype == torch.float32
+    q = q_lat.reshape(B, M, D_C).contiguous()
+    qr = q_rot.reshape(B, M, D_R).contiguous()
     S, R = fmt.sink_tokens, fmt.recent_tokens
-    GC, GROUP_C = _tiling(fmt.content)
-    GR, GROUP_R = _tiling(fmt.rope)
-    GCP, GRP = triton.next_power_of_2(GC), triton.next_power_of_2(GR)
-    BLOCK_M = block_m or max(16, min(triton.next_power_of_2(M), 16 if D_C >= 256 else 64))
-    # Wide latents: 64-token tiles with 8 warps were the fastest of the launches tried on the H200
-    # (docs/BENCHMARKS.md, "launch sweep"); narrow (test-size) latents keep small tiles.
-    BLOCK_N = block_n or (64 if D_C >= 256 else 16)
-    if num_warps is None and D_C >= 256:
-        num_warps = 8
+    GC, GCP, GROUP_C, GROUP_CP = _tiling(fmt.content)
+    GR, GRP, GROUP_R, GROUP_RP = _tiling(fmt.rope)
+    if D_C >= 256:
+        # Launches measured fastest on the H200 (docs/BENCHMARKS.md, "launch sweep"): 16 rows with 32-token tiles
+        # and 4 warps (two programs per multiprocessor); more rows (128 heads, several query tokens) in blocks of
+        # 32 with 64-token tiles and 8 warps. Two pipeline stages.
+        BLOCK_M = block_m or (16 if M <= 16 else 32)
+        BLOCK_N = block_n or (32 if BLOCK_M <= 16 else 64)
+        num_warps = num_warps or (4 if BLOCK_M <= 16 else 8)
+        num_stages = num_stages or 2
+    else:
+        BLOCK_M = block_m or 16
+        BLOCK_N = block_n or 16
     head_blocks = triton.cdiv(M, BLOCK_M)
     n_packed = max(0, length - R - S)
     if num_splits is None:
@@ -289,7 +513,7 @@ def mla_decode_fwd(
     c0, c1, c2 = _planes(content, fmt.content.bits)
     r0, r1, r2 = _planes(rope, fmt.rope.bits)
     lp = left_padding.to(device=q.device, dtype=torch.int64).contiguous()
-    extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
     mla_decode_fwd_kernel[(head_blocks, B, NSP)](
         q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, lp, o_part, lse_part,
         length, M, Tq, tps, num_splits, scaling * LOG2E,
@@ -297,11 +521,11 @@ def mla_decode_fwd(
         r0.stride(0), r0.stride(1), r1.stride(0), r1.stride(1),
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
-        D_C=D_C, D_CP=GCP * GROUP_C if fmt.content.quantized else triton.next_power_of_2(D_C), GC=GC, GCP=GCP,
-        GROUP_C=GROUP_C, C_BITS=fmt.content.bits,
-        D_R=D_R, D_RP=GRP * GROUP_R if fmt.rope.quantized else triton.next_power_of_2(D_R), GR=GR, GRP=GRP,
-        GROUP_R=GROUP_R, R_BITS=fmt.rope.bits,
-        S=S, R=R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT=sink_c.dtype == torch.float32, **extra,
+        D_C=D_C, D_CP=triton.next_power_of_2(D_C), GC=GC, GROUP_C=GROUP_C, GROUP_CP=GROUP_CP,
+        C_BITS=fmt.content.bits,
+        D_R=D_R, D_RP=triton.next_power_of_2(D_R), GR=GR, GROUP_R=GROUP_R, GROUP_RP=GROUP_RP, R_BITS=fmt.rope.bits,
+        S=S, R=R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT=sink_c.dtype == torch.float32, Q_SPLIT=q_split,
+        C_ASM=_use_asm(fmt.content, q.device), R_ASM=_use_asm(fmt.rope, q.device), **extra,
     )
     o = torch.empty((B, M, D_C), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, M), dtype=torch.float32, device=q.device)

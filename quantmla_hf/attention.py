@@ -84,9 +84,11 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
         out, _ = absorbed_attention_ref(q_nope, q_rot, content, k_rot, w_uk, w_uv, scaling, attention_mask)
         return out
     # q_lat[b, h, t] = q_nope[b, h, t] @ W_UK[h]: [B, H, Tq, d_c], in the model dtype like the stock projections.
-    q_lat = torch.matmul(q_nope, w_uk.to(q_nope.dtype).unsqueeze(0)).float()
-    q_rot = q_rot.float()
+    # Model-dtype queries go to the kernel as they are: bf16/fp16 values are exact in its fp16 operands (one dot),
+    # where fp32 queries need a high/low split (two dots).
+    q_lat = torch.matmul(q_nope, w_uk.to(q_nope.dtype).unsqueeze(0))
     if layer.rope_rotation is not None:
+        q_rot = q_rot.float()
         # The stored k_R copies are k_R @ rot.T; rotating the query the same way leaves q . k unchanged.
         q_rot = q_rot @ layer.rope_rotation.to(device=q_rot.device, dtype=torch.float32).T
     if _kernel_is_triton(layer, query.device):

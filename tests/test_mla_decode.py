@@ -82,8 +82,29 @@ def test_several_query_tokens_see_a_causal_history(tq):
 
 
 def test_many_heads_take_several_head_blocks_and_odd_group_counts():
-    """d_c = 192 is three groups (padded to four inside); 20 heads x 2 queries are three blocks of 16 rows."""
+    """d_c = 192 is three groups (the value tile padded to 256 columns); 20 heads x 2 queries are 40 rows: blocks of
+    32 rows by default, of 16 here as well."""
     check(random_case(1, 80, 20, 2, 192, 64, 4, 4, 4, 16, torch.bfloat16, [3], seed=7), num_splits=2)
+    check(random_case(1, 80, 20, 2, 192, 64, 4, 4, 4, 16, torch.bfloat16, [3], seed=8), num_splits=2, block_m=16)
+
+
+@pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (8, 8), (16, 16)])
+def test_bf16_queries_take_one_fp16_dot(cb, rb):
+    """Model-dtype (bf16) queries, as the attention swap passes them: exact in one fp16 operand, no low part."""
+    args = list(random_case(2, 110, 4, 1, 128, 32, cb, rb, 3, 8, torch.bfloat16, [0, 37], seed=cb + 40))
+    args[0], args[1] = args[0].bfloat16(), args[1].bfloat16()
+    check(tuple(args), num_splits=3, block_n=32)
+
+
+def test_huge_bf16_queries_stay_finite_and_exact():
+    """|q| ~ 1e6 is past fp16's range (65504): the per-row power of two keeps the operands finite and exact."""
+    args = list(random_case(2, 90, 2, 1, 64, 16, 4, 4, 2, 4, torch.bfloat16, [0, 3], seed=21))
+    args[0], args[1] = (args[0] * 1e6).bfloat16(), (args[1] * 1e6).bfloat16()
+    out, lse = mla_decode(*args, num_splits=2)
+    ref_out, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_close("o_lat", ref_out, out, OUT_RATIO)
+    assert ((lse - ref_lse).abs() / ref_lse.abs()).max() < 1e-5
 
 
 def test_peaked_attention_keeps_the_lse_exact():
