@@ -54,16 +54,17 @@ def _dot(a, b, EXACT: tl.constexpr):
 
 # fp16 "magic number" dequantization in inline PTX, four codes per instance, producing fp16 pairs in element order.
 # The input holds each code byte repeated once per code it carries (4 bits: b0 b0 b1 b1; 2 bits: b0 b0 b0 b0;
-# 8 bits: b0 b1 b2 b3), so one 32-bit register feeds one instance that writes codes 4i .. 4i+3 as two f16x2:
+# 8 bits: b0 b1 b2 b3), so one 32-bit register feeds one instance that writes its four codes as two f16x2:
 #   prmt   places one byte in the low byte of both halves (8 bits: two bytes, with 0x66 above each),
 #   lop3   keeps one code per half, shifted by its bit offset k, and ORs in 0x6600 (fp16 1536: ulp 1 up to 2048),
 #   fma    `x * 2**-k - (1536 * 2**-k)` leaves the code exactly (8 bits: a plain subtraction of 1536),
-#   sub    the group's zero point z (an fp16 pair), and, scaled, `mul` by the group's fp16 scale (one rounding).
-# Operands: $0, $1 the two f16x2 outputs; $2 the four bytes; $3 .. $6 the z pair (4 copies, the first is used);
-# $7 .. $10 the scale pair.
+#   sub    the zero point z of each element's group, and, scaled, `mul` by its fp16 scale (one rounding).
+# Triton packs four elements that are consecutive in a thread's registers, which need not be consecutive in the
+# tensor (another token, another group): so every element takes its own z and scale, paired per f16x2 by `prmt`.
+# Operands: $0, $1 the two f16x2 outputs; $2 the four bytes; $3 .. $6 each element's (z, z) fp16 pair;
+# $7 .. $10 each element's (s, s) pair.
 def _dequant_asm(bits: int, scaled: bool) -> str:
-    z, s = "$3", "$7"
-    lines = ["{", ".reg .b32 a, b, t0, t1, k0, k1, k2;"]
+    lines = ["{", ".reg .b32 a, b, t0, t1, k0, k1, k2, p0, p1;"]
     if bits == 8:
         lines += ["mov.b32 k0, 0x66666666;", "mov.b32 k1, 0x66006600;",
                   "prmt.b32 t0, $2, k0, 0x5140;", "prmt.b32 t1, $2, k0, 0x5342;",
@@ -80,9 +81,12 @@ def _dequant_asm(bits: int, scaled: bool) -> str:
                   "lop3.b32 t0, a, 0x000c0003, k0, 0xea;", "lop3.b32 t1, a, 0x00c00030, k0, 0xea;",
                   "mov.b32 k1, 0x34003c00;", "mov.b32 k2, 0xde00e600;", "fma.rn.f16x2 t0, t0, k1, k2;",
                   "mov.b32 k1, 0x24002c00;", "mov.b32 k2, 0xce00d600;", "fma.rn.f16x2 t1, t1, k1, k2;"]
-    lines += [f"sub.f16x2 t0, t0, {z};", f"sub.f16x2 t1, t1, {z};"]
+    # (z of element 0, z of element 1) and (z of element 2, z of element 3): low halves of $3/$4 and of $5/$6.
+    lines += ["prmt.b32 p0, $3, $4, 0x5410;", "prmt.b32 p1, $5, $6, 0x5410;",
+              "sub.f16x2 t0, t0, p0;", "sub.f16x2 t1, t1, p1;"]
     if scaled:
-        lines += [f"mul.rn.f16x2 t0, t0, {s};", f"mul.rn.f16x2 t1, t1, {s};"]
+        lines += ["prmt.b32 p0, $7, $8, 0x5410;", "prmt.b32 p1, $9, $10, 0x5410;",
+                  "mul.rn.f16x2 t0, t0, p0;", "mul.rn.f16x2 t1, t1, p1;"]
     lines += ["mov.b32 $0, t0;", "mov.b32 $1, t1;", "}"]
     return "\n".join(lines)
 
@@ -377,8 +381,8 @@ def mla_decode_fwd_kernel(
         if C_BITS == 16:
             b_v = _dense_cols(p_c0, s_c0t, o_t, m_t, 0, D_C, D_CP, D_C, EXACT)
         else:
-            # 8-bit values take the plain path: the scaled 8-bit assembly gave wrong values on the H200 (not
-            # understood; the unscaled 8-bit score path checks out).
+            # 8-bit values take the plain path: the earlier scaled 8-bit assembly (one zero/scale pair for four
+            # packed elements) gave wrong values on the H200; the per-element version is not yet checked there.
             b_v = _packed_values(p_c0, p_c1, p_c2, s_c0t, s_c1t, o_t, m_t, D_C, D_CP, GROUP_C, C_BITS, EXACT,
                                  C_ASM and C_BITS != 8)
         m_valid = m_m[:, None] & m_t[None, :]
