@@ -95,3 +95,18 @@ def test_triton_kernel_reports_overflow():
     zero = torch.empty((1, 4, 1), dtype=torch.int8)
     with pytest.raises(ValueError, match="overflows the cache capacity 4"):
         quantize_pack(torch.randn(1, 3, 64), codes, scale, zero, 2, fmt)
+
+
+def test_per_step_arguments_are_not_specialised():
+    """Arguments that change every decode step must not be specialised on (% 16, == 1): a specialisation would
+    recompile the kernel mid-generation whenever the position crosses a multiple of 16."""
+    from quantmla_hf.kernels.mla_decode import mla_decode_fwd_kernel
+    from quantmla_hf.kernels.quant_pack import quant_pack_fwd_kernel
+
+    def unspecialised(kernel):
+        # A JITFunction keeps the list; under TRITON_INTERPRET the decorator's keyword arguments are kept instead.
+        names = getattr(kernel, "do_not_specialize", None) or kernel.kwargs.get("do_not_specialize", ())
+        return {kernel.arg_names[i] if isinstance(i, int) else i for i in names}
+
+    assert {"T", "start"} <= unspecialised(quant_pack_fwd_kernel)
+    assert {"length", "tokens_per_split", "num_splits"} <= unspecialised(mla_decode_fwd_kernel)
