@@ -1,8 +1,12 @@
-"""Decode attention of one MLA layer: our Triton kernel on the packed cache vs PyTorch absorbed attention on a
-BF16 latent cache vs the stock transformers step (DeepseekV3Attention + DynamicCache), DeepSeek-V2-Lite dims.
+"""Decode attention of one MLA layer: our Triton kernels on the packed cache (the fast kernel
+`mla_decode_fast.mla_decode_static` and the fallback `mla_decode.mla_decode`) vs BF16 baselines on a BF16 latent
+cache: PyTorch absorbed attention (two bmm), a public BF16 MLA Triton decode kernel when one is given
+(`--bf16-kernel FILE`: vLLM's `triton_decode_attention.py`, fetched separately and never committed), and the stock
+transformers step (`--stock`). DeepSeek-V2-Lite dims.
 
-    python benchmarks/bench_decode.py --check            # kernel vs reference at real sizes (GPU)
-    python benchmarks/bench_decode.py --bench --out DIR  # timing grid + copy-bandwidth ceiling
+    python benchmarks/bench_decode.py --check                # kernels vs fp64 reference at real sizes (GPU)
+    python benchmarks/bench_decode.py --variants             # launch sweep of the fast kernel at the target points
+    python benchmarks/bench_decode.py --bench --out DIR      # timing table + copy-bandwidth ceiling
 
 Times are `triton.testing.do_bench` medians (L2 flushed between runs). "bytes" are the cache bytes the method must
 read once (packed tokens + BF16 sink/recent copies for ours, the BF16 latent for the others).
@@ -21,6 +25,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels.mla_decode import mla_decode
+from quantmla_hf.kernels.mla_decode_fast import fast_supported, mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
 D_C, D_R, D_NOPE, D_V, HIDDEN = 512, 64, 128, 128, 2048
@@ -30,7 +35,8 @@ CONFIGS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8), "C16R16": (16, 16)}
 
 
 def make_cache(name, B, N, S=4, R=128, dtype=torch.bfloat16, device=None, seed=0):
-    """Random packed planes (codes, positive fp16 scales, int8 zeros) or BF16 values, plus sink/recent copies."""
+    """Random packed planes `[B, N, .]` (codes, positive fp16 scales, int8 zeros) or BF16 values, plus sink/recent
+    copies. N is the planes' capacity (the decoded length may be smaller)."""
     cb, rb = CONFIGS[name]
     device = device or DEVICE
     fmt = CacheFormat(PathFormat(D_C, cb, 64), PathFormat(D_R, rb, 64), S, R)
@@ -55,8 +61,23 @@ def cache_bytes(fmt, B, N):
     return B * (packed * fmt.packed_bytes_per_token() + (N - packed) * fmt.dense_bytes_per_token())
 
 
-def run_check(out_lines, cases=None, R=128):
-    """Kernel vs fp64 reference on rows 0 and B-1 (the kernel always runs on the whole batch).
+def decode_fn(kernel, fmt, N, capacity=None, **launch):
+    """`(args) -> (o, lse)` for one kernel: "fast" = `mla_decode_static` with a device-side length and the planes'
+    capacity (`capacity`, default N), "old" = the fallback `mla_decode` with a host length."""
+    if kernel == "fast":
+        length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
+        cap = capacity or N
+
+        def run(q_lat, q_rot, cp, rp, fmt_, sc, sr, rc, rr, lp, n, scaling):
+            return mla_decode_static(q_lat, q_rot, cp, rp, fmt_, sc, sr, rc, rr, lp, length, cap, scaling, **launch)
+
+        return run
+    return lambda *args: mla_decode(*args, **launch)
+
+
+def run_check(out_lines, cases=None, R=128, kernel="old"):
+    """Kernel vs fp64 reference on rows 0 and B-1 (the kernel always runs on the whole batch). The fast kernel runs
+    on planes with 67 positions of spare capacity (splits past the device-side length must stay empty).
 
     An fp32 reference is itself off by ~1e-4 in the LSE when scores reach ~100 (C8R8 with random codes).
     """
@@ -65,6 +86,7 @@ def run_check(out_lines, cases=None, R=128):
         ("C16R16", 16, 4, 32768, 1), ("C4R4", 128, 8, 32768, 1), ("C4R4", 128, 2, 131072, 1),
         ("C4R4", 16, 2, 131072, 4), ("C2R4", 128, 1, 5000, 16),
         ("C4R4", 16, 32, 131072, 1),  # B * N * 576 = 2.4e9 > 2**31 elements
+        ("C8R8", 16, 3, 9000, 16), ("C4R4", 16, 5, 20000, 3),
     ]
     worst_o, worst_lse = 0.0, 0.0
     # Queries in bf16 (what the attention swap passes: exact in one fp16 operand) and in fp32 (high/low split).
@@ -73,7 +95,12 @@ def run_check(out_lines, cases=None, R=128):
     ]
     worst_o, worst_lse, all_ok = 0.0, 0.0, True
     for name, H, B, N, Tq, qdt in cases:
-        fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N, R=R, seed=B + N)
+        spare = 67 if kernel == "fast" else 0
+        fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + spare, R=R, seed=B + N)
+        if kernel == "fast" and not fast_supported(fmt, torch.bfloat16, DEVICE, sc.dtype):
+            out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the fast kernel, skipped")
+            print(out_lines[-1], flush=True)
+            continue
         g = torch.Generator(device=DEVICE).manual_seed(N)
         q_lat = torch.randn(B, H, Tq, D_C, device=DEVICE, generator=g)
         q_rot = torch.randn(B, H, Tq, D_R, device=DEVICE, generator=g)
@@ -83,7 +110,7 @@ def run_check(out_lines, cases=None, R=128):
         lp = torch.randint(0, 40, (B,), device=DEVICE, generator=g)
         lp[0] = 0
         args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
-        o, lse = mla_decode(*args)
+        o, lse = decode_fn(kernel, fmt, N, N + spare)(*args)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         for b in sorted({0, B - 1}):
@@ -99,14 +126,14 @@ def run_check(out_lines, cases=None, R=128):
             if qdt != "bf16x1e6":
                 worst_lse = max(worst_lse, lse_err)
             all_ok = all_ok and ok
-            line = (f"check {name:6s} H={H:3d} B={B:2d} N={N:6d} Tq={Tq:2d} q={qdt:8s} row={b:2d} "
+            line = (f"check {kernel} {name:6s} H={H:3d} B={B:2d} N={N:6d} Tq={Tq:2d} q={qdt:8s} row={b:2d} "
                     f"B*N*576={B * N * 576:.2e} out_rel={rel:.2e} lse_abs={lse_err:.2e} {'OK' if ok else 'FAIL'}")
             print(line, flush=True)
             out_lines.append(line)
         del cp, rp, o, lse
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-    line = f"check worst out_rel={worst_o:.2e} (limit 2e-3) lse_abs={worst_lse:.2e} (limit 1e-4)"
+    line = f"check worst ({kernel}) out_rel={worst_o:.2e} (limit 2e-3) lse_abs={worst_lse:.2e} (limit 1e-4)"
     print(line, flush=True)
     out_lines.append(line)
     return all_ok
@@ -116,6 +143,16 @@ def bench(fn, slow=False):
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=5 if slow else 25, rep=30 if slow else 100, return_mode="median")
+
+
+def graphed(fn):
+    """`fn` captured once in a CUDA graph: the returned callable replays it (no Python or launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def copy_ceiling():
@@ -166,109 +203,159 @@ def stock_step_fn(cfg, attn, rope, B, N):
     return step
 
 
-def run_bench(out_lines, heads=(16, 128), batches=(1, 8, 32, 64), contexts=(4096, 32768, 131072), budget_s=240,
-              launch=None):
+def load_bf16_kernel(path):
+    """vLLM's BF16 MLA Triton decode (`decode_attention_fwd`) from a local copy of its `triton_decode_attention.py`
+    (fetched for the benchmark, never committed), or None."""
+    if not path or not os.path.exists(path):
+        return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bf16_mla_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.decode_attention_fwd
+
+
+def bf16_kernel_fn(decode_attention_fwd, B, H, N, kv):
+    """One decode step of the BF16 kernel on the latent cache `kv: [B, N, 576]` (page size 1, identity block
+    table), 16 splits as vLLM's MLA backend uses by default for decode."""
+    q = torch.randn(B, H, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
+    k_buf = kv.view(B * N, 1, D_C + D_R)
+    v_buf = k_buf[..., :D_C]
+    o = torch.empty(B, H, D_C, device=DEVICE, dtype=torch.bfloat16)
+    lse = torch.empty(B, H, device=DEVICE, dtype=torch.float32)
+    req_to_token = torch.arange(B * N, device=DEVICE, dtype=torch.int32).view(B, N)
+    seq_lens = torch.full((B,), N, device=DEVICE, dtype=torch.int32)
+    splits = 16
+    logits = torch.empty(B, H, splits, D_C + 1, device=DEVICE, dtype=torch.float32)
+    return lambda: decode_attention_fwd(q, k_buf, v_buf, o, lse, req_to_token, seq_lens, logits, splits, SCALING, 1)
+
+
+POINTS = [(16, 1, 4096), (16, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 8, 131072), (16, 32, 131072),
+          (128, 8, 32768), (128, 32, 32768)]
+OURS = [("fast", "C4R4"), ("fast", "C2R4"), ("fast", "C8R8"), ("old", "C4R4"), ("old", "C8R8"), ("old", "C16R16")]
+
+
+def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=None, stock=False):
+    """Timing table: every point times our kernels, the torch bmm on a BF16 latent cache and, when given, the BF16
+    Triton kernel, in the same process."""
     t0 = time.time()
     ceiling = copy_ceiling()
     line = f"copy ceiling: {ceiling:.0f} GB/s (device-to-device copy of 2 GiB, read + write)"
     print(line, flush=True)
     out_lines.append(line)
     rows = []
-    for H in heads:
-        stock = stock_layer(H)
-        for B in batches:
-            for N in contexts:
-                if time.time() - t0 > budget_s:
-                    out_lines.append(f"skip H={H} B={B} N={N}: time budget of the run spent")
-                    continue
-                g = torch.Generator(device=DEVICE).manual_seed(1)
-                # bf16 queries, as the attention swap passes them (model dtype).
-                q_lat = torch.randn(B, H, 1, D_C, device=DEVICE, generator=g).bfloat16()
-                q_rot = torch.randn(B, H, 1, D_R, device=DEVICE, generator=g).bfloat16()
-                lp = torch.zeros(B, dtype=torch.long, device=DEVICE)
-                for name in ("C4R4", "C2R4", "C16R16"):
-                    fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
-                    args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
-                    kw = (launch or {}).get((name, H), {})
-                    ms = bench(lambda: mla_decode(*args, **kw))
-                    nbytes = cache_bytes(fmt, B, N)
-                    rows.append(dict(method=name, H=H, B=B, N=N, ms=ms, bytes=nbytes))
-                    del cp, rp
-                kv_bytes = B * N * (D_C + D_R) * 2
-                kv = torch.randn(B, N, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
-                q = torch.randn(B, H, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
-                if B * H * N * 4 * 3 < 60e9:
-                    ms = bench(lambda: torch_absorbed(q, kv, SCALING))
-                    rows.append(dict(method="torch-absorbed-bf16", H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
-                else:
-                    out_lines.append(f"skip torch-absorbed H={H} B={B} N={N}: scores need > 60 GB")
-                del kv
-                expanded = B * N * H * (D_NOPE + D_V) * 2 * 3  # kv_b_proj output, its split copies and SDPA inputs
-                if expanded < 60e9:
-                    step = stock_step_fn(*stock, B, N)
-                    ms = bench(step, slow=True)
-                    rows.append(dict(method="stock-transformers", H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
-                    del step
-                else:
-                    out_lines.append(f"skip stock H={H} B={B} N={N}: expanding the history needs {expanded / 1e9:.0f} GB")
-                torch.cuda.empty_cache()
-                for r in rows[-5:]:
-                    if r["H"] == H and r["B"] == B and r["N"] == N:
-                        r["GBps"] = r["bytes"] / r["ms"] / 1e6
-                        r["pct_ceiling"] = 100 * r["GBps"] / ceiling
-                print(f"H={H} B={B} N={N} done ({time.time() - t0:.0f}s)", flush=True)
-    return ceiling, rows
-
-
-def run_variants(out_lines):
-    """Launch-parameter sweep around the defaults at the target points (B 32, 32K; 16 and 128 heads)."""
-    res = []
-    sweep = {16: [dict(), dict(block_n=64), dict(num_warps=8), dict(num_stages=3), dict(block_n=16)],
-             128: [dict(), dict(block_m=64, num_stages=1), dict(block_m=16, block_n=32, num_warps=4)]}
-    for name, H in (("C4R4", 16), ("C4R4", 128)):
-        B, N = 32, 32768
-        fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
+    for H, B, N in points or POINTS:
+        if time.time() - t0 > budget_s:
+            out_lines.append(f"skip H={H} B={B} N={N}: time budget of the run spent")
+            continue
         g = torch.Generator(device=DEVICE).manual_seed(1)
+        # bf16 queries, as the attention swap passes them (model dtype).
         q_lat = torch.randn(B, H, 1, D_C, device=DEVICE, generator=g).bfloat16()
         q_rot = torch.randn(B, H, 1, D_R, device=DEVICE, generator=g).bfloat16()
         lp = torch.zeros(B, dtype=torch.long, device=DEVICE)
-        args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
-        for v in sweep[H]:
+        here = []
+        for kernel, name in OURS:
+            fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
+            args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+            fn = decode_fn(kernel, fmt, N, **(launch or {}).get((kernel, name, H), {}))
+            ms = bench(lambda: fn(*args))
+            here.append(dict(method=f"{name}-{kernel}", H=H, B=B, N=N, ms=ms, bytes=cache_bytes(fmt, B, N)))
+            del cp, rp
+        kv_bytes = B * N * (D_C + D_R) * 2
+        kv = torch.randn(B, N, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
+        q = torch.randn(B, H, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
+        if B * H * N * 4 * 3 < 60e9:
+            ms = bench(lambda: torch_absorbed(q, kv, SCALING))
+            here.append(dict(method="torch-bmm-bf16", H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
+        if B == 1:
+            # Launch overhead dominates at batch 1: both also replayed from a CUDA graph (how a captured decode step
+            # runs them; the fast kernel's interface is built for capture).
+            ms = bench(graphed(lambda: torch_absorbed(q, kv, SCALING)))
+            here.append(dict(method="torch-bmm-bf16-graph", H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
+            fmt, cp, rp, sc, sr, rc, rr = make_cache("C4R4", B, N)
+            fn = decode_fn("fast", fmt, N)
+            args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+            ms = bench(graphed(lambda: fn(*args)))
+            here.append(dict(method="C4R4-fast-graph", H=H, B=B, N=N, ms=ms, bytes=cache_bytes(fmt, B, N)))
+            del cp, rp
+        if bf16_kernel is not None:
             try:
-                ms = bench(lambda: mla_decode(*args, **v))
-            except Exception as e:  # a variant that does not compile (registers, shared memory) is reported, not fatal
+                fn = bf16_kernel_fn(bf16_kernel, B, H, N, kv)
+                ms = bench(fn)
+            except Exception as e:  # e.g. int32 offsets past 2**31 elements: reported, not fatal
                 ms = float("nan")
-                out_lines.append(f"variant {name} H={H} {v}: {type(e).__name__}: {str(e)[:200]}")
-            line = f"variant {name} H={H} B={B} N={N} {v or 'default'}: {ms:.4f} ms"
+                out_lines.append(f"bf16 Triton kernel H={H} B={B} N={N}: {type(e).__name__}: {str(e)[:160]}")
+            here.append(dict(method="vllm-triton-bf16", H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
+        del kv
+        if stock and B * N * H * (D_NOPE + D_V) * 2 * 3 < 60e9:
+            step = stock_step_fn(*stock_layer(H), B, N)
+            here.append(dict(method="stock-transformers", H=H, B=B, N=N, ms=bench(step, slow=True), bytes=kv_bytes))
+            del step
+        torch.cuda.empty_cache()
+        for r in here:
+            r["GBps"] = r["bytes"] / r["ms"] / 1e6
+            r["pct_ceiling"] = 100 * r["GBps"] / ceiling
+            line = (f"H={H:3d} B={B:2d} N={N:6d} {r['method']:18s} {r['ms']:8.4f} ms {r['GBps']:6.0f} GB/s "
+                    f"{r['pct_ceiling']:5.1f}%")
             print(line, flush=True)
             out_lines.append(line)
-            res.append(dict(method=name, H=H, variant=v, ms=ms))
-        del cp, rp
-        torch.cuda.empty_cache()
-    best = {}
-    for r in res:
-        k = (r["method"], r["H"])
-        if r["ms"] == r["ms"] and (k not in best or r["ms"] < best[k][1]):
-            best[k] = (r["variant"], r["ms"])
-    for k, (v, ms) in best.items():
-        line = f"best launch {k[0]} H={k[1]}: {v or 'default'} {ms:.4f} ms (used for the grid)"
-        print(line, flush=True)
-        out_lines.append(line)
-    return res, {k: v for k, (v, _) in best.items()}
+        rows += here
+    return ceiling, rows
+
+
+SWEEP = {
+    ("C4R4", 16): [dict(), dict(block_t=64), dict(block_t=16), dict(num_warps=8), dict(num_warps=8, block_t=64),
+                   dict(prefetch=False, num_stages=2), dict(prefetch=False, num_stages=3), dict(waves=1),
+                   dict(waves=4), dict(waves=8)],
+    ("C2R4", 16): [dict(), dict(block_t=64), dict(num_warps=8), dict(prefetch=False, num_stages=2)],
+    ("C4R4", 128): [dict(), dict(block_m=32, num_warps=4), dict(block_m=16, num_warps=4), dict(block_t=16),
+                    dict(block_m=64, num_warps=4), dict(waves=4)],
+}
+
+
+def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32768), ("C4R4", 128, 32, 32768))):
+    """Launch sweep of the fast kernel around its defaults at the target points (B 32, 32K)."""
+    res = []
+    for name, H, B, N in points:
+        if True:
+            fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
+            g = torch.Generator(device=DEVICE).manual_seed(1)
+            q_lat = torch.randn(B, H, 1, D_C, device=DEVICE, generator=g).bfloat16()
+            q_rot = torch.randn(B, H, 1, D_R, device=DEVICE, generator=g).bfloat16()
+            lp = torch.zeros(B, dtype=torch.long, device=DEVICE)
+            args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+            for v in SWEEP[(name, H)]:
+                try:
+                    fn = decode_fn("fast", fmt, N, **v)
+                    ms = bench(lambda: fn(*args))
+                except Exception as e:  # a variant that does not compile (registers, shared memory) is not fatal
+                    ms = float("nan")
+                    out_lines.append(f"variant {name} H={H} {v}: {type(e).__name__}: {str(e)[:200]}")
+                line = f"variant fast {name} H={H} B={B} N={N} {v or 'default'}: {ms:.4f} ms"
+                print(line, flush=True)
+                out_lines.append(line)
+                res.append(dict(method=name, H=H, B=B, N=N, variant=v, ms=ms))
+            del cp, rp
+            torch.cuda.empty_cache()
+    return res
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--check-kernels", default="fast", help="comma list of kernels to check: fast, old")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--stock", action="store_true", help="also time the stock transformers step (slow)")
+    ap.add_argument("--bf16-kernel", default=os.environ.get("BF16_MLA_KERNEL", ""),
+                    help="path to a local copy of vLLM's triton_decode_attention.py (not part of this repository)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-s", type=float, default=240, help="time budget of the --bench grid")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the script itself (interpreter, tiny sizes)")
     a = ap.parse_args()
     lines = []
     if a.tiny:
-        global D_C, D_R, D_NOPE, D_V, HIDDEN
         fmt, cp, rp, sc, sr, rc, rr = make_cache("C4R4", 2, 300, R=8, device="cpu")
         print("tiny make_cache ok", cache_bytes(fmt, 2, 300))
         step = stock_step_fn(*stock_layer(4), 2, 64)
@@ -283,23 +370,24 @@ def main():
     lines.append(env)
     result = {"env": env}
     if a.check:
-        result["check_ok"] = run_check(lines)
+        result["check_ok"] = all([run_check(lines, kernel=k) for k in a.check_kernels.split(",") if k])
     if a.variants:
-        result["variants"], _ = run_variants(lines)
-    launch = {}  # the grid runs the kernel's default launch choice
+        result["variants"] = run_variants(lines)
     if a.bench:
-        result["ceiling_GBps"], result["rows"] = run_bench(lines, launch=launch, budget_s=a.budget_s)
+        bf16 = load_bf16_kernel(a.bf16_kernel)
+        lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")
+        result["ceiling_GBps"], result["rows"] = run_bench(lines, budget_s=a.budget_s, bf16_kernel=bf16,
+                                                           stock=a.stock)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(a.out, "bench_decode.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if "rows" in result:
-        print(f"\n{'method':22s} {'H':>4s} {'B':>3s} {'N':>7s} {'ms':>9s} {'GB/s':>7s} {'%ceil':>6s}")
+        print(f"\n{'method':20s} {'H':>4s} {'B':>3s} {'N':>7s} {'ms':>9s} {'GB/s':>7s} {'%ceil':>6s}")
         for r in result["rows"]:
-            if r["B"] in (1, 32) and r["N"] in (32768, 131072):
-                print(f"{r['method']:22s} {r['H']:4d} {r['B']:3d} {r['N']:7d} {r['ms']:9.4f} "
-                      f"{r.get('GBps', 0):7.0f} {r.get('pct_ceiling', 0):6.1f}")
+            print(f"{r['method']:20s} {r['H']:4d} {r['B']:3d} {r['N']:7d} {r['ms']:9.4f} "
+                  f"{r.get('GBps', 0):7.0f} {r.get('pct_ceiling', 0):6.1f}")
 
 
 if __name__ == "__main__":
