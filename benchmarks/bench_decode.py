@@ -279,7 +279,10 @@ def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=Non
             ms = bench(graphed(lambda: fn(*args)))
             here.append(dict(method="C4R4-fast-graph", H=H, B=B, N=N, ms=ms, bytes=cache_bytes(fmt, B, N)))
             del cp, rp
-        if bf16_kernel is not None:
+        if bf16_kernel is not None and B * N * (D_C + D_R) >= 2**31:
+            # Known limit of that kernel: int32 offsets; past 2**31 elements it faults and kills the process.
+            out_lines.append(f"skip vllm-triton-bf16 H={H} B={B} N={N}: B*N*576 >= 2**31 (int32 offsets)")
+        elif bf16_kernel is not None:
             try:
                 fn = bf16_kernel_fn(bf16_kernel, B, H, N, kv)
                 ms = bench(fn)
@@ -306,11 +309,10 @@ def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=Non
 
 SWEEP = {
     ("C4R4", 16): [dict(), dict(block_t=64), dict(block_t=16), dict(num_warps=8), dict(num_warps=8, block_t=64),
-                   dict(prefetch=False, num_stages=2), dict(prefetch=False, num_stages=3), dict(waves=1),
-                   dict(waves=4), dict(waves=8)],
-    ("C2R4", 16): [dict(), dict(block_t=64), dict(num_warps=8), dict(prefetch=False, num_stages=2)],
-    ("C4R4", 128): [dict(), dict(block_m=32, num_warps=4), dict(block_m=16, num_warps=4), dict(block_t=16),
-                    dict(block_m=64, num_warps=4), dict(waves=4)],
+                   dict(num_stages=1), dict(num_stages=3), dict(waves=4), dict(waves=16)],
+    ("C2R4", 16): [dict(), dict(block_t=64), dict(num_warps=8), dict(num_stages=3)],
+    ("C4R4", 128): [dict(), dict(block_m=32, num_warps=8), dict(block_m=16, num_warps=4), dict(block_t=16),
+                    dict(block_m=32, num_warps=4), dict(waves=4)],
 }
 
 

@@ -43,93 +43,147 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _magic_codes(b_byte, BITS: tl.constexpr):
-    """`[BT, G, NB]` uint8 code bytes -> `[BT, G, NB * 8 // BITS]` fp16 `1024 + code` in element order (exact).
+    """`[BT, NB]` uint8 code bytes -> `[BT, NB * 8 // BITS]` fp16 `1024 + code` in element order (exact).
 
     4 bits: byte i holds element 2i (bits 0-3) and 2i+1 (bits 4-7); 2 bits: elements 4i..4i+3 at bits 0-1, 2-3,
     4-5, 6-7; 8 bits: one element per byte (quantmla_hf/format.py)."""
     BT: tl.constexpr = b_byte.shape[0]
-    G: tl.constexpr = b_byte.shape[1]
-    NB: tl.constexpr = b_byte.shape[2]
+    NB: tl.constexpr = b_byte.shape[1]
     x = b_byte.to(tl.int16)
     if BITS == 4:
-        x = tl.reshape(tl.join(x & 15, x >> 4), (BT, G, NB * 2))
+        x = tl.reshape(tl.join(x & 15, x >> 4), (BT, NB * 2))
     elif BITS == 2:
         # join stacks on a new last axis: join(join(e0, e2), join(e1, e3))[..., k, j] = e(2k + j): flattened e0 e1 e2 e3
-        x = tl.reshape(tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, x >> 6)), (BT, G, NB * 4))
+        x = tl.reshape(tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, x >> 6)), (BT, NB * 4))
     return (x | 0x6400).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _load_packed(p_codes, p_scale, p_zero, s_t, s_mt, o_t, m_t, G: tl.constexpr, NB: tl.constexpr):
-    """Raw planes of tokens `o_t: [BT]` (row-offset pointers): codes `[BT, G, NB]` uint8, scale `[BT, G]` fp16,
-    zero `[BT, G]` int8 (zeros where `m_t` is false)."""
-    o_g = tl.arange(0, G)
-    o_k = tl.arange(0, NB)
-    p = p_codes + (o_t * s_t)[:, None, None] + (o_g * NB)[None, :, None] + o_k[None, None, :]
-    b_code = tl.load(p, mask=m_t[:, None, None], other=0)
-    o_meta = (o_t * s_mt)[:, None] + o_g[None, :]
-    b_scale = tl.load(p_scale + o_meta, mask=m_t[:, None], other=0.0)
-    b_zero = tl.load(p_zero + o_meta, mask=m_t[:, None], other=0)
-    return b_code, b_scale, b_zero
+def _group_tile(p0, p1, p2, s_t, s_mt, o_t, m_t, g: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+    """Group `g` of tokens `o_t: [BT]` of one path (row-offset pointers): keys `[BT, GROUP]` fp16 and scales `[BT]`
+    fp32. Packed (`BITS` < 16): `p0, p1, p2` = codes, scale, zero planes; the keys are the exact integers
+    `code - z` (fp16 magic number: `(code | 0x6400) - (1024 + z)`, no int-to-float conversion). Model-dtype copies
+    (`BITS` == 16): `p0` holds the values, converted to fp16, with unit scales. Masked tokens give zero scales (and
+    zero keys for copies)."""
+    if BITS == 16:
+        o_k = tl.arange(0, GROUP)
+        b_v = tl.load(p0 + (o_t * s_t)[:, None] + g * GROUP + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_k = b_v.to(tl.float16)
+        b_s = tl.where(m_t, 1.0, 0.0)
+    else:
+        NB: tl.constexpr = GROUP * BITS // 8
+        HALF: tl.constexpr = 1 << (BITS - 1)
+        o_b = tl.arange(0, NB)
+        b_byte = tl.load(p0 + (o_t * s_t)[:, None] + g * NB + o_b[None, :], mask=m_t[:, None], other=0)
+        b_s = tl.load(p1 + o_t * s_mt + g, mask=m_t, other=0.0).to(tl.float32)
+        b_z = tl.load(p2 + o_t * s_mt + g, mask=m_t, other=0).to(tl.int32)
+        z = (b_z + (1024 + HALF)).to(tl.float16)  # 1024 + z, exact
+        b_k = _magic_codes(b_byte, BITS) - z[:, None]
+    return b_k, b_s
 
 
 @triton.jit
-def _int_keys(b_code, b_zero, BITS: tl.constexpr):
-    """Exact fp16 integers `code - z`: `[BT, G, group]` (z = stored zero + 2**(BITS-1), |code - z| < 2048)."""
-    HALF: tl.constexpr = 1 << (BITS - 1)
-    z = (b_zero.to(tl.int32) + (1024 + HALF)).to(tl.float16)  # 1024 + z, exact
-    return _magic_codes(b_code, BITS) - z[:, :, None]
-
-
-@triton.jit
-def _load_dense(p_vals, s_t, o_t, m_t, G: tl.constexpr, GROUP: tl.constexpr):
-    """Model-dtype rows `o_t` as fp16 `[BT, G, GROUP]` (exact for magnitudes in [6e-5, 65504]); zeros if masked."""
-    o_g = tl.arange(0, G)
+def _load_query_group(p_q, o_m, m_m, inv_f, g: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                      NG: tl.constexpr):
+    """Columns of group `g` of rows `o_m` times the per-row power of two `inv_f`: `(hi, lo)` fp16 `[BM, GROUP]`
+    (`lo` the rounding error of `hi`); zeros for a group past the path's `NG` groups (never used)."""
     o_k = tl.arange(0, GROUP)
-    p = p_vals + (o_t * s_t)[:, None, None] + (o_g * GROUP)[None, :, None] + o_k[None, None, :]
-    return tl.load(p, mask=m_t[:, None, None], other=0.0).to(tl.float16)
+    m = m_m[:, None] & (g < NG)
+    q = tl.load(p_q + o_m[:, None] * D + g * GROUP + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    q = q * inv_f[:, None]
+    q_hi = q.to(tl.float16)
+    return q_hi, (q - q_hi.to(tl.float32)).to(tl.float16)
 
 
 @triton.jit
-def _group_scores(q_hi, q_lo, b_k, b_s, Q_SPLIT: tl.constexpr):
-    """`sum_g s[:, g] * (q_g . k_g)`: queries `[G, BM, GROUP]` fp16 (high, low parts), keys `[BT, G, GROUP]` fp16,
-    scales `[BT, G]` fp32 -> `[BM, BT]` fp32."""
-    k_t = tl.permute(b_k, (1, 2, 0))  # [G, GROUP, BT]
+def _row_scale(p_q, o_m, m_m, D: tl.constexpr):
+    """Per-row power of two `f = 2**e` (`[BM]`) that keeps `|q| / f` below 2**14 (fp16 query operands neither
+    overflow nor lose bf16 bits); returns `(f, 1 / f)`."""
+    o_k = tl.arange(0, D)
+    q = tl.load(p_q + o_m[:, None] * D + o_k[None, :], mask=m_m[:, None], other=0.0)
+    amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+    e = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0) / 16384.0)), 0.0)
+    return tl.exp2(e), tl.exp2(-e)
+
+
+@triton.jit
+def _qk(q_hi, q_lo, b_k, Q_SPLIT: tl.constexpr):
+    """`[BM, GROUP] x [BT, GROUP]^T -> [BM, BT]` fp32 (fp16 operands; plus the low query part when Q_SPLIT)."""
+    k_t = tl.trans(b_k)
     d = tl.dot(q_hi, k_t)
     if Q_SPLIT:
         d += tl.dot(q_lo, k_t)
-    return tl.sum(d * tl.trans(b_s)[:, None, :], axis=0)
+    return d
 
 
 @triton.jit
-def _load_queries(p_q, o_m, m_m, D: tl.constexpr, G: tl.constexpr, GROUP: tl.constexpr):
-    """Rows `o_m` of one path as `(hi, lo, f)`: `[G, BM, GROUP]` fp16 high and low parts of `q / f`, with `f: [BM]`
-    a per-row power of two that keeps `|q| / f` below 2**14 (fp16 operands never overflow; bf16/fp16 queries are
-    exact in the high part)."""
-    o_g = tl.arange(0, G)
-    o_k = tl.arange(0, GROUP)
-    p = p_q + o_m[None, :, None] * D + (o_g * GROUP)[:, None, None] + o_k[None, None, :]
-    q = tl.load(p, mask=m_m[None, :, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(q), axis=2), axis=0)
-    e = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0) / 16384.0)), 0.0)
-    q = q * tl.exp2(-e)[None, :, None]
-    q_hi = q.to(tl.float16)
-    return q_hi, (q - q_hi.to(tl.float32)).to(tl.float16), tl.exp2(e)
+def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr,
+          qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+          m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
+          GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
+          R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr):
+    """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (each group's
+    keys unpacked once, as exact integers), an online-softmax step in base 2, and per group
+    `a_g = a_g * alpha + p @ fp16(k_g * s_g)` (the same unpacked tile, scaled: one fp16 rounding)."""
+    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS)
+    sc = _qk(qh0, ql0, k, Q_SPLIT) * s[None, :]
+    if GC > 1:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS)
+        sc += _qk(qh1, ql1, k, Q_SPLIT) * s[None, :]
+    if GC > 2:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS)
+        sc += _qk(qh2, ql2, k, Q_SPLIT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS)
+        sc += _qk(qh3, ql3, k, Q_SPLIT) * s[None, :]
+    if GC > 4:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS)
+        sc += _qk(qh4, ql4, k, Q_SPLIT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS)
+        sc += _qk(qh5, ql5, k, Q_SPLIT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS)
+        sc += _qk(qh6, ql6, k, Q_SPLIT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS)
+        sc += _qk(qh7, ql7, k, Q_SPLIT) * s[None, :]
+    k, s = _group_tile(r0, r1, r2, s_rt, s_rmt, o_t, m_t, 0, GROUP_R, R_BITS)
+    b_s = sc * fc[:, None] + _qk(qrh, qrl, k, Q_SPLIT) * (s[None, :] * fr[:, None])
 
-
-@triton.jit
-def _softmax_step(b_s, m_valid, m_i, l_i, acc, b_v):
-    """Online softmax in base 2: scores `[BM, BT]`, values `[BT, G, GROUP]` fp16, `acc: [G, BM, GROUP]` fp32."""
     b_s = tl.where(m_valid, b_s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     b_p = tl.exp2(b_s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(b_p, axis=1)
-    G: tl.constexpr = acc.shape[0]
-    p3 = tl.broadcast_to(b_p.to(tl.float16)[None, :, :], (G, b_p.shape[0], b_p.shape[1]))
-    acc = acc * alpha[None, :, None] + tl.dot(p3, tl.permute(b_v, (1, 0, 2)))
-    return m_new, l_i, acc
+    p16 = b_p.to(tl.float16)
+
+    # Values: the group tiles again (an L1 hit), scaled per token: fp16((code - z) * s).
+    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS)
+    a0 = a0 * alpha[:, None] + tl.dot(p16, k * s.to(tl.float16)[:, None])
+    if GC > 1:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS)
+        a1 = a1 * alpha[:, None] + tl.dot(p16, k * s.to(tl.float16)[:, None])
+    if GC > 2:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS)
+        a2 = a2 * alpha[:, None] + tl.dot(p16, k * s.to(tl.float16)[:, None])
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS)
+        a3 = a3 * alpha[:, None] + tl.dot(p16, k * s.to(tl.float16)[:, None])
+    if GC > 4:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS)
+        a4 = a4 * alpha[:, None] + tl.dot(p16, k * s.to(tl.float16)[:, None])
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS)
+        a5 = a5 * alpha[:, None] + tl.dot(p16, k * s.to(tl.float16)[:, None])
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS)
+        a6 = a6 * alpha[:, None] + tl.dot(p16, k * s.to(tl.float16)[:, None])
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS)
+        a7 = a7 * alpha[:, None] + tl.dot(p16, k * s.to(tl.float16)[:, None])
+    return m_new, l_i, a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _store_group(o_ptr, o_row, m_m, acc, inv_l, g: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                 GC: tl.constexpr):
+    if g < GC:
+        o_k = tl.arange(0, GROUP)
+        tl.store(o_ptr + o_row[:, None] * D + g * GROUP + o_k[None, :], acc * inv_l[:, None], mask=m_m[:, None])
 
 
 # Lengths and counts change every decode step: no specialisation on them (the length is read from memory anyway).
@@ -143,9 +197,9 @@ def mla_decode_fast_kernel(
     s_qb, s_qrb, s_ccb, s_cct, s_csb, s_cst, s_rcb, s_rct, s_rsb, s_rst,
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
-    D_R: tl.constexpr, GR: tl.constexpr, GROUP_R: tl.constexpr, R_BITS: tl.constexpr,
+    D_R: tl.constexpr, R_BITS: tl.constexpr,
     S: tl.constexpr, R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr,
 ):
     """One program per (split, head block, batch row): splits `0 .. num_splits-1` take `tokens_per_split` packed
     positions each from `S`; split `num_splits` takes the sink and recent copies. Writes the normalised partial
@@ -153,8 +207,6 @@ def mla_decode_fast_kernel(
     i_s = tl.program_id(0).to(tl.int64)
     i_hb = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2).to(tl.int64)
-    NBC: tl.constexpr = GROUP_C * C_BITS // 8
-    NBR: tl.constexpr = GROUP_R * R_BITS // 8
 
     length = tl.load(len_ptr).to(tl.int64)
     lp = tl.load(lp_ptr + i_b).to(tl.int64)
@@ -162,14 +214,33 @@ def mla_decode_fast_kernel(
     m_m = o_m < M
     lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
 
-    qc_hi, qc_lo, fc = _load_queries(q_ptr + i_b * s_qb, o_m, m_m, D_C, GC, GROUP_C)
-    qr_hi, qr_lo, fr = _load_queries(qr_ptr + i_b * s_qrb, o_m, m_m, D_R, GR, GROUP_R)
+    # Queries, once per program: per-row powers of two, then fp16 high/low parts per group.
+    p_q = q_ptr + i_b * s_qb
+    p_qr = qr_ptr + i_b * s_qrb
+    fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C)
+    fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R)
     fc = fc * qk_scale  # scores in base 2, pre-multiplied by scaling * log2(e)
     fr = fr * qk_scale
+    qh0, ql0 = _load_query_group(p_q, o_m, m_m, inv_fc, 0, GROUP_C, D_C, GC)
+    qh1, ql1 = _load_query_group(p_q, o_m, m_m, inv_fc, 1, GROUP_C, D_C, GC)
+    qh2, ql2 = _load_query_group(p_q, o_m, m_m, inv_fc, 2, GROUP_C, D_C, GC)
+    qh3, ql3 = _load_query_group(p_q, o_m, m_m, inv_fc, 3, GROUP_C, D_C, GC)
+    qh4, ql4 = _load_query_group(p_q, o_m, m_m, inv_fc, 4, GROUP_C, D_C, GC)
+    qh5, ql5 = _load_query_group(p_q, o_m, m_m, inv_fc, 5, GROUP_C, D_C, GC)
+    qh6, ql6 = _load_query_group(p_q, o_m, m_m, inv_fc, 6, GROUP_C, D_C, GC)
+    qh7, ql7 = _load_query_group(p_q, o_m, m_m, inv_fc, 7, GROUP_C, D_C, GC)
+    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, 1)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((GC, BLOCK_M, GROUP_C), tl.float32)
+    a0 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a1 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a2 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a3 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a4 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a5 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a6 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a7 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
     is_dense = i_s == num_splits
 
     # Packed positions: this split's share of [S, length - R), intersected with [lp + S, ...). Every one of them lies
@@ -183,72 +254,55 @@ def mla_decode_fast_kernel(
     p_rc = rc_ptr + i_b * s_rcb
     p_rs = rs_ptr + i_b * s_rsb
     p_rz = rz_ptr + i_b * s_rsb
-    n_tiles = tl.cdiv(tl.maximum(hi_s - lo_s, 0), BLOCK_T)
     o_bt = tl.arange(0, BLOCK_T).to(tl.int64)
-    if PREFETCH:
-        o_t = lo_s + o_bt
+    for start in range(lo_s, hi_s, BLOCK_T):
+        o_t = start + o_bt
         m_t = (o_t < hi_s) & (o_t >= lo_valid)
-        c_code, c_scale, c_zero = _load_packed(p_cc, p_cs, p_cz, s_cct, s_cst, o_t, m_t, GC, NBC)
-        r_code, r_scale, r_zero = _load_packed(p_rc, p_rs, p_rz, s_rct, s_rst, o_t, m_t, GR, NBR)
-    for i in range(0, n_tiles):
-        o_t = lo_s + i * BLOCK_T + o_bt
-        m_t = (o_t < hi_s) & (o_t >= lo_valid)
-        if PREFETCH:
-            # Next tile's bytes in flight while this one is computed.
-            o_n = o_t + BLOCK_T
-            m_n = (o_n < hi_s) & (o_n >= lo_valid)
-            n_c_code, n_c_scale, n_c_zero = _load_packed(p_cc, p_cs, p_cz, s_cct, s_cst, o_n, m_n, GC, NBC)
-            n_r_code, n_r_scale, n_r_zero = _load_packed(p_rc, p_rs, p_rz, s_rct, s_rst, o_n, m_n, GR, NBR)
-        else:
-            c_code, c_scale, c_zero = _load_packed(p_cc, p_cs, p_cz, s_cct, s_cst, o_t, m_t, GC, NBC)
-            r_code, r_scale, r_zero = _load_packed(p_rc, p_rs, p_rz, s_rct, s_rst, o_t, m_t, GR, NBR)
-        k_c = _int_keys(c_code, c_zero, C_BITS)
-        k_r = _int_keys(r_code, r_zero, R_BITS)
-        cs32 = c_scale.to(tl.float32)
-        b_s = (_group_scores(qc_hi, qc_lo, k_c, cs32, Q_SPLIT) * fc[:, None]
-               + _group_scores(qr_hi, qr_lo, k_r, r_scale.to(tl.float32), Q_SPLIT) * fr[:, None])
-        b_v = k_c * c_scale[:, :, None]  # fp16 (code - z) * s, one rounding
-        m_i, l_i, acc = _softmax_step(b_s, m_m[:, None] & m_t[None, :], m_i, l_i, acc, b_v)
-        if PREFETCH:
-            c_code, c_scale, c_zero = n_c_code, n_c_scale, n_c_zero
-            r_code, r_scale, r_zero = n_r_code, n_r_scale, n_r_zero
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            p_cc, p_cs, p_cz, p_rc, p_rs, p_rz, s_cct, s_cst, s_rct, s_rst, o_t, m_t, m_m[:, None] & m_t[None, :],
+            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT)
 
     # The last split takes the model-dtype copies: the sink (slot j = position lp + j) and the recent ring
     # (positions [length - R, length) past the sink, slot p % R), causal per query row.
-    ones_c = tl.full((BLOCK_T, GC), 1.0, tl.float32)
-    ones_r = tl.full((BLOCK_T, GR), 1.0, tl.float32)
     n_sink = tl.where(is_dense, S, 0)
+    p_snc = snc_ptr + i_b * s_sncb
+    p_snr = snr_ptr + i_b * s_snrb
     for start in range(0, n_sink, BLOCK_T):
         o_j = start + o_bt
         o_t = lp + o_j
         m_t = (o_j < S) & (o_t < length)
-        k_c = _load_dense(snc_ptr + i_b * s_sncb, s_snct, o_j, m_t, GC, GROUP_C)
-        k_r = _load_dense(snr_ptr + i_b * s_snrb, s_snrt, o_j, m_t, GR, GROUP_R)
-        b_s = (_group_scores(qc_hi, qc_lo, k_c, ones_c, Q_SPLIT) * fc[:, None]
-               + _group_scores(qr_hi, qr_lo, k_r, ones_r, Q_SPLIT) * fr[:, None])
         m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
-        m_i, l_i, acc = _softmax_step(b_s, m_valid, m_i, l_i, acc, k_c)
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, s_snct, s_snct, s_snrt, s_snrt, o_j, m_t, m_valid,
+            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT)
     r_lo = tl.maximum(length - R, 0)
     r_hi = tl.where(is_dense, length, r_lo)
+    p_rcc = rcc_ptr + i_b * s_rccb
+    p_rcr = rcr_ptr + i_b * s_rcrb
     for start in range(r_lo, r_hi, BLOCK_T):
         o_t = start + o_bt
         m_t = (o_t < r_hi) & (o_t >= lo_valid)
-        k_c = _load_dense(rcc_ptr + i_b * s_rccb, s_rcct, o_t % R, m_t, GC, GROUP_C)
-        k_r = _load_dense(rcr_ptr + i_b * s_rcrb, s_rcrt, o_t % R, m_t, GR, GROUP_R)
-        b_s = (_group_scores(qc_hi, qc_lo, k_c, ones_c, Q_SPLIT) * fc[:, None]
-               + _group_scores(qr_hi, qr_lo, k_r, ones_r, Q_SPLIT) * fr[:, None])
         m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
-        m_i, l_i, acc = _softmax_step(b_s, m_valid, m_i, l_i, acc, k_c)
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, s_rcct, s_rcct, s_rcrt, s_rcrt, o_t % R, m_t, m_valid,
+            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT)
 
     # Partial results: o normalised by this split's sum, lse in natural log (-inf for an empty split).
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_row = (i_b * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (b, m, split)
-    o_g = tl.arange(0, GC)
-    o_k = tl.arange(0, GROUP_C)
-    p_o = o_ptr + o_row[None, :, None] * D_C + (o_g * GROUP_C)[:, None, None] + o_k[None, None, :]
-    tl.store(p_o, acc * inv_l[None, :, None], mask=m_m[None, :, None])
+    _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a1, inv_l, 1, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a2, inv_l, 2, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a3, inv_l, 3, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a4, inv_l, 4, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a5, inv_l, 5, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a6, inv_l, 6, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a7, inv_l, 7, GROUP_C, D_C, GC)
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
@@ -294,6 +348,8 @@ def fast_supported(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: t
             return False
         if not (_pow2(p.dim) and _pow2(p.group) and p.group >= 16 and _pow2(p.n_groups)):
             return False
+    if fmt.content.n_groups > 8 or fmt.rope.n_groups != 1:
+        return False
     if q_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     if copy_dtype is not None and copy_dtype not in (torch.bfloat16, torch.float16):
@@ -315,8 +371,7 @@ def default_launch(B: int, M: int, capacity: int, fmt: CacheFormat, device) -> d
     that about `waves` programs per multiprocessor exist, each with at least 2 tiles."""
     device = torch.device(device)
     many = M > 32
-    launch = dict(block_m=64 if many else 16, block_t=32, num_warps=8 if many else 4, num_stages=1, prefetch=True,
-                  waves=2)
+    launch = dict(block_m=64 if many else 16, block_t=32, num_warps=8 if many else 4, num_stages=2, waves=8)
     return launch
 
 
@@ -431,9 +486,8 @@ def mla_decode_static(
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         D_C=D_C, GC=fmt.content.n_groups, GROUP_C=fmt.content.group, C_BITS=fmt.content.bits,
-        D_R=D_R, GR=fmt.rope.n_groups, GROUP_R=fmt.rope.group, R_BITS=fmt.rope.bits,
-        S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=BLOCK_M, BLOCK_T=BLOCK_T, Q_SPLIT=q_split,
-        PREFETCH=bool(cfg["prefetch"]), num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+        D_R=D_R, R_BITS=fmt.rope.bits, S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=BLOCK_M, BLOCK_T=BLOCK_T,
+        Q_SPLIT=q_split, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     if out is None:
         o = torch.empty((B, H, Tq, D_C), dtype=torch.float32, device=dev)

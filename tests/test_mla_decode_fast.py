@@ -1,0 +1,166 @@
+"""Fast packed MLA decode kernel (`kernels/mla_decode_fast.py`) vs the PyTorch reference (fp64), fresh random data.
+
+On CPU the kernel runs in the Triton interpreter (tests/conftest.py), so sizes stay small; the real-size run is
+`benchmarks/bench_decode.py --check` on a GPU (docs/BENCHMARKS.md). Every case passes the length as a one-element
+device tensor and planes with spare capacity beyond it, as the static (graph-capturable) interface does.
+"""
+
+import math
+
+import pytest
+import torch
+
+from quantmla_hf import CacheFormat, PathFormat
+from quantmla_hf.kernels.mla_decode_fast import fast_supported, mla_decode_static
+from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
+from quantmla_hf.kernels.quant_pack_ref import quantize_ref
+
+from helpers import assert_close
+
+OUT_RATIO = 2e-3
+LSE_ABS = 1e-4
+
+
+def make_case(B, N, H, Tq, dc, dr, cb, rb, S, R, left_padding, seed, spare=45, q_dtype=torch.float32, q_scale=1.0,
+              copy_dtype=torch.bfloat16):
+    """Positional arguments of `mla_decode_ref` plus the planes' capacity (N + spare, the spare part random too)."""
+    g = torch.Generator().manual_seed(seed)
+    fmt = CacheFormat(PathFormat(dc, cb, 64), PathFormat(dr, rb, 64), S, R)
+    cap = N + spare
+
+    def planes(f, d):
+        codes, scale, zero = quantize_ref(torch.randn(B, cap, d, generator=g) * 2 + 0.3, f)
+        return {"codes": codes, "scale": scale, "zero": zero}
+
+    def dense(n, d):
+        return torch.randn(B, n, d, generator=g).to(copy_dtype)
+
+    q_lat = (torch.randn(B, H, Tq, dc, generator=g) * q_scale).to(q_dtype)
+    q_rot = (torch.randn(B, H, Tq, dr, generator=g) * q_scale).to(q_dtype)
+    args = (q_lat, q_rot, planes(fmt.content, dc), planes(fmt.rope, dr), fmt, dense(S, dc), dense(S, dr),
+            dense(R, dc), dense(R, dr), torch.tensor(left_padding), N, 1 / math.sqrt(dc + dr))
+    return args, cap
+
+
+def run_fast(args, cap, **launch):
+    a = list(args)
+    length = torch.tensor([a[10]], dtype=torch.int64)
+    return mla_decode_static(*a[:10], length, cap, a[11], **launch)
+
+
+def check(case, **launch):
+    args, cap = case
+    out, lse = run_fast(args, cap, **launch)
+    ref_out, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert_close("o_lat", ref_out, out, OUT_RATIO)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows without visible positions differ"
+    finite = torch.isfinite(ref_lse)
+    err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    assert err < LSE_ABS, f"lse max abs error {err:.2e}"
+    return out, lse
+
+
+@pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (8, 8), (4, 8), (2, 2)])
+def test_bit_configs_with_unequal_padding(cb, rb):
+    """Batch 2 with different left padding, an odd length, 3 splits of 32-token tiles plus the sink/recent split."""
+    check(make_case(2, 141, 4, 1, 128, 32, cb, rb, 3, 8, [0, 37], seed=cb * 10 + rb), num_splits=3)
+
+
+def test_deepseek_widths_eight_groups():
+    """d_c 512 (eight content groups, every unrolled group of the kernel used), d_R 64, 16 heads, bf16 queries."""
+    check(make_case(2, 100, 16, 1, 512, 64, 4, 4, 4, 16, [0, 9], seed=5, q_dtype=torch.bfloat16), num_splits=2)
+
+
+@pytest.mark.parametrize("length", [1, 6, 7, 13, 14, 47])
+def test_lengths_around_sink_recent_and_split_edges(length):
+    """S=2, R=4: the packed range [2, length - 4) empty, one token, across two splits; the second row starts later."""
+    check(make_case(2, length, 2, 1, 64, 16, 4, 4, 2, 4, [0, min(1, length - 1)], seed=length), num_splits=2,
+          block_t=16)
+
+
+@pytest.mark.parametrize("tq", [2, 8])
+def test_several_query_tokens_see_a_causal_history(tq):
+    check(make_case(2, 70, 3, tq, 128, 32, 4, 4, 3, 8, [9, 0], seed=tq, q_dtype=torch.bfloat16), num_splits=2)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_query_dtypes(q_dtype):
+    """fp32 queries take the high/low fp16 split (two dots), bf16/fp16 queries one dot."""
+    check(make_case(2, 90, 2, 1, 128, 32, 2, 4, 2, 4, [0, 3], seed=31, q_dtype=q_dtype), num_splits=2)
+
+
+def test_fp16_model_copies():
+    check(make_case(2, 77, 2, 1, 128, 32, 4, 4, 2, 8, [4, 0], seed=41, copy_dtype=torch.float16), num_splits=2)
+
+
+def test_peaked_attention_keeps_the_lse_exact():
+    """Large queries (scores of tens) make a few tokens dominate; keys are exact integers, scales after the dot."""
+    check(make_case(2, 100, 2, 1, 128, 32, 8, 8, 2, 4, [0, 4], seed=3, q_scale=6.0), num_splits=2)
+
+
+def test_huge_bf16_queries_stay_finite():
+    """|q| ~ 1e6 is past fp16's range: the per-row power of two keeps the operands finite and exact."""
+    args, cap = make_case(2, 90, 2, 1, 128, 16 * 2, 4, 4, 2, 4, [0, 3], seed=21, q_dtype=torch.bfloat16,
+                          q_scale=1e6)
+    out, lse = run_fast(args, cap, num_splits=2)
+    ref_out, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_close("o_lat", ref_out, out, OUT_RATIO)
+    assert ((lse - ref_lse).abs() / ref_lse.abs()).max() < 1e-5
+
+
+def test_many_rows_take_several_head_blocks():
+    """20 heads x 2 queries = 40 rows: 64-row blocks by default, 16-row blocks (three of them) as well."""
+    case = make_case(1, 80, 20, 2, 128, 32, 4, 4, 4, 16, [3], seed=7)
+    check(case, num_splits=2)
+    check(case, num_splits=2, block_m=16, num_warps=4)
+
+
+def test_splits_past_the_length_stay_empty():
+    """Capacity 4x the length: the splits are cut for the capacity, most lie past `length` and must add nothing."""
+    check(make_case(2, 60, 2, 1, 128, 32, 4, 4, 2, 4, [0, 5], seed=13, spare=180), num_splits=6, block_t=16)
+
+
+def test_rows_without_visible_positions_give_zeros_and_minus_inf():
+    out, lse = check(make_case(2, 20, 2, 1, 64, 16, 4, 4, 2, 4, [0, 20], seed=11), num_splits=2, block_t=16)
+    assert torch.isinf(lse[1]).all() and (lse[1] < 0).all()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_preallocated_outputs_are_filled():
+    args, cap = make_case(1, 50, 2, 1, 64, 16, 4, 4, 2, 4, [0], seed=17)
+    o = torch.full((1, 2, 1, 64), float("nan"))
+    lse = torch.full((1, 2, 1), float("nan"))
+    out = run_fast(args, cap, out=(o, lse), num_splits=2)
+    assert out[0] is o and out[1] is lse
+    ref_out, _ = mla_decode_ref(*args, dtype=torch.float64)
+    assert_close("o_lat", ref_out, o, OUT_RATIO)
+
+
+def test_fast_supported_says_which_formats_it_takes():
+    fmt = lambda cb, rb, dc=512, dr=64, group=64: CacheFormat(PathFormat(dc, cb, group), PathFormat(dr, rb, group))  # noqa: E731
+    # (the interpreter runs the kernel on CPU; on a machine without it, CPU is refused)
+    assert fast_supported(fmt(4, 4), torch.bfloat16, "cpu", torch.bfloat16)
+    assert fast_supported(fmt(2, 4), torch.float32, "cpu")
+    assert fast_supported(fmt(8, 8), torch.float16, "cpu")
+    assert not fast_supported(fmt(16, 16), torch.bfloat16, "cpu")  # unquantized paths: fallback kernel
+    assert not fast_supported(fmt(4, 16), torch.bfloat16, "cpu")
+    assert not fast_supported(fmt(4, 4), torch.bfloat16, "cpu", torch.float32)  # fp32 models: exact fallback
+    assert not fast_supported(fmt(4, 4, dc=192), torch.bfloat16, "cpu")  # three groups
+    assert not fast_supported(fmt(4, 4, dc=1024), torch.bfloat16, "cpu")  # sixteen groups
+    assert not fast_supported(fmt(4, 4, dr=128), torch.bfloat16, "cpu")  # two RoPE groups
+    assert not fast_supported(fmt(4, 4), torch.int8, "cpu")
+
+
+def test_bad_inputs_get_clear_errors():
+    args, cap = make_case(1, 30, 2, 1, 64, 16, 4, 4, 2, 4, [0], seed=2)
+    a = list(args)
+    with pytest.raises(ValueError, match="one-element tensor"):
+        mla_decode_static(*a[:10], torch.tensor([30, 30]), cap, a[11])
+    with pytest.raises(ValueError, match="capacity"):
+        mla_decode_static(*a[:10], torch.tensor([30]), cap + 1, a[11])
+    fmt16 = CacheFormat(PathFormat(64, 16, 64), PathFormat(16, 16, 64), 2, 4)
+    with pytest.raises(ValueError, match="fast_supported"):
+        mla_decode_static(*a[:4], fmt16, *a[5:10], torch.tensor([30]), cap, a[11])
