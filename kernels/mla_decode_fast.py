@@ -366,13 +366,14 @@ def _num_sms(device_index: int) -> int:
 
 
 def default_launch(B: int, M: int, capacity: int, fmt: CacheFormat, device) -> dict:
-    """Launch chosen from static sizes only (B, rows, capacity): 16-row blocks (each token tile is unpacked once per
-    16 rows) with 32-token tiles and 4 warps, or 64-row blocks and 8 warps for many rows (128 heads); splits so
-    that about `waves` programs per multiprocessor exist, each with at least 2 tiles."""
-    device = torch.device(device)
-    many = M > 32
-    launch = dict(block_m=64 if many else 16, block_t=32, num_warps=8 if many else 4, num_stages=2, waves=8)
-    return launch
+    """Launch from static sizes only (the winners of the H200 sweep, docs/BENCHMARKS.md "Fast kernel"): up to 32
+    rows: 16-row blocks (each token tile unpacked once per 16 rows), 32-token tiles, 4 warps, pipeline depth by
+    content width (4 bits: 1 stage, 2 bits: 3, 8 bits: 2); more rows (128 heads, several query tokens): 32-row
+    blocks, 4 warps, 2 stages. Splits for about 8 programs per multiprocessor."""
+    if M > 32:
+        return dict(block_m=32, block_t=32, num_warps=4, num_stages=2, waves=8)
+    stages = {4: 1, 2: 3}.get(fmt.content.bits, 2)
+    return dict(block_m=16, block_t=32, num_warps=4, num_stages=stages, waves=8)
 
 
 def num_splits_for(B: int, head_blocks: int, capacity: int, fmt: CacheFormat, sms: int, block_t: int,

@@ -112,7 +112,7 @@ def test_huge_bf16_queries_stay_finite():
 
 
 def test_many_rows_take_several_head_blocks():
-    """20 heads x 2 queries = 40 rows: 64-row blocks by default, 16-row blocks (three of them) as well."""
+    """20 heads x 2 queries = 40 rows: 32-row blocks by default (two), 16-row blocks (three) as well."""
     case = make_case(1, 80, 20, 2, 128, 32, 4, 4, 4, 16, [3], seed=7)
     check(case, num_splits=2)
     check(case, num_splits=2, block_m=16, num_warps=4)
