@@ -25,7 +25,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels.mla_decode import mla_decode
-from quantmla_hf.kernels.mla_decode_fast import fast_supported, mla_decode_static
+from quantmla_hf.kernels.mla_decode_fast import fast_handles, mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
 D_C, D_R, D_NOPE, D_V, HIDDEN = 512, 64, 128, 128, 2048
@@ -97,7 +97,7 @@ def run_check(out_lines, cases=None, R=128, kernel="old"):
     for name, H, B, N, Tq, qdt in cases:
         spare = 67 if kernel == "fast" else 0
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + spare, R=R, seed=B + N)
-        if kernel == "fast" and not fast_supported(fmt, torch.bfloat16, DEVICE, sc.dtype):
+        if kernel == "fast" and not fast_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the fast kernel, skipped")
             print(out_lines[-1], flush=True)
             continue

@@ -338,11 +338,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def fast_supported(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
-    """Whether `mla_decode_static` of this module handles this format, query dtype and device (else use the
-    fallback `mla_decode.py`): both paths packed at 2, 4 or 8 bits, power-of-two widths and group counts, groups
-    of at least 16 elements, queries in bf16/fp16/fp32, model-dtype copies (`copy_dtype`, when given) in
-    bf16/fp16, and a CUDA device of compute capability >= 8 (the Triton interpreter also runs it, for tests)."""
+def fast_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
+    """Whether `mla_decode_static` can compute this case: both paths packed at 2, 4 or 8 bits, power-of-two widths,
+    at most 8 content groups and one RoPE group, groups of at least 16 elements, queries in bf16/fp16/fp32,
+    model-dtype copies (`copy_dtype`, when given) in bf16/fp16, and a CUDA device of compute capability >= 8 (the
+    Triton interpreter also runs it, on CPU, for tests)."""
     for p in (fmt.content, fmt.rope):
         if not p.quantized or p.bits not in (2, 4, 8):
             return False
@@ -360,6 +360,13 @@ def fast_supported(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: t
     return device.type == "cpu" and _interpreting()
 
 
+def fast_supported(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
+    """Whether to dispatch to this kernel (else `mla_decode.py`): it handles the case (`fast_handles`) AND was
+    measured faster than the fallback there. 8-bit content is handled correctly but measured slower on the H200
+    (16 heads, B32, 32K: 1.30 ms vs 1.00 ms; docs/BENCHMARKS.md), so it stays on the fallback."""
+    return fmt.content.bits in (2, 4) and fast_handles(fmt, q_dtype, device, copy_dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -367,13 +374,12 @@ def _num_sms(device_index: int) -> int:
 
 def default_launch(B: int, M: int, capacity: int, fmt: CacheFormat, device) -> dict:
     """Launch from static sizes only (the winners of the H200 sweep, docs/BENCHMARKS.md "Fast kernel"): up to 32
-    rows: 16-row blocks (each token tile unpacked once per 16 rows), 32-token tiles, 4 warps, pipeline depth by
-    content width (4 bits: 1 stage, 2 bits: 3, 8 bits: 2); more rows (128 heads, several query tokens): 32-row
-    blocks, 4 warps, 2 stages. Splits for about 8 programs per multiprocessor."""
+    rows: 16-row blocks (each token tile unpacked once per 16 rows), 32-token tiles, 4 warps, 1 stage (the
+    fastest of 1-3 at every content width measured); more rows (128 heads, several query tokens): 32-row blocks,
+    4 warps, 2 stages. Splits for about 8 programs per multiprocessor."""
     if M > 32:
         return dict(block_m=32, block_t=32, num_warps=4, num_stages=2, waves=8)
-    stages = {4: 1, 2: 3}.get(fmt.content.bits, 2)
-    return dict(block_m=16, block_t=32, num_warps=4, num_stages=stages, waves=8)
+    return dict(block_m=16, block_t=32, num_warps=4, num_stages=1, waves=8)
 
 
 def num_splits_for(B: int, head_blocks: int, capacity: int, fmt: CacheFormat, sms: int, block_t: int,
@@ -429,7 +435,7 @@ def mla_decode_static(
     D_R = q_rot.shape[-1]
     if D_C != fmt.content.dim or D_R != fmt.rope.dim:
         raise ValueError(f"query widths ({D_C}, {D_R}) do not match the cache format ({fmt.content.dim}, {fmt.rope.dim})")
-    if not fast_supported(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
+    if not fast_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
         raise ValueError(
             f"the fast decode kernel does not handle {fmt.name} (content {fmt.content}, rope {fmt.rope}) with "
             f"{q_lat.dtype} queries and {sink_c.dtype} copies on {q_lat.device}: check fast_supported() first and use "
