@@ -1,8 +1,10 @@
-"""Run `mla_decode` a few times at one point, for a profiler to attach to (DeepSeek-V2-Lite dims, bf16 queries).
+"""Run one decode kernel a few times at one point, for a profiler to attach to (DeepSeek-V2-Lite dims, bf16 queries).
 
-    python benchmarks/profile_decode.py C4R4 16 32 32768 ['{"num_warps": 8}']
+    python benchmarks/profile_decode.py C4R4 16 32 32768 ['{"num_warps": 8}'] [fast|old]
 
-Under Nsight Compute, the stall and shared-memory figures of docs/BENCHMARKS.md came from (one kernel launch):
+`fast` (default) runs `mla_decode_fast.mla_decode_static` (device-side length), `old` the fallback `mla_decode`.
+Under Nsight Compute, the stall and shared-memory figures of docs/BENCHMARKS.md came from (one kernel launch;
+`-k regex:mla_decode_fast_kernel` for the fast kernel, `regex:mla_decode_fwd` for the fallback):
 
     ncu --clock-control none -k regex:mla_decode_fwd -c 1 --metrics \\
       smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\\
@@ -11,8 +13,9 @@ Under Nsight Compute, the stall and shared-memory figures of docs/BENCHMARKS.md 
       smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\\
       smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\\
       l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,\\
-      smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum \\
-      python3 benchmarks/profile_decode.py C4R4 16 32 32768
+      smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum,\\
+      dram__throughput.avg.pct_of_peak_sustained_elapsed \\
+      python3 benchmarks/profile_decode.py C4R4 16 32 32768 '{}' old
 """
 
 from __future__ import annotations
@@ -24,20 +27,20 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import D_C, D_R, SCALING, make_cache  # noqa: E402
-
-from quantmla_hf.kernels.mla_decode import mla_decode  # noqa: E402
+from bench_decode import D_C, D_R, SCALING, decode_fn, make_cache  # noqa: E402
 
 
 def main():
     name, H, B, N = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     launch = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    kernel = sys.argv[6] if len(sys.argv) > 6 else "fast"
     fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
     q_lat = torch.randn(B, H, 1, D_C, device=cp[next(iter(cp))].device).bfloat16()
     q_rot = torch.randn(B, H, 1, D_R, device=q_lat.device).bfloat16()
     lp = torch.zeros(B, dtype=torch.long, device=q_lat.device)
+    fn = decode_fn(kernel, fmt, N, **launch)
     for _ in range(3):
-        mla_decode(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING, **launch)
+        fn(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 

@@ -6,25 +6,23 @@ Same function as `mla_decode.py` (reference: `mla_decode_ref.py`; notes: docs/KE
     score[m, j] = (q_lat[m] . c[j] + q_rot[m] . k_R[j]) * scaling          for every valid cached position j
     o_lat[m] = softmax_j(score[m]) @ c,  lse[m] = logsumexp_j score[m]
 
-What differs from the fallback kernel:
+What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
 
-* Groups are a batch dimension. A token tile of the content path is read once as bytes `[BT, G, NB]` and unpacked
-  once into exact fp16 integers `code - z` as `[BT, G, group]` (fp16 "magic number" 1024: `code | 0x6400` is the
-  fp16 `1024 + code`, so no int-to-float conversion). The scores of all groups are ONE batched dot
-  `[G, BM, group] x [G, group, BT] -> [G, BM, BT]`, each group's partial times its per-token scale `s[j, g]`, summed
-  over G: exact integer keys, the scale applied after the dot (what keeps the LSE within 1e-4 at 8 bits).
-  The values are the same tile times its scales (`fp16((code - z) * s)`, one rounding) in a second batched dot
-  `[G, BM, BT] x [G, BT, group] -> [G, BM, group]` with the probabilities broadcast over the groups.
-* The queries are loaded once per program (before the token loop) as `[G, BM, group]`, not once per tile.
-* The bytes of the next token tile are loaded before the current tile is computed (`PREFETCH`): one tile of
-  every plane is always in flight per program.
+* The queries are loaded once per program (before the token loop), per quantization group, as fp16 operands.
+* Each group of a token tile is read as bytes and unpacked into exact fp16 integers `code - z` (fp16 "magic
+  number": `code | 0x6400` is the fp16 `1024 + code`; no int-to-float conversion), used for the scores
+  `s += (q_g . (code - z)_g) * scale_g` (scale applied after an exact integer dot: the LSE stays within 1e-4 at
+  8 bits) and, times its per-token scale (`fp16((code - z) * s)`, one rounding), for that group's values:
+  `acc_g = acc_g * alpha + p @ v_g`, eight `[BM, group]` accumulators (for the values the group's bytes are read
+  again, an L1 hit, and unpacked again rather than held in registers across the softmax). No per-element
+  zero/scale gathers.
 * Splits depend only on (B, head blocks, capacity); `length` and `left_padding` are read in-kernel, so the launch
   never synchronises with the host and can be captured in a CUDA graph. A split whose range lies past `length`
   writes an empty partial (`lse = -inf`, `o = 0`) that the combine ignores.
 
-Handled here (`fast_supported`): both paths quantized (2, 4 or 8 bits), power-of-two widths, group counts and group
-sizes of at least 16, model-dtype copies in bf16/fp16 (not fp32), queries in bf16, fp16 or fp32, on CUDA with
-compute capability >= 8. Everything else takes `mla_decode.py`.
+`fast_handles` says which cases the kernel computes; `fast_supported` (what the decode op dispatches on) also
+requires it to have been measured faster than the fallback (2- and 4-bit content; 8-bit content is correct here but
+slower on the H200, docs/BENCHMARKS.md). Plain Triton: the interpreter runs the same code on CPU in the tests.
 """
 
 from __future__ import annotations
@@ -122,9 +120,10 @@ def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, f
           m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
           GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
           R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr):
-    """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (each group's
-    keys unpacked once, as exact integers), an online-softmax step in base 2, and per group
-    `a_g = a_g * alpha + p @ fp16(k_g * s_g)` (the same unpacked tile, scaled: one fp16 rounding)."""
+    """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (keys as exact
+    integers), an online-softmax step in base 2, and per group `a_g = a_g * alpha + p @ fp16(k_g * s_g)` (the
+    group re-read and re-unpacked, scaled: one fp16 rounding). Queries `qh*/ql*: [BM, GROUP_C]` (content) and
+    `qrh/qrl: [BM, GROUP_R]`, accumulators `a*: [BM, GROUP_C]` fp32, `m_valid: [BM, BT]`."""
     k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS)
     sc = _qk(qh0, ql0, k, Q_SPLIT) * s[None, :]
     if GC > 1:
@@ -423,7 +422,7 @@ def mla_decode_static(
         capacity: static number of positions the planes hold; fixes the grid and the splits.
         scaling: softmax scale.
         out: optional preallocated `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`.
-        launch: `block_m, block_t, num_warps, num_stages, prefetch, waves, num_splits` overrides (benchmarks).
+        launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` overrides (benchmarks).
 
     Returns:
         `o_lat: [B, H, Tq, d_c]` fp32 and `lse: [B, H, Tq]` fp32 (natural log; zeros and -inf for a row with no
