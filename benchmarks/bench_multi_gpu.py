@@ -51,7 +51,9 @@ FAMILY_EXTRA = {
                           ffn_hidden_size=1024, head_dim=64),
     "minicpm3": dict(num_hidden_layers=4, q_lora_rank=384),
 }
-CASES = [(f, "float32", b) for f in FAMILIES for b in (4, 16)] + [(f, "bfloat16", 4) for f in FAMILIES]
+# bfloat16 (the Triton decode kernel does not compile for float32 queries with Triton 3.6: see docs/MULTI_GPU.md);
+# the float32 check of TP against one process is tests/test_tensor_parallel.py (CPU, logits within 1e-4).
+CASES = [(f, "bfloat16", b) for f in FAMILIES for b in (4, 16)]
 SPEED_POINTS = [(8, 32768), (8, 16384)]  # (batch, context): the first is timed; both give the memory slope
 # `--smoke`: the same stages on the CPU (gloo) at toy sizes, to check the script before a GPU run.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,7 +120,7 @@ def build(a) -> None:
     from quantmla_hf.tiny_models import tiny_config
 
     for family in sorted({c[0] for c in CASES}):
-        for dtype in ("float32", "bfloat16"):
+        for dtype in sorted({c[1] for c in CASES}):
             path = os.path.join(a.out, f"{family}-{dtype}")
             if os.path.exists(path):
                 continue
@@ -128,7 +130,7 @@ def build(a) -> None:
                 model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
             model.save_pretrained(path)
     path = os.path.join(a.out, "v2lite")
-    if not os.path.exists(path):
+    if a.speed_model and not os.path.exists(path):
         dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=16, kv_lora_rank=512,
                     qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)
         if a.smoke:
@@ -177,7 +179,7 @@ def reference(a) -> None:
         del model
     # Device map: layers over both GPUs, the last decoder layer offloaded to the CPU (runs on cuda:0).
     for family in ("deepseek_v2", "deepseek_v3") if torch.cuda.device_count() >= 2 else ():
-        for dtype in ("float32", "bfloat16"):
+        for dtype in ("bfloat16",):
             path = os.path.join(a.out, f"{family}-{dtype}")
             n = FAMILY_EXTRA[family]["num_hidden_layers"]
             device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1}
@@ -339,6 +341,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--new", type=int, default=128, help="greedy tokens per agreement run")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    ap.add_argument("--no-speed-model", dest="speed_model", action="store_false", help="build: skip the V2-Lite model")
     ap.add_argument("--smoke", action="store_true", help="toy speed model (CPU check of the script)")
     ap.add_argument("--families", default=",".join(FAMILIES), help="families of the agreement runs")
     a = ap.parse_args()
