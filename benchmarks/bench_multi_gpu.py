@@ -8,6 +8,7 @@ Stages (run in this order; `--out DIR` holds the checkpoints and the JSON result
     python benchmarks/bench_multi_gpu.py speed --out DIR                     # one GPU: V2-Lite-shaped decode
     torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py speed --out DIR     # the same under TP
     python benchmarks/bench_multi_gpu.py report --out DIR                    # tables
+    python benchmarks/bench_multi_gpu.py precision --out DIR [--families minicpm3]  # 1-process noise baseline
 
 Agreement: every MLA family (tiny widths except the real MLA ones: d_c 512, d_R 64, 16 heads of 128 + 64, 4 layers,
 MoE where the family has it, random weights), prompt batch 2 with left padding (200 and 160 real tokens), greedy
@@ -228,6 +229,25 @@ def agree(a) -> None:
     save_json(a.out, "tp_agreement.json", rows)
 
 
+def precision(a) -> None:
+    """Noise baseline in one process: the same bf16 weights computed in bf16 and in float32 (C16R16, torch decode)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantmla_hf import QuantMLAConfig, apply_quantmla
+    from quantmla_hf.tiny_models import tiny_config
+
+    for family in sorted({c[0] for c in CASES}):
+        torch.manual_seed(0)
+        cfg = tiny_config(family, **{**MLA_WIDTHS, **FAMILY_EXTRA[family]})
+        q = QuantMLAConfig(content_bits=16, rope_bits=16, transform="none", kernel="torch")
+        bf16 = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(first_device()).eval()
+        fp32 = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(first_device()).eval()
+        fp32.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})
+        outs = [greedy(apply_quantmla(m, q), a.new) for m in (bf16, fp32)]
+        log(json.dumps(dict(case=f"{family}-bfloat16-C16R16", setup="1 process: bf16 vs float32 compute",
+                            **compare(*outs))))
+
+
 # ----------------------------------------------------------------------------------------------------------- speed
 @torch.no_grad()
 def decode_run(model, bits: int, B: int, N: int, steps: int) -> dict:
@@ -336,7 +356,7 @@ def report(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=["build", "reference", "agree", "speed", "report"])
+    ap.add_argument("stage", choices=["build", "reference", "agree", "precision", "speed", "report"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--new", type=int, default=128, help="greedy tokens per agreement run")
@@ -354,7 +374,8 @@ def main() -> None:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
     try:
-        {"build": build, "reference": reference, "agree": agree, "speed": speed, "report": report}[a.stage](a)
+        stages = dict(build=build, reference=reference, agree=agree, precision=precision, speed=speed, report=report)
+        stages[a.stage](a)
     finally:
         if world() > 1:
             torch.distributed.destroy_process_group()
