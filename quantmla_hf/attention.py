@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .absorbed import absorbed_attention_ref, split_kv_b
 from .cache import QuantMLACache
+from .distributed import device_guard, kv_b_weight
 
 ATTN_IMPLEMENTATION = "quantmla"
 
@@ -77,7 +78,8 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
     nope = module.qk_nope_head_dim
     B, H, Tq, _ = query.shape
     q_nope, q_rot = query[..., :nope], query[..., nope:]
-    w_uk, w_uv = split_kv_b(module.kv_b_proj.weight, H, nope, module.v_head_dim)
+    # Tensor parallel / offload (quantmla_hf.distributed): the kv_b_proj rows of this process's H query heads.
+    w_uk, w_uv = split_kv_b(kv_b_weight(module, H, query.device), H, nope, module.v_head_dim)
     state = getattr(module, "_quantmla_state", None)
     if not _mask_is_padding_causal(state, layer, attention_mask, Tq):
         content, k_rot = layer.read_history()
@@ -95,10 +97,11 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
         from .kernels.mla_decode import mla_decode as decode
     else:
         from .kernels.mla_decode_ref import mla_decode_ref as decode
-    o_lat, _ = decode(
-        q_lat, q_rot, layer.content.planes, layer.rope.planes, layer.fmt, layer.sink_content, layer.sink_rope,
-        layer.recent_content, layer.recent_rope, layer.left_padding, layer.length, scaling,
-    )
+    with device_guard(query.device):  # device maps: Triton launches on the current device, make it this layer's
+        o_lat, _ = decode(
+            q_lat, q_rot, layer.content.planes, layer.rope.planes, layer.fmt, layer.sink_content, layer.sink_rope,
+            layer.recent_content, layer.recent_rope, layer.left_padding, layer.length, scaling,
+        )
     out = torch.matmul(o_lat.to(query.dtype), w_uv.to(query.dtype).transpose(1, 2).unsqueeze(0))  # [B, H, Tq, d_v]
     return out.transpose(1, 2)
 

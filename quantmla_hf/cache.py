@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import QuantMLAConfig
+from .distributed import device_guard
 from .format import CacheFormat
 from .hadamard import hadamard_matrix
 from .mla import mla_dims
@@ -154,9 +155,10 @@ class QuantMLALayer(CacheLayerMixin):
         end = start + T
         r_new = self._rotate_rope(r_new, inverse=False)
         use_triton = _use_triton(self.kernel, c_new.device)
-        for store, x in ((self.content, c_new), (self.rope, r_new)):
-            store.reserve(end, start)
-            store.write(x, start, use_triton)
+        with device_guard(c_new.device):  # device maps: Triton launches on the current device, make it this layer's
+            for store, x in ((self.content, c_new), (self.rope, r_new)):
+                store.reserve(end, start)
+                store.write(x, start, use_triton)
         self._write_sink(c_new, r_new, start)
         self._write_recent(c_new, r_new, start)
         self.length = end

@@ -43,6 +43,11 @@ class QuantMLAHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         # Fails on the skeleton (meta device), before any weight is read, for a model that is not MLA.
         mla_dims(model.config)
+        # A transform cannot be fused into weights split across processes: refuse before they are read.
+        from .distributed import check_load_not_sharded_for_calibration
+
+        qc = self.quantization_config
+        check_load_not_sharded_for_calibration(model.config, qc.transform, qc.calibrated)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import QuantMLAConfig
+from ..distributed import check_not_sharded_for_calibration
 from ..format import CacheFormat
 from ..hooks import mla_attention_modules
 from ..mla import mla_dims, text_config
@@ -90,6 +91,8 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
     cfg = QuantMLAConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
     if cfg.calibrated:
         return model
+    if cfg.transform != "none":
+        check_not_sharded_for_calibration(model, cfg.transform)  # tensor parallel: calibrate in one process
     dims = mla_dims(model.config)
     modules = mla_attention_modules(model)
     for m in modules:
