@@ -174,9 +174,12 @@ def _packed_group(p_codes, p_scale, p_zero, stride_t, stride_mt, o_t, m_t, g: tl
     m_k = m_t[:, None] & (o_k[None, :] < GROUP // PACK)
     b_byte = tl.load(p_codes + (o_t * stride_t)[:, None] + g * (GROUP // PACK) + o_k[None, :], mask=m_k, other=0)
     b_v = _unpack_bytes(b_byte.to(tl.int32), BITS) - b_z[:, None]
+    # One return per function: triton 3.6 refuses returns of different types even under a constexpr branch.
     if EXACT:
-        return b_v.to(tl.float32), b_s
-    return b_v.to(tl.float16), b_s
+        b_v = b_v.to(tl.float32)
+    else:
+        b_v = b_v.to(tl.float16)
+    return b_v, b_s
 
 
 @triton.jit
@@ -211,9 +214,9 @@ def _packed_values(p_codes, p_scale, p_zero, stride_t, stride_mt, o_t, m_t, D: t
     b_z = tl.load(p_zero + o_meta, mask=m_d, other=0).to(tl.int32) + HALF
     b_s = tl.load(p_scale + o_meta, mask=m_d, other=0.0).to(tl.float32)
     b_v = (_unpack_bytes(b_byte.to(tl.int32), BITS) - b_z).to(tl.float32) * b_s
-    if EXACT:
-        return b_v
-    return b_v.to(tl.float16)
+    if not EXACT:
+        b_v = b_v.to(tl.float16)
+    return b_v
 
 
 @triton.jit
@@ -225,8 +228,10 @@ def _dense_cols(p_vals, stride_t, o_t, m_t, col0: tl.constexpr, WIDTH: tl.conste
     m = m_t[:, None] & (o_k[None, :] < WIDTH) & (col0 + o_k[None, :] < D)
     b_v = tl.load(p_vals + (o_t * stride_t)[:, None] + col0 + o_k[None, :], mask=m, other=0.0)
     if EXACT:
-        return b_v.to(tl.float32)
-    return b_v.to(tl.float16)
+        b_v = b_v.to(tl.float32)
+    else:
+        b_v = b_v.to(tl.float16)
+    return b_v
 
 
 @triton.jit
@@ -238,10 +243,13 @@ def _query_cols(p_q, o_m, m_m, col0: tl.constexpr, WIDTH: tl.constexpr, WIDTHP: 
     m = m_m[:, None] & (o_k[None, :] < WIDTH) & (col0 + o_k[None, :] < D)
     q = tl.load(p_q + o_m[:, None] * D + col0 + o_k[None, :], mask=m, other=0.0).to(tl.float32)
     if EXACT:
-        return q, q
-    q = q * inv_f[:, None]
-    q_hi = q.to(tl.float16)
-    return q_hi, (q - q_hi.to(tl.float32)).to(tl.float16)
+        q_hi = q
+        q_lo = q
+    else:
+        q = q * inv_f[:, None]
+        q_hi = q.to(tl.float16)
+        q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
+    return q_hi, q_lo
 
 
 @triton.jit
