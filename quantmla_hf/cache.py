@@ -16,6 +16,8 @@ The native decode path (`quantmla_hf.attention`) reads the planes directly inste
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging import version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import QuantMLAConfig
@@ -23,6 +25,9 @@ from .format import CacheFormat
 from .hadamard import hadamard_matrix
 from .mla import mla_dims
 from .packed_store import PackedPathStore
+
+# transformers < 5.18 also reads a positive crop(k) as "keep the first k tokens"; later releases refuse it.
+LEGACY_POSITIVE_CROP = version.parse(transformers.__version__).release < (5, 18)
 
 # Longest query chunk the native latent-space path takes; longer chunks (prefill) expand heads and use SDPA.
 NATIVE_MAX_QUERY = 16
@@ -242,11 +247,26 @@ class QuantMLALayer(CacheLayerMixin):
         self._clear()
 
     def crop(self, max_length: int) -> None:
-        """Drop tokens at the end: `max_length < 0` removes that many; `max_length >= 0` keeps that many
-        (the convention of transformers < 5.18). Recent-window tokens older than the pre-crop window are
-        refilled from their packed copies, the only copies left of them."""
+        """Drop tokens at the end, with the convention of the installed transformers (as `DynamicLayer.crop`).
+
+        `crop(-n)` removes the last `n` tokens and `crop(0)` removes nothing (every release; assisted and
+        prompt-lookup decoding call `crop(-rejected)`, so `crop(0)` after a fully accepted draft). A positive
+        value is the legacy "keep this many tokens" of transformers < 5.18 (a no-op when the cache is not longer);
+        from 5.18 on it is refused, as DynamicCache refuses it. Recent-window tokens older than the pre-crop
+        window are refilled from their packed copies, the only copies left of them.
+        """
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise TypeError(f"crop takes an int (minus the number of tokens to remove), got {max_length!r}")
         n = self.length
-        keep = n + max_length if max_length < 0 else min(max_length, n)
+        if max_length > 0:
+            if not LEGACY_POSITIVE_CROP:
+                raise ValueError(
+                    f"crop({max_length}): a positive value (the legacy absolute length) is not supported from "
+                    "transformers 5.18 on; pass minus the number of tokens to remove, e.g. crop(-2)"
+                )
+            keep = min(max_length, n)
+        else:
+            keep = n + max_length
         if keep < 0:
             raise ValueError(f"cannot remove {-max_length} tokens from a cache holding {n}")
         if keep == n or not self.is_initialized:

@@ -132,11 +132,18 @@ def test_crop_keeps_prefix_and_refills_the_recent_window(remove):
     assert layer.content.capacity == -(-keep // 4) * 4
 
 
-def test_crop_accepts_the_legacy_absolute_length():
+def test_crop_positive_follows_the_installed_release():
+    from quantmla_hf.cache import LEGACY_POSITIVE_CROP
+
     layer = QuantMLALayer(_fmt(), kernel="torch")
     _feed(layer, torch.randn(1, 10, D_C), torch.randn(1, 10, D_R), [10])
-    layer.crop(7)
-    assert layer.get_seq_length() == 7
+    if LEGACY_POSITIVE_CROP:  # transformers < 5.18: the absolute length to keep
+        layer.crop(7)
+        assert layer.get_seq_length() == 7
+    else:
+        with pytest.raises(ValueError, match="pass minus the number of tokens to remove"):
+            layer.crop(7)
+        layer.crop(-3)
     with pytest.raises(ValueError, match="cannot remove 11 tokens from a cache holding 7"):
         layer.crop(-11)
 
