@@ -97,6 +97,8 @@ def _dtype(name: str):
 def _quant_config(args):
     from .config import QuantMLAConfig
 
+    if args.calibration is not None:
+        args.calibration = str(Path(args.calibration).expanduser())
     return QuantMLAConfig(
         content_bits=args.content_bits, rope_bits=args.rope_bits, group_size=args.group_size,
         sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens, transform=args.transform,
@@ -105,10 +107,24 @@ def _quant_config(args):
     )
 
 
-def load_quantized(args, quantize_if_needed: bool = True):
-    """(model, tokenizer) for `args.model`: as saved when already QuantMLA, else quantized with the cache options."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _load_tokenizer(model: str):
+    from transformers import AutoTokenizer
 
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"no tokenizer found with {model} ({err})") from err
+
+
+def load_quantized(args, quantize_if_needed: bool = True, need_tokenizer: bool = True):
+    """(model, tokenizer) for `args.model`: as saved when already QuantMLA, else quantized with the cache options.
+
+    Everything that can be checked without the weights (the options, the calibration file and its token count)
+    is checked before they load. With `need_tokenizer=False` a checkpoint without a tokenizer gives `None`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .calibration_check import CLI_NAMES, check_calibration_inputs
     from .config import QUANT_METHOD
 
     config = AutoConfig.from_pretrained(args.model)
@@ -117,29 +133,43 @@ def load_quantized(args, quantize_if_needed: bool = True):
     kwargs = {"dtype": _dtype(args.dtype)}
     if args.device_map:
         kwargs["device_map"] = args.device_map
+    tokenizer = None
     if method != QUANT_METHOD:
         if saved is not None:
             raise CLIError(f"{args.model} is already quantized with {method!r}; QuantMLA needs an unquantized checkpoint")
         if quantize_if_needed:
-            kwargs["quantization_config"] = _quant_config(args)
+            from .mla import mla_dims
+
+            mla_dims(config)  # not an MLA model: say so before loading it
+            qconfig = _quant_config(args)
+            if qconfig.needs_calibration and args.calibration is not None:
+                tokenizer = _load_tokenizer(args.model)
+            check_calibration_inputs(qconfig, tokenizer=tokenizer, names=CLI_NAMES)
+            kwargs["quantization_config"] = qconfig
+    if tokenizer is None and need_tokenizer:
+        tokenizer = _load_tokenizer(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError) as err:
-        raise CLIError(f"no tokenizer found with {args.model} ({err})") from err
+    if tokenizer is None:
+        try:
+            tokenizer = _load_tokenizer(args.model)
+        except CLIError:
+            tokenizer = None  # --transform none/hadamard needs none; the checkpoint is saved without one
     return model, tokenizer
 
 
 def cmd_quantize(args) -> int:
-    model, tokenizer = load_quantized(args)
+    model, tokenizer = load_quantized(args, need_tokenizer=False)
     out = Path(args.out)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     qconfig = model.config.quantization_config
-    print(f"saved {qconfig.name} (transform={qconfig.transform}, calibrated={qconfig.calibrated}) to {out}")
+    print(f"saved {qconfig.name} (transform={qconfig.transform}, calibrated={qconfig.calibrated}) to {out}"
+          + ("" if tokenizer is not None else f" (no tokenizer: {args.model} has none)"))
     if args.push_to_hub:
         info = model.push_to_hub(args.push_to_hub)
-        tokenizer.push_to_hub(args.push_to_hub)
+        if tokenizer is not None:
+            tokenizer.push_to_hub(args.push_to_hub)
         print(f"pushed to {getattr(info, 'repo_url', args.push_to_hub)}")
     return 0
 

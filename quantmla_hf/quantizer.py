@@ -29,6 +29,12 @@ class QuantMLAHfQuantizer(HfQuantizer):
     quantization_config: QuantMLAConfig
 
     def __init__(self, quantization_config: QuantMLAConfig, **kwargs):
+        # The caller's config is never changed: calibration marks this quantizer's own copy (a config reused for a
+        # second model must calibrate that model too).
+        if isinstance(quantization_config, dict):
+            quantization_config = QuantMLAConfig.from_dict(quantization_config)
+        elif isinstance(quantization_config, QuantMLAConfig):
+            quantization_config = quantization_config.copy()
         super().__init__(quantization_config, **kwargs)
 
     def validate_environment(self, *args, **kwargs) -> None:
@@ -41,8 +47,14 @@ class QuantMLAHfQuantizer(HfQuantizer):
             )
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        # Fails on the skeleton (meta device), before any weight is read, for a model that is not MLA.
+        # Fails on the skeleton (meta device), before any weight is read, for a model that is not MLA or for
+        # calibration inputs that could not be used (no text, a missing/binary file, too few tokens).
+        from .calibration_check import check_calibration_inputs
+        from .integration import _resolve_tokenizer
+
         mla_dims(model.config)
+        qconfig = self.quantization_config
+        check_calibration_inputs(qconfig, tokenizer=lambda: _resolve_tokenizer(model, qconfig, None))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
