@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# Seconds a Hub request may wait for the connection or for each piece of the answer (not the whole transfer).
+HUB_TIMEOUT = 60.0
 
 
 class CLIError(Exception):
@@ -28,6 +30,8 @@ class CLIError(Exception):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="checkpoint directory or Hub id")
+    p.add_argument("--hub-timeout", type=float, default=HUB_TIMEOUT, metavar="SECONDS",
+                   help=f"give up on a Hub request that gets no answer for this long (default {HUB_TIMEOUT:g})")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="weights dtype (default: the checkpoint's)")
     p.add_argument("--device-map", default=None, help='accelerate device map, e.g. "auto" or "cpu"')
 
@@ -279,16 +283,65 @@ def cmd_demo(argv: list[str]) -> int:
     return int(demo_main(argv) or 0)
 
 
+def set_hub_timeout(seconds: float) -> None:
+    """Make every `huggingface_hub` request of this process give up after `seconds` without an answer.
+
+    huggingface_hub's shared HTTP client waits forever by default for API calls (create_repo, upload): a Hub that
+    accepts the connection and never answers would hang the command.
+    """
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    stock = _http.default_client_factory
+
+    def client_with_timeout():
+        client = stock()
+        client.timeout = seconds
+        return client
+
+    huggingface_hub.set_client_factory(client_with_timeout)
+
+
+def _hub_error(err: BaseException) -> bool:
+    """True for a failure to talk to the Hub (connection, timeout, HTTP error), from any HTTP library in use."""
+    names = {c.__module__.split(".")[0] for c in type(err).__mro__}
+    return bool(names & {"httpx", "httpx2", "requests", "urllib3", "huggingface_hub"})
+
+
+def _hub_message(err: BaseException) -> str:
+    from huggingface_hub import constants
+
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    kind = type(err).__name__
+    if "Timeout" in kind or "timed out" in detail.lower():
+        what = "did not answer in time (--hub-timeout)"
+    elif "Connect" in kind:
+        what = "could not be reached"
+    else:
+        what = "refused the request"
+    return f"the Hub at {constants.ENDPOINT} {what}: {kind}: {detail} (HF_ENDPOINT sets the endpoint)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return cmd_demo(args.args)
+        if getattr(args, "hub_timeout", None) is not None:
+            if not args.hub_timeout > 0:
+                raise CLIError(f"--hub-timeout must be a positive number of seconds, got {args.hub_timeout}")
+            set_hub_timeout(args.hub_timeout)
         commands = {"quantize": cmd_quantize, "generate": cmd_generate, "eval": cmd_eval, "analyze": cmd_analyze}
         return commands[args.command](args)
-    except (CLIError, ValueError, FileNotFoundError, ImportError, OSError) as err:
-        print(f"quantmla {args.command}: error: {err}", file=sys.stderr)
+    except Exception as err:
+        if _hub_error(err):
+            message = _hub_message(err)
+        elif isinstance(err, (CLIError, ValueError, FileNotFoundError, ImportError, OSError)):
+            message = str(err)
+        else:
+            raise
+        print(f"quantmla {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -250,6 +250,10 @@ def _install_generation_default(model) -> None:
     model._quantmla_generation_default = True
 
 
+# `save_pretrained(..., push_to_hub=True, **kwargs)` arguments that go to the Hub upload, not to the save.
+HUB_SAVE_KWARGS = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision")
+
+
 def _install_model_card(model) -> None:
     """`save_pretrained` also writes the QuantMLA model card; `push_to_hub` uploads it (instead of a generic one)."""
     if getattr(model, "_quantmla_model_card", False):
@@ -258,7 +262,7 @@ def _install_model_card(model) -> None:
 
     @functools.wraps(stock_save)
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
-        hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "private", "create_pr") if k in kwargs}
+        hub_kwargs = {k: kwargs.pop(k) for k in HUB_SAVE_KWARGS if k in kwargs}
         out = stock_save(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True):
             return out
@@ -269,22 +273,25 @@ def _install_model_card(model) -> None:
             # transformers would upload its generic card; upload the directory with ours instead.
             from huggingface_hub import HfApi
 
-            api = HfApi(token=kwargs.get("token"))
-            repo_id = hub_kwargs.get("repo_id") or os.path.basename(os.path.normpath(save_directory))
-            repo_id = api.create_repo(repo_id, private=hub_kwargs.get("private"), exist_ok=True).repo_id
+            token = kwargs.get("token")
+            api = HfApi(token=token)
+            repo_id = hub_kwargs.pop("repo_id", None) or os.path.basename(os.path.normpath(save_directory))
+            repo_id = api.create_repo(repo_id, private=hub_kwargs.pop("private", None), exist_ok=True).repo_id
             write_model_card(self, save_directory, repo_id=repo_id)
             return api.upload_folder(
-                repo_id=repo_id, folder_path=save_directory, create_pr=hub_kwargs.get("create_pr", False),
-                commit_message=hub_kwargs.get("commit_message") or "Upload QuantMLA model",
+                repo_id=repo_id, folder_path=save_directory,
+                commit_message=hub_kwargs.pop("commit_message", None) or "Upload QuantMLA model", **hub_kwargs,
             )
         return out
 
-    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
-                    token=None, revision: str | None = None, create_pr: bool = False,
-                    max_shard_size="50GB", tags: list[str] | None = None, **card_kwargs):
+    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
+                    private: bool | None = None, token=None, revision: str | None = None, create_pr: bool = False,
+                    max_shard_size="50GB", tags: list[str] | None = None, base_model: str | None = None,
+                    eval_results: dict | None = None, measured_tokens: int = 4096):
         """Upload the quantized checkpoint and its QuantMLA model card to `repo_id` (on `HF_ENDPOINT`).
 
-        `card_kwargs` go to `quantmla_hf.model_card.render_model_card` (e.g. `eval_results`, `base_model`).
+        Takes every argument of transformers' `push_to_hub` (passed on to the Hub as it would) and the model card's
+        `base_model`, `eval_results`, `measured_tokens` (see `quantmla_hf.model_card.render_model_card`).
         """
         from huggingface_hub import HfApi
 
@@ -294,10 +301,11 @@ def _install_model_card(model) -> None:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as tmp:
             stock_save(tmp, max_shard_size=max_shard_size)
-            write_model_card(self, tmp, overwrite=True, repo_id=repo_id, tags=tags, **card_kwargs)
+            write_model_card(self, tmp, overwrite=True, repo_id=repo_id, tags=tags, base_model=base_model,
+                             eval_results=eval_results, measured_tokens=measured_tokens)
             return api.upload_folder(
                 repo_id=repo_id, folder_path=tmp, commit_message=commit_message or "Upload QuantMLA model",
-                revision=revision, create_pr=create_pr,
+                commit_description=commit_description, revision=revision, create_pr=create_pr,
             )
 
     model.save_pretrained = types.MethodType(save_pretrained, model)
