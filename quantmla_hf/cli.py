@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _add_cache_args(p, "none")
 
-    p = sub.add_parser("eval", help="decode perplexity on a text file: BF16 cache vs QuantMLA cache")
+    p = sub.add_parser("eval", help="decode perplexity on a text file: DynamicCache (model dtype) vs QuantMLA cache")
     _add_model_args(p)
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
     p.add_argument("--window", type=int, default=512, help="tokens per window")
@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default window-prefill)")
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    p.add_argument("--floor", default=None, action=argparse.BooleanOptionalAction,
+                   help="also score a lossless C16R16 cache: what the attention arithmetic alone moves "
+                        "(default: on in bfloat16/float16)")
     _add_cache_args(p, "none")
 
     p = sub.add_parser("analyze", help="dual-path (content vs RoPE) matched-error analysis: table + PNG")
@@ -202,11 +205,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride: int, max_windows=None) -> dict:
-    """Decode perplexity of `token_ids: [T]` with a BF16 `DynamicCache` and with the model's QuantMLA cache.
+def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride: int, max_windows=None,
+                            floor: bool = False) -> dict:
+    """Decode perplexity of `token_ids: [T]` with a `DynamicCache` (model dtype) and with the model's QuantMLA cache.
 
     Windows of `window` tokens start every `stride` tokens; each prefills `prefill` tokens and decodes the rest
-    one token at a time against the cache, scoring every decoded token (see `quantmla_hf.evaluation`).
+    one token at a time against the cache, scoring every decoded token (see `quantmla_hf.evaluation`). With
+    `floor`, also a lossless C16R16 QuantMLA cache: same attention path, nothing quantized, so its difference to
+    the baseline is the attention arithmetic alone (in bf16/fp16 the latent-space path rounds differently).
     """
     from tqdm.auto import tqdm
     from transformers import DynamicCache
@@ -219,7 +225,11 @@ def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride:
         raise CLIError(f"the text has {token_ids.numel()} tokens, fewer than one window of {window}; "
                        "pass a longer text or a smaller --window")
     starts = list(range(0, token_ids.numel() - window + 1, stride))[:max_windows]
-    caches = {"bf16": lambda: DynamicCache(config=text_config(model.config)), "quantmla": lambda: build_cache(model)}
+    caches = {"baseline": lambda: DynamicCache(config=text_config(model.config)), "quantmla": lambda: build_cache(model)}
+    if floor:
+        lossless = model.config.quantization_config.copy()
+        lossless.update(content_bits=16, rope_bits=16)
+        caches["floor"] = lambda: build_cache(model, lossless)
     totals = {name: [0.0, 0] for name in caches}
     for start in tqdm(starts, desc="windows", unit="window"):
         ids = token_ids[start:start + window]
@@ -228,31 +238,72 @@ def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride:
             totals[name][0] += r.nll * r.tokens
             totals[name][1] += r.tokens
     out = {f"{name}_perplexity": math.exp(s / n) for name, (s, n) in totals.items()}
-    out.update(tokens_scored=totals["bf16"][1], windows=len(starts), window=window, prefill=prefill, stride=stride)
+    out.update(baseline_dtype=str(model.dtype).removeprefix("torch."), tokens_scored=totals["baseline"][1],
+               windows=len(starts), window=window, prefill=prefill, stride=stride)
     return out
 
 
+def check_window_reads_quantized(window: int, sink_tokens: int, recent_tokens: int, flags: bool = True) -> None:
+    """Refuse an evaluation in which no decoded token reads a quantized cache entry (it would show +0.00%)."""
+    protected = sink_tokens + recent_tokens
+    if window - 1 <= protected:
+        raise CLIError(
+            f"--window {window}: a decoded token sees at most {window - 1} cached tokens, and the first {sink_tokens} "
+            f"(sink) and last {recent_tokens} (recent) stay unquantized, so no quantized entry is ever read and every "
+            f"format would score the same as the baseline; pass --window {2 * protected + 2} or more"
+            + (" (or fewer --recent-tokens)" if flags else "")
+        )
+
+
 def cmd_eval(args) -> int:
+    from transformers import AutoConfig
+
     text = Path(args.text)
     if not text.is_file():
         raise CLIError(f"--text {args.text}: no such file")
     if args.prefill < 1 or args.window <= args.prefill + 1:
         raise CLIError(f"need 1 <= --prefill < --window - 1, got prefill={args.prefill}, window={args.window}")
+    saved = getattr(AutoConfig.from_pretrained(args.model), "quantization_config", None)
+    if saved is None:  # quantized here with the cache options: check them before loading
+        check_window_reads_quantized(args.window, args.sink_tokens, args.recent_tokens)
     model, tokenizer = load_quantized(args)
+    qconfig = model.config.quantization_config
+    check_window_reads_quantized(args.window, qconfig.sink_tokens, qconfig.recent_tokens, flags=saved is None)
     ids = tokenizer(text.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"][0]
     stride = args.stride or args.window - args.prefill
-    res = perplexity_side_by_side(model, ids, args.window, args.prefill, stride, args.max_windows)
-    name = model.config.quantization_config.name
+    low_precision = model.dtype in (torch_dtype("bfloat16"), torch_dtype("float16"))
+    floor = args.floor if args.floor is not None else low_precision
+    floor = floor and (qconfig.content_bits, qconfig.rope_bits) != (16, 16)
+    res = perplexity_side_by_side(model, ids, args.window, args.prefill, stride, args.max_windows, floor=floor)
+    name = qconfig.name
     res["cache"] = name
-    change = 100 * (res["quantmla_perplexity"] / res["bf16_perplexity"] - 1)
-    print(f"{'cache':<12}{'perplexity':>12}")
-    print(f"{'BF16':<12}{res['bf16_perplexity']:>12.4f}")
-    print(f"{name:<12}{res['quantmla_perplexity']:>12.4f}  ({change:+.2f}%)")
+    base = res["baseline_perplexity"]
+    label = f"{res['baseline_dtype']} DynamicCache"
+    width = max(len(label), len(name), 24) + 2
+    print(f"{'cache':<{width}}{'perplexity':>12}")
+    print(f"{label:<{width}}{base:>12.4f}")
+    print(f"{name + ' QuantMLA':<{width}}{res['quantmla_perplexity']:>12.4f}  "
+          f"({100 * (res['quantmla_perplexity'] / base - 1):+.2f}%)")
+    if floor:
+        change = 100 * (res["floor_perplexity"] / base - 1)
+        res["floor_change_percent"] = change
+        print(f"{'C16R16 QuantMLA (floor)':<{width}}{res['floor_perplexity']:>12.4f}  ({change:+.2f}%)")
+        print(f"floor: with nothing quantized the latent-space attention in {res['baseline_dtype']} already moves "
+              f"perplexity by {change:+.2f}%; a difference of {name} within that is arithmetic, not the cache")
+    elif low_precision:
+        print(f"(no floor row: --no-floor; in {res['baseline_dtype']} the latent-space attention alone moves perplexity "
+              "slightly, pass --floor to measure it)")
     print(f"{res['tokens_scored']} tokens decoded in {res['windows']} windows of {args.window} "
           f"({args.prefill} prefilled, stride {stride})")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
 
 
 def cmd_analyze(args) -> int:
