@@ -139,6 +139,19 @@ class QuantMLALayer(CacheLayerMixin):
         )
 
     def _check_inputs(self, latent: torch.Tensor, k_rot: torch.Tensor) -> None:
+        for name, t in (("latent", latent), ("k_rot", k_rot)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(
+                    f"{name} must be a floating-point tensor (the model's compute dtype), got "
+                    f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+                )
+        if latent.dtype != k_rot.dtype:
+            raise TypeError(f"latent ({latent.dtype}) and k_rot ({k_rot.dtype}) must have the same dtype")
+        if self.is_initialized and latent.dtype != self.dtype:
+            raise TypeError(
+                f"this cache holds {self.dtype} tokens but got {latent.dtype} (the model's dtype changed?); "
+                "call reset() or build a new cache for the new dtype"
+            )
         if latent.dim() != 4 or latent.shape[1] != 1 or latent.shape[-1] != self.fmt.content.dim:
             raise ValueError(f"latent must be [B, 1, T, {self.fmt.content.dim}], got {tuple(latent.shape)}")
         if k_rot.dim() != 4 or k_rot.shape[1] != 1 or k_rot.shape[-1] != self.fmt.rope.dim:
@@ -234,6 +247,16 @@ class QuantMLALayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    def __repr__(self) -> str:
+        state = f"{self.length} tokens x {self.content.batch_size}" if self.is_initialized else "empty"
+        return f"QuantMLALayer({self.fmt.name}, {state})"
+
+    def used_bytes(self) -> int:
+        """Bytes the cached tokens occupy (packed copies, and sink/recent copies of that many tokens), no slack."""
+        if not self.is_initialized:
+            return 0
+        return self.content.batch_size * self.fmt.used_bytes(self.length, self.dtype)
 
     def nbytes(self) -> int:
         """Persistent bytes held: packed planes plus the sink and recent copies (allocated storage, not used)."""
@@ -338,6 +361,8 @@ class QuantMLACache(Cache):
         super().__init__(layers=layers, **kwargs)
 
     def update(self, latent: torch.Tensor, k_rot: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be an integer >= 0, got {layer_idx!r}")
         if layer_idx >= len(self.layers):
             raise ValueError(
                 f"layer_idx {layer_idx} is past the {len(self.layers)} cache layers built from the model config"
@@ -367,8 +392,22 @@ class QuantMLACache(Cache):
         """Persistent bytes held by all layers (packed planes, sink and recent copies), as allocated."""
         return sum(layer.nbytes() for layer in self.layers)
 
-    def bytes_per_token(self) -> float:
-        """Persistent bytes per cached token and sequence, summed over layers."""
+    def used_bytes(self) -> int:
+        """Bytes the cached tokens occupy in all layers, without allocation slack."""
+        return sum(layer.used_bytes() for layer in self.layers)
+
+    def _tokens(self) -> int:
+        """Cached tokens times sequences."""
+        layer = self.layers[0] if self.layers else None
+        return layer.length * layer.content.batch_size if layer is not None and layer.is_initialized else 0
+
+    def bytes_per_token(self, allocated: bool = False) -> float:
+        """Bytes per cached token and sequence, summed over layers: used (default) or `allocated` (nbytes)."""
+        n = self._tokens()
+        return (self.nbytes() if allocated else self.used_bytes()) / n if n else 0.0
+
+    def __repr__(self) -> str:
         n = self.get_seq_length()
         batch = self.layers[0].content.batch_size if self.layers and self.layers[0].is_initialized else 0
-        return self.nbytes() / (n * batch) if n and batch else 0.0
+        return (f"QuantMLACache({self.format.name}, {len(self.layers)} layers, {n} tokens x {batch} sequences, "
+                f"{self.used_bytes()} bytes used / {self.nbytes()} allocated)")
