@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
     p.add_argument("--out", metavar="DIR", default=None, help="write report.json, report.md and dual_path.png here")
 
-    p = sub.add_parser("demo", help="the embedded reference model end to end", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
+    # Parsed by quantmla_hf.demo itself (`quantmla demo --help` lists its options); here only for the listing.
+    sub.add_parser("demo", help="the embedded reference model end to end (`quantmla demo --help`)", add_help=False)
     return parser
 
 
@@ -186,6 +186,9 @@ def cmd_generate(args) -> int:
 
     from .integration import generated_cache
 
+    empty = [i for i, p in enumerate(args.prompt) if not p.strip()]
+    if empty:
+        raise CLIError(f"--prompt number {empty[0] + 1} is empty; give some text to continue, e.g. --prompt \"The\"")
     model, tokenizer = load_quantized(args)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -374,17 +377,19 @@ def _hub_message(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"quantize": cmd_quantize, "generate": cmd_generate, "eval": cmd_eval, "analyze": cmd_analyze}
+    if argv[:1] == ["demo"]:  # the demo parses its own options (`quantmla demo --help`)
+        command, run = "demo", lambda: cmd_demo(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        command, run = args.command, lambda: commands[args.command](args)
     try:
-        if args.command == "demo":
-            return cmd_demo(args.args)
-        if getattr(args, "hub_timeout", None) is not None:
+        if command != "demo" and getattr(args, "hub_timeout", None) is not None:
             if not args.hub_timeout > 0:
                 raise CLIError(f"--hub-timeout must be a positive number of seconds, got {args.hub_timeout}")
             set_hub_timeout(args.hub_timeout)
-        commands = {"quantize": cmd_quantize, "generate": cmd_generate, "eval": cmd_eval, "analyze": cmd_analyze}
-        return commands[args.command](args)
+        return run()
     except Exception as err:
         if _hub_error(err):
             message = _hub_message(err)
@@ -392,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             message = str(err)
         else:
             raise
-        print(f"quantmla {args.command}: error: {message}", file=sys.stderr)
+        print(f"quantmla {command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

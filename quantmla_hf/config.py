@@ -216,8 +216,11 @@ class QuantMLAConfig(QuantizationConfigMixin):
             "recent_tokens": self.recent_tokens,
             "transform": self.transform,
             "kernel": self.kernel,
-            # Calibration text can be large; a saved checkpoint only records where it came from.
-            "calibration_data": self.calibration_data if isinstance(self.calibration_data, str) else None,
+            # Calibration text can be large, and a local path means nothing elsewhere: a saved checkpoint keeps the
+            # path only while calibration is still to run; once calibrated, `calibration_source` says what was used.
+            "calibration_data": (
+                self.calibration_data if isinstance(self.calibration_data, str) and not self.calibrated else None
+            ),
             "calibration_samples": self.calibration_samples,
             "calibration_seq_len": self.calibration_seq_len,
             "calibration_steps": self.calibration_steps,

@@ -126,9 +126,18 @@ def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, t
     quantize(model, qconfig, data, tokenizer=tokenizer, **(calibration_options or {}))
     qconfig.calibrated = True
     if data is not None and "calibration_source" not in qconfig.extra:
-        qconfig.extra["calibration_source"] = data if isinstance(data, str) else f"{len(data)} texts given in memory"
+        qconfig.extra["calibration_source"] = _calibration_source(data)
     if not isinstance(qconfig.extra.get("tokenizer"), (str, type(None))):
         del qconfig.extra["tokenizer"]  # a tokenizer object cannot go into config.json
+
+
+def _calibration_source(data) -> str:
+    """What a saved config and model card say about the calibration data: a file's name (not its local path)."""
+    if isinstance(data, (str, os.PathLike)):
+        return f"text file {os.path.basename(os.fspath(data))}"
+    if isinstance(data, torch.Tensor):
+        return f"{data.shape[0]} windows of token ids given in memory"
+    return f"{len(data)} texts given in memory"
 
 
 def prepare_model(model, qconfig: QuantMLAConfig, calibration_data=None, tokenizer=None, pre_quantized: bool = False,
@@ -145,9 +154,44 @@ def prepare_model(model, qconfig: QuantMLAConfig, calibration_data=None, tokeniz
     calibrate_if_needed(model, qconfig, calibration_data, tokenizer, calibration_options)
     model.config.quantization_config = qconfig
     install_cache_hooks(model)
+    if not hasattr(model, "_quantmla_stock_attn"):
+        model._quantmla_stock_attn = model.config._attn_implementation  # what `dequantize` goes back to
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     _install_generation_default(model)
     _install_model_card(model)
+    _allow_dtype_casts(model)
+    return model
+
+
+def _allow_dtype_casts(model) -> None:
+    """`.half()`/`.float()`/`.bfloat16()` work as `.to(dtype)` does: the weights are ordinary tensors (transformers
+    refuses them for every quantized model, since most quantize the weights)."""
+    for name in ("half", "float", "bfloat16"):
+        setattr(model, name, types.MethodType(getattr(torch.nn.Module, name), model))
+
+
+def unprepare_model(model, dtype=None):
+    """Undo `prepare_model`: a stock model (DynamicCache, stock attention, plain save_pretrained/push_to_hub).
+
+    The weights stay as they are: with a fused transform they compute the same function as the original
+    checkpoint's (under different values), so the result is an ordinary model of its family. `dtype` casts it.
+    """
+    from .hooks import _pre_forward
+
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if hook is _pre_forward:
+            del model._forward_pre_hooks[key]
+            model._forward_pre_hooks_with_kwargs.pop(key, None)
+    for module in model.modules():
+        module.__dict__.pop("_quantmla_state", None)
+    attn = model.__dict__.pop("_quantmla_stock_attn", None)
+    for name in ("_prepare_cache_for_generation", "save_pretrained", "push_to_hub", "half", "float", "bfloat16",
+                 "_quantmla_generation_default", "_quantmla_model_card"):
+        model.__dict__.pop(name, None)
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(attn if attn and attn != ATTN_IMPLEMENTATION else "sdpa")
+    if dtype is not None:
+        model.to(dtype)
     return model
 
 

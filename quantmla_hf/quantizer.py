@@ -62,6 +62,16 @@ class QuantMLAHfQuantizer(HfQuantizer):
 
         return prepare_model(model, self.quantization_config, pre_quantized=self.pre_quantized)
 
+    def _dequantize(self, model, dtype=None):
+        """`model.dequantize()`: a stock model of its family (DynamicCache, stock attention, plain checkpoint).
+
+        The KV cache is the only thing QuantMLA quantizes; the weights (with any calibrated transform fused into
+        them, computing the original function) stay as they are.
+        """
+        from .integration import unprepare_model
+
+        return unprepare_model(model, dtype)
+
     def is_serializable(self, *args, **kwargs) -> bool:
         return True
 
