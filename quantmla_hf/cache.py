@@ -278,6 +278,9 @@ class QuantMLALayer(CacheLayerMixin):
         from 5.18 on it is refused, as DynamicCache refuses it. Recent-window tokens older than the pre-crop
         window are refilled from their packed copies, the only copies left of them.
         """
+        # transformers 5.17's assisted decoding passes a 0-d integer tensor (candidate_length - n_matches).
+        if isinstance(max_length, torch.Tensor) and max_length.numel() == 1 and not max_length.is_floating_point():
+            max_length = int(max_length)
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise TypeError(f"crop takes an int (minus the number of tokens to remove), got {max_length!r}")
         n = self.length
