@@ -22,8 +22,7 @@ __all__ = [
 ]
 
 from .analysis import analyze  # noqa: E402
-from .calibration import quantize  # noqa: E402
-from .integration import apply_quantmla, build_cache  # noqa: E402
+from .integration import apply_quantmla, build_cache, quantize  # noqa: E402
 from .quantizer import QuantMLAHfQuantizer, register_quantmla  # noqa: E402
 
 register_quantmla()

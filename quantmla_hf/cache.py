@@ -16,6 +16,8 @@ The native decode path (`quantmla_hf.attention`) reads the planes directly inste
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging import version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import QuantMLAConfig
@@ -24,6 +26,9 @@ from .format import CacheFormat
 from .hadamard import hadamard_matrix
 from .mla import mla_dims
 from .packed_store import PackedPathStore
+
+# transformers < 5.18 also reads a positive crop(k) as "keep the first k tokens"; later releases refuse it.
+LEGACY_POSITIVE_CROP = version.parse(transformers.__version__).release < (5, 18)
 
 # Longest query chunk the native latent-space path takes; longer chunks (prefill) expand heads and use SDPA.
 NATIVE_MAX_QUERY = 16
@@ -135,6 +140,19 @@ class QuantMLALayer(CacheLayerMixin):
         )
 
     def _check_inputs(self, latent: torch.Tensor, k_rot: torch.Tensor) -> None:
+        for name, t in (("latent", latent), ("k_rot", k_rot)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(
+                    f"{name} must be a floating-point tensor (the model's compute dtype), got "
+                    f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+                )
+        if latent.dtype != k_rot.dtype:
+            raise TypeError(f"latent ({latent.dtype}) and k_rot ({k_rot.dtype}) must have the same dtype")
+        if self.is_initialized and latent.dtype != self.dtype:
+            raise TypeError(
+                f"this cache holds {self.dtype} tokens but got {latent.dtype} (the model's dtype changed?); "
+                "call reset() or build a new cache for the new dtype"
+            )
         if latent.dim() != 4 or latent.shape[1] != 1 or latent.shape[-1] != self.fmt.content.dim:
             raise ValueError(f"latent must be [B, 1, T, {self.fmt.content.dim}], got {tuple(latent.shape)}")
         if k_rot.dim() != 4 or k_rot.shape[1] != 1 or k_rot.shape[-1] != self.fmt.rope.dim:
@@ -232,6 +250,16 @@ class QuantMLALayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def __repr__(self) -> str:
+        state = f"{self.length} tokens x {self.content.batch_size}" if self.is_initialized else "empty"
+        return f"QuantMLALayer({self.fmt.name}, {state})"
+
+    def used_bytes(self) -> int:
+        """Bytes the cached tokens occupy (packed copies, and sink/recent copies of that many tokens), no slack."""
+        if not self.is_initialized:
+            return 0
+        return self.content.batch_size * self.fmt.used_bytes(self.length, self.dtype)
+
     def nbytes(self) -> int:
         """Persistent bytes held: packed planes plus the sink and recent copies (allocated storage, not used)."""
         if not self.is_initialized:
@@ -244,11 +272,29 @@ class QuantMLALayer(CacheLayerMixin):
         self._clear()
 
     def crop(self, max_length: int) -> None:
-        """Drop tokens at the end: `max_length < 0` removes that many; `max_length >= 0` keeps that many
-        (the convention of transformers < 5.18). Recent-window tokens older than the pre-crop window are
-        refilled from their packed copies, the only copies left of them."""
+        """Drop tokens at the end, with the convention of the installed transformers (as `DynamicLayer.crop`).
+
+        `crop(-n)` removes the last `n` tokens and `crop(0)` removes nothing (every release; assisted and
+        prompt-lookup decoding call `crop(-rejected)`, so `crop(0)` after a fully accepted draft). A positive
+        value is the legacy "keep this many tokens" of transformers < 5.18 (a no-op when the cache is not longer);
+        from 5.18 on it is refused, as DynamicCache refuses it. Recent-window tokens older than the pre-crop
+        window are refilled from their packed copies, the only copies left of them.
+        """
+        # transformers 5.17's assisted decoding passes a 0-d integer tensor (candidate_length - n_matches).
+        if isinstance(max_length, torch.Tensor) and max_length.numel() == 1 and not max_length.is_floating_point():
+            max_length = int(max_length)
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise TypeError(f"crop takes an int (minus the number of tokens to remove), got {max_length!r}")
         n = self.length
-        keep = n + max_length if max_length < 0 else min(max_length, n)
+        if max_length > 0:
+            if not LEGACY_POSITIVE_CROP:
+                raise ValueError(
+                    f"crop({max_length}): a positive value (the legacy absolute length) is not supported from "
+                    "transformers 5.18 on; pass minus the number of tokens to remove, e.g. crop(-2)"
+                )
+            keep = min(max_length, n)
+        else:
+            keep = n + max_length
         if keep < 0:
             raise ValueError(f"cannot remove {-max_length} tokens from a cache holding {n}")
         if keep == n or not self.is_initialized:
@@ -320,6 +366,8 @@ class QuantMLACache(Cache):
         super().__init__(layers=layers, **kwargs)
 
     def update(self, latent: torch.Tensor, k_rot: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be an integer >= 0, got {layer_idx!r}")
         if layer_idx >= len(self.layers):
             raise ValueError(
                 f"layer_idx {layer_idx} is past the {len(self.layers)} cache layers built from the model config"
@@ -349,8 +397,22 @@ class QuantMLACache(Cache):
         """Persistent bytes held by all layers (packed planes, sink and recent copies), as allocated."""
         return sum(layer.nbytes() for layer in self.layers)
 
-    def bytes_per_token(self) -> float:
-        """Persistent bytes per cached token and sequence, summed over layers."""
+    def used_bytes(self) -> int:
+        """Bytes the cached tokens occupy in all layers, without allocation slack."""
+        return sum(layer.used_bytes() for layer in self.layers)
+
+    def _tokens(self) -> int:
+        """Cached tokens times sequences."""
+        layer = self.layers[0] if self.layers else None
+        return layer.length * layer.content.batch_size if layer is not None and layer.is_initialized else 0
+
+    def bytes_per_token(self, allocated: bool = False) -> float:
+        """Bytes per cached token and sequence, summed over layers: used (default) or `allocated` (nbytes)."""
+        n = self._tokens()
+        return (self.nbytes() if allocated else self.used_bytes()) / n if n else 0.0
+
+    def __repr__(self) -> str:
         n = self.get_seq_length()
         batch = self.layers[0].content.batch_size if self.layers and self.layers[0].is_initialized else 0
-        return self.nbytes() / (n * batch) if n and batch else 0.0
+        return (f"QuantMLACache({self.format.name}, {len(self.layers)} layers, {n} tokens x {batch} sequences, "
+                f"{self.used_bytes()} bytes used / {self.nbytes()} allocated)")

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# Seconds a Hub request may wait for the connection or for each piece of the answer (not the whole transfer).
+HUB_TIMEOUT = 60.0
 
 
 class CLIError(Exception):
@@ -28,6 +30,8 @@ class CLIError(Exception):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="checkpoint directory or Hub id")
+    p.add_argument("--hub-timeout", type=float, default=HUB_TIMEOUT, metavar="SECONDS",
+                   help=f"give up on a Hub request that gets no answer for this long (default {HUB_TIMEOUT:g})")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="weights dtype (default: the checkpoint's)")
     p.add_argument("--device-map", default=None, help='accelerate device map, e.g. "auto" or "cpu"')
 
@@ -64,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _add_cache_args(p, "none")
 
-    p = sub.add_parser("eval", help="decode perplexity on a text file: BF16 cache vs QuantMLA cache")
+    p = sub.add_parser("eval", help="decode perplexity on a text file: DynamicCache (model dtype) vs QuantMLA cache")
     _add_model_args(p)
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
     p.add_argument("--window", type=int, default=512, help="tokens per window")
@@ -72,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default window-prefill)")
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    p.add_argument("--floor", default=None, action=argparse.BooleanOptionalAction,
+                   help="also score a lossless C16R16 cache: what the attention arithmetic alone moves "
+                        "(default: on in bfloat16/float16)")
     _add_cache_args(p, "none")
 
     p = sub.add_parser("analyze", help="dual-path (content vs RoPE) matched-error analysis: table + PNG")
@@ -83,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
     p.add_argument("--out", metavar="DIR", default=None, help="write report.json, report.md and dual_path.png here")
 
-    p = sub.add_parser("demo", help="the embedded reference model end to end", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
+    # Parsed by quantmla_hf.demo itself (`quantmla demo --help` lists its options); here only for the listing.
+    sub.add_parser("demo", help="the embedded reference model end to end (`quantmla demo --help`)", add_help=False)
     return parser
 
 
@@ -97,6 +104,8 @@ def _dtype(name: str):
 def _quant_config(args):
     from .config import QuantMLAConfig
 
+    if args.calibration is not None:
+        args.calibration = str(Path(args.calibration).expanduser())
     return QuantMLAConfig(
         content_bits=args.content_bits, rope_bits=args.rope_bits, group_size=args.group_size,
         sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens, transform=args.transform,
@@ -105,10 +114,24 @@ def _quant_config(args):
     )
 
 
-def load_quantized(args, quantize_if_needed: bool = True):
-    """(model, tokenizer) for `args.model`: as saved when already QuantMLA, else quantized with the cache options."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _load_tokenizer(model: str):
+    from transformers import AutoTokenizer
 
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"no tokenizer found with {model} ({err})") from err
+
+
+def load_quantized(args, quantize_if_needed: bool = True, need_tokenizer: bool = True):
+    """(model, tokenizer) for `args.model`: as saved when already QuantMLA, else quantized with the cache options.
+
+    Everything that can be checked without the weights (the options, the calibration file and its token count)
+    is checked before they load. With `need_tokenizer=False` a checkpoint without a tokenizer gives `None`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .calibration_check import CLI_NAMES, check_calibration_inputs
     from .config import QUANT_METHOD
 
     config = AutoConfig.from_pretrained(args.model)
@@ -117,29 +140,43 @@ def load_quantized(args, quantize_if_needed: bool = True):
     kwargs = {"dtype": _dtype(args.dtype)}
     if args.device_map:
         kwargs["device_map"] = args.device_map
+    tokenizer = None
     if method != QUANT_METHOD:
         if saved is not None:
             raise CLIError(f"{args.model} is already quantized with {method!r}; QuantMLA needs an unquantized checkpoint")
         if quantize_if_needed:
-            kwargs["quantization_config"] = _quant_config(args)
+            from .mla import mla_dims
+
+            mla_dims(config)  # not an MLA model: say so before loading it
+            qconfig = _quant_config(args)
+            if qconfig.needs_calibration and args.calibration is not None:
+                tokenizer = _load_tokenizer(args.model)
+            check_calibration_inputs(qconfig, tokenizer=tokenizer, names=CLI_NAMES)
+            kwargs["quantization_config"] = qconfig
+    if tokenizer is None and need_tokenizer:
+        tokenizer = _load_tokenizer(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError) as err:
-        raise CLIError(f"no tokenizer found with {args.model} ({err})") from err
+    if tokenizer is None:
+        try:
+            tokenizer = _load_tokenizer(args.model)
+        except CLIError:
+            tokenizer = None  # --transform none/hadamard needs none; the checkpoint is saved without one
     return model, tokenizer
 
 
 def cmd_quantize(args) -> int:
-    model, tokenizer = load_quantized(args)
+    model, tokenizer = load_quantized(args, need_tokenizer=False)
     out = Path(args.out)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     qconfig = model.config.quantization_config
-    print(f"saved {qconfig.name} (transform={qconfig.transform}, calibrated={qconfig.calibrated}) to {out}")
+    print(f"saved {qconfig.name} (transform={qconfig.transform}, calibrated={qconfig.calibrated}) to {out}"
+          + ("" if tokenizer is not None else f" (no tokenizer: {args.model} has none)"))
     if args.push_to_hub:
         info = model.push_to_hub(args.push_to_hub)
-        tokenizer.push_to_hub(args.push_to_hub)
+        if tokenizer is not None:
+            tokenizer.push_to_hub(args.push_to_hub)
         print(f"pushed to {getattr(info, 'repo_url', args.push_to_hub)}")
     return 0
 
@@ -149,6 +186,9 @@ def cmd_generate(args) -> int:
 
     from .integration import generated_cache
 
+    empty = [i for i, p in enumerate(args.prompt) if not p.strip()]
+    if empty:
+        raise CLIError(f"--prompt number {empty[0] + 1} is empty; give some text to continue, e.g. --prompt \"The\"")
     model, tokenizer = load_quantized(args)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -168,11 +208,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride: int, max_windows=None) -> dict:
-    """Decode perplexity of `token_ids: [T]` with a BF16 `DynamicCache` and with the model's QuantMLA cache.
+def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride: int, max_windows=None,
+                            floor: bool = False) -> dict:
+    """Decode perplexity of `token_ids: [T]` with a `DynamicCache` (model dtype) and with the model's QuantMLA cache.
 
     Windows of `window` tokens start every `stride` tokens; each prefills `prefill` tokens and decodes the rest
-    one token at a time against the cache, scoring every decoded token (see `quantmla_hf.evaluation`).
+    one token at a time against the cache, scoring every decoded token (see `quantmla_hf.evaluation`). With
+    `floor`, also a lossless C16R16 QuantMLA cache: same attention path, nothing quantized, so its difference to
+    the baseline is the attention arithmetic alone (in bf16/fp16 the latent-space path rounds differently).
     """
     from tqdm.auto import tqdm
     from transformers import DynamicCache
@@ -185,7 +228,11 @@ def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride:
         raise CLIError(f"the text has {token_ids.numel()} tokens, fewer than one window of {window}; "
                        "pass a longer text or a smaller --window")
     starts = list(range(0, token_ids.numel() - window + 1, stride))[:max_windows]
-    caches = {"bf16": lambda: DynamicCache(config=text_config(model.config)), "quantmla": lambda: build_cache(model)}
+    caches = {"baseline": lambda: DynamicCache(config=text_config(model.config)), "quantmla": lambda: build_cache(model)}
+    if floor:
+        lossless = model.config.quantization_config.copy()
+        lossless.update(content_bits=16, rope_bits=16)
+        caches["floor"] = lambda: build_cache(model, lossless)
     totals = {name: [0.0, 0] for name in caches}
     for start in tqdm(starts, desc="windows", unit="window"):
         ids = token_ids[start:start + window]
@@ -194,31 +241,72 @@ def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride:
             totals[name][0] += r.nll * r.tokens
             totals[name][1] += r.tokens
     out = {f"{name}_perplexity": math.exp(s / n) for name, (s, n) in totals.items()}
-    out.update(tokens_scored=totals["bf16"][1], windows=len(starts), window=window, prefill=prefill, stride=stride)
+    out.update(baseline_dtype=str(model.dtype).removeprefix("torch."), tokens_scored=totals["baseline"][1],
+               windows=len(starts), window=window, prefill=prefill, stride=stride)
     return out
 
 
+def check_window_reads_quantized(window: int, sink_tokens: int, recent_tokens: int, flags: bool = True) -> None:
+    """Refuse an evaluation in which no decoded token reads a quantized cache entry (it would show +0.00%)."""
+    protected = sink_tokens + recent_tokens
+    if window - 1 <= protected:
+        raise CLIError(
+            f"--window {window}: a decoded token sees at most {window - 1} cached tokens, and the first {sink_tokens} "
+            f"(sink) and last {recent_tokens} (recent) stay unquantized, so no quantized entry is ever read and every "
+            f"format would score the same as the baseline; pass --window {2 * protected + 2} or more"
+            + (" (or fewer --recent-tokens)" if flags else "")
+        )
+
+
 def cmd_eval(args) -> int:
+    from transformers import AutoConfig
+
     text = Path(args.text)
     if not text.is_file():
         raise CLIError(f"--text {args.text}: no such file")
     if args.prefill < 1 or args.window <= args.prefill + 1:
         raise CLIError(f"need 1 <= --prefill < --window - 1, got prefill={args.prefill}, window={args.window}")
+    saved = getattr(AutoConfig.from_pretrained(args.model), "quantization_config", None)
+    if saved is None:  # quantized here with the cache options: check them before loading
+        check_window_reads_quantized(args.window, args.sink_tokens, args.recent_tokens)
     model, tokenizer = load_quantized(args)
+    qconfig = model.config.quantization_config
+    check_window_reads_quantized(args.window, qconfig.sink_tokens, qconfig.recent_tokens, flags=saved is None)
     ids = tokenizer(text.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"][0]
     stride = args.stride or args.window - args.prefill
-    res = perplexity_side_by_side(model, ids, args.window, args.prefill, stride, args.max_windows)
-    name = model.config.quantization_config.name
+    low_precision = model.dtype in (torch_dtype("bfloat16"), torch_dtype("float16"))
+    floor = args.floor if args.floor is not None else low_precision
+    floor = floor and (qconfig.content_bits, qconfig.rope_bits) != (16, 16)
+    res = perplexity_side_by_side(model, ids, args.window, args.prefill, stride, args.max_windows, floor=floor)
+    name = qconfig.name
     res["cache"] = name
-    change = 100 * (res["quantmla_perplexity"] / res["bf16_perplexity"] - 1)
-    print(f"{'cache':<12}{'perplexity':>12}")
-    print(f"{'BF16':<12}{res['bf16_perplexity']:>12.4f}")
-    print(f"{name:<12}{res['quantmla_perplexity']:>12.4f}  ({change:+.2f}%)")
+    base = res["baseline_perplexity"]
+    label = f"{res['baseline_dtype']} DynamicCache"
+    width = max(len(label), len(name), 24) + 2
+    print(f"{'cache':<{width}}{'perplexity':>12}")
+    print(f"{label:<{width}}{base:>12.4f}")
+    print(f"{name + ' QuantMLA':<{width}}{res['quantmla_perplexity']:>12.4f}  "
+          f"({100 * (res['quantmla_perplexity'] / base - 1):+.2f}%)")
+    if floor:
+        change = 100 * (res["floor_perplexity"] / base - 1)
+        res["floor_change_percent"] = change
+        print(f"{'C16R16 QuantMLA (floor)':<{width}}{res['floor_perplexity']:>12.4f}  ({change:+.2f}%)")
+        print(f"floor: with nothing quantized the latent-space attention in {res['baseline_dtype']} already moves "
+              f"perplexity by {change:+.2f}%; a difference of {name} within that is arithmetic, not the cache")
+    elif low_precision:
+        print(f"(no floor row: --no-floor; in {res['baseline_dtype']} the latent-space attention alone moves perplexity "
+              "slightly, pass --floor to measure it)")
     print(f"{res['tokens_scored']} tokens decoded in {res['windows']} windows of {args.window} "
           f"({args.prefill} prefilled, stride {stride})")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
 
 
 def cmd_analyze(args) -> int:
@@ -249,16 +337,67 @@ def cmd_demo(argv: list[str]) -> int:
     return int(demo_main(argv) or 0)
 
 
+def set_hub_timeout(seconds: float) -> None:
+    """Make every `huggingface_hub` request of this process give up after `seconds` without an answer.
+
+    huggingface_hub's shared HTTP client waits forever by default for API calls (create_repo, upload): a Hub that
+    accepts the connection and never answers would hang the command.
+    """
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    stock = _http.default_client_factory
+
+    def client_with_timeout():
+        client = stock()
+        client.timeout = seconds
+        return client
+
+    huggingface_hub.set_client_factory(client_with_timeout)
+
+
+def _hub_error(err: BaseException) -> bool:
+    """True for a failure to talk to the Hub (connection, timeout, HTTP error), from any HTTP library in use."""
+    names = {c.__module__.split(".")[0] for c in type(err).__mro__}
+    return bool(names & {"httpx", "httpx2", "requests", "urllib3", "huggingface_hub"})
+
+
+def _hub_message(err: BaseException) -> str:
+    from huggingface_hub import constants
+
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    kind = type(err).__name__
+    if "Timeout" in kind or "timed out" in detail.lower():
+        what = "did not answer in time (--hub-timeout)"
+    elif "Connect" in kind:
+        what = "could not be reached"
+    else:
+        what = "refused the request"
+    return f"the Hub at {constants.ENDPOINT} {what}: {kind}: {detail} (HF_ENDPOINT sets the endpoint)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"quantize": cmd_quantize, "generate": cmd_generate, "eval": cmd_eval, "analyze": cmd_analyze}
+    if argv[:1] == ["demo"]:  # the demo parses its own options (`quantmla demo --help`)
+        command, run = "demo", lambda: cmd_demo(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        command, run = args.command, lambda: commands[args.command](args)
     try:
-        if args.command == "demo":
-            return cmd_demo(args.args)
-        commands = {"quantize": cmd_quantize, "generate": cmd_generate, "eval": cmd_eval, "analyze": cmd_analyze}
-        return commands[args.command](args)
-    except (CLIError, ValueError, FileNotFoundError, ImportError, OSError) as err:
-        print(f"quantmla {args.command}: error: {err}", file=sys.stderr)
+        if command != "demo" and getattr(args, "hub_timeout", None) is not None:
+            if not args.hub_timeout > 0:
+                raise CLIError(f"--hub-timeout must be a positive number of seconds, got {args.hub_timeout}")
+            set_hub_timeout(args.hub_timeout)
+        return run()
+    except Exception as err:
+        if _hub_error(err):
+            message = _hub_message(err)
+        elif isinstance(err, (CLIError, ValueError, FileNotFoundError, ImportError, OSError)):
+            message = str(err)
+        else:
+            raise
+        print(f"quantmla {command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

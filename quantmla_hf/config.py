@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -15,14 +16,33 @@ TRANSFORMS = ("learned", "hadamard", "smooth", "none")
 KERNELS = ("auto", "triton", "torch")
 
 
+# Keys the library itself writes into a config (they round-trip through config.json). Anything else given to the
+# constructor, `from_dict` or `update` is a typo or a key of another quantizer and is refused with the closest name.
+# A module that records a new key in `QuantMLAConfig.extra` must list it here, or a saved checkpoint will not reload.
+LIBRARY_KEYS = frozenset({
+    "base_model",  # Hub id of the unquantized model (model card)
+    "calibration",  # the calibration record (quantmla_hf.calibration)
+    "calibration_source",  # where the calibration text came from (file name or "N texts given in memory")
+    "eval",  # perplexity results written by `quantmla eval --json`/the model card
+    "measured_bytes_per_token",  # a measured cache footprint
+    "tokenizer",  # name or path of the tokenizer for calibration text
+})
+
+
 def _check_choice(name: str, value: Any, accepted: tuple) -> None:
-    if value not in accepted:
+    # 4.0 == 4 and True == 1: a number of the wrong type is refused, not silently taken for an integer.
+    if value not in accepted or type(value) is not type(accepted[0]):
         raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))}, got {value!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _closest(name: str, valid) -> str:
+    match = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else ""
 
 
 class QuantMLAConfig(QuantizationConfigMixin):
@@ -71,7 +91,16 @@ class QuantMLAConfig(QuantizationConfigMixin):
         cache_block_size: int = 256,
         **kwargs,
     ):
+        object.__setattr__(self, "_validating", False)
         self.quant_method = QUANT_METHOD
+        unknown = [k for k in kwargs if k != "quant_method" and k not in LIBRARY_KEYS]
+        if unknown:
+            key = unknown[0]
+            raise ValueError(
+                f"QuantMLAConfig has no option {key!r}{_closest(key, FIELDS)} (options: {', '.join(FIELDS)})"
+            )
+        if kwargs.get("quant_method", QUANT_METHOD) != QUANT_METHOD:
+            raise ValueError(f"quant_method must be {QUANT_METHOD!r} for a QuantMLAConfig, got {kwargs['quant_method']!r}")
         self.content_bits = content_bits
         self.rope_bits = rope_bits
         self.group_size = group_size
@@ -90,6 +119,48 @@ class QuantMLAConfig(QuantizationConfigMixin):
         # Keys written by the library after calibration (e.g. the measured cache footprint) round-trip untouched.
         self.extra = {k: v for k, v in kwargs.items() if k != "quant_method"}
         self.post_init()
+        object.__setattr__(self, "_validating", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Every assignment after construction is validated; an unknown public name is refused."""
+        if not getattr(self, "_validating", False) or name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        if name not in FIELDS and name not in ("extra", "quant_method"):
+            raise AttributeError(f"QuantMLAConfig has no option {name!r}{_closest(name, FIELDS)}")
+        self._assign({name: value})
+
+    def _assign(self, values: dict[str, Any]) -> None:
+        """Set `values` together and validate; on a bad value every field keeps its previous value."""
+        old = {k: getattr(self, k) for k in values}
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+        try:
+            self.post_init()
+        except ValueError:
+            for k, v in old.items():
+                object.__setattr__(self, k, v)
+            raise
+
+    def update(self, **kwargs) -> dict[str, Any]:
+        """Set several options at once, validated together; an unknown option is an error (not silently returned).
+
+        Returns an empty dict (the unused options, kept for the `QuantizationConfigMixin.update` signature).
+        """
+        unknown = [k for k in kwargs if k not in FIELDS]
+        if unknown:
+            raise ValueError(f"QuantMLAConfig has no option {unknown[0]!r}{_closest(unknown[0], FIELDS)}")
+        self._assign(kwargs)
+        return {}
+
+    def copy(self) -> "QuantMLAConfig":
+        """An independent copy (calibration text, record and extra keys copied; a tokenizer object shared)."""
+        new = copy.copy(self)
+        object.__setattr__(new, "calibration_data", copy.deepcopy(self.calibration_data))
+        object.__setattr__(new, "extra", {
+            k: (v if k == "tokenizer" and not isinstance(v, str) else copy.deepcopy(v)) for k, v in self.extra.items()
+        })
+        return new
 
     def post_init(self) -> None:
         """Validate every field; errors name the bad value and the accepted ones."""
@@ -114,10 +185,16 @@ class QuantMLAConfig(QuantizationConfigMixin):
         _check_int("calibration_samples", self.calibration_samples, 2)
         _check_int("calibration_seq_len", self.calibration_seq_len, 8)
         _check_int("calibration_steps", self.calibration_steps, 0)
-        if not isinstance(self.calibration_lr, (int, float)) or not self.calibration_lr > 0:
+        if isinstance(self.calibration_lr, bool) or not isinstance(self.calibration_lr, (int, float)) or not (
+            self.calibration_lr > 0
+        ):
             raise ValueError(f"calibration_lr must be a positive number, got {self.calibration_lr!r}")
         _check_int("seed", self.seed, 0)
         _check_int("cache_block_size", self.cache_block_size, 1)
+        if not isinstance(self.calibrated, bool):
+            raise ValueError(f"calibrated must be True or False, got {self.calibrated!r}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
 
     @property
     def name(self) -> str:
@@ -139,8 +216,11 @@ class QuantMLAConfig(QuantizationConfigMixin):
             "recent_tokens": self.recent_tokens,
             "transform": self.transform,
             "kernel": self.kernel,
-            # Calibration text can be large; a saved checkpoint only records where it came from.
-            "calibration_data": self.calibration_data if isinstance(self.calibration_data, str) else None,
+            # Calibration text can be large, and a local path means nothing elsewhere: a saved checkpoint keeps the
+            # path only while calibration is still to run; once calibrated, `calibration_source` says what was used.
+            "calibration_data": (
+                self.calibration_data if isinstance(self.calibration_data, str) and not self.calibrated else None
+            ),
             "calibration_samples": self.calibration_samples,
             "calibration_seq_len": self.calibration_seq_len,
             "calibration_steps": self.calibration_steps,
@@ -153,5 +233,33 @@ class QuantMLAConfig(QuantizationConfigMixin):
         return out
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k != "quant_method")
-        return f"QuantMLAConfig({fields})"
+        """Short: the cache name and the options that differ from the defaults; extra keys by name only."""
+        defaults = _DEFAULTS
+        parts = [self.name]
+        for k in FIELDS:
+            if k in ("content_bits", "rope_bits"):
+                continue
+            if k == "transform":
+                parts.append(f"transform={self.transform!r}")
+                continue
+            v = getattr(self, k)
+            if k == "calibration_data" and isinstance(v, (list, tuple)):
+                v = f"<{len(v)} texts>"
+                parts.append(f"{k}={v}")
+            elif v != defaults[k]:
+                parts.append(f"{k}={v!r}")
+        if self.extra:
+            parts.append(f"extra=[{', '.join(sorted(self.extra))}]")
+        return f"QuantMLAConfig({', '.join(parts)})"
+
+
+FIELDS = (
+    "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "transform", "kernel",
+    "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_steps", "calibration_lr", "seed",
+    "calibrated", "cache_block_size",
+)
+_DEFAULTS = {
+    name: p.default
+    for name, p in __import__("inspect").signature(QuantMLAConfig.__init__).parameters.items()
+    if name in FIELDS
+}

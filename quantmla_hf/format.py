@@ -37,6 +37,21 @@ import torch
 SCALE_DTYPE = torch.float16
 ZERO_DTYPE = torch.int8
 METADATA_BYTES_PER_GROUP = 3  # fp16 scale + int8 zero point
+# Smallest allocation of the packed planes, in tokens: a short prompt does not hold a whole block.
+MIN_CAPACITY = 16
+
+
+def allocated_tokens(n_tokens: int, block_size: int) -> int:
+    """Capacity the packed planes hold for `n_tokens` tokens: powers of two from `MIN_CAPACITY` up to one block,
+    then whole blocks (geometric growth while short, at most one block of slack when long)."""
+    if n_tokens <= 0:
+        return 0
+    if n_tokens >= block_size:
+        return -(-n_tokens // block_size) * block_size
+    cap = MIN_CAPACITY
+    while cap < n_tokens:
+        cap *= 2
+    return min(cap, block_size)
 
 
 @dataclass(frozen=True)
@@ -143,10 +158,16 @@ class CacheFormat:
         return self.latent_dim * torch.empty((), dtype=dtype).element_size()
 
     def persistent_bytes(self, n_tokens: int, dtype: torch.dtype = torch.bfloat16, block_size: int = 1) -> int:
-        """Bytes one layer of one sequence of `n_tokens` holds: packed copies rounded up to whole blocks,
-        plus the sink and recent buffers in `dtype` (allocated whole once anything is cached)."""
+        """Bytes one layer of one sequence of `n_tokens` holds (allocated): packed copies for
+        `allocated_tokens(n_tokens, block_size)` tokens, plus the sink and recent buffers in `dtype` (allocated
+        whole once anything is cached)."""
         if n_tokens == 0:
             return 0
-        blocks = -(-n_tokens // block_size)
         protected = (self.sink_tokens + self.recent_tokens) * self.dense_bytes_per_token(dtype)
-        return blocks * block_size * self.packed_bytes_per_token(dtype) + protected
+        return allocated_tokens(n_tokens, block_size) * self.packed_bytes_per_token(dtype) + protected
+
+    def used_bytes(self, n_tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes the `n_tokens` cached tokens of one layer and sequence occupy: their packed copies and the
+        model-dtype copies of those that are sink or recent tokens (no allocation slack)."""
+        dense = (min(n_tokens, self.sink_tokens) + min(n_tokens, self.recent_tokens)) * self.dense_bytes_per_token(dtype)
+        return n_tokens * self.packed_bytes_per_token(dtype) + dense

@@ -25,6 +25,7 @@ from packaging import version
 
 from .attention import ATTN_IMPLEMENTATION
 from .cache import QuantMLACache
+from .calibration_check import CALIBRATION_HINT, check_calibration_inputs  # noqa: F401  (CALIBRATION_HINT re-exported)
 from .config import QuantMLAConfig
 from .hooks import install_cache_hooks, mla_attention_modules
 from .mla import MLADims, mla_dims
@@ -32,12 +33,6 @@ from .mla import MLADims, mla_dims
 # transformers 5.17 passes the cache to forward as `past_key_values`; 5.18 renamed it `cache`.
 GENERATE_CACHE_KWARG = (
     "past_key_values" if version.parse(transformers.__version__).release < (5, 18) else "cache"
-)
-
-CALIBRATION_HINT = (
-    "pass the text in the config, e.g. QuantMLAConfig(transform={transform!r}, calibration_data=['some text', ...]) "
-    "or QuantMLAConfig(transform={transform!r}, calibration_data='/path/to/calibration.txt') (from the command line: "
-    "`quantmla quantize MODEL --out DIR --calibration FILE`); or pick transform='hadamard' or 'none', which need no data"
 )
 
 
@@ -79,16 +74,6 @@ def _model_qconfig(model) -> QuantMLAConfig:
     return qconfig
 
 
-def _resolve_calibration_data(data):
-    """Calibration text as given: a list of strings, or the path of a UTF-8 text file (checked here)."""
-    if isinstance(data, str):
-        if not os.path.isfile(data):
-            raise FileNotFoundError(
-                f"calibration_data={data!r} is not a file; give a path to a UTF-8 text file or a list of strings"
-            )
-    return data
-
-
 def _resolve_tokenizer(model, qconfig: QuantMLAConfig, tokenizer):
     """The tokenizer for calibration: the one given, `qconfig.extra['tokenizer']`, or the checkpoint's own."""
     tokenizer = tokenizer if tokenizer is not None else qconfig.extra.get("tokenizer")
@@ -122,72 +107,159 @@ def _load_calibration():
     return quantize
 
 
-def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, tokenizer=None) -> None:
+def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, tokenizer=None,
+                        calibration_options: dict | None = None) -> None:
     """Learn and fuse the transform that `qconfig` asks for, once (sets `qconfig.calibrated`).
 
     "none" needs nothing; "hadamard" is data-free; "learned" and "smooth" need calibration text, from
     `calibration_data` or `qconfig.calibration_data`, or they fail with an error saying how to provide it.
+    `qconfig` is the model's own copy (never the object a caller passed). `calibration_options` (batch_size,
+    progress) go to `quantmla_hf.calibration.quantize`.
     """
     if qconfig.transform == "none" or qconfig.calibrated:
         return
     data = calibration_data if calibration_data is not None else qconfig.calibration_data
-    if qconfig.needs_calibration and data is None:
-        raise ValueError(
-            f"transform={qconfig.transform!r} learns its transform from calibration text, but none was given: "
-            + CALIBRATION_HINT.format(transform=qconfig.transform)
-        )
+    if data is not None and isinstance(data, (str, os.PathLike, list, tuple)):
+        tokenizer = _resolve_tokenizer(model, qconfig, tokenizer)
+    check_calibration_inputs(qconfig, data, tokenizer)
     quantize = _load_calibration()
-    if data is not None:
-        data = _resolve_calibration_data(data)
-        if isinstance(data, (str, list, tuple)):
-            tokenizer = _resolve_tokenizer(model, qconfig, tokenizer)
-    quantize(model, qconfig, data, tokenizer=tokenizer)
+    quantize(model, qconfig, data, tokenizer=tokenizer, **(calibration_options or {}))
     qconfig.calibrated = True
     if data is not None and "calibration_source" not in qconfig.extra:
-        qconfig.extra["calibration_source"] = data if isinstance(data, str) else f"{len(data)} texts given in memory"
+        qconfig.extra["calibration_source"] = _calibration_source(data)
     if not isinstance(qconfig.extra.get("tokenizer"), (str, type(None))):
         del qconfig.extra["tokenizer"]  # a tokenizer object cannot go into config.json
 
 
-def prepare_model(model, qconfig: QuantMLAConfig, calibration_data=None, tokenizer=None, pre_quantized: bool = False):
+def _calibration_source(data) -> str:
+    """What a saved config and model card say about the calibration data: a file's name (not its local path)."""
+    if isinstance(data, (str, os.PathLike)):
+        return f"text file {os.path.basename(os.fspath(data))}"
+    if isinstance(data, torch.Tensor):
+        return f"{data.shape[0]} windows of token ids given in memory"
+    return f"{len(data)} texts given in memory"
+
+
+def prepare_model(model, qconfig: QuantMLAConfig, calibration_data=None, tokenizer=None, pre_quantized: bool = False,
+                  calibration_options: dict | None = None):
     """Make a loaded MLA `model` use the QuantMLA cache described by `qconfig` (in place; returns `model`).
 
+    `qconfig` becomes the model's own config (pass a copy: it is marked calibrated and records the calibration).
     `pre_quantized` says the checkpoint already carried this config (then its name is not the base model).
     """
     check_mla_model(model)
     name = getattr(model.config, "name_or_path", "") or ""
     if not pre_quantized and "base_model" not in qconfig.extra and name.count("/") == 1 and not os.path.exists(name):
         qconfig.extra["base_model"] = name  # a Hub id: the model card's base_model
-    calibrate_if_needed(model, qconfig, calibration_data, tokenizer)
+    calibrate_if_needed(model, qconfig, calibration_data, tokenizer, calibration_options)
     model.config.quantization_config = qconfig
     install_cache_hooks(model)
+    if not hasattr(model, "_quantmla_stock_attn"):
+        model._quantmla_stock_attn = model.config._attn_implementation  # what `dequantize` goes back to
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     _install_generation_default(model)
     _install_model_card(model)
+    _allow_dtype_casts(model)
     return model
 
 
-def apply_quantmla(model, quantization_config: QuantMLAConfig | None = None, calibration_data=None, tokenizer=None):
+def _allow_dtype_casts(model) -> None:
+    """`.half()`/`.float()`/`.bfloat16()` work as `.to(dtype)` does: the weights are ordinary tensors (transformers
+    refuses them for every quantized model, since most quantize the weights)."""
+    for name in ("half", "float", "bfloat16"):
+        setattr(model, name, types.MethodType(getattr(torch.nn.Module, name), model))
+
+
+def unprepare_model(model, dtype=None):
+    """Undo `prepare_model`: a stock model (DynamicCache, stock attention, plain save_pretrained/push_to_hub).
+
+    The weights stay as they are: with a fused transform they compute the same function as the original
+    checkpoint's (under different values), so the result is an ordinary model of its family. `dtype` casts it.
+    """
+    from .hooks import _pre_forward
+
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if hook is _pre_forward:
+            del model._forward_pre_hooks[key]
+            model._forward_pre_hooks_with_kwargs.pop(key, None)
+    for module in model.modules():
+        module.__dict__.pop("_quantmla_state", None)
+    attn = model.__dict__.pop("_quantmla_stock_attn", None)
+    for name in ("_prepare_cache_for_generation", "save_pretrained", "push_to_hub", "half", "float", "bfloat16",
+                 "_quantmla_generation_default", "_quantmla_model_card"):
+        model.__dict__.pop(name, None)
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(attn if attn and attn != ATTN_IMPLEMENTATION else "sdpa")
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+def _refuse_second_transform(model, qconfig: QuantMLAConfig) -> None:
+    """A model whose weights already hold a fused transform must not get a second one on top."""
+    current = getattr(getattr(model, "config", None), "quantization_config", None)
+    if isinstance(current, dict):
+        current = QuantMLAConfig.from_dict(current) if current.get("quant_method") == "quantmla" else None
+    if not isinstance(current, QuantMLAConfig) or current.transform == "none" or not current.calibrated:
+        return
+    if qconfig.transform != "none" and not qconfig.calibrated:
+        raise ValueError(
+            f"this model is already quantized with QuantMLA ({current.name}, transform={current.transform!r} fused "
+            "into its weights); applying a second uncalibrated config would fuse another transform on top. "
+            "quantmla_hf.quantize(model, config, data) does the whole job in one call (its config is "
+            "model.config.quantization_config); start again from the unquantized model to change the cache format. "
+            "The calibration step alone is quantmla_hf.calibration.quantize"
+        )
+
+
+def apply_quantmla(model, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None,
+                   tokenizer=None, **calibration_options):
     """Quantize the KV cache of an MLA model already in memory, as `from_pretrained(quantization_config=...)` would.
 
     Args:
         model: a transformers MLA causal LM (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, LongCat-Flash, MiniCPM3).
-        quantization_config: the `QuantMLAConfig` (default C4R4 with the learned transform).
-        calibration_data: text for a learned/smooth transform (list of strings or a text file path); overrides
-            `quantization_config.calibration_data`.
+        quantization_config: the `QuantMLAConfig` (default C4R4 with the learned transform). It is copied: the
+            model's own config (`model.config.quantization_config`) records the calibration; the object passed in
+            stays as it was, so it can configure further models.
+        calibration_data: text for a learned/smooth transform (list of strings, a text file path, or token ids
+            `[N, T]`); overrides `quantization_config.calibration_data`.
         tokenizer: tokenizer for the calibration text (default: the one saved with the model's checkpoint).
+        calibration_options: `batch_size`, `progress` of `quantmla_hf.calibration.quantize`.
 
-    Returns the same model, ready to `generate`, `save_pretrained` and `push_to_hub`.
+    Returns the same model, quantized: `generate` uses the packed cache, `save_pretrained` writes a QuantMLA
+    checkpoint (`quantization_config` in config.json) and `push_to_hub` uploads one.
     """
     from .quantizer import QuantMLAHfQuantizer
 
     qconfig = quantization_config if quantization_config is not None else QuantMLAConfig()
-    quantizer = QuantMLAHfQuantizer(qconfig, pre_quantized=False)
-    prepare_model(model, qconfig, calibration_data, tokenizer)
+    if isinstance(qconfig, dict):
+        qconfig = QuantMLAConfig.from_dict(qconfig)
+    if not isinstance(qconfig, QuantMLAConfig):
+        raise TypeError(f"quantization_config must be a QuantMLAConfig or its dict, got {type(qconfig).__name__}")
+    _refuse_second_transform(model, qconfig)
+    quantizer = QuantMLAHfQuantizer(qconfig, pre_quantized=False)  # holds its own copy of the config
+    prepare_model(model, quantizer.quantization_config, calibration_data, tokenizer,
+                  calibration_options=calibration_options)
     model.hf_quantizer = quantizer
     model.is_quantized = True
-    model.quantization_method = qconfig.quant_method
+    model.quantization_method = quantizer.quantization_config.quant_method
     return model
+
+
+def quantize(model, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None, tokenizer=None,
+             **calibration_options):
+    """Quantize `model` end to end: calibrate and fuse the transform, connect the packed cache; returns the model.
+
+    The one-call verb (what `quantmla_hf.quantize` is): the same as `apply_quantmla`. The result generates with the
+    packed cache and `save_pretrained`/`push_to_hub` write a QuantMLA checkpoint; the tokenizer for calibration
+    text is the checkpoint's own unless given. `quantization_config` is not changed (a copy records the
+    calibration). Calibration alone, without connecting the cache, is `quantmla_hf.calibration.quantize`.
+
+    Example:
+        >>> model = quantmla_hf.quantize(model, QuantMLAConfig(content_bits=4), calibration_data="calib.txt")
+        >>> model.save_pretrained("out")
+    """
+    return apply_quantmla(model, quantization_config, calibration_data, tokenizer, **calibration_options)
 
 
 def _install_generation_default(model) -> None:
@@ -222,6 +294,10 @@ def _install_generation_default(model) -> None:
     model._quantmla_generation_default = True
 
 
+# `save_pretrained(..., push_to_hub=True, **kwargs)` arguments that go to the Hub upload, not to the save.
+HUB_SAVE_KWARGS = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision")
+
+
 def _install_model_card(model) -> None:
     """`save_pretrained` also writes the QuantMLA model card; `push_to_hub` uploads it (instead of a generic one)."""
     if getattr(model, "_quantmla_model_card", False):
@@ -230,7 +306,7 @@ def _install_model_card(model) -> None:
 
     @functools.wraps(stock_save)
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
-        hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "private", "create_pr") if k in kwargs}
+        hub_kwargs = {k: kwargs.pop(k) for k in HUB_SAVE_KWARGS if k in kwargs}
         out = stock_save(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True):
             return out
@@ -241,22 +317,25 @@ def _install_model_card(model) -> None:
             # transformers would upload its generic card; upload the directory with ours instead.
             from huggingface_hub import HfApi
 
-            api = HfApi(token=kwargs.get("token"))
-            repo_id = hub_kwargs.get("repo_id") or os.path.basename(os.path.normpath(save_directory))
-            repo_id = api.create_repo(repo_id, private=hub_kwargs.get("private"), exist_ok=True).repo_id
+            token = kwargs.get("token")
+            api = HfApi(token=token)
+            repo_id = hub_kwargs.pop("repo_id", None) or os.path.basename(os.path.normpath(save_directory))
+            repo_id = api.create_repo(repo_id, private=hub_kwargs.pop("private", None), exist_ok=True).repo_id
             write_model_card(self, save_directory, repo_id=repo_id)
             return api.upload_folder(
-                repo_id=repo_id, folder_path=save_directory, create_pr=hub_kwargs.get("create_pr", False),
-                commit_message=hub_kwargs.get("commit_message") or "Upload QuantMLA model",
+                repo_id=repo_id, folder_path=save_directory,
+                commit_message=hub_kwargs.pop("commit_message", None) or "Upload QuantMLA model", **hub_kwargs,
             )
         return out
 
-    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
-                    token=None, revision: str | None = None, create_pr: bool = False,
-                    max_shard_size="50GB", tags: list[str] | None = None, **card_kwargs):
+    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
+                    private: bool | None = None, token=None, revision: str | None = None, create_pr: bool = False,
+                    max_shard_size="50GB", tags: list[str] | None = None, base_model: str | None = None,
+                    eval_results: dict | None = None, measured_tokens: int = 4096):
         """Upload the quantized checkpoint and its QuantMLA model card to `repo_id` (on `HF_ENDPOINT`).
 
-        `card_kwargs` go to `quantmla_hf.model_card.render_model_card` (e.g. `eval_results`, `base_model`).
+        Takes every argument of transformers' `push_to_hub` (passed on to the Hub as it would) and the model card's
+        `base_model`, `eval_results`, `measured_tokens` (see `quantmla_hf.model_card.render_model_card`).
         """
         from huggingface_hub import HfApi
 
@@ -266,10 +345,11 @@ def _install_model_card(model) -> None:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as tmp:
             stock_save(tmp, max_shard_size=max_shard_size)
-            write_model_card(self, tmp, overwrite=True, repo_id=repo_id, tags=tags, **card_kwargs)
+            write_model_card(self, tmp, overwrite=True, repo_id=repo_id, tags=tags, base_model=base_model,
+                             eval_results=eval_results, measured_tokens=measured_tokens)
             return api.upload_folder(
                 repo_id=repo_id, folder_path=tmp, commit_message=commit_message or "Upload QuantMLA model",
-                revision=revision, create_pr=create_pr,
+                commit_description=commit_description, revision=revision, create_pr=create_pr,
             )
 
     model.save_pretrained = types.MethodType(save_pretrained, model)

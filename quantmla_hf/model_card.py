@@ -95,7 +95,16 @@ def _calibration_text(qconfig: QuantMLAConfig) -> str:
     if qconfig.transform == "hadamard":
         return "None: the Hadamard rotation (`transform=\"hadamard\"`) is data-free."
     source = qconfig.extra.get("calibration_source") or qconfig.calibration_data or "not recorded"
-    size = f"{qconfig.calibration_samples} sequences x {qconfig.calibration_seq_len} tokens"
+    if isinstance(source, str) and os.path.isabs(source):
+        source = f"text file {os.path.basename(source)}"  # a local path means nothing to the card's readers
+    record = qconfig.extra.get("calibration") or {}
+    windows = record.get("windows")
+    if windows:  # what the calibration really used ([N, T]), which is fewer than asked when the text is short
+        held = record.get("heldout_windows")
+        size = f"{windows[0]} windows x {windows[1]} tokens" + (f" ({held} held out for selection)" if held else "")
+    else:
+        size = (f"up to {qconfig.calibration_samples} windows x {qconfig.calibration_seq_len} tokens "
+                "(the calibration record is missing)")
     return (
         f"- data: {source}\n- size: {size}\n- steps per layer and path: {qconfig.calibration_steps}, "
         f"learning rate {qconfig.calibration_lr}, seed {qconfig.seed}\n- calibrated and fused: {qconfig.calibrated}"

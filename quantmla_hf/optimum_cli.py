@@ -28,7 +28,13 @@ if BaseOptimumCLICommand is not None:
 
         @staticmethod
         def parse_args(parser: argparse.ArgumentParser) -> None:
-            parser.add_argument("quantmla_args", nargs=argparse.REMAINDER, help="arguments of `quantmla`")
+            from .cli import build_parser
+
+            # `optimum-cli quantmla --help` shows the `quantmla` commands, not only "quantmla_args".
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter
+            parser.description = build_parser().format_help().replace("usage: quantmla", "usage: optimum-cli quantmla")
+            parser.add_argument("quantmla_args", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                                help="a `quantmla` command and its arguments (`optimum-cli quantmla COMMAND --help`)")
 
         def run(self) -> None:
             from .cli import main

@@ -1,16 +1,16 @@
 """Block-grown storage of one cached path (content latent or RoPE key) for a batch of sequences.
 
-Layout of the planes is documented in `quantmla_hf/format.py`. Storage grows by whole blocks of
-`block_size` tokens: when a write would pass the capacity, planes are reallocated to the next multiple of the
-block and the old contents copied once, so the bytes held are the used tokens rounded up to one block and a
-decode step never concatenates the history.
+Layout of the planes is documented in `quantmla_hf/format.py`. Storage grows geometrically while short (16, 32,
+64, ... tokens up to one block of `block_size`) and then by whole blocks (`format.allocated_tokens`): when a
+write would pass the capacity, planes are reallocated and the old contents copied once, so a short prompt holds
+little, a long one at most one block of slack, and a decode step never concatenates the history.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .format import SCALE_DTYPE, ZERO_DTYPE, PathFormat
+from .format import SCALE_DTYPE, ZERO_DTYPE, PathFormat, allocated_tokens
 from .kernels.quant_pack_ref import dequantize_ref, quantize_ref
 
 
@@ -22,7 +22,7 @@ class PackedPathStore:
         batch_size: number of sequences.
         dtype: the model's compute dtype (used for 16-bit storage and for dequantized outputs).
         device: where the planes live.
-        block_size: allocation granularity in tokens.
+        block_size: allocation granularity in tokens once the planes hold a block (geometric growth before).
     """
 
     def __init__(self, fmt: PathFormat, batch_size: int, dtype: torch.dtype, device, block_size: int):
@@ -56,15 +56,15 @@ class PackedPathStore:
         """Make room for `n_tokens` tokens, keeping the first `used` ones."""
         if n_tokens <= self.capacity:
             return
-        new_cap = -(-n_tokens // self.block_size) * self.block_size
+        new_cap = allocated_tokens(n_tokens, self.block_size)
         for name, old in self.planes.items():
             new = torch.empty((old.shape[0], new_cap, old.shape[2]), dtype=old.dtype, device=old.device)
             new[:, :used].copy_(old[:, :used])
             self.planes[name] = new
 
     def shrink(self, n_tokens: int) -> None:
-        """Release whole blocks past `n_tokens` tokens."""
-        keep = -(-n_tokens // self.block_size) * self.block_size
+        """Release the storage past what `n_tokens` tokens are allocated (`allocated_tokens`)."""
+        keep = allocated_tokens(n_tokens, self.block_size)
         if keep < self.capacity:
             self.planes = {k: v[:, :keep].clone() for k, v in self.planes.items()}
 

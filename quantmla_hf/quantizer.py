@@ -29,6 +29,12 @@ class QuantMLAHfQuantizer(HfQuantizer):
     quantization_config: QuantMLAConfig
 
     def __init__(self, quantization_config: QuantMLAConfig, **kwargs):
+        # The caller's config is never changed: calibration marks this quantizer's own copy (a config reused for a
+        # second model must calibrate that model too).
+        if isinstance(quantization_config, dict):
+            quantization_config = QuantMLAConfig.from_dict(quantization_config)
+        elif isinstance(quantization_config, QuantMLAConfig):
+            quantization_config = quantization_config.copy()
         super().__init__(quantization_config, **kwargs)
 
     def validate_environment(self, *args, **kwargs) -> None:
@@ -41,19 +47,34 @@ class QuantMLAHfQuantizer(HfQuantizer):
             )
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        # Fails on the skeleton (meta device), before any weight is read, for a model that is not MLA.
+        # Fails on the skeleton (meta device), before any weight is read, for a model that is not MLA or for
+        # calibration inputs that could not be used (no text, a missing/binary file, too few tokens).
+        from .calibration_check import check_calibration_inputs
+        from .integration import _resolve_tokenizer
+
         mla_dims(model.config)
         # A transform cannot be fused into weights split across processes: refuse before they are read.
         from .distributed import check_load_not_sharded_for_calibration
 
-        qc = self.quantization_config
-        check_load_not_sharded_for_calibration(model.config, qc.transform, qc.calibrated)
+        qconfig = self.quantization_config
+        check_load_not_sharded_for_calibration(model.config, qconfig.transform, qconfig.calibrated)
+        check_calibration_inputs(qconfig, tokenizer=lambda: _resolve_tokenizer(model, qconfig, None))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         from .integration import prepare_model
 
         return prepare_model(model, self.quantization_config, pre_quantized=self.pre_quantized)
+
+    def _dequantize(self, model, dtype=None):
+        """`model.dequantize()`: a stock model of its family (DynamicCache, stock attention, plain checkpoint).
+
+        The KV cache is the only thing QuantMLA quantizes; the weights (with any calibrated transform fused into
+        them, computing the original function) stay as they are.
+        """
+        from .integration import unprepare_model
+
+        return unprepare_model(model, dtype)
 
     def is_serializable(self, *args, **kwargs) -> bool:
         return True

@@ -37,6 +37,7 @@ class Repo:
     def __init__(self, repo_id: str, repo_type: str):
         self.repo_id, self.repo_type = repo_id, repo_type
         self.commits: list[tuple[str, dict[str, bytes]]] = []  # (sha, files) oldest first
+        self.headers: list[dict] = []  # the header of every commit received (summary, description), oldest first
         self._commit({}, "initial commit")
 
     def _commit(self, files: dict[str, bytes], message: str) -> str:
@@ -181,6 +182,7 @@ class HubHandler(BaseHTTPRequestHandler):
                     files = {p: b for p, b in files.items() if not p.startswith(prefix)}
                 else:  # lfsFile, copies: this server never asks for them
                     return self._error(400, None, f"unsupported commit operation {key!r}")
+            repo.headers.append(dict(lines[0]["value"]))
             sha = repo._commit(files, lines[0]["value"].get("summary", ""))
         return self._json(200, {"commitUrl": f"{self._endpoint()}/{repo.repo_id}/commit/{sha}",
                                 "commitOid": sha, "pullRequestUrl": None, "success": True})
@@ -235,6 +237,25 @@ class HubServer(ThreadingHTTPServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+
+
+class SilentServer:
+    """Accepts TCP connections on 127.0.0.1 and never answers: a Hub that hangs (for timeout tests)."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)  # the kernel completes the handshakes; nothing is ever read or written
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self.sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 if __name__ == "__main__":

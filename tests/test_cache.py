@@ -132,11 +132,18 @@ def test_crop_keeps_prefix_and_refills_the_recent_window(remove):
     assert layer.content.capacity == -(-keep // 4) * 4
 
 
-def test_crop_accepts_the_legacy_absolute_length():
+def test_crop_positive_follows_the_installed_release():
+    from quantmla_hf.cache import LEGACY_POSITIVE_CROP
+
     layer = QuantMLALayer(_fmt(), kernel="torch")
     _feed(layer, torch.randn(1, 10, D_C), torch.randn(1, 10, D_R), [10])
-    layer.crop(7)
-    assert layer.get_seq_length() == 7
+    if LEGACY_POSITIVE_CROP:  # transformers < 5.18: the absolute length to keep
+        layer.crop(7)
+        assert layer.get_seq_length() == 7
+    else:
+        with pytest.raises(ValueError, match="pass minus the number of tokens to remove"):
+            layer.crop(7)
+        layer.crop(-3)
     with pytest.raises(ValueError, match="cannot remove 11 tokens from a cache holding 7"):
         layer.crop(-11)
 
@@ -280,4 +287,42 @@ def test_cache_reports_bytes_per_token():
     fmt = cache.format
     per_layer = fmt.persistent_bytes(cache.get_seq_length(), torch.float32, block_size=16)
     assert cache.nbytes() == 2 * len(cache.layers) * per_layer
-    assert cache.bytes_per_token() == cache.nbytes() / (2 * cache.get_seq_length())
+    assert cache.bytes_per_token(allocated=True) == cache.nbytes() / (2 * cache.get_seq_length())
+    assert cache.bytes_per_token() == 2 * len(cache.layers) * fmt.used_bytes(16, torch.float32) / (2 * 16)
+
+
+def test_update_refuses_non_float_tensors_and_a_changed_dtype():
+    layer = QuantMLALayer(_fmt(), kernel="torch")
+    for bad in (torch.ones(1, 1, 2, D_C, dtype=torch.int64), torch.ones(1, 1, 2, D_C, dtype=torch.bool),
+                torch.ones(1, 1, 2, D_C, dtype=torch.complex64)):
+        with pytest.raises(TypeError, match="latent must be a floating-point tensor"):
+            layer.update(bad, torch.randn(1, 1, 2, D_R))
+    layer.update(torch.randn(1, 1, 2, D_C), torch.randn(1, 1, 2, D_R))
+    with pytest.raises(TypeError, match="holds torch.float32 tokens but got torch.bfloat16.*reset"):
+        layer.update(torch.randn(1, 1, 1, D_C, dtype=torch.bfloat16), torch.randn(1, 1, 1, D_R, dtype=torch.bfloat16))
+    layer.reset()
+    layer.update(torch.randn(1, 1, 1, D_C, dtype=torch.bfloat16), torch.randn(1, 1, 1, D_R, dtype=torch.bfloat16))
+    cache = QuantMLACache(config=tiny_config("deepseek_v3"), quantization_config=QuantMLAConfig())
+    with pytest.raises(ValueError, match="layer_idx must be an integer >= 0, got -1"):
+        cache.update(torch.randn(1, 1, 1, D_C), torch.randn(1, 1, 1, D_R), -1)
+
+
+def test_short_prompts_hold_little_and_bytes_are_reported_used_and_allocated():
+    cfg = QuantMLAConfig(sink_tokens=2, recent_tokens=4)  # default block of 256 tokens
+    cache = QuantMLACache(config=tiny_config("deepseek_v3"), quantization_config=cfg)
+    fmt = cache.format
+    for idx in range(len(cache.layers)):
+        cache.update(torch.randn(1, 1, 13, D_C), torch.randn(1, 1, 13, D_R), idx)
+    assert cache.layers[0].content.capacity == 16  # not a whole block of 256
+    assert cache.used_bytes() == len(cache.layers) * (13 * fmt.packed_bytes_per_token(torch.float32)
+                                                       + (2 + 4) * fmt.dense_bytes_per_token(torch.float32))
+    assert cache.bytes_per_token() == cache.used_bytes() / 13
+    assert cache.bytes_per_token(allocated=True) == cache.nbytes() / 13 > cache.bytes_per_token()
+    for n, cap in ((20, 32), (40, 64), (200, 256), (300, 512)):
+        for idx in range(len(cache.layers)):
+            grow = n - cache.layers[idx].length
+            cache.update(torch.randn(1, 1, grow, D_C), torch.randn(1, 1, grow, D_R), idx)
+        assert cache.layers[0].content.capacity == cap, n
+    text = repr(cache)
+    assert text.startswith("QuantMLACache(C4R4, 2 layers, 300 tokens x 1 sequences") and len(text) < 160
+    assert repr(cache.layers[0]) == "QuantMLALayer(C4R4, 300 tokens x 1)"

@@ -51,11 +51,12 @@ def test_quantize_generate_eval(base_dir, tmp_path, capsys):
     assert rc == 0
     res = json.loads(result.read_text())
     assert res["windows"] == 1 and res["tokens_scored"] == 18 and res["cache"] == "C2R4"
-    assert all(math.isfinite(res[k]) and res[k] > 1 for k in ("bf16_perplexity", "quantmla_perplexity"))
+    assert all(math.isfinite(res[k]) and res[k] > 1 for k in ("baseline_perplexity", "quantmla_perplexity"))
     # 2-bit history beyond a 4-token window changes the predictions
-    assert res["bf16_perplexity"] != res["quantmla_perplexity"]
+    assert res["baseline_perplexity"] != res["quantmla_perplexity"]
     table = capsys.readouterr().out
-    assert "BF16" in table and "C2R4" in table
+    # the tiny checkpoint is float32: the baseline is labelled by its dtype, not "BF16"
+    assert "float32 DynamicCache" in table and "BF16" not in table and "C2R4" in table
 
 
 def test_analyze_writes_table_and_plot(base_dir, tmp_path, capsys):
@@ -72,7 +73,7 @@ def test_analyze_writes_table_and_plot(base_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["quantize", "{base}", "--out", "{tmp}/x", "--transform", "learned"], "calibration_data"),
+        (["quantize", "{base}", "--out", "{tmp}/x", "--transform", "learned"], "pass --calibration FILE"),
         (["quantize", "{tmp}/missing", "--out", "{tmp}/x"], "missing"),
         (["eval", "{base}", "--text", "{tmp}/nope.txt", "--transform", "none"], "nope.txt: no such file"),
         (["eval", "{base}", "--text", "{text}", "--window", "10", "--prefill", "9"], "--prefill"),

@@ -59,3 +59,62 @@ def test_non_mla_model_is_refused_with_reason():
 
     with pytest.raises(ValueError, match="has no kv_lora_rank or qk_rope_head_dim"):
         mla_dims(LlamaConfig())
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(nbits=2), "no option 'nbits'; did you mean 'content_bits'"),
+        (dict(contnet_bits=2), "no option 'contnet_bits'; did you mean 'content_bits'"),
+        (dict(recent=64), "no option 'recent'"),
+        (dict(content_bits=4.0), "content_bits must be one of 2, 4, 8, 16, got 4.0"),
+        (dict(rope_bits=True), "rope_bits must be one of 4, 8, 16, got True"),
+        (dict(group_size=64.0), "group_size must be an integer >= 1, got 64.0"),
+        (dict(calibration_lr=True), "calibration_lr must be a positive number"),
+        (dict(calibrated="yes"), "calibrated must be True or False"),
+    ],
+)
+def test_typos_and_wrong_number_types_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        QuantMLAConfig(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        QuantMLAConfig.from_dict({"quant_method": "quantmla", **kwargs})
+
+
+def test_a_saved_config_reloads_with_the_keys_the_library_writes():
+    cfg = QuantMLAConfig(transform="none", calibration_source="calib.txt", base_model="org/model", eval={"ppl": 1.0})
+    assert QuantMLAConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
+def test_every_way_of_changing_a_field_validates():
+    cfg = QuantMLAConfig()
+    with pytest.raises(ValueError, match="content_bits must be one of"):
+        cfg.content_bits = 3
+    with pytest.raises(ValueError, match="content_bits must be one of"):
+        cfg.content_bits = 4.0
+    with pytest.raises(AttributeError, match="did you mean 'content_bits'"):
+        cfg.contnet_bits = 2
+    with pytest.raises(ValueError, match="group_size must be a power of two"):
+        cfg.update(content_bits=2, group_size=3)
+    assert (cfg.content_bits, cfg.group_size) == (4, 64)  # a refused update changes nothing
+    with pytest.raises(ValueError, match="no option 'bits'"):
+        cfg.update(bits=2)
+    assert cfg.update(content_bits=2, recent_tokens=64) == {}
+    cfg.sink_tokens = 8
+    assert (cfg.name, cfg.recent_tokens, cfg.sink_tokens) == ("C2R4", 64, 8)
+
+
+def test_copy_is_independent():
+    cfg = QuantMLAConfig(calibration_data=["a text"], measured_bytes_per_token=3)
+    other = cfg.copy()
+    other.calibrated = True
+    other.extra["calibration"] = {"layers": []}
+    other.calibration_data.append("another")
+    assert not cfg.calibrated and "calibration" not in cfg.extra and cfg.calibration_data == ["a text"]
+
+
+def test_repr_is_short():
+    cfg = QuantMLAConfig(content_bits=2, calibration_data=["x" * 10_000] * 50, calibration={"layers": [{}] * 60})
+    text = repr(cfg)
+    assert len(text) < 200 and text.startswith("QuantMLAConfig(C2R4, transform='learned'")
+    assert "<50 texts>" in text and "extra=[calibration]" in text

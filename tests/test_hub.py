@@ -56,6 +56,8 @@ def test_push_download_load_equality(hub, tmp_path):
         assert "library_name: transformers" in card and "quantmla_hf.model_card" in card
         assert f"from_pretrained(\"{repo_id}\"" in card
         assert '"quant_method": "quantmla"' in card and "| BF16 (`DynamicCache`) |" in card
+    header = server.state.repos[("model", "tester/tiny-quantmla")].headers[-1]
+    assert header["summary"] == "QuantMLA C4R4" and header["description"] == "pushed by test_hub"
     # the base checkpoint went up as uploaded, untouched
     assert "quantization_config" not in json.loads(server.state.repos[("model", "tester/tiny-base")].commits[-1][1]["config.json"])
 
@@ -77,7 +79,7 @@ def child(base: Path, result: Path) -> None:
 
     qconfig = QuantMLAConfig(transform="none", group_size=16, sink_tokens=1, recent_tokens=2)
     model = AutoModelForCausalLM.from_pretrained("tester/tiny-base", quantization_config=qconfig)
-    model.push_to_hub("tester/tiny-quantmla")
+    model.push_to_hub("tester/tiny-quantmla", commit_message="QuantMLA C4R4", commit_description="pushed by test_hub")
     reloaded = AutoModelForCausalLM.from_pretrained("tester/tiny-quantmla")
 
     ids = (torch.arange(11) * 5 % 120 + 2)[None]

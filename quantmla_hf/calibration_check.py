@@ -1,0 +1,118 @@
+"""Checks of the calibration inputs that run before any weight is loaded.
+
+A learned or smooth transform needs calibration text; a missing or unreadable file, text that is not UTF-8, or
+text too short for two windows (one to learn from, one held out) would otherwise fail only after the whole model
+has loaded. `check_calibration_inputs` reads the text and counts its tokens with the checkpoint's tokenizer
+(cheap next to loading weights) and names the option to change, as the Python keyword or as the CLI flag.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import QuantMLAConfig
+
+# How an error names each option: as a `QuantMLAConfig` keyword, or as the `quantmla` command-line flag.
+PYTHON_NAMES = {
+    "calibration_data": "calibration_data={}",
+    "calibration_seq_len": "calibration_seq_len={}",
+    "transform": "transform={!r}",
+}
+CLI_NAMES = {
+    "calibration_data": "--calibration {}",
+    "calibration_seq_len": "--calibration-seq-len {}",
+    "transform": "--transform {}",
+}
+CALIBRATION_HINT = (
+    "pass the text in the config, e.g. QuantMLAConfig(transform={transform!r}, calibration_data=['some text', ...]) "
+    "or QuantMLAConfig(transform={transform!r}, calibration_data='/path/to/calibration.txt') (from the command line: "
+    "`quantmla quantize MODEL --out DIR --calibration FILE`); or pick transform='hadamard' or 'none', which need no data"
+)
+# Characters tokenized first when counting: enough for two windows in any tokenizer we know of (>= 1 char/token).
+_PREFIX_CHARS_PER_TOKEN = 16
+
+
+def read_calibration_text(path: str | os.PathLike, names: dict = PYTHON_NAMES) -> str:
+    """The UTF-8 text of `path`, or a `ValueError`/`FileNotFoundError` naming the file and the option."""
+    option = names["calibration_data"].format(repr(str(path)) if names is PYTHON_NAMES else str(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{option}: no such file; give a UTF-8 text file (or, in Python, a list of strings)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if b"\x00" in raw:
+        raise ValueError(f"{option}: the file is binary (it holds NUL bytes); give a UTF-8 text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{option}: the file is not UTF-8 text (byte {err.start} cannot be decoded); "
+                         "convert it to UTF-8") from err
+    if not text.strip():
+        raise ValueError(f"{option}: the file is empty")
+    return text
+
+
+def count_tokens_up_to(texts: list[str], tokenizer, needed: int) -> int:
+    """Tokens of the texts joined as calibration joins them, counted exactly up to `needed` (at least that many
+    when the count is `>= needed`): a long text is not tokenized whole just to learn that it is long enough."""
+    joined = "\n\n".join(texts)
+    prefix = joined[: needed * _PREFIX_CHARS_PER_TOKEN]
+    n = len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+    if n >= needed or len(prefix) == len(joined):
+        return n
+    return len(tokenizer(joined, add_special_tokens=False)["input_ids"])
+
+
+def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None, names: dict = PYTHON_NAMES) -> None:
+    """Fail now, with the option to change, when `qconfig`'s calibration could not run.
+
+    Args:
+        qconfig: the config; nothing is checked when its transform needs no data or is already calibrated.
+        data: the calibration data when given apart from the config (else `qconfig.calibration_data`).
+        tokenizer: a tokenizer, or a callable returning one (called only when text must be counted), or None
+            to skip the token count.
+        names: `PYTHON_NAMES` or `CLI_NAMES`: how the messages name the options.
+    """
+    if not qconfig.needs_calibration:
+        return
+    data = data if data is not None else qconfig.calibration_data
+    transform = names["transform"].format(qconfig.transform)
+    if data is None and names is PYTHON_NAMES:
+        raise ValueError(
+            f"transform={qconfig.transform!r} learns its transform from calibration text, but none was given: "
+            + CALIBRATION_HINT.format(transform=qconfig.transform)
+        )
+    if data is None:
+        raise ValueError(
+            f"{transform} learns its transform from calibration text, but none was given: pass "
+            f"{names['calibration_data'].format('FILE' if names is CLI_NAMES else repr('calibration.txt'))} "
+            f"(UTF-8 text of at least 2 x {qconfig.calibration_seq_len} tokens), or "
+            f"{names['transform'].format('hadamard')} / {names['transform'].format('none')}, which need no data"
+        )
+    if isinstance(data, torch.Tensor):
+        return  # token ids: their shape and range are checked by the calibration itself
+    source = None
+    if isinstance(data, (str, os.PathLike)):
+        source = names["calibration_data"].format(repr(str(data)) if names is PYTHON_NAMES else str(data))
+        texts = [read_calibration_text(data, names)]
+    elif isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
+        texts = list(data)
+        if not any(t.strip() for t in texts):
+            raise ValueError("calibration_data holds only empty strings")
+    else:
+        raise ValueError("calibration_data must be a text-file path, a non-empty list of strings or token ids [N, T]")
+    if callable(tokenizer) and not hasattr(tokenizer, "encode"):
+        tokenizer = tokenizer()
+    if tokenizer is None:
+        return
+    seq_len = qconfig.calibration_seq_len
+    n = count_tokens_up_to(texts, tokenizer, 2 * seq_len)
+    if n < 2 * seq_len:
+        what = source or f"the {len(texts)} calibration text(s)"
+        shorter = names["calibration_seq_len"].format(max(8, n // 2))
+        raise ValueError(
+            f"{what} gives {n} tokens, fewer than 2 windows of {names['calibration_seq_len'].format(seq_len)} "
+            f"(one to learn from, one held out); pass a longer text or {shorter}"
+            + (" or less" if n // 2 > 8 else "")
+        )
