@@ -236,6 +236,11 @@ def apply_quantmla(model, quantization_config: QuantMLAConfig | dict | None = No
         qconfig = QuantMLAConfig.from_dict(qconfig)
     if not isinstance(qconfig, QuantMLAConfig):
         raise TypeError(f"quantization_config must be a QuantMLAConfig or its dict, got {type(qconfig).__name__}")
+    if qconfig.transform != "none" and not qconfig.calibrated:
+        # Sharded weights cannot take a fused transform whatever they already hold: say how to do it instead.
+        from .distributed import check_not_sharded_for_calibration
+
+        check_not_sharded_for_calibration(model, qconfig.transform)
     _refuse_second_transform(model, qconfig)
     quantizer = QuantMLAHfQuantizer(qconfig, pre_quantized=False)  # holds its own copy of the config
     prepare_model(model, quantizer.quantization_config, calibration_data, tokenizer,
