@@ -74,6 +74,10 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
 
     Returns `[B, Tq, H, d_v]`.
     """
+    if layer.is_compileable:  # [static cache, issue #10] device-side lengths, no host synchronisation
+        from .static_attention import static_latent_decode_attention
+
+        return static_latent_decode_attention(module, layer, query, attention_mask, scaling)
     nope = module.qk_nope_head_dim
     B, H, Tq, _ = query.shape
     q_nope, q_rot = query[..., :nope], query[..., nope:]
@@ -118,6 +122,9 @@ def quantmla_attention_forward(
     cache = state.cache if state is not None else None
     layer = cache.layers[module.layer_idx] if isinstance(cache, QuantMLACache) else None
     if layer is None or not layer.last_update_native:
+        if attention_mask is not None and attention_mask.shape[-1] > key.shape[-2]:
+            # [static cache, issue #10] its masks span max_cache_len positions; the history returned is shorter.
+            attention_mask = attention_mask[..., : key.shape[-2]]
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
