@@ -100,11 +100,12 @@ def quant_pack_fwd_kernel(
         pos = tl.load(start_ptr).to(tl.int64) + i_t
     else:
         pos = start + i_t
-    ok = pos < capacity
+    m_g = m_g & (o_g * 0 + pos < capacity)
+    m_x = m_x & m_g[:, None]
     p_codes = codes_ptr + i_b * stride_cb + pos * stride_ct + o_g[:, None] * NB + o_n[None, :]
-    tl.store(p_codes, b_byte.to(tl.uint8), mask=m_x & ok)
-    tl.store(scale_ptr + i_b * stride_sb + pos * stride_st + o_g, s, mask=m_g & ok)
-    tl.store(zero_ptr + i_b * stride_zb + pos * stride_zt + o_g, (z - HALF).to(tl.int8), mask=m_g & ok)
+    tl.store(p_codes, b_byte.to(tl.uint8), mask=m_x)
+    tl.store(scale_ptr + i_b * stride_sb + pos * stride_st + o_g, s, mask=m_g)
+    tl.store(zero_ptr + i_b * stride_zb + pos * stride_zt + o_g, (z - HALF).to(tl.int8), mask=m_g)
 
 
 def quant_pack_fwd(

@@ -122,9 +122,6 @@ def quantmla_attention_forward(
     cache = state.cache if state is not None else None
     layer = cache.layers[module.layer_idx] if isinstance(cache, QuantMLACache) else None
     if layer is None or not layer.last_update_native:
-        if attention_mask is not None and attention_mask.shape[-1] > key.shape[-2]:
-            # [static cache, issue #10] its masks span max_cache_len positions; the history returned is shorter.
-            attention_mask = attention_mask[..., : key.shape[-2]]
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -13,8 +13,8 @@ position (`torch.ops.quantmla.quant_append`), copied into the sink slots they fa
 grid and splits fixed by `max_cache_len`). `is_compileable = True`, so `generate` compiles the decode step
 (prefill stays eager: longer chunks take the `QuantMLACache` path, which may synchronise).
 
-Masks: `get_mask_sizes` reports `max_cache_len` key positions, so the 4D mask that `generate` builds keeps one
-shape for the whole generation. A compiled decode step trusts that mask to be left padding + causal (what
+Masks: `get_mask_sizes` reports `max_cache_len` key positions for decode chunks, so the 4D mask that `generate`
+builds keeps one shape for the whole generation (prefill chunks get the exact length, as with `QuantMLACache`). A compiled decode step trusts that mask to be left padding + causal (what
 `generate` builds from a 2D attention mask); an eager step checks it and falls back to the exact path otherwise.
 """
 
@@ -197,8 +197,9 @@ class StaticQuantMLALayer(QuantMLALayer):
         return self.cumulative_length[0] if self.is_initialized else 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # One mask shape for the whole generation in native mode; the stock attention needs the exact length.
-        if self.native:
+        # Decode chunks (native): one mask shape for the whole generation. Prefill chunks and the stock attention
+        # get the exact length (eager: the host length is read once per forward).
+        if self.native and query_length <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens):
             return self.max_cache_len, 0
         return self.length + query_length, 0
 
