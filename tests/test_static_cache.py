@@ -256,10 +256,10 @@ def test_cuda_graph_decode_matches_eager(model_type):
     ids, mask = _prompt()
     ids, mask = ids.cuda(), mask.cuda()
     qc = dict(kernel="auto")
-    eager = apply_quantmla(tiny_mla_model(model_type).cuda(), QuantMLAConfig(
+    eager = apply_quantmla(tiny_mla_model(model_type, num_hidden_layers=1).cuda(), QuantMLAConfig(
         content_bits=4, rope_bits=4, sink_tokens=2, recent_tokens=4, transform="none", static_cache=False, **qc))
     ref = eager.generate(ids, **_gen_kwargs(mask, 8))
-    model = apply_quantmla(tiny_mla_model(model_type).cuda(), QuantMLAConfig(
+    model = apply_quantmla(tiny_mla_model(model_type, num_hidden_layers=1).cuda(), QuantMLAConfig(
         content_bits=4, rope_bits=4, sink_tokens=2, recent_tokens=4, transform="none", **qc))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
