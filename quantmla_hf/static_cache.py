@@ -269,13 +269,19 @@ class StaticQuantMLACache(QuantMLACache):
     def __init__(self, config=None, quantization_config=None, max_cache_len: int | None = None, **kwargs):
         if max_cache_len is None:
             raise ValueError("StaticQuantMLACache needs max_cache_len (prompt + new tokens), e.g. max_cache_len=4352")
-        self.max_cache_len = int(max_cache_len)
+        # transformers 5.17's Cache has a read-only `max_cache_len` property: keep ours under another name.
+        self._static_len = int(max_cache_len)
         super().__init__(config=config, quantization_config=quantization_config, **kwargs)
         rope_rotation = self.layers[0].rope_rotation if self.layers else None
         self.layers = [
-            StaticQuantMLALayer(self.format, self.max_cache_len, self.quantization_config.kernel, rope_rotation)
+            StaticQuantMLALayer(self.format, self._static_len, self.quantization_config.kernel, rope_rotation)
             for _ in range(self.dims.num_cache_layers)
         ]
+
+    @property
+    def max_cache_len(self) -> int:
+        """Positions every layer holds."""
+        return self._static_len
 
     def holds_tokens(self) -> bool:
         """Whether anything is cached (a host-side flag, read without synchronising)."""
