@@ -206,15 +206,13 @@ def profile_steps(state, n_steps=5):
 @torch.no_grad()
 def check_generate(model, new_tokens, N=4096):
     """Greedy generate at B1, N context, C4R4: eager QuantMLACache vs the compiled static cache."""
-    from transformers import GenerationConfig
     from transformers.generation import CompileConfig
 
     kw = cache_kwarg(model)
     model.set_attn_implementation("quantmla")
     q = QuantMLAConfig(content_bits=4, rope_bits=4, transform="none")
     ids = torch.randint(0, model.config.vocab_size, (1, N), device=DEVICE)
-    gen = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None,
-               generation_config=GenerationConfig())
+    gen = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     max_len = N + new_tokens + 2
 
     def timed(n, compiled):
