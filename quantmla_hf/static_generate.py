@@ -7,6 +7,11 @@
   `disable_compile=True` keeps the static cache eager (still without host synchronisation per step);
 - the growing `QuantMLACache` otherwise.
 
+By default ("auto") the static cache is used when the call asks for compilation (`compile_config=...`) and it is
+safe (one CUDA device, "quantmla" attention, a recent window). It is not yet the default for every call: the
+compiled step's speed on a full-depth model has not been measured (docs/BENCHMARKS.md), and compiling costs
+minutes on the first call. `QuantMLAConfig(static_cache=True)` makes every call use it (and compile on CUDA).
+
 The static cache of the last call is kept on the model and reused (reset in place) when the batch size, dtype and
 device match and it is long enough, so repeated calls of one shape replay the same compiled graph.
 """
@@ -27,10 +32,10 @@ def _qconfig(model) -> QuantMLAConfig:
     return _model_qconfig(model)
 
 
-def static_cache_wanted(model, qconfig: QuantMLAConfig) -> bool:
-    """`QuantMLAConfig(static_cache=True/False)` decides; by default ("auto") the static cache is used where it
-    is safe: a model on one CUDA device (no CPU/disk offload), the "quantmla" attention implementation and a
-    recent window of at least one token."""
+def static_cache_wanted(model, qconfig: QuantMLAConfig, generation_config=None) -> bool:
+    """`QuantMLAConfig(static_cache=True/False)` decides; by default ("auto") the static cache is used when the
+    call passes a `compile_config` and it is safe: a model on one CUDA device (no CPU/disk offload), the
+    "quantmla" attention implementation and a recent window of at least one token."""
     choice = qconfig.extra.get("static_cache", "auto")
     if choice not in ("auto", True, False):
         raise ValueError(f"static_cache must be 'auto', True or False, got {choice!r}")
@@ -47,7 +52,8 @@ def static_cache_wanted(model, qconfig: QuantMLAConfig) -> bool:
         return True
     devices = set(getattr(model, "hf_device_map", {}).values()) if hasattr(model, "hf_device_map") else set()
     offloaded = bool(devices & {"cpu", "disk"})
-    return usable and model.device.type == "cuda" and not offloaded
+    asked = generation_config is not None and getattr(generation_config, "compile_config", None) is not None
+    return asked and usable and model.device.type == "cuda" and not offloaded
 
 
 def generation_cache(model, generation_config, args: tuple, kwargs: dict):
@@ -55,7 +61,7 @@ def generation_cache(model, generation_config, args: tuple, kwargs: dict):
     from .integration import build_cache
 
     qconfig = _qconfig(model)
-    if not static_cache_wanted(model, qconfig):
+    if not static_cache_wanted(model, qconfig, generation_config):
         return build_cache(model)
     # transformers calls _prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
     # batch_size, max_cache_length) in every release from 5.17 on.

@@ -140,6 +140,25 @@ def test_beam_search_crop_and_reset_keep_the_buffers():
     assert ptrs == [t.data_ptr() for t in layer._buffers()]
 
 
+def test_which_cache_generate_builds():
+    """"auto": the static cache only for a call asking for compilation, on CUDA; True/False force the choice."""
+    from types import SimpleNamespace
+
+    from quantmla_hf.static_generate import static_cache_wanted
+
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", num_hidden_layers=1), _qconfig())
+    asks = SimpleNamespace(compile_config=CompileConfig())
+    plain = SimpleNamespace(compile_config=None)
+    assert not static_cache_wanted(model, _qconfig(), asks)  # CPU
+    assert static_cache_wanted(model, _qconfig(static_cache=True), plain)
+    assert not static_cache_wanted(model, _qconfig(static_cache=False), asks)
+    with pytest.raises(ValueError, match="static_cache must be"):
+        static_cache_wanted(model, _qconfig(static_cache="yes"), plain)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="attn_implementation='quantmla'"):
+        static_cache_wanted(model, _qconfig(static_cache=True), plain)
+
+
 def test_static_cache_errors_say_what_to_do():
     model = tiny_mla_model("deepseek_v3", num_hidden_layers=1)
     with pytest.raises(ValueError, match="max_cache_len"):
