@@ -13,6 +13,13 @@ from . import ops  # noqa: F401  (registers torch.ops.quantmla)
 from .absorbed import absorbed_attention_ref, split_kv_b
 from .cache import _use_triton
 
+try:  # issue #14 (tensor parallel / offload): the kv_b_proj rows of this process's heads
+    from .distributed import kv_b_weight
+except ImportError:  # a tree without quantmla_hf/distributed.py: the whole weight
+
+    def kv_b_weight(module, num_heads: int, device) -> torch.Tensor:
+        return module.kv_b_proj.weight
+
 
 def _mask_is_padding_causal_eager(layer, attention_mask, q_len: int) -> bool:
     """Eager check that `attention_mask` (`[B, 1, q_len, K]` bool, K >= length, or None) is exactly left padding +
@@ -37,7 +44,7 @@ def static_latent_decode_attention(module, layer, query: torch.Tensor, attention
     nope = module.qk_nope_head_dim
     B, H, Tq, _ = query.shape
     q_nope, q_rot = query[..., :nope], query[..., nope:]
-    w_uk, w_uv = split_kv_b(module.kv_b_proj.weight, H, nope, module.v_head_dim)
+    w_uk, w_uv = split_kv_b(kv_b_weight(module, H, query.device), H, nope, module.v_head_dim)
     if not torch.compiler.is_compiling() and not _mask_is_padding_causal_eager(layer, attention_mask, Tq):
         content, k_rot = layer.read_history()
         n = content.shape[1]
