@@ -1,8 +1,18 @@
 """Decode throughput and peak memory of a DeepSeek-V2-Lite-shaped model (real attention widths, a few dense
 layers, random bf16 weights): stock DynamicCache, transformers' QuantizedCache (quanto int4, when optimum-quanto is
-installed) and QuantMLACache (C16R16, C4R4, C2R4, native "quantmla" decode).
+installed) and QuantMLACache (C16R16, C4R4, C2R4, native "quantmla" decode), eager or, for the `-static` and
+`-compiled` methods, on a `StaticQuantMLACache` (issue #10): `-static` runs its decode step eagerly, `-compiled`
+through `torch.compile(model, mode="reduce-overhead", fullgraph=True)` (one CUDA graph per step; compile time
+reported separately, not in the step time).
 
-    python benchmarks/bench_generate.py --out DIR [--layers 2] [--steps 16] [--budget-gib 64]
+    python benchmarks/bench_generate.py --out DIR [--layers 27] [--steps 16] [--budget-gib 64]
+        [--methods dynamic-bf16,C4R4,C4R4-compiled] [--grid 1x4096,8x32768] [--profile] [--check-tokens 64]
+
+`--profile` records 5 compiled C4R4 steps at the first grid point with torch.profiler and prints the GPU time per
+step of each kernel family. `--check-tokens N` runs `model.generate` greedy for N tokens at batch 1, 4K context
+(C4R4) with the eager QuantMLACache and with the compiled static cache (generate's own compile path,
+`compile_config=CompileConfig(fullgraph=True)`), reports whether the tokens are identical, and times generate's
+ms per new token as `(t(N + 2 tokens) - t(2 tokens)) / N`.
 
 Largest batch under a memory budget: for each method and context, the decode peak memory of two batch sizes gives
 the memory per sequence (slope) and the fixed part (intercept); the largest batch is
@@ -24,7 +34,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks
+from quantmla_hf import QuantMLACache, QuantMLAConfig, StaticQuantMLACache, install_cache_hooks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -48,9 +58,36 @@ def cache_kwarg(model):
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+_COMPILED = {}
+
+
+def compiled_call(model):
+    """`torch.compile` of the model's call (hooks included, as generate compiles it), built once per model."""
+    if id(model) not in _COMPILED:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 64
+        # one static graph per benchmark shape (no dynamic-shape graph after the second shape)
+        torch._dynamo.config.automatic_dynamic_shapes = False
+        _COMPILED[id(model)] = torch.compile(model.__call__, mode="reduce-overhead", fullgraph=True)
+    return _COMPILED[id(model)]
+
+
+def make_cache(model, method, recent, max_len):
+    base = method.split("-")[0]
+    bits = {"C16R16": (16, 16), "C4R4": (4, 4), "C2R4": (2, 4)}[base]
+    q = QuantMLAConfig(content_bits=bits[0], rope_bits=bits[1], recent_tokens=recent, transform="none",
+                       cache_block_size=1024)
+    if method.endswith("-static") or method.endswith("-compiled"):
+        return StaticQuantMLACache(config=model.config, quantization_config=q, max_cache_len=max_len)
+    return QuantMLACache(config=model.config, quantization_config=q)
+
+
 @torch.no_grad()
 def run_one(model, method, B, N, steps, recent):
     kw = cache_kwarg(model)
+    static = method.endswith("-static") or method.endswith("-compiled")
+    max_len = -(-(N + steps + 8) // 256) * 256
     if method == "dynamic-bf16":
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
@@ -60,11 +97,8 @@ def run_one(model, method, B, N, steps, recent):
         model.set_attn_implementation("sdpa")
         cache = QuantizedCache(backend="quanto", config=model.config, nbits=4, q_group_size=64, residual_length=128)
     else:
-        bits = {"C16R16": (16, 16), "C4R4": (4, 4), "C2R4": (2, 4)}[method]
         model.set_attn_implementation("quantmla")
-        q = QuantMLAConfig(content_bits=bits[0], rope_bits=bits[1], recent_tokens=recent, transform="none",
-                           cache_block_size=1024)
-        cache = QuantMLACache(config=model.config, quantization_config=q)
+        cache = make_cache(model, method, recent, max_len)
     ids = torch.randint(0, model.config.vocab_size, (B, N), device=DEVICE)
     mask = torch.ones_like(ids)
     if DEVICE == "cuda":
@@ -74,21 +108,41 @@ def run_one(model, method, B, N, steps, recent):
     for s in range(0, N, chunk):
         out = model(ids[:, s : s + chunk], attention_mask=mask[:, : s + chunk], **{kw: cache}, logits_to_keep=1)
     tok = out.logits[:, -1:].argmax(-1)
-    mask = torch.cat([mask, torch.ones_like(tok)], 1)
-    # Two untimed steps: JIT compilation and library start-up stay out of the numbers.
-    for _ in range(2):
+    if static:
+        # Static shapes for the decode step: a 2D mask of max_len positions updated in place, explicit positions.
+        full = torch.zeros((B, max_len), dtype=mask.dtype, device=DEVICE)
+        full[:, :N] = 1
+        pos = torch.full((B, 1), N, dtype=torch.long, device=DEVICE)
+    forward = compiled_call(model) if method.endswith("-compiled") else model
+    compile_s = 0.0
+
+    def step(tok, mask, n):
+        if static:
+            full[:, n] = 1
+            pos.fill_(n)
+            out = forward(tok, attention_mask=full, position_ids=pos, **{kw: cache}, logits_to_keep=1)
+            return out.logits[:, -1:].argmax(-1), mask
         out = model(tok, attention_mask=mask, **{kw: cache}, logits_to_keep=1)
-        tok = out.logits[:, -1:].argmax(-1)
-        mask = torch.cat([mask, torch.ones_like(tok)], 1)
+        return out.logits[:, -1:].argmax(-1), torch.cat([mask, torch.ones_like(tok)], 1)
+
+    n = N
+    # Untimed steps: JIT compilation, library start-up, CUDA-graph warm-up and recording stay out of the numbers.
+    warm = 3 if method.endswith("-compiled") else 2
+    for i in range(warm):
+        t0 = time.perf_counter()
+        tok, mask = step(tok, mask, n)
+        n += 1
+        if i == 0 and method.endswith("-compiled"):
+            torch.cuda.synchronize() if DEVICE == "cuda" else None
+            compile_s = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()  # decode peak: resident cache + one step's activations
     t = time.perf_counter()
     for _ in range(steps):
-        out = model(tok, attention_mask=mask, **{kw: cache}, logits_to_keep=1)
-        tok = out.logits[:, -1:].argmax(-1)
-        mask = torch.cat([mask, torch.ones_like(tok)], 1)
+        tok, mask = step(tok, mask, n)
+        n += 1
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
@@ -99,9 +153,90 @@ def run_one(model, method, B, N, steps, recent):
         cache_gib = sum(t.numel() * t.element_size() for l in cache.layers for t in (l.keys, l.values)) / 2**30
     else:
         cache_gib = float("nan")  # quanto's packed tensors: not counted here (see peak memory)
+    state = dict(step=step, tok=tok, mask=mask, n=n, cache=cache)
     del cache
-    return dict(method=method, B=B, N=N, tok_s=B * steps / dt, ms_per_step=1000 * dt / steps, peak_GiB=peak,
-                decode_peak_GiB=decode_peak, cache_GiB=cache_gib)
+    row = dict(method=method, B=B, N=N, tok_s=B * steps / dt, ms_per_step=1000 * dt / steps, peak_GiB=peak,
+               decode_peak_GiB=decode_peak, cache_GiB=cache_gib)
+    if method.endswith("-compiled"):
+        row["compile_s"] = compile_s
+    return row, state
+
+
+def kernel_family(name: str) -> str:
+    n = name.lower()
+    if "mla_decode_fwd" in n or "mla_decode_static" in n or "fast" in n and "mla" in n:
+        return "attention: packed decode kernel"
+    if "combine" in n:
+        return "attention: split combine"
+    if "quant_pack" in n:
+        return "cache write: quantize + pack"
+    if "gemm" in n or "gemv" in n or "matmul" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "splitk" in n:
+        return "GEMM/GEMV (projections, MLP, lm_head)"
+    if "triton" in n:
+        return "inductor fused elementwise/reductions"
+    if "index" in n or "scatter" in n or "gather" in n or "copy" in n:
+        return "index/copy (cache bookkeeping)"
+    return "other: " + name[:60]
+
+
+@torch.no_grad()
+def profile_steps(state, n_steps=5):
+    """GPU time per decode step by kernel family, and the step's wall time, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, tok, mask, n = state["step"], state["tok"], state["mask"], state["n"]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(n_steps):
+            tok, mask = step(tok, mask, n)
+            n += 1
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / n_steps
+    fam, kernels = {}, {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            fam[kernel_family(e.name)] = fam.get(kernel_family(e.name), 0.0) + us / 1000 / n_steps
+            kernels[e.name] = kernels.get(e.name, 0.0) + us / 1000 / n_steps
+    return dict(wall_ms_per_step=1000 * wall, gpu_ms_per_step=sum(fam.values()), families=fam,
+                top_kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]))
+
+
+@torch.no_grad()
+def check_generate(model, new_tokens, N=4096):
+    """Greedy generate at B1, N context, C4R4: eager QuantMLACache vs the compiled static cache."""
+    from transformers.generation import CompileConfig
+
+    kw = cache_kwarg(model)
+    model.set_attn_implementation("quantmla")
+    q = QuantMLAConfig(content_bits=4, rope_bits=4, transform="none")
+    ids = torch.randint(0, model.config.vocab_size, (1, N), device=DEVICE)
+    gen = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    max_len = N + new_tokens + 2
+
+    def timed(n, compiled):
+        cache = (StaticQuantMLACache(config=model.config, quantization_config=q, max_cache_len=max_len) if compiled
+                 else QuantMLACache(config=model.config, quantization_config=q))
+        extra = dict(compile_config=CompileConfig(fullgraph=True)) if compiled else dict(disable_compile=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen, **extra, **{kw: cache})
+        torch.cuda.synchronize()
+        return out[:, N:], time.perf_counter() - t
+
+    res = {}
+    for compiled in (False, True):
+        name = "C4R4-compiled (generate)" if compiled else "C4R4 eager (generate)"
+        timed(new_tokens + 2, compiled)  # warm-up (and compile)
+        toks, t_long = timed(new_tokens + 2, compiled)
+        _, t_short = timed(2, compiled)
+        res[name] = dict(tokens=toks[0].tolist(), ms_per_token=1000 * (t_long - t_short) / new_tokens)
+    a, b = (res[k]["tokens"] for k in res)
+    same = sum(x == y for x, y in zip(a, b))
+    first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return dict(identical=a == b, same_positions=same, total=len(a), first_difference=first_diff,
+                ms_per_token={k: v["ms_per_token"] for k, v in res.items()})
 
 
 def main():
@@ -115,6 +250,8 @@ def main():
     ap.add_argument("--methods", default="dynamic-bf16,C16R16,C4R4,C2R4,quanto-int4")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--grid", default="", help="batch x context points, e.g. 1x32768,8x4096 (default: the full grid)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel-family GPU time of compiled C4R4 steps")
+    ap.add_argument("--check-tokens", type=int, default=0, help="generate N greedy tokens eager vs compiled")
     a = ap.parse_args()
     model = v2_lite(a.layers, a.tiny)
     install_cache_hooks(model)
@@ -138,7 +275,11 @@ def main():
                 print(f"skip {m} B={B} N={N}: time budget spent", flush=True)
                 continue
             try:
-                r = run_one(model, m, B, N, a.steps if not a.tiny else 2, recent=128 if not a.tiny else 8)
+                r, state = run_one(model, m, B, N, a.steps if not a.tiny else 2, recent=128 if not a.tiny else 8)
+                if a.profile and m == "C4R4-compiled" and DEVICE == "cuda":
+                    r["profile"] = profile_steps(state)
+                    print(json.dumps(r["profile"], indent=1), flush=True)
+                del state
             except torch.cuda.OutOfMemoryError:
                 r = dict(method=m, B=B, N=N, error="OOM")
                 torch.cuda.empty_cache()
@@ -160,9 +301,13 @@ def main():
             fits.append(dict(method=m, N=N, GiB_per_seq=slope, fixed_GiB=fixed, budget_GiB=a.budget_gib,
                              max_batch=int((a.budget_gib - fixed) // slope) if slope > 0 else None,
                              from_batches=[b0, b1]))
+    check = None
+    if a.check_tokens and DEVICE == "cuda":
+        check = check_generate(model, a.check_tokens)
+        print(json.dumps(check), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"bench_generate{a.tag}.json"), "w") as f:
-        json.dump(dict(rows=rows, max_batch=fits), f, indent=1)
+        json.dump(dict(rows=rows, max_batch=fits, check_generate=check), f, indent=1)
     print(f"\n{'method':14s} {'B':>3s} {'N':>6s} {'tok/s':>9s} {'ms/step':>8s} {'peak GiB':>9s} {'dec. GiB':>9s} "
           f"{'cache GiB':>9s}")
     for r in rows:
@@ -170,7 +315,8 @@ def main():
             print(f"{r['method']:14s} {r['B']:3d} {r['N']:6d} {r['error']}")
         else:
             print(f"{r['method']:14s} {r['B']:3d} {r['N']:6d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
-                  f"{r['peak_GiB']:9.2f} {r['decode_peak_GiB']:9.2f} {r['cache_GiB']:9.3f}")
+                  f"{r['peak_GiB']:9.2f} {r['decode_peak_GiB']:9.2f} {r['cache_GiB']:9.3f}"
+                  + (f"  (compile {r['compile_s']:.0f} s)" if "compile_s" in r else ""))
     print(f"\n{'method':14s} {'N':>6s} {'GiB/seq':>9s} {'fixed GiB':>9s} {'max batch in ' + str(a.budget_gib) + ' GiB':>22s}")
     for f in fits:
         print(f"{f['method']:14s} {f['N']:6d} {f['GiB_per_seq']:9.4f} {f['fixed_GiB']:9.2f} {str(f['max_batch']):>22s}")

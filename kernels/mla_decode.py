@@ -333,7 +333,7 @@ def _dense_step(q_ptr_b, qr_ptr_b, o_m, m_m, inv_fc, inv_fr, fc, fr, p_c, s_ct, 
 def mla_decode_fwd_kernel(
     q_ptr, qr_ptr,
     c0_ptr, c1_ptr, c2_ptr, r0_ptr, r1_ptr, r2_ptr,
-    sc_ptr, sr_ptr, rc_ptr, rr_ptr, lp_ptr,
+    sc_ptr, sr_ptr, rc_ptr, rr_ptr, lp_ptr, len_ptr,
     o_ptr, lse_ptr,
     length, M, Tq, tokens_per_split, num_splits, qk_scale,
     s_qb, s_qrb, s_c0b, s_c0t, s_c1b, s_c1t, s_r0b, s_r0t, s_r1b, s_r1t,
@@ -344,8 +344,12 @@ def mla_decode_fwd_kernel(
     R_BITS: tl.constexpr,
     S: tl.constexpr, R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr, Q_SPLIT: tl.constexpr,
-    C_ASM: tl.constexpr, R_ASM: tl.constexpr,
+    C_ASM: tl.constexpr, R_ASM: tl.constexpr, LEN_FROM_PTR: tl.constexpr,
 ):
+    if LEN_FROM_PTR:
+        # Static caches: the length lives on the device (int64 [1]); the grid and splits follow the capacity, and
+        # a split whose share lies past the length writes an empty partial (lse = -inf) that the combine ignores.
+        length = tl.load(len_ptr)
     i_hb = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)
     i_s = tl.program_id(2).to(tl.int64)
@@ -488,8 +492,12 @@ def default_num_splits(batch: int, head_blocks: int, n_packed: int, num_sms: int
 def mla_decode_fwd(
     q_lat, q_rot, content, rope, fmt: CacheFormat, sink_c, sink_r, recent_c, recent_r, left_padding, length,
     scaling, num_splits=None, block_m=None, block_n=None, num_warps=None, num_stages=None, maxnreg=None,
+    capacity=None, out=None,
 ):
-    """Host wrapper: flatten (head, query) rows, pick blocks and splits, launch both kernels."""
+    """Host wrapper: flatten (head, query) rows, pick blocks and splits, launch both kernels.
+
+    `length` is an int, or an int64 tensor `[1]` on the device (then `capacity`, the static number of positions
+    the planes hold, sets the splits and the grid, and the kernel reads the length itself)."""
     B, H, Tq, D_C = q_lat.shape
     D_R = q_rot.shape[-1]
     M = H * Tq
@@ -513,7 +521,7 @@ def mla_decode_fwd(
         BLOCK_M = block_m or 16
         BLOCK_N = block_n or 16
     head_blocks = triton.cdiv(M, BLOCK_M)
-    n_packed = max(0, length - R - S)
+    n_packed = max(0, (capacity if isinstance(length, torch.Tensor) else length) - R - S)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         num_splits = default_num_splits(B, head_blocks, n_packed, sms, BLOCK_N)
@@ -526,9 +534,10 @@ def mla_decode_fwd(
     r0, r1, r2 = _planes(rope, fmt.rope.bits)
     lp = left_padding.to(device=q.device, dtype=torch.int64).contiguous()
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
+    len_from_ptr = isinstance(length, torch.Tensor)
     mla_decode_fwd_kernel[(head_blocks, B, NSP)](
-        q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, lp, o_part, lse_part,
-        length, M, Tq, tps, num_splits, scaling * LOG2E,
+        q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, lp, length if len_from_ptr else lp,
+        o_part, lse_part, 0 if len_from_ptr else length, M, Tq, tps, num_splits, scaling * LOG2E,
         q.stride(0), qr.stride(0), c0.stride(0), c0.stride(1), c1.stride(0), c1.stride(1),
         r0.stride(0), r0.stride(1), r1.stride(0), r1.stride(1),
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
@@ -537,15 +546,28 @@ def mla_decode_fwd(
         C_BITS=fmt.content.bits,
         D_R=D_R, D_RP=triton.next_power_of_2(D_R), GR=GR, GROUP_R=GROUP_R, GROUP_RP=GROUP_RP, R_BITS=fmt.rope.bits,
         S=S, R=R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT=sink_c.dtype == torch.float32, Q_SPLIT=q_split,
-        C_ASM=_use_asm(fmt.content, q.device), R_ASM=_use_asm(fmt.rope, q.device), **extra,
+        C_ASM=_use_asm(fmt.content, q.device), R_ASM=_use_asm(fmt.rope, q.device), LEN_FROM_PTR=len_from_ptr,
+        **extra,
     )
-    o = torch.empty((B, M, D_C), dtype=torch.float32, device=q.device)
-    lse = torch.empty((B, M), dtype=torch.float32, device=q.device)
+    o, lse = combine_partials(o_part, lse_part, out)
+    return o.view(B, H, Tq, D_C), lse.view(B, H, Tq)
+
+
+def combine_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: tuple | None = None):
+    """Merge split partials by log-sum-exp: `o_part: [B, M, NSP, d_c]` (each normalised by its own sum) and
+    `lse_part: [B, M, NSP]` (natural log, `-inf` for an empty split) -> `o: [B, M, d_c]`, `lse: [B, M]` fp32
+    (zeros and `-inf` where every split is empty). `out` optionally gives the two output tensors."""
+    B, M, NSP, D_C = o_part.shape
+    if out is None:
+        o = torch.empty((B, M, D_C), dtype=torch.float32, device=o_part.device)
+        lse = torch.empty((B, M), dtype=torch.float32, device=o_part.device)
+    else:
+        o, lse = out[0].view(B, M, D_C), out[1].view(B, M)
     BLOCK_D = min(triton.next_power_of_2(D_C), 128)
     mla_decode_combine_kernel[(B * M, triton.cdiv(D_C, BLOCK_D))](
         o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=max(2, triton.next_power_of_2(NSP)), BLOCK_D=BLOCK_D,
     )
-    return o.view(B, H, Tq, D_C), lse.view(B, H, Tq)
+    return o, lse
 
 
 def mla_decode(
@@ -610,4 +632,30 @@ def mla_decode(
     return mla_decode_fwd(
         q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content, recent_rope, left_padding, length,
         scaling, num_splits=num_splits, **launch,
+    )
+
+
+def mla_decode_static(
+    q_lat, q_rot, content_planes: dict, rope_planes: dict, fmt: CacheFormat, sink_c, sink_r, recent_c, recent_r,
+    left_padding, length, capacity: int, scaling: float, out: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode` with the length on the device, for captured graphs (interface of docs/KERNELS.md, "Static
+    launch"): `length` an int64 tensor `[1]` (positions cached, the `Tq` queries being the last of them),
+    `left_padding` `[B]` int64, both read in the kernel; splits and grid follow `(B, H, capacity)` only, so one
+    launch serves every step of a generation. No host synchronisation and no check that reads device values.
+    `out` optionally gives preallocated `(o_lat [B, H, Tq, d_c], lse [B, H, Tq])` fp32.
+
+    Returns `o_lat: [B, H, Tq, d_c]` fp32 and `lse: [B, H, Tq]` fp32.
+    """
+    B, H, Tq, d_c = q_lat.shape
+    if d_c != fmt.content.dim or q_rot.shape[-1] != fmt.rope.dim or q_rot.shape[:3] != q_lat.shape[:3]:
+        raise ValueError(
+            f"queries {tuple(q_lat.shape)}, {tuple(q_rot.shape)} do not match the cache format "
+            f"(d_c={fmt.content.dim}, d_R={fmt.rope.dim})"
+        )
+    if Tq > fmt.recent_tokens:
+        raise ValueError(f"{Tq} query tokens need recent_tokens >= {Tq} (got {fmt.recent_tokens})")
+    return mla_decode_fwd(
+        q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, left_padding, length,
+        scaling, capacity=capacity, out=out,
     )

@@ -81,3 +81,77 @@ def mla_decode_ref(
         o_out[b] = (probs @ c).float()
         lse_out[b] = lse.float()
     return o_out, lse_out
+
+
+def _read_all(planes: dict[str, torch.Tensor], fmt: PathFormat, dtype) -> torch.Tensor:
+    """Every stored position of one path, `[B, capacity, dim]` in `dtype`."""
+    if not fmt.quantized:
+        return planes["values"].to(dtype)
+    return dequantize_ref(planes["codes"], planes["scale"], planes["zero"], fmt, dtype)
+
+
+def history_static_ref(
+    planes: dict[str, torch.Tensor], fmt: PathFormat, sink: torch.Tensor, recent: torch.Tensor,
+    left_padding: torch.Tensor, length: torch.Tensor, sink_tokens: int, recent_tokens: int, dtype=torch.float32,
+) -> torch.Tensor:
+    """All rows of one path as attention sees them, `[B, capacity, dim]`, with the length on the device (same
+    precedence as `history_ref`: sink copy, then recent ring, then packed planes)."""
+    x = _read_all(planes, fmt, dtype)
+    B, N, _ = x.shape
+    S, R = sink_tokens, recent_tokens
+    pos = torch.arange(N, device=x.device)
+    n = length.reshape(())
+    if R:
+        is_recent = (pos >= n - R) & (pos < n)  # [N]
+        x = torch.where(is_recent[None, :, None], recent[:, pos % R].to(dtype), x)
+    if S:
+        slot = pos[None, :] - left_padding.reshape(B, 1)  # [B, N]
+        is_sink = (slot >= 0) & (slot < S) & (pos[None, :] < n)
+        gathered = sink.to(dtype).gather(1, slot.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, sink.shape[-1]))
+        x = torch.where(is_sink.unsqueeze(-1), gathered, x)
+    return x
+
+
+def mla_decode_static_ref(
+    q_lat: torch.Tensor,
+    q_rot: torch.Tensor,
+    content: dict[str, torch.Tensor],
+    rope: dict[str, torch.Tensor],
+    fmt: CacheFormat,
+    sink_content: torch.Tensor,
+    sink_rope: torch.Tensor,
+    recent_content: torch.Tensor,
+    recent_rope: torch.Tensor,
+    left_padding: torch.Tensor,
+    length: torch.Tensor,
+    capacity: int,
+    scaling: float,
+    out: tuple | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode_ref` with the length on the device (int64 `[1]`) and every row at once over the static
+    `capacity` positions: no host synchronisation and no data-dependent shape, so it traces into one graph
+    (`torch.compile(fullgraph=True)`). Costs `[B, capacity, d_c + d_R]` of `dtype` per call.
+
+    Returns `o_lat: [B, H, Tq, d_c]`, `lse: [B, H, Tq]` (fp32; zeros and `-inf` for a row with nothing visible).
+    """
+    B, H, Tq, d_c = q_lat.shape
+    S, R = fmt.sink_tokens, fmt.recent_tokens
+    c = history_static_ref(content, fmt.content, sink_content, recent_content, left_padding, length, S, R, dtype)
+    r = history_static_ref(rope, fmt.rope, sink_rope, recent_rope, left_padding, length, S, R, dtype)
+    c, r = c[:, :capacity], r[:, :capacity]
+    scores = (q_lat.to(dtype) @ c.unsqueeze(1).transpose(-1, -2)
+              + q_rot.to(dtype) @ r.unsqueeze(1).transpose(-1, -2)) * scaling  # [B, H, Tq, capacity]
+    pos = torch.arange(c.shape[1], device=c.device)
+    limit = length.reshape(()) - Tq + 1 + torch.arange(Tq, device=c.device)  # [Tq]
+    visible = (pos[None, None, :] >= left_padding.reshape(B, 1, 1)) & (pos[None, None, :] < limit[None, :, None])
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    o = (probs @ c.unsqueeze(1)).float()
+    lse = lse.float()
+    if out is not None:
+        out[0].copy_(o)
+        out[1].copy_(lse)
+        return out[0], out[1]
+    return o, lse

@@ -31,14 +31,16 @@ def _scale_and_zero(lo, hi, QMAX: tl.constexpr, S_MIN: tl.constexpr):
 # The write position and the token count change every decode step: specialising on them (% 16, == 1) would
 # recompile the kernel in the middle of a generation (the likely cause of a slow first timed window on the H200,
 # docs/BENCHMARKS.md).
-@triton.jit(do_not_specialize=["T", "start"])
+@triton.jit(do_not_specialize=["T", "start", "capacity"])
 def quant_pack_fwd_kernel(
     x_ptr,
     codes_ptr,
     scale_ptr,
     zero_ptr,
+    start_ptr,
     T,
     start,
+    capacity,
     stride_xb,
     stride_xt,
     stride_cb,
@@ -52,6 +54,7 @@ def quant_pack_fwd_kernel(
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
     S_MIN: tl.constexpr,
+    START_FROM_PTR: tl.constexpr,
 ):
     # One program per (batch row, new token); int64 so that offsets past 2**31 bytes stay valid.
     pid = tl.program_id(0).to(tl.int64)
@@ -91,7 +94,14 @@ def quant_pack_fwd_kernel(
         b_q = tl.minimum(tl.maximum(b_q, 0.0), QMAX).to(tl.int32)
         b_byte = b_byte | (b_q << (BITS * k))
 
-    pos = start + i_t
+    # Static caches keep the write position on the device (`start_ptr`, int64 [1]); a position past the capacity
+    # is not written (the host-side wrapper cannot check it without a synchronisation).
+    if START_FROM_PTR:
+        pos = tl.load(start_ptr).to(tl.int64) + i_t
+    else:
+        pos = start + i_t
+    m_g = m_g & (o_g * 0 + pos < capacity)
+    m_x = m_x & m_g[:, None]
     p_codes = codes_ptr + i_b * stride_cb + pos * stride_ct + o_g[:, None] * NB + o_n[None, :]
     tl.store(p_codes, b_byte.to(tl.uint8), mask=m_x)
     tl.store(scale_ptr + i_b * stride_sb + pos * stride_st + o_g, s, mask=m_g)
@@ -99,19 +109,23 @@ def quant_pack_fwd_kernel(
 
 
 def quant_pack_fwd(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start: int, fmt: PathFormat
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start, fmt: PathFormat
 ) -> None:
-    """Host wrapper: launch one program per (row, token) of `x`."""
+    """Host wrapper: launch one program per (row, token) of `x`. `start` is an int, or an int64 tensor `[1]` on the
+    device holding the first write position (read in the kernel: no host synchronisation)."""
     B, T, _ = x.shape
     if B * T == 0:
         return
+    from_ptr = isinstance(start, torch.Tensor)
     quant_pack_fwd_kernel[(B * T,)](
         x,
         codes,
         scale,
         zero,
+        start if from_ptr else codes,
         T,
-        start,
+        0 if from_ptr else start,
+        codes.shape[1],
         x.stride(0),
         x.stride(1),
         codes.stride(0),
@@ -125,6 +139,7 @@ def quant_pack_fwd(
         GROUP=fmt.group,
         BITS=fmt.bits,
         S_MIN=SCALE_MIN,
+        START_FROM_PTR=from_ptr,
     )
 
 
@@ -145,3 +160,25 @@ def quantize_pack(
             f"writing {x.shape[1]} tokens at position {start} overflows the cache capacity {codes.shape[1]}"
         )
     quant_pack_fwd(x, codes, scale, zero, start, fmt)
+
+
+def quantize_pack_at(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, position: torch.Tensor,
+    fmt: PathFormat,
+) -> None:
+    """`quantize_pack` with the write position on the device: `position` is an int64 tensor `[1]` (first position
+    written), read by the kernel, so nothing waits for the device. Positions at or past the capacity are not
+    written; the static cache checks its capacity where it can (docs/USAGE.md, "Static cache").
+    """
+    if not fmt.quantized:
+        raise ValueError("quantize_pack_at handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
+    if x.dim() != 3 or x.shape[-1] != fmt.dim:
+        raise ValueError(f"x must be [B, T, {fmt.dim}], got {tuple(x.shape)}")
+    if position.numel() != 1 or position.dtype != torch.int64 or position.device != codes.device:
+        raise ValueError(
+            f"position must be an int64 tensor of one element on {codes.device}, got {position.dtype} "
+            f"{tuple(position.shape)} on {position.device}"
+        )
+    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
+        raise ValueError("quantize_pack_at needs the last dimension of every tensor to be contiguous")
+    quant_pack_fwd(x, codes, scale, zero, position, fmt)

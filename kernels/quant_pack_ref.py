@@ -36,8 +36,13 @@ def fp16_round_up(s: torch.Tensor) -> torch.Tensor:
     return torch.where(low, (s16.view(torch.int16) + 1).view(torch.float16), s16)
 
 
-def quantize_ref(x: torch.Tensor, fmt: PathFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_ref(
+    x: torch.Tensor, fmt: PathFormat, check: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize and pack `x: [..., dim]`.
+
+    `check=False` skips the checks that read values on the host (non-finite input, steps past fp16): the same
+    codes for valid input, and no device synchronisation, so it can run inside a captured graph.
 
     Returns `codes: [..., code_bytes] uint8`, `scale: [..., G] fp16`, `zero: [..., G] int8`.
     """
@@ -47,16 +52,16 @@ def quantize_ref(x: torch.Tensor, fmt: PathFormat) -> tuple[torch.Tensor, torch.
         raise ValueError(f"expected the last dimension to be {fmt.dim}, got {x.shape[-1]}")
     lead = x.shape[:-1]
     xg = x.float().reshape(*lead, fmt.n_groups, fmt.group)
-    if not torch.isfinite(xg).all():
+    if check and not torch.isfinite(xg).all():
         raise ValueError("cannot quantize NaN or inf values: check the model's activations (dtype overflow?)")
     half = 1 << (fmt.bits - 1)
     lo, hi = xg.amin(-1), xg.amax(-1)
     scale, zero = _scale_and_zero(lo, hi, fmt.qmax)
     outside = (zero - half < -128) | (zero - half > 127)
-    if outside.any():
+    if not check or outside.any():
         s_wide, z_wide = _scale_and_zero(lo.clamp(max=0), hi.clamp(min=0), fmt.qmax)
         scale, zero = torch.where(outside, s_wide, scale), torch.where(outside, z_wide, zero)
-    if (scale.float() > FP16_MAX).any():
+    if check and (scale.float() > FP16_MAX).any():
         raise ValueError("a group spans more than fp16 can hold as a quantization step (values over ~1e6)")
     s = scale.float().unsqueeze(-1)
     q = torch.floor(xg / s + zero.unsqueeze(-1) + 0.5).clamp(0, fmt.qmax).to(torch.uint8)
@@ -100,3 +105,20 @@ def dequantize_ref(
     z = zero.float().unsqueeze(-1) + (1 << (fmt.bits - 1))
     x = (q - z) * scale.float().unsqueeze(-1)
     return x.reshape(*lead, fmt.dim).to(dtype)
+
+
+def quantize_pack_at_ref(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, position: torch.Tensor,
+    fmt: PathFormat,
+) -> None:
+    """Reference of `quant_pack.quantize_pack_at`: quantize `x: [B, T, dim]` and write it into positions
+    `[position, position + T)` of the planes, `position` an int64 tensor `[1]` on the planes' device (no host
+    synchronisation; positions at or past the capacity are dropped, like the kernel)."""
+    c, s, z = quantize_ref(x, fmt, check=False)
+    T, cap = x.shape[1], codes.shape[1]
+    pos = position.reshape(1) + torch.arange(T, device=codes.device)
+    # Out-of-range positions write to a scratch index past the end, dropped by the slice below.
+    keep = pos < cap
+    for plane, new in ((codes, c), (scale, s), (zero, z)):
+        cur = plane.index_select(1, pos.clamp(max=cap - 1))
+        plane.index_copy_(1, pos.clamp(max=cap - 1), torch.where(keep[None, :, None], new, cur))

@@ -6,6 +6,7 @@ from .config import QuantMLAConfig
 from .format import CacheFormat, PathFormat
 from .hooks import install_cache_hooks
 from .mla import MLADims, mla_dims
+from .static_cache import StaticQuantMLACache, StaticQuantMLALayer
 
 register_attention()
 
@@ -17,6 +18,8 @@ __all__ = [
     "QuantMLACache",
     "QuantMLAConfig",
     "QuantMLALayer",
+    "StaticQuantMLACache",
+    "StaticQuantMLALayer",
     "install_cache_hooks",
     "mla_dims",
 ]

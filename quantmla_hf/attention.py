@@ -75,6 +75,10 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
 
     Returns `[B, Tq, H, d_v]`.
     """
+    if layer.is_compileable:  # [static cache, issue #10] device-side lengths, no host synchronisation
+        from .static_attention import static_latent_decode_attention
+
+        return static_latent_decode_attention(module, layer, query, attention_mask, scaling)
     nope = module.qk_nope_head_dim
     B, H, Tq, _ = query.shape
     q_nope, q_rot = query[..., :nope], query[..., nope:]

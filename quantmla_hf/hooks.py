@@ -33,8 +33,15 @@ def _pre_forward(model, args, kwargs):
         return None
     state.cache.set_native(model.config._attn_implementation == ATTN_IMPLEMENTATION)
     mask = kwargs.get("attention_mask")
-    if state.cache.get_seq_length() == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+    # A static cache answers from a host-side flag: its length lives on the device (issue #10).
+    holds = getattr(state.cache, "holds_tokens", None)
+    empty = not holds() if holds is not None else state.cache.get_seq_length() == 0
+    if empty and isinstance(mask, torch.Tensor) and mask.dim() == 2:
         state.cache.set_left_padding(mask)
+    elif empty and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool:
+        # generate builds the 4D mask itself for compileable (static) caches: the last query row of a left-padded
+        # causal mask sees exactly the real tokens, from each row's first one.
+        state.cache.set_left_padding(mask[:, 0, -1, :])
     return None
 
 

@@ -287,7 +287,10 @@ def _install_generation_default(model) -> None:
             and generation_config.use_cache is not False
             and generation_config.cache_implementation is None
         ):
-            ours = model_kwargs[GENERATE_CACHE_KWARG] = build_cache(self)
+            # [static cache, issue #10] a preallocated cache (compiled decode) where static_cache_wanted says so
+            from .static_generate import generation_cache
+
+            ours = model_kwargs[GENERATE_CACHE_KWARG] = generation_cache(self, generation_config, args, kwargs)
         out = stock(generation_config, model_kwargs, *args, **kwargs)
         if ours is not None:
             # The stock code marks any cache it finds as the caller's, which only changes when generate may stop

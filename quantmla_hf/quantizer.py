@@ -86,7 +86,8 @@ class QuantMLAHfQuantizer(HfQuantizer):
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        # generate compiles the decode step only for a compileable cache: the static QuantMLA cache (issue #10).
+        return True
 
 
 def register_quantmla() -> None:
