@@ -122,8 +122,11 @@ def run_one(model, method, B, N, steps, recent):
             pos.fill_(n)
             out = forward(tok, attention_mask=full, position_ids=pos, **{kw: cache}, logits_to_keep=1)
             return out.logits[:, -1:].argmax(-1), mask
+        # The 2D mask covers every cached position plus the new token (a mask one short hides the new token from
+        # itself and sends the native path to its exact fallback, which reconstructs the whole history).
+        mask = torch.cat([mask, torch.ones_like(tok)], 1)
         out = model(tok, attention_mask=mask, **{kw: cache}, logits_to_keep=1)
-        return out.logits[:, -1:].argmax(-1), torch.cat([mask, torch.ones_like(tok)], 1)
+        return out.logits[:, -1:].argmax(-1), mask
 
     n = N
     # Untimed steps: JIT compilation, library start-up, CUDA-graph warm-up and recording stay out of the numbers.
