@@ -68,6 +68,7 @@ def _sdist_from_simple_index(version: str, dest: Path) -> Path:
 def _sdist_from_pip(version: str, dest: Path) -> Path:
     """`pip download transformers==version --no-binary :all: --no-deps` (honours pip's index configuration)."""
     cmd = [sys.executable, "-m", "pip", "download", f"transformers=={version}", "--no-binary", ":all:", "--no-deps",
+           "--retries", "1", "--timeout", "30",
            "-q", "-d", str(dest)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=10 * DOWNLOAD_TIMEOUT_S)
     found = sorted(dest.glob("transformers-*.tar.gz"))
