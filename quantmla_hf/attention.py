@@ -112,14 +112,19 @@ def eager_attention_with_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock eager attention: `query: [B, H, Tq, d]`, `key`/`value: [B, H_kv, N, d]`, additive or bool mask.
 
+    `attention_mask=None` means causal (the SDPA mask interface "quantmla" registers drops a plain causal mask and
+    lets SDPA apply `is_causal`): query t sees keys up to `N - Tq + t`.
     Returns `([B, Tq, H, d_v], weights [B, H, Tq, N])` (weights in the query dtype, as transformers' eager).
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, : key.shape[-2]]
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    mask = attention_mask[:, :, :, :kv_len] if attention_mask is not None else None
+    if mask is None and q_len > 1 and getattr(module, "is_causal", True):
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
     weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)

@@ -56,6 +56,16 @@ def test_output_attentions_during_cached_decode(model_type):
     assert_close("logits with weights vs latent decode", outs[False].logits, outs[True].logits, 1e-4)
 
 
+def test_output_attentions_without_mask_is_causal():
+    """No attention mask (SDPA's mask interface leaves causality to `is_causal`): the weights stay causal."""
+    model = apply_quantmla(tiny_mla_model("deepseek_v2"), c4r4())
+    ids = _ids(length=6)
+    plain = model(ids)
+    weighted = model(ids, output_attentions=True)
+    assert_close("logits with and without weights", plain.logits, weighted.logits, 1e-5)
+    assert torch.all(torch.triu(weighted.attentions[0], diagonal=1) == 0)
+
+
 def test_explicit_attn_implementation_is_honoured_and_switchable(tmp_path):
     apply_quantmla(tiny_mla_model("minicpm3"), c4r4(content_bits=2, rope_bits=4)).save_pretrained(tmp_path)
     from transformers import AutoModelForCausalLM
