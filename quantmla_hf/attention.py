@@ -33,6 +33,8 @@ class QuantMLAState:
     cache: QuantMLACache | None = None
     mask_key: tuple | None = None
     mask_is_padding_causal: bool = False
+    # The forward in flight asked for attention weights (`output_attentions`): attend eagerly, return them.
+    output_attentions: bool = False
 
 
 def _kernel_is_triton(layer, device: torch.device) -> bool:
@@ -110,6 +112,33 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
     return out.transpose(1, 2)
 
 
+# --- output_attentions (#16): the weights need the full score matrix, which only an eager attention forms ---------
+def eager_attention_with_weights(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock eager attention: `query: [B, H, Tq, d]`, `key`/`value: [B, H_kv, N, d]`, additive or bool mask.
+
+    `attention_mask=None` means causal (the SDPA mask interface "quantmla" registers drops a plain causal mask and
+    lets SDPA apply `is_causal`): query t sees keys up to `N - Tq + t`.
+    Returns `([B, Tq, H, d_v], weights [B, H, Tq, N])` (weights in the query dtype, as transformers' eager).
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    mask = attention_mask[:, :, :, :kv_len] if attention_mask is not None else None
+    if mask is None and q_len > 1 and getattr(module, "is_causal", True):
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+# --- end output_attentions ---------------------------------------------------------------------------------------
+
+
 def quantmla_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -120,8 +149,16 @@ def quantmla_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """`AttentionInterface` entry point: `query: [B, H, Tq, d_qk]`; returns `([B, Tq, H, d_v], None)`."""
+    """`AttentionInterface` entry point: `query: [B, H, Tq, d_qk]`; returns `([B, Tq, H, d_v], None)`.
+
+    With `output_attentions` requested it returns the weights `[B, H, Tq, N]` too, computed eagerly over the
+    history the cache returned (the pre-forward hook turns the latent-space decode off for that forward).
+    """
     state = getattr(module, "_quantmla_state", None)
+    if state is not None and state.output_attentions:
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        return eager_attention_with_weights(module, query, key, value, attention_mask, scaling, dropout)
     cache = state.cache if state is not None else None
     layer = cache.layers[module.layer_idx] if isinstance(cache, QuantMLACache) else None
     if layer is None or not layer.last_update_native:

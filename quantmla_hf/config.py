@@ -232,6 +232,12 @@ class QuantMLAConfig(QuantizationConfigMixin):
         out.update(copy.deepcopy(self.extra))
         return out
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """Dict-style read of a serialized field. transformers reads a model config's `quantization_config` with
+        `.get` (it expects config.json's dict) also when the config object of a loaded QuantMLA model is passed back,
+        as in `AutoModel.from_pretrained(path, config=model.config)` (#16)."""
+        return self.to_dict().get(key, default)
+
     def __repr__(self) -> str:
         """Short: the cache name and the options that differ from the defaults; extra keys by name only."""
         defaults = _DEFAULTS

@@ -3,7 +3,10 @@
 A pre-hook on the top-level model sees the cache and the 2D attention mask that `generate` (or the user) passes:
 - before the first tokens are cached it records each row's left padding, so the sink tokens are the first real
   tokens of every row, not padding;
-- it shares the cache with the MLA attention modules, which the "quantmla" attention implementation reads.
+- it shares the cache with the MLA attention modules, which the "quantmla" attention implementation reads;
+- it records whether the forward asks for attention weights (`output_attentions`), which that implementation then
+  computes eagerly (latent-space decode off for that forward).
+The hook sits on the model and on its base model (`model.model`), so a direct call to the latter is seen too.
 """
 
 from __future__ import annotations
@@ -29,9 +32,15 @@ def _pre_forward(model, args, kwargs):
     cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
     state: QuantMLAState = model._quantmla_state
     state.cache = cache if isinstance(cache, QuantMLACache) else None
+    output_attentions = kwargs.get("output_attentions")
+    state.output_attentions = bool(
+        output_attentions if output_attentions is not None else getattr(model.config, "output_attentions", False)
+    )
     if state.cache is None:
         return None
-    state.cache.set_native(model.config._attn_implementation == ATTN_IMPLEMENTATION)
+    # Latent-space decode only under the "quantmla" implementation (read at every forward, so switching with
+    # set_attn_implementation takes effect at once), and not when attention weights are asked for.
+    state.cache.set_native(model.config._attn_implementation == ATTN_IMPLEMENTATION and not state.output_attentions)
     mask = kwargs.get("attention_mask")
     # A static cache answers from a host-side flag: its length lives on the device (issue #10).
     holds = getattr(state.cache, "holds_tokens", None)
@@ -60,5 +69,10 @@ def install_cache_hooks(model: torch.nn.Module) -> QuantMLAState:
     model._quantmla_state = state
     for m in modules:
         m._quantmla_state = state
-    model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    # Also on the base model (`model.model` of a head), which receives the same cache and mask: a direct call to it
+    # then updates the state too, instead of leaving the previous forward's cache in it.
+    base = getattr(model, "base_model", model)
+    for hooked in (model, base) if base is not model else (model,):
+        hooked._quantmla_state = state
+        hooked.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     return state

@@ -156,7 +156,7 @@ def prepare_model(model, qconfig: QuantMLAConfig, calibration_data=None, tokeniz
     install_cache_hooks(model)
     if not hasattr(model, "_quantmla_stock_attn"):
         model._quantmla_stock_attn = model.config._attn_implementation  # what `dequantize` goes back to
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    _install_attention(model)
     _install_generation_default(model)
     _install_model_card(model)
     _allow_dtype_casts(model)
@@ -267,15 +267,36 @@ def quantize(model, quantization_config: QuantMLAConfig | dict | None = None, ca
     return apply_quantmla(model, quantization_config, calibration_data, tokenizer, **calibration_options)
 
 
+# Attention implementations QuantMLA replaces: transformers' automatic default ("sdpa", what `from_pretrained` and
+# `from_config` pick when the caller names none; an explicit "sdpa" cannot be told apart from it) and none at all.
+REPLACED_ATTN_IMPLEMENTATIONS = (None, "sdpa")
+
+
+def _install_attention(model) -> None:
+    """Switch `model` to the "quantmla" attention unless the caller chose another implementation.
+
+    `from_pretrained(..., attn_implementation="eager")` (or flex/flash/a hub kernel) is honoured and reported as
+    such: the QuantMLA cache works under any implementation (its `update` returns the history stock attention
+    expects); only "quantmla" also decodes in the latent space. "sdpa" is transformers' default and is replaced;
+    `model.set_attn_implementation("sdpa")` afterwards switches to it (the cache follows at the next forward).
+    """
+    current = model.config._attn_implementation
+    if current in REPLACED_ATTN_IMPLEMENTATIONS or current == ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
 def _install_generation_default(model) -> None:
     """Make `generate` build a `QuantMLACache` when the caller gives no cache and no `cache_implementation`.
+
+    Only on models that can generate (a causal LM head): a base model or a classification head has no cache to
+    choose (and no `_prepare_cache_for_generation`), so nothing is installed on it.
 
     `GenerationMixin._prepare_cache_for_generation` is where every transformers release from 5.17 on decides the
     cache of a `generate` call (5.17 stores it under `past_key_values`, later releases under `cache`). This wraps
     the model's bound method: a cache the caller passes, `use_cache=False` and an explicit `cache_implementation`
     all go through untouched; otherwise the QuantMLA cache is placed where the stock code looks for a user cache.
     """
-    if getattr(model, "_quantmla_generation_default", False):
+    if getattr(model, "_quantmla_generation_default", False) or not model.can_generate():
         return
     stock = model._prepare_cache_for_generation
 

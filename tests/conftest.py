@@ -21,3 +21,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_configure(config):
+    # Markers of transformers' common model tests (tests/test_transformers_suite.py), registered by transformers' own
+    # conftest.py, which the source distribution does not ship.
+    for marker in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "torch_compile_test"):
+        config.addinivalue_line("markers", f"{marker}: transformers common-test marker")
