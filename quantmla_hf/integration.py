@@ -178,11 +178,11 @@ def unprepare_model(model, dtype=None):
     """
     from .hooks import _pre_forward
 
-    for key, hook in list(model._forward_pre_hooks.items()):
-        if hook is _pre_forward:
-            del model._forward_pre_hooks[key]
-            model._forward_pre_hooks_with_kwargs.pop(key, None)
-    for module in model.modules():
+    for module in model.modules():  # the model and its base model both carry the hook (`install_cache_hooks`)
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if hook is _pre_forward:
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
         module.__dict__.pop("_quantmla_state", None)
     attn = model.__dict__.pop("_quantmla_stock_attn", None)
     for name in ("_prepare_cache_for_generation", "save_pretrained", "push_to_hub", "half", "float", "bfloat16",
