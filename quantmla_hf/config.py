@@ -70,6 +70,9 @@ class QuantMLAConfig(QuantizationConfigMixin):
         calibrated: set by the library once the transform has been learned and fused into the weights; a
             checkpoint saved with `calibrated=True` loads without calibration.
         cache_block_size: tokens per allocation block of the packed cache (storage grows by whole blocks).
+        static_cache: the cache `generate` builds: True for a `StaticQuantMLACache` preallocated for the call's
+            maximum length (compiled decode, one CUDA graph per step), False for the growing `QuantMLACache`,
+            "auto" (default) for the static one only when the call passes a `compile_config` on one CUDA device.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
         seed: int = 0,
         calibrated: bool = False,
         cache_block_size: int = 256,
+        static_cache: bool | str = "auto",
         **kwargs,
     ):
         object.__setattr__(self, "_validating", False)
@@ -116,6 +120,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
         self.seed = seed
         self.calibrated = calibrated
         self.cache_block_size = cache_block_size
+        self.static_cache = static_cache
         # Keys written by the library after calibration (e.g. the measured cache footprint) round-trip untouched.
         self.extra = {k: v for k, v in kwargs.items() if k != "quant_method"}
         self.post_init()
@@ -191,6 +196,10 @@ class QuantMLAConfig(QuantizationConfigMixin):
             raise ValueError(f"calibration_lr must be a positive number, got {self.calibration_lr!r}")
         _check_int("seed", self.seed, 0)
         _check_int("cache_block_size", self.cache_block_size, 1)
+        if self.static_cache not in ("auto", True, False) or isinstance(self.static_cache, int) and not isinstance(
+            self.static_cache, bool
+        ):
+            raise ValueError(f"static_cache must be 'auto', True or False, got {self.static_cache!r}")
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"calibrated must be True or False, got {self.calibrated!r}")
         if not isinstance(self.extra, dict):
@@ -228,6 +237,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
             "seed": self.seed,
             "calibrated": self.calibrated,
             "cache_block_size": self.cache_block_size,
+            "static_cache": self.static_cache,
         }
         out.update(copy.deepcopy(self.extra))
         return out
@@ -262,7 +272,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
 FIELDS = (
     "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "transform", "kernel",
     "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_steps", "calibration_lr", "seed",
-    "calibrated", "cache_block_size",
+    "calibrated", "cache_block_size", "static_cache",
 )
 _DEFAULTS = {
     name: p.default

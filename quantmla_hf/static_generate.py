@@ -10,7 +10,7 @@
 By default ("auto") the static cache is used when the call asks for compilation (`compile_config=...`) and it is
 safe (one CUDA device, "quantmla" attention, a recent window). It is not yet the default for every call: the
 compiled step's speed on a full-depth model has not been measured (docs/BENCHMARKS.md), and compiling costs
-minutes on the first call. `QuantMLAConfig(static_cache=True)` makes every call use it (and compile on CUDA).
+minutes on the first call. `QuantMLAConfig(static_cache=True)` (a config option, validated and saved) makes every call use it (and compile on CUDA).
 
 The static cache of the last call is kept on the model and reused (reset in place) when the batch size, dtype and
 device match and it is long enough, so repeated calls of one shape replay the same compiled graph.
@@ -36,9 +36,7 @@ def static_cache_wanted(model, qconfig: QuantMLAConfig, generation_config=None) 
     """`QuantMLAConfig(static_cache=True/False)` decides; by default ("auto") the static cache is used when the
     call passes a `compile_config` and it is safe: a model on one CUDA device (no CPU/disk offload), the
     "quantmla" attention implementation and a recent window of at least one token."""
-    choice = qconfig.extra.get("static_cache", "auto")
-    if choice not in ("auto", True, False):
-        raise ValueError(f"static_cache must be 'auto', True or False, got {choice!r}")
+    choice = qconfig.static_cache  # validated by QuantMLAConfig: "auto", True or False
     if choice is False:
         return False
     usable = qconfig.recent_tokens >= 1 and model.config._attn_implementation == "quantmla"

@@ -118,3 +118,13 @@ def test_repr_is_short():
     text = repr(cfg)
     assert len(text) < 200 and text.startswith("QuantMLAConfig(C2R4, transform='learned'")
     assert "<50 texts>" in text and "extra=[calibration]" in text
+
+
+def test_static_cache_option_is_validated_and_round_trips():
+    from quantmla_hf import QuantMLAConfig
+
+    for choice in ("auto", True, False):
+        assert QuantMLAConfig.from_dict(QuantMLAConfig(static_cache=choice).to_dict()).static_cache == choice
+    for bad in (1, 0, "yes", None):
+        with pytest.raises(ValueError, match="static_cache must be 'auto', True or False"):
+            QuantMLAConfig(static_cache=bad)
