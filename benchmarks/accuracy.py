@@ -169,6 +169,13 @@ class CalibrationRecipe:
     seed: int
     batch_size: int = 8
     protection: str = "auto"  # quantize(calibration_protection=...)
+    machine: str = ""  # CPU kernel set and threads the calibration ran with (`machine_tag`); "" = this process's
+
+
+def machine_tag() -> str:
+    """The CPU kernels and thread count torch computes with here, e.g. "cpu-AVX2-1t": they change the float
+    rounding of calibration, hence (slightly) the fused weights."""
+    return f"cpu-{torch.backends.cpu.get_cpu_capability()}-{torch.get_num_threads()}t"
 
 
 def tensor_digest(*tensors: torch.Tensor) -> str:
@@ -201,7 +208,7 @@ def calibration_key(base_digest: str, variant: str, recipe: CalibrationRecipe) -
         library = "unknown"
     return {"base_model_sha256": base_digest, "variant": variant, "calibration_ids_sha256": tensor_digest(recipe.ids),
             "calibration_windows": list(recipe.ids.shape), "steps": recipe.steps, "lr": recipe.lr, "seed": recipe.seed,
-            "batch_size": recipe.batch_size, "protection": recipe.protection,
+            "batch_size": recipe.batch_size, "protection": recipe.protection, "machine": recipe.machine or machine_tag(),
             "quantmla_hf": library, "torch": torch.__version__}
 
 
@@ -238,6 +245,9 @@ def calibrate_variant(base, variant: str, recipe: CalibrationRecipe, cache_dir: 
                              "--calibrated-dir")
         model.load_state_dict(saved["state_dict"])
         return model, {"seconds": saved["seconds"], "loaded": True, "record": saved["record"], "key": key}
+    if recipe.machine and recipe.machine != machine_tag():
+        raise ValueError(f"no model of {variant} calibrated on {recipe.machine} in {cache_dir}; calibrate it there first "
+                         f"(this process is {machine_tag()}: set ATEN_CPU_CAPABILITY / --threads and use --calibrate-only)")
     transform = "hadamard" if variant == "hadamard" else ("smooth" if variant.startswith("smooth") else "learned")
     bits = re.fullmatch(r"learned-C(\d+)R(\d+)(-allq)?(-seed\d+)?", variant)
     c, r = (int(bits.group(1)), int(bits.group(2))) if bits else (4, 4)
@@ -533,14 +543,14 @@ def summarize(rows: list[dict]) -> dict:
             continue
         out["vs_rtn"].append(compare(r["method"], kl(r), nll(r), rtn[setting(r)]))
         if sp.get("seed") is not None:
-            groups.setdefault((sp["family"], *setting(r)), []).append(r)
-    for (family, c, rb, prot), members in groups.items():
+            groups.setdefault((sp["family"], *setting(r), r.get("machine", "")), []).append(r)
+    for (family, c, rb, prot, machine), members in groups.items():
         if len(members) < 2:
             continue
         base = rtn[(c, rb, prot)]
         kl_m = torch.stack([kl(r) for r in members]).mean(0)
         nll_m = torch.stack([nll(r) for r in members]).mean(0)
-        name = Method(family, c, rb, prot).name + f" (mean of {len(members)} seeds)"
+        name = Method(family, c, rb, prot).name + f" (mean of {len(members)} seeds)" + (f" [{machine}]" if machine else "")
         entry = compare(name, kl_m, nll_m, base)
         per_seed = [float(kl(r).mean() / kl(base).mean()) for r in members]
         entry["seed_ratios"] = per_seed
@@ -631,6 +641,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-lr", type=float, default=5e-3)
     p.add_argument("--calibration-protection", default="auto", choices=("auto", "on", "off"),
                    help="model the cache's sink/recent protection in the objectives (quantize's calibration_protection)")
+    p.add_argument("--calibrated-on", default="", help="use the variants calibrated on this machine tag (e.g. "
+                   "cpu-DEFAULT-1t, see machine_tag) from --calibrated-dir instead of this process's; their rows get "
+                   "the tag in their name")
+    p.add_argument("--reuse-rows", help="results .json of an earlier run with the same text settings: its rows of "
+                   "the methods asked for are taken from it (per-window values), not recomputed, except BF16")
     p.add_argument("--seeds", default="0,1,2", help="calibration seeds (windows drawn and batch order) of smooth/"
                    "quantmla/content; each seed is its own row and the tables give the mean and spread over seeds")
     p.add_argument("--calibrated-dir", help="where fused variants are saved and reused (e.g. /tmp/quantmla-acc)")
@@ -694,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = (calibration_windows(calib_stream, args.calibration_samples, args.calibration_seq_len, seed)
                if calib_stream is not None else torch.zeros(2, 8, dtype=torch.long))
         return CalibrationRecipe(ids=ids, steps=args.calibration_steps, lr=args.calibration_lr, seed=seed,
-                                 protection=args.calibration_protection)
+                                 protection=args.calibration_protection, machine=args.calibrated_on)
 
     def models_get(v: str):
         """The model of variant `v`, calibrated (or loaded from --calibrated-dir) on first use."""
@@ -743,7 +758,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.greedy_prompts:
             prompts = torch.stack([ids[i * args.window : i * args.window + args.greedy_prompt_len]
                                    for i in range(args.greedy_prompts)])
+        reusable = {}
+        if args.reuse_rows:
+            earlier = json.loads(Path(args.reuse_rows).read_text())
+            same = ("text", "max_chars", "window", "prefill", "chunk", "windows", "batch", "model")
+            if any(earlier["settings"].get(k) != results["settings"].get(k) for k in same if k != "text") or \
+                    text_path not in earlier["settings"]["text"]:
+                raise ValueError(f"--reuse-rows {args.reuse_rows} was run with other text settings; rerun those rows")
+            reusable = {r["method"]: r for r in earlier["texts"].get(label, []) if r["spec"]["family"] != "bf16"}
         for method in methods:
+            name = method.name + (f" [{args.calibrated_on}]" if args.calibrated_on and method.calibrated else "")
+            if name in reusable:
+                rows.append({**reusable[name], "reused_from": args.reuse_rows})
+                log(f"{Path(text_path).name} | {name}: taken from {args.reuse_rows}")
+                continue
             model = models_get(method.variant)
             make = make_cache_factory(method, model.config)
             start = time.time()
@@ -751,7 +779,8 @@ def main(argv: list[str] | None = None) -> int:
                                          args.batch, ref_lp)
             if method.family == "bf16":
                 ref_lp = kept
-            row = {"method": method.name, "spec": asdict(method), **{k: v.tolist() for k, v in scores.items()}}
+            row = {"method": name, "spec": asdict(method), "machine": args.calibrated_on if method.calibrated else "",
+                   **{k: v.tolist() for k, v in scores.items()}}
             if prompts is not None:
                 toks = greedy_tokens(model, prompts, args.greedy_steps, make)
                 if method.family == "bf16":
@@ -760,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["greedy"], row["greedy_prefix"] = agreement(ref_greedy, toks)
             row["seconds"] = time.time() - start
             rows.append(row)
-            log(f"{Path(text_path).name} | {method.name}: ppl {math.exp(scores['nll'].mean()):.3f} "
+            log(f"{Path(text_path).name} | {name}: ppl {math.exp(scores['nll'].mean()):.3f} "
                 f"kl {float(scores['kl'].mean()) if 'kl' in scores else 0:.5f} ({row['seconds']:.0f} s)")
             results["texts"][label] = rows
             out.with_suffix(".json").write_text(json.dumps(results, indent=1))

@@ -151,3 +151,26 @@ def test_auto_transform_falls_back_to_rtn_on_small_data():
     assert resolve_transform("auto", None, None)[0] == "none"
     assert resolve_transform("learned", small, tok)[0] == "learned"  # an explicit choice is kept
     assert resolve_transform("auto", torch.zeros(2, 4096, dtype=torch.long), None)[0] == "learned"
+
+
+def test_demo_and_cli_default_say_rtn_for_the_embedded_text(tmp_path, capsys):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from quantmla_hf.cli import main
+    from quantmla_hf.demo import CALIBRATION_TEXT, REFERENCE_MODEL, build_parser
+    from quantmla_hf.tiny_models import tiny_mla_model
+
+    assert build_parser().parse_args([]).transform == "auto"
+    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    transform, why = resolve_transform("auto", str(CALIBRATION_TEXT), tokenizer)
+    assert transform == "none" and "RTN" in why and "calibration tokens" in why
+    base = tmp_path / "base"
+    tiny_mla_model("deepseek_v3", seed=6, vocab_size=len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    out = tmp_path / "q"
+    assert main(["quantize", str(base), "--out", str(out), "--calibration", str(CALIBRATION_TEXT),
+                 "--group-size", "16"]) == 0
+    assert "transform='none' (RTN)" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["transform"] == "none"
