@@ -18,9 +18,15 @@ Methods (`--methods`, each run at every `--bits` setting and `--protect` choice 
                 (it quantizes both paths at the same width; its residual window is its own protection)
 Protection: "on" keeps 4 sink + 128 recent tokens in the model dtype, "off" sets sink_tokens = recent_tokens = 0.
 
+Per-window NLL, KL and top-1 agreement are recorded for every row; the tables give 95% paired bootstrap intervals over
+windows (`quantmla_hf.intervals`), and every non-RTN row is compared with RTN at the same setting (KL ratio, verdict
+"better" / "worse" / "tie"), per seed and as the mean over `--seeds`.
+
 Example (what docs/ACCURACY.md ran):
-    python benchmarks/accuracy.py --text /work/shared/data/wiki_en_val.txt.xz \\
-        --calibration /work/shared/data/wiki_en_train.txt.xz --out results.md
+    python benchmarks/accuracy.py --text /work/shared/data/wikitext-2-raw-test.raw \\
+        --calibration /work/shared/data/wiki_en_train.txt.xz --calibration-chars 1500000 \\
+        --calibration-samples 8 --calibration-seq-len 512 --calibration-steps 30 --methods bf16,rtn,quantmla \\
+        --bits C2R4 --protect on --calibrated-dir /tmp/acc --out results.md
 """
 
 from __future__ import annotations
