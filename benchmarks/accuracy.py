@@ -10,21 +10,30 @@ Methods (`--methods`, each run at every `--bits` setting and `--protect` choice 
     rtn         QuantMLA cache, no transform (round-to-nearest, per-token groups of 64)
     smooth      SmoothQuant-style scales, calibrated and fused (`quantmla_hf.calibration.quantize`, "smooth")
     quarot      QuaRot-style Hadamard (content fused, RoPE rotated online in the cache)
-    quantmla    learned transform, calibrated per bit setting and fused ("learned")
+    quantmla    learned transform, calibrated per bit setting and fused ("learned"), objectives as
+                --calibration-protection says
+    quantmla_allq  the same, with objectives that quantize every cached token (calibration_protection="off")
     content     ablation: learned content transform only (calibrated with rope_bits=16, so the RoPE path is untouched)
     quanto      transformers `QuantizedCache(backend="quanto")`, nbits = content bits, residual 128, group 64
                 (it quantizes both paths at the same width; its residual window is its own protection)
 Protection: "on" keeps 4 sink + 128 recent tokens in the model dtype, "off" sets sink_tokens = recent_tokens = 0.
 
+Per-window NLL, KL and top-1 agreement are recorded for every row; the tables give 95% paired bootstrap intervals over
+windows (`quantmla_hf.intervals`), and every non-RTN row is compared with RTN at the same setting (KL ratio, verdict
+"better" / "worse" / "tie"), per seed and as the mean over `--seeds`.
+
 Example (what docs/ACCURACY.md ran):
-    python benchmarks/accuracy.py --text /work/shared/data/wiki_en_val.txt.xz \\
-        --calibration /work/shared/data/wiki_en_train.txt.xz --out results.md
+    python benchmarks/accuracy.py --text /work/shared/data/wikitext-2-raw-test.raw \\
+        --calibration /work/shared/data/wiki_en_train.txt.xz --calibration-chars 1500000 \\
+        --calibration-samples 8 --calibration-seq-len 512 --calibration-steps 30 --methods bf16,rtn,quantmla \\
+        --bits C2R4 --protect on --calibrated-dir /tmp/acc --out results.md
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import inspect
 import json
 import lzma
@@ -33,15 +42,18 @@ import random
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from quantmla_hf.intervals import Interval
+
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "quantmla_hf" / "assets" / "reference_model"
-METHODS = ("bf16", "rtn", "smooth", "quarot", "quanto", "quantmla", "content")
+METHODS = ("bf16", "rtn", "smooth", "quarot", "quanto", "quantmla", "quantmla_allq", "content")
 LABELS = {"bf16": "BF16 cache", "rtn": "RTN", "smooth": "SmoothQuant†", "quarot": "QuaRot†", "quantmla": "QuantMLA",
-          "content": "RTN + content transform", "quanto": "QuantizedCache (quanto)"}
+          "content": "RTN + content transform", "quanto": "QuantizedCache (quanto)",
+          "quantmla_allq": "QuantMLA, objectives without protection"}
 NAMES = ("Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kavya", "Lars",
          "Mireille", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Stefan", "Tomas", "Ursula", "Viktor", "Wanda")
 
@@ -72,6 +84,11 @@ class Method:
     content_bits: int = 16
     rope_bits: int = 16
     protect: bool = True
+    seed: int | None = None  # calibration seed of the calibrated families (smooth, quantmla, content)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.family in CALIBRATED
 
     @property
     def name(self) -> str:
@@ -80,26 +97,38 @@ class Method:
         if self.family == "quanto":
             return f"{LABELS['quanto']} int{self.content_bits}"
         prot = "" if self.protect else ", no protection"
-        return f"{LABELS[self.family]} C{self.content_bits}R{self.rope_bits}{prot}"
+        seed = f" (seed {self.seed})" if self.calibrated and self.seed is not None else ""
+        return f"{LABELS[self.family]} C{self.content_bits}R{self.rope_bits}{prot}{seed}"
 
     @property
     def variant(self) -> str:
         """Which fused weights the method runs on."""
-        return {"bf16": "base", "rtn": "base", "quanto": "base", "smooth": "smooth", "quarot": "hadamard",
-                "quantmla": f"learned-C{self.content_bits}R{self.rope_bits}",
-                "content": f"learned-C{self.content_bits}R16"}[self.family]
+        v = {"bf16": "base", "rtn": "base", "quanto": "base", "smooth": "smooth", "quarot": "hadamard",
+             "quantmla": f"learned-C{self.content_bits}R{self.rope_bits}",
+             "quantmla_allq": f"learned-C{self.content_bits}R{self.rope_bits}-allq",
+             "content": f"learned-C{self.content_bits}R16"}[self.family]
+        return f"{v}-seed{self.seed or 0}" if self.calibrated else v
 
 
-def expand_methods(families: list[str], bits: list[tuple[int, int]], protect: list[bool]) -> list[Method]:
-    """Rows for `families` x `bits` x `protect` (bf16 once; quanto once per content width)."""
+CALIBRATED = ("smooth", "quantmla", "quantmla_allq", "content")
+
+
+def expand_methods(families: list[str], bits: list[tuple[int, int]], protect: list[bool],
+                   seeds: list[int] = (0,)) -> list[Method]:
+    """Rows for `families` x `bits` x `protect` (x `seeds` for calibrated families; bf16 once; quanto once per
+    content width)."""
     out: list[Method] = []
-    for fam in families:
+    for item in families:
+        fam, _, only = item.partition("@")  # "quantmla_allq@0": that family with seed 0 only
+        fam_seeds = [int(x) for x in only.split("+")] if only else list(seeds)
         if fam not in METHODS:
             raise ValueError(f"unknown method {fam!r}; choose among {', '.join(METHODS)}")
         if fam == "bf16":
             out.append(Method("bf16"))
         elif fam == "quanto":
             out += [Method("quanto", c, c) for c in dict.fromkeys(c for c, _ in bits)]
+        elif fam in CALIBRATED:
+            out += [Method(fam, c, r, p, sd) for c, r in bits for p in protect for sd in fam_seeds]
         else:
             out += [Method(fam, c, r, p) for c, r in bits for p in protect]
     return list(dict.fromkeys(out))
@@ -136,45 +165,123 @@ def make_cache_factory(method: Method, config):
     return lambda: QuantMLACache(config=config, quantization_config=qconfig)
 
 
-def calibrate_variant(base, variant: str, calib_ids: torch.Tensor, steps: int, cache_dir: Path | None):
-    """A copy of `base` with the transform of `variant` fused (loaded from `cache_dir` when calibrated before).
+@dataclass(frozen=True)
+class CalibrationRecipe:
+    """Everything besides the model and the variant that changes a calibrated model."""
 
-    Returns `(model, seconds spent calibrating, calibration record)`.
+    ids: torch.Tensor  # [N, T] calibration windows (already drawn with the seed)
+    steps: int
+    lr: float
+    seed: int
+    batch_size: int = 8
+    protection: str = "auto"  # quantize(calibration_protection=...)
+    machine: str = ""  # CPU kernel set and threads the calibration ran with (`machine_tag`); "" = this process's
+
+
+def machine_tag() -> str:
+    """The CPU kernels and thread count torch computes with here, e.g. "cpu-AVX2-1t": they change the float
+    rounding of calibration, hence (slightly) the fused weights."""
+    return f"cpu-{torch.backends.cpu.get_cpu_capability()}-{torch.get_num_threads()}t"
+
+
+def tensor_digest(*tensors: torch.Tensor) -> str:
+    """sha256 of the shapes, dtypes and bytes of `tensors` (hex)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def model_digest(model) -> str:
+    """sha256 over the model's state dict (names, shapes, dtypes, values)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor_digest(t).encode())
+    return h.hexdigest()
+
+
+def calibration_key(base_digest: str, variant: str, recipe: CalibrationRecipe) -> dict:
+    """What a stored calibrated model must match to be reused: the base weights, the variant (transform, bits,
+    seed), the calibration windows, steps, learning rate, batch, protection setting and the library version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        library = version("quantmla-hf")
+    except PackageNotFoundError:
+        library = "unknown"
+    return {"base_model_sha256": base_digest, "variant": variant, "calibration_ids_sha256": tensor_digest(recipe.ids),
+            "calibration_windows": list(recipe.ids.shape), "steps": recipe.steps, "lr": recipe.lr, "seed": recipe.seed,
+            "batch_size": recipe.batch_size, "protection": recipe.protection, "machine": recipe.machine or machine_tag(),
+            "quantmla_hf": library, "torch": torch.__version__}
+
+
+def calibrate_variant(base, variant: str, recipe: CalibrationRecipe, cache_dir: Path | None, base_digest: str = ""):
+    """A copy of `base` with the transform of `variant` fused, loaded from `cache_dir` when a model calibrated with
+    exactly the same key (`calibration_key`) is stored there.
+
+    Returns `(model, info)`: info holds `seconds` (calibration time, or the stored model's), `loaded` (True when
+    reused), `record` (the calibration record) and `key`.
     """
     from quantmla_hf import QuantMLAConfig
     from quantmla_hf.calibration import quantize
 
     if variant == "base":
-        return base, 0.0, {}
-    content_only = re.fullmatch(r"learned-C(\d+)R16", variant)
+        return base, {"seconds": 0.0, "loaded": False, "record": {}, "key": {}}
+    content_only = re.fullmatch(r"learned-C(\d+)R16(-seed\d+)?", variant)
     if content_only:
         # The content transform (kv_a content rows, kv_a_layernorm, kv_b_proj) and the RoPE transform (kv_a RoPE
         # rows, query RoPE rows) touch disjoint weights, and calibration learns the content path with the RoPE path
         # exact; so "content only" is the full learned model with the RoPE rows put back.
-        full, seconds, record = calibrate_variant(base, f"learned-C{content_only.group(1)}R4", calib_ids, steps,
-                                                  cache_dir)
-        return restore_rope_rows(full, base), seconds, record
-    path = cache_dir / f"{variant}.pt" if cache_dir is not None else None
+        full, info = calibrate_variant(base, f"learned-C{content_only.group(1)}R4{content_only.group(2) or ''}",
+                                       recipe, cache_dir, base_digest)
+        return restore_rope_rows(full, base), info
+    if re.fullmatch(r"learned-C(\d+)R(\d+)-allq(-seed\d+)?", variant):
+        recipe = replace(recipe, protection="off")
+    key = calibration_key(base_digest or model_digest(base), variant, recipe)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / f"{variant}-{digest}.pt" if cache_dir is not None else None
     model = copy.deepcopy(base)
     if path is not None and path.exists():
         saved = torch.load(path, weights_only=False)
+        if saved.get("key") != key:
+            raise ValueError(f"{path} was calibrated with {saved.get('key')}, not {key}; delete it or use another "
+                             "--calibrated-dir")
         model.load_state_dict(saved["state_dict"])
-        return model, saved["seconds"], saved["record"]
-    transform = {"smooth": "smooth", "hadamard": "hadamard"}.get(variant, "learned")
-    bits = re.fullmatch(r"learned-C(\d+)R(\d+)", variant)
+        return model, {"seconds": saved["seconds"], "loaded": True, "record": saved["record"], "key": key}
+    if recipe.machine and recipe.machine != machine_tag():
+        raise ValueError(f"no model of {variant} calibrated on {recipe.machine} in {cache_dir}; calibrate it there first "
+                         f"(this process is {machine_tag()}: set ATEN_CPU_CAPABILITY / --threads and use --calibrate-only)")
+    transform = "hadamard" if variant == "hadamard" else ("smooth" if variant.startswith("smooth") else "learned")
+    bits = re.fullmatch(r"learned-C(\d+)R(\d+)(-allq)?(-seed\d+)?", variant)
     c, r = (int(bits.group(1)), int(bits.group(2))) if bits else (4, 4)
-    cfg = QuantMLAConfig(content_bits=c, rope_bits=r, transform=transform, calibration_samples=calib_ids.shape[0],
-                         calibration_seq_len=calib_ids.shape[1], calibration_steps=steps)
+    cfg = QuantMLAConfig(content_bits=c, rope_bits=r, transform=transform, calibration_samples=recipe.ids.shape[0],
+                         calibration_seq_len=recipe.ids.shape[1], calibration_steps=recipe.steps,
+                         calibration_lr=recipe.lr, seed=recipe.seed)
     start = time.time()
-    quantize(model, cfg, calib_ids, progress=False)
+    quantize(model, cfg, recipe.ids, batch_size=recipe.batch_size, progress=False,
+             calibration_protection=recipe.protection)
     seconds = time.time() - start
     record = cfg.extra.get("calibration", {})
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({"state_dict": model.state_dict(), "seconds": seconds, "record": record}, tmp)
+        torch.save({"state_dict": model.state_dict(), "seconds": seconds, "record": record, "key": key}, tmp)
         tmp.rename(path)  # atomic: another process never reads a partial file
-    return model, seconds, record
+    return model, {"seconds": seconds, "loaded": False, "record": record, "key": key}
+
+
+def calibration_windows(ids: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """`samples` non-overlapping windows `[samples, seq_len]` of the token stream `ids: [T]`, drawn with `seed`
+    (sorted by position), as `quantmla_hf.calibration.calibration_token_ids` draws them from text."""
+    n = ids.numel() // seq_len
+    if n < 2:
+        raise ValueError(f"the calibration text gives {ids.numel()} tokens, fewer than 2 windows of {seq_len}")
+    windows = ids[: n * seq_len].view(n, seq_len)
+    pick = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: min(samples, n)]
+    return windows[pick.sort().values]
 
 
 def restore_rope_rows(model, base):
@@ -247,6 +354,55 @@ def scored_decode(model, ids: torch.Tensor, make_cache, window: int, prefill: in
     if logprobs.shape[0] != result.tokens:
         raise RuntimeError(f"recorded {logprobs.shape[0]} predictions but decode_perplexity scored {result.tokens}")
     return result, logprobs
+
+
+@torch.no_grad()
+def window_logprobs(model, ids: torch.Tensor, make_cache, window: int, prefill: int, chunk: int, n_windows: int,
+                    batch: int):
+    """Decode the first `n_windows` windows of `ids: [T]` as `decode_perplexity` does (prefill `prefill` tokens,
+    then `chunk` tokens per forward through the cache), `batch` windows at a time (one cache per batch).
+
+    Yields `(logprobs [b, window - prefill, V] fp32, targets [b, window - prefill])` per batch: the scored
+    next-token log-probabilities of positions `prefill - 1 .. window - 2` and the tokens they predict.
+    """
+    if n_windows < 1 or ids.numel() < n_windows * window:
+        raise ValueError(f"the text has {ids.numel()} tokens, fewer than {n_windows} windows of {window}")
+    if prefill < 1 or window <= prefill + 1:
+        raise ValueError(f"need 1 <= prefill < window - 1, got prefill={prefill}, window={window}")
+    name = cache_kwarg(model)
+    windows = ids[: n_windows * window].view(n_windows, window)
+    for w0 in range(0, n_windows, batch):
+        seq = windows[w0 : w0 + batch]
+        cache = make_cache()
+        out = model(seq[:, :prefill], **{name: cache}, use_cache=True)
+        logits = [out.logits[:, -1:].float()]
+        for start in range(prefill, window - 1, chunk):
+            out = model(seq[:, start : min(start + chunk, window - 1)], **{name: cache}, use_cache=True)
+            logits.append(out.logits.float())
+        yield torch.log_softmax(torch.cat(logits, 1), -1), seq[:, prefill:]
+
+
+def window_scores(model, ids: torch.Tensor, make_cache, window: int, prefill: int, chunk: int, n_windows: int,
+                  batch: int, ref: list[torch.Tensor] | None = None) -> tuple[dict, list[torch.Tensor]]:
+    """Per-window scores of one method: `({"nll": [W], "kl": [W], "top1": [W]}, logprobs per batch)`.
+
+    nll: mean next-token NLL of the window's scored tokens; kl: mean `KL(P_ref || P)` over them against `ref` (the
+    reference method's logprobs per batch, as returned here); top1: fraction whose argmax matches the reference's.
+    Without `ref`, kl and top1 are absent and the logprobs are returned (to serve as the reference).
+    """
+    nll, kl, top1, kept = [], [], [], []
+    for i, (lp, targets) in enumerate(window_logprobs(model, ids, make_cache, window, prefill, chunk, n_windows,
+                                                      batch)):
+        nll.append(-lp.gather(-1, targets[..., None])[..., 0].mean(-1))
+        if ref is None:
+            kept.append(lp)
+        else:
+            kl.append(kl_divergence(ref[i], lp).mean(-1))
+            top1.append((ref[i].argmax(-1) == lp.argmax(-1)).float().mean(-1))
+    scores = {"nll": torch.cat(nll).double()}
+    if ref is not None:
+        scores.update(kl=torch.cat(kl).double(), top1=torch.cat(top1).double())
+    return scores, kept
 
 
 @torch.no_grad()
@@ -343,20 +499,98 @@ def _fmt(x: float, digits: int = 3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def verdict(ratio: Interval) -> str:
+    """"better" / "worse" when the 95% interval of a KL ratio excludes 1, else "tie"."""
+    return "better" if ratio.high < 1 else "worse" if ratio.low > 1 else "tie"
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per-row intervals and paired comparisons of the rows of one text (as `main` records them).
+
+    Returns `{"rows": [...], "vs_rtn": [...], "seed_mean": [...]}`:
+    - rows: per method `ppl`, `dppl` (relative change vs BF16, paired bootstrap), `kl` (mean, bootstrap), `top1`;
+    - vs_rtn: per non-RTN QuantMLA-cache row, against RTN at the same bits and protection: `kl_ratio` (mean KL
+      over mean RTN KL, paired bootstrap), `dppl` (perplexity change vs RTN, paired bootstrap), `kl_diff` (t
+      interval of the per-window KL difference), `wins` (windows with lower KL than RTN), `verdict`;
+    - seed_mean: the same against RTN for a calibrated family averaged over its seeds window by window, with the
+      range of the per-seed ratios (the calibration spread).
+    """
+    from quantmla_hf.intervals import bootstrap, mean_of, perplexity_change, ratio_of_means, t_interval
+
+    ref = next((r for r in rows if r["spec"]["family"] == "bf16"), None)
+    nll = lambda r: torch.tensor(r["nll"], dtype=torch.float64)  # noqa: E731
+    kl = lambda r: torch.tensor(r["kl"], dtype=torch.float64)  # noqa: E731
+    out = {"rows": [], "vs_rtn": [], "seed_mean": []}
+    for r in rows:
+        entry = {"method": r["method"], "ppl": math.exp(float(nll(r).mean())), "windows": len(r["nll"])}
+        if ref is not None and r is not ref:
+            entry["dppl"] = bootstrap(perplexity_change, nll(r), nll(ref))
+        if "kl" in r:
+            entry["kl"] = bootstrap(mean_of, kl(r))
+            entry["top1"] = float(torch.tensor(r["top1"]).mean())
+        out["rows"].append(entry)
+
+    def setting(r):
+        sp = r["spec"]
+        return sp["content_bits"], sp["rope_bits"], sp["protect"]
+
+    rtn = {setting(r): r for r in rows if r["spec"]["family"] == "rtn" and "kl" in r}
+
+    def compare(name, kl_m, nll_m, base):
+        ratio = bootstrap(ratio_of_means, kl_m, kl(base))
+        return {"method": name, "against": base["method"], "kl_ratio": ratio,
+                "dppl": bootstrap(perplexity_change, nll_m, nll(base)), "kl_diff": t_interval(kl_m - kl(base)),
+                "wins": int((kl_m < kl(base)).sum()), "windows": int(kl_m.numel()), "verdict": verdict(ratio)}
+
+    groups: dict = {}
+    for r in rows:
+        sp = r["spec"]
+        if sp["family"] in ("bf16", "rtn", "quanto") or "kl" not in r or setting(r) not in rtn:
+            continue
+        out["vs_rtn"].append(compare(r["method"], kl(r), nll(r), rtn[setting(r)]))
+        if sp.get("seed") is not None:
+            groups.setdefault((sp["family"], *setting(r), r.get("machine", "")), []).append(r)
+    for (family, c, rb, prot, machine), members in groups.items():
+        if len(members) < 2:
+            continue
+        base = rtn[(c, rb, prot)]
+        kl_m = torch.stack([kl(r) for r in members]).mean(0)
+        nll_m = torch.stack([nll(r) for r in members]).mean(0)
+        name = Method(family, c, rb, prot).name + f" (mean of {len(members)} seeds)" + (f" [{machine}]" if machine else "")
+        entry = compare(name, kl_m, nll_m, base)
+        per_seed = [float(kl(r).mean() / kl(base).mean()) for r in members]
+        entry["seed_ratios"] = per_seed
+        out["seed_mean"].append(entry)
+    return out
+
+
 def markdown(results: dict) -> str:
-    """Tables of a results dict written by `main`."""
+    """Tables of a results dict written by `main`, with 95% intervals over windows."""
     lines = [f"Command: `{results['command']}`", "", f"Settings: {results['settings']}", ""]
     for text, rows in results["texts"].items():
-        ref = next((r for r in rows if r["method"] == LABELS["bf16"]), None)
-        lines += [f"### {text}", "",
-                  "| method | decode ppl | Δ vs BF16 | KL(BF16‖q) | top-1 agree | greedy agree | greedy prefix | s |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for r in rows:
-            delta = 100 * (r["ppl"] / ref["ppl"] - 1) if ref else float("nan")
-            lines.append(f"| {r['method']} | {r['ppl']:.3f} | {delta:+.2f}% | {_fmt(r.get('kl'), 4)} | "
-                         f"{_fmt(r.get('top1'))} | {_fmt(r.get('greedy'))} | {_fmt(r.get('greedy_prefix'), 1)} | "
-                         f"{r['seconds']:.0f} |")
+        summary = summarize(rows)
+        lines += [f"### {text}", "", "Intervals: 95% paired bootstrap over windows (2000 resamples).", "",
+                  "| method | decode ppl | Δ ppl vs BF16 [95%] | KL(BF16‖q) ×1e3 [95%] | top-1 agree | greedy agree | s |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r, e in zip(rows, summary["rows"]):
+            d = e["dppl"].fmt(2, 100, sign=True) + "%" if "dppl" in e else "—"
+            k = e["kl"].fmt(3, 1e3) if "kl" in e else "—"
+            lines.append(f"| {e['method']} | {e['ppl']:.3f} | {d} | {k} | {_fmt(e.get('top1'))} | "
+                         f"{_fmt(r.get('greedy'))} | {r['seconds']:.0f} |")
         lines.append("")
+        comps = summary["vs_rtn"] + summary["seed_mean"]
+        if comps:
+            lines += ["Against RTN at the same bits and protection (paired over the same windows; verdict from the KL "
+                      "ratio's interval: better / worse when it excludes 1, else tie):", "",
+                      "| method | KL / RTN KL [95%] | KL − RTN KL ×1e3 [95% t] | Δ ppl vs RTN [95%] | windows with lower KL | verdict |",
+                      "| --- | ---: | ---: | ---: | ---: | --- |"]
+            for c in comps:
+                spread = ""
+                if "seed_ratios" in c:
+                    spread = f" (seeds {min(c['seed_ratios']):.3f}–{max(c['seed_ratios']):.3f})"
+                lines.append(f"| {c['method']} | {c['kl_ratio'].fmt(3)}{spread} | {c['kl_diff'].fmt(3, 1e3, sign=True)} | "
+                             f"{c['dppl'].fmt(2, 100, sign=True)}% | {c['wins']}/{c['windows']} | {c['verdict']} |")
+            lines.append("")
     if results.get("needle"):
         lengths = sorted({int(k) for row in results["needle"] for k in row["by_length"]})
         lines += ["### Needle in a haystack (exact match of the greedy answer)", "",
@@ -370,8 +604,9 @@ def markdown(results: dict) -> str:
     if results.get("ratio"):
         lines += ["### Dual-path matched-error ratio", "", results["ratio"]["markdown"]]
     if results.get("calibration"):
-        lines += ["### Calibration", "", "| variant | seconds |", "| --- | ---: |"]
-        lines += [f"| {k} | {v['seconds']:.0f} |" for k, v in results["calibration"].items()]
+        lines += ["### Calibration", "", "| variant | seconds | reused from --calibrated-dir |", "| --- | ---: | --- |"]
+        lines += [f"| {k} | {v['seconds']:.0f} | {'yes' if v.get('loaded') else 'no'} |"
+                  for k, v in results["calibration"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -409,14 +644,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-samples", type=int, default=16)
     p.add_argument("--calibration-seq-len", type=int, default=256)
     p.add_argument("--calibration-steps", type=int, default=40)
+    p.add_argument("--calibration-lr", type=float, default=5e-3)
+    p.add_argument("--calibration-protection", default="auto", choices=("auto", "on", "off"),
+                   help="model the cache's sink/recent protection in the objectives (quantize's calibration_protection)")
+    p.add_argument("--calibrated-on", default="", help="use the variants calibrated on this machine tag (e.g. "
+                   "cpu-DEFAULT-1t, see machine_tag) from --calibrated-dir instead of this process's; their rows get "
+                   "the tag in their name")
+    p.add_argument("--reuse-rows", help="results .json of an earlier run with the same text settings: its rows of "
+                   "the methods asked for are taken from it (per-window values), not recomputed, except BF16")
+    p.add_argument("--seeds", default="0,1,2", help="calibration seeds (windows drawn and batch order) of smooth/"
+                   "quantmla/content; each seed is its own row and the tables give the mean and spread over seeds")
     p.add_argument("--calibrated-dir", help="where fused variants are saved and reused (e.g. /tmp/quantmla-acc)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}; a calibrated "
+                   "family may name its own seeds, e.g. quantmla_allq@0 or quantmla@0+1")
     p.add_argument("--bits", default="C4R4,C2R4")
     p.add_argument("--protect", default="on,off", help="on, off or on,off")
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--prefill", type=int, default=512)
-    p.add_argument("--chunk", type=int, default=16, help="decoded tokens per forward (1..16)")
-    p.add_argument("--windows", type=int, default=16, help="windows per text")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--prefill", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=32, help="decoded tokens per forward (keep it below the 128 recent "
+                   "tokens: the chunk's own tokens are exact, as the recent window keeps them anyway)")
+    p.add_argument("--windows", type=int, default=64, help="windows per text (the intervals are over windows)")
+    p.add_argument("--batch", type=int, default=8, help="windows decoded together (one cache per batch)")
     p.add_argument("--greedy-prompts", type=int, default=0, help="prompts for greedy agreement (0: skip)")
     p.add_argument("--greedy-prompt-len", type=int, default=512)
     p.add_argument("--greedy-steps", type=int, default=64)
@@ -445,30 +693,38 @@ def main(argv: list[str] | None = None) -> int:
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     families = [m.strip() for m in args.methods.split(",") if m.strip()]
     protect = [{"on": True, "off": False}[p.strip()] for p in args.protect.split(",")]
-    methods = expand_methods(families, parse_bits(args.bits), protect)
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    methods = expand_methods(families, parse_bits(args.bits), protect, seeds)
     results = {"command": "python " + " ".join([sys.argv[0].split("/work/main/")[-1]] + sys.argv[1:]),
                "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "texts": {}, "calibration": {}}
     out = Path(args.out)
 
-    calib_ids = None
+    calib_stream = None
     variants = list(dict.fromkeys(m.variant for m in methods))
     if any(v not in ("base", "hadamard") for v in variants) or args.ratio_windows:
         if not args.calibration:
             raise ValueError("smooth/quantmla/content and the ratio need --calibration TEXT_FILE")
-        ids = token_ids(tokenizer, read_text(args.calibration, args.calibration_chars))
-        n = ids.numel() // args.calibration_seq_len
-        calib_ids = ids[: n * args.calibration_seq_len].view(n, args.calibration_seq_len)
-        log(f"calibration text: {ids.numel()} tokens, {n} windows of {args.calibration_seq_len}")
+        calib_stream = token_ids(tokenizer, read_text(args.calibration, args.calibration_chars))
+        log(f"calibration text: {calib_stream.numel()} tokens, {calib_stream.numel() // args.calibration_seq_len} "
+            f"windows of {args.calibration_seq_len}; {args.calibration_samples} drawn per seed")
     cache_dir = Path(args.calibrated_dir) if args.calibrated_dir else None
     loaded = {"base": base}
+    base_digest = model_digest(base)
+
+    def recipe_for(seed: int) -> CalibrationRecipe:
+        ids = (calibration_windows(calib_stream, args.calibration_samples, args.calibration_seq_len, seed)
+               if calib_stream is not None else torch.zeros(2, 8, dtype=torch.long))
+        return CalibrationRecipe(ids=ids, steps=args.calibration_steps, lr=args.calibration_lr, seed=seed,
+                                 protection=args.calibration_protection, machine=args.calibrated_on)
 
     def models_get(v: str):
         """The model of variant `v`, calibrated (or loaded from --calibrated-dir) on first use."""
         if v not in loaded:
-            sel = calib_ids[: args.calibration_samples] if calib_ids is not None else torch.zeros(2, 8, dtype=torch.long)
-            loaded[v], seconds, record = calibrate_variant(base, v, sel, args.calibration_steps, cache_dir)
-            results["calibration"][v] = {"seconds": seconds, "record": record}
-            log(f"variant {v}: calibrated in {seconds:.0f} s")
+            seed = int(re.search(r"-seed(\d+)$", v).group(1)) if re.search(r"-seed(\d+)$", v) else 0
+            loaded[v], info = calibrate_variant(base, v, recipe_for(seed), cache_dir, base_digest)
+            results["calibration"][v] = info
+            how = "loaded from --calibrated-dir (calibrated earlier in" if info["loaded"] else "calibrated in"
+            log(f"variant {v}: {how} {info['seconds']:.0f} s{')' if info['loaded'] else ''}")
         return loaded[v]
 
     if args.calibrate_only:
@@ -481,8 +737,15 @@ def main(argv: list[str] | None = None) -> int:
         from quantmla_hf.analysis import analyze
 
         start = time.time()
-        # Held-out windows: the ones after the calibration samples.
-        held = calib_ids[args.calibration_samples : args.calibration_samples + args.ratio_windows]
+        # Held-out windows: windows of the calibration text that no seed drew.
+        T = args.calibration_seq_len
+        n = calib_stream.numel() // T
+        drawn = set()
+        for seed in seeds:
+            drawn |= set(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: args.calibration_samples]
+                         .tolist())
+        free = [i for i in range(n) if i not in drawn][: args.ratio_windows]
+        held = calib_stream[: n * T].view(n, T)[free]
         report = analyze(base, held, progress=False)
         results["ratio"] = {**report.to_dict(), "markdown": report.to_markdown(), "seconds": time.time() - start}
         if args.ratio_plot:
@@ -491,25 +754,39 @@ def main(argv: list[str] | None = None) -> int:
 
     for text_path in args.text:
         ids = token_ids(tokenizer, read_text(text_path, args.max_chars))
-        label = f"{Path(text_path).name} ({min(args.windows, ids.numel() // args.window)} windows of {args.window}, " \
-                f"prefill {args.prefill}, chunk {args.chunk})"
+        n_windows = min(args.windows, ids.numel() // args.window)
+        if n_windows < args.windows:
+            log(f"{text_path}: only {n_windows} windows of {args.window} in --max-chars {args.max_chars}")
+        label = f"{Path(text_path).name} ({n_windows} windows of {args.window}, prefill {args.prefill}, " \
+                f"chunk {args.chunk}, {n_windows * (args.window - args.prefill)} scored tokens)"
         rows, ref_lp, ref_greedy = [], None, None
         prompts = None
         if args.greedy_prompts:
             prompts = torch.stack([ids[i * args.window : i * args.window + args.greedy_prompt_len]
                                    for i in range(args.greedy_prompts)])
+        reusable = {}
+        if args.reuse_rows:
+            earlier = json.loads(Path(args.reuse_rows).read_text())
+            same = ("text", "max_chars", "window", "prefill", "chunk", "windows", "batch", "model")
+            if any(earlier["settings"].get(k) != results["settings"].get(k) for k in same if k != "text") or \
+                    text_path not in earlier["settings"]["text"]:
+                raise ValueError(f"--reuse-rows {args.reuse_rows} was run with other text settings; rerun those rows")
+            reusable = {r["method"]: r for r in earlier["texts"].get(label, []) if r["spec"]["family"] != "bf16"}
         for method in methods:
+            name = method.name + (f" [{args.calibrated_on}]" if args.calibrated_on and method.calibrated else "")
+            if name in reusable:
+                rows.append({**reusable[name], "reused_from": args.reuse_rows})
+                log(f"{Path(text_path).name} | {name}: taken from {args.reuse_rows}")
+                continue
             model = models_get(method.variant)
             make = make_cache_factory(method, model.config)
             start = time.time()
-            res, lp = scored_decode(model, ids, make, args.window, args.prefill, args.chunk, args.windows)
-            row = {"method": method.name, "spec": asdict(method), "ppl": res.perplexity, "nll": res.nll,
-                   "tokens": res.tokens}
+            scores, kept = window_scores(model, ids, make, args.window, args.prefill, args.chunk, n_windows,
+                                         args.batch, ref_lp)
             if method.family == "bf16":
-                ref_lp = lp
-            elif ref_lp is not None:
-                row["kl"] = float(kl_divergence(ref_lp, lp).mean())
-                row["top1"] = float((ref_lp.argmax(-1) == lp.argmax(-1)).float().mean())
+                ref_lp = kept
+            row = {"method": name, "spec": asdict(method), "machine": args.calibrated_on if method.calibrated else "",
+                   **{k: v.tolist() for k, v in scores.items()}}
             if prompts is not None:
                 toks = greedy_tokens(model, prompts, args.greedy_steps, make)
                 if method.family == "bf16":
@@ -518,11 +795,12 @@ def main(argv: list[str] | None = None) -> int:
                     row["greedy"], row["greedy_prefix"] = agreement(ref_greedy, toks)
             row["seconds"] = time.time() - start
             rows.append(row)
-            log(f"{Path(text_path).name} | {method.name}: ppl {res.perplexity:.3f} kl {row.get('kl', 0):.4f} "
-                f"greedy {row.get('greedy', float('nan')):.3f} ({row['seconds']:.0f} s)")
+            log(f"{Path(text_path).name} | {name}: ppl {math.exp(scores['nll'].mean()):.3f} "
+                f"kl {float(scores['kl'].mean()) if 'kl' in scores else 0:.5f} ({row['seconds']:.0f} s)")
             results["texts"][label] = rows
             out.with_suffix(".json").write_text(json.dumps(results, indent=1))
             out.write_text(markdown(results))
+        del ref_lp
 
     if args.needle_lengths:
         filler_path = args.needle_text or args.text[0]

@@ -43,7 +43,8 @@ def _add_cache_args(p: argparse.ArgumentParser, transform_default: str) -> None:
     g.add_argument("--group-size", type=int, default=64)
     g.add_argument("--sink-tokens", type=int, default=4)
     g.add_argument("--recent-tokens", type=int, default=128)
-    g.add_argument("--transform", default=transform_default, choices=("learned", "hadamard", "smooth", "none"))
+    g.add_argument("--transform", default=transform_default, choices=("auto", "learned", "hadamard", "smooth", "none"),
+                   help="auto: learned when --calibration is large enough to beat RTN, else none (RTN), said in the output")
     g.add_argument("--calibration", metavar="FILE", default=None, help="UTF-8 text for learned/smooth transforms")
     g.add_argument("--calibration-samples", type=int, default=64)
     g.add_argument("--calibration-seq-len", type=int, default=512)
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload to this Hub repo")
-    _add_cache_args(p, "learned")
+    _add_cache_args(p, "auto")
 
     p = sub.add_parser("generate", help="generate text with the QuantMLA cache")
     _add_model_args(p)
@@ -106,9 +107,19 @@ def _quant_config(args):
 
     if args.calibration is not None:
         args.calibration = str(Path(args.calibration).expanduser())
+    transform = args.transform
+    if transform == "auto":
+        from .calibration.defaults import resolve_transform
+
+        tokenizer = _load_tokenizer(args.model) if args.calibration else None
+        try:
+            transform, why = resolve_transform("auto", args.calibration, tokenizer)
+        except (OSError, UnicodeDecodeError) as err:
+            raise CLIError(f"--calibration {args.calibration}: cannot read it as UTF-8 text ({err})") from err
+        print(why)
     return QuantMLAConfig(
         content_bits=args.content_bits, rope_bits=args.rope_bits, group_size=args.group_size,
-        sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens, transform=args.transform,
+        sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens, transform=transform,
         calibration_data=args.calibration, calibration_samples=args.calibration_samples,
         calibration_seq_len=args.calibration_seq_len, calibration_steps=args.calibration_steps,
     )

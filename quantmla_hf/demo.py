@@ -23,9 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=str(REFERENCE_MODEL), help="checkpoint directory (default: embedded model)")
     p.add_argument("--content-bits", type=int, default=4, choices=(2, 4, 8, 16))
     p.add_argument("--rope-bits", type=int, default=4, choices=(4, 8, 16))
-    p.add_argument("--transform", default="learned", choices=("learned", "hadamard", "smooth", "none"))
-    # Smaller than the library defaults (64 x 512 tokens, 100 steps) so that the demo calibrates in about a minute
-    # on two CPU cores; real checkpoints should use the defaults.
+    p.add_argument("--transform", default="auto", choices=("auto", "learned", "hadamard", "smooth", "none"),
+                   help="auto: learned when the calibration text is large enough to beat RTN, else none (RTN); the "
+                        "embedded text (959 tokens) is too small, so the demo runs RTN unless told otherwise")
+    # With --transform learned: smaller than the library defaults (64 x 512 tokens, 100 steps) so that the demo
+    # calibrates in about a minute on two CPU cores; real checkpoints should use the defaults.
     p.add_argument("--calibration-samples", type=int, default=8)
     p.add_argument("--calibration-seq-len", type=int, default=128)
     p.add_argument("--calibration-steps", type=int, default=20, help="per layer and path")
@@ -82,11 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    from .calibration.defaults import resolve_transform
+
+    transform, why = resolve_transform(args.transform, str(CALIBRATION_TEXT), tokenizer)
+    print(why)
 
     qconfig = QuantMLAConfig(
         content_bits=args.content_bits,
         rope_bits=args.rope_bits,
-        transform=args.transform,
+        transform=transform,
         calibration_data=str(CALIBRATION_TEXT),
         calibration_samples=args.calibration_samples,
         calibration_seq_len=args.calibration_seq_len,

@@ -106,6 +106,85 @@ def test_needle_prompts_and_scoring(acc):
     assert not acc.exact_match("12345", " the number")
 
 
+def test_batched_window_scores_match_the_one_window_decode(acc, model):
+    # 3 windows in batches of 2 (the last batch has one window), decoded part 19 tokens with chunk 8 (not a multiple).
+    window, prefill, chunk, n = 30, 11, 8, 3
+    ids = _ids(model, 100, seed=4)
+    cfg = QuantMLAConfig(content_bits=2, rope_bits=4, transform="none", sink_tokens=2, recent_tokens=9)
+    make = lambda: QuantMLACache(config=model.config, quantization_config=cfg)  # noqa: E731
+    ref_scores, ref_lp = acc.window_scores(model, ids, _dynamic(model), window, prefill, chunk, n, 2)
+    scores, _ = acc.window_scores(model, ids, make, window, prefill, chunk, n, 2, ref=ref_lp)
+    res_ref, lp_ref = acc.scored_decode(model, ids, _dynamic(model), window, prefill, chunk, n)
+    res_q, lp_q = acc.scored_decode(model, ids, make, window, prefill, chunk, n)
+    per = window - prefill
+    torch.testing.assert_close(torch.cat(ref_lp).reshape(-1, lp_ref.shape[-1]), lp_ref, rtol=1e-4, atol=1e-4)
+    assert math.isclose(float(ref_scores["nll"].mean()), res_ref.nll, rel_tol=1e-5)
+    assert math.isclose(float(scores["nll"].mean()), res_q.nll, rel_tol=1e-5)
+    kl = acc.kl_divergence(lp_ref, lp_q).view(n, per).mean(1).double()
+    torch.testing.assert_close(scores["kl"], kl, rtol=1e-4, atol=1e-7)
+    assert scores["kl"].shape == (n,) and float(scores["kl"].min()) > 0 and float(scores["top1"].max()) <= 1
+
+
+def _row(acc, family, kl, nll, c=2, seed=None):
+    spec = acc.asdict(acc.Method(family, c, 4, True, seed)) if family != "bf16" else acc.asdict(acc.Method("bf16"))
+    row = {"method": acc.Method(**spec).name, "spec": spec, "nll": nll.tolist(), "seconds": 0.0}
+    if kl is not None:
+        row.update(kl=kl.tolist(), top1=[1.0] * len(kl))
+    return row
+
+
+def test_summary_calls_ties_and_resolved_differences(acc):
+    gen = torch.Generator().manual_seed(0)
+    nll = torch.rand(64, generator=gen, dtype=torch.float64) + 3
+    rtn = torch.rand(64, generator=gen, dtype=torch.float64) * 0.02 + 0.005
+    noise = lambda: 1 + 0.3 * (torch.rand(64, generator=gen, dtype=torch.float64) - 0.5)  # noqa: E731
+    rows = [_row(acc, "bf16", None, nll), _row(acc, "rtn", rtn, nll + 0.01),
+            *[_row(acc, "quantmla", rtn * 0.6 * noise(), nll + 0.004, seed=s) for s in (0, 1)],
+            _row(acc, "quarot", rtn * noise(), nll + 0.01)]
+    summary = acc.summarize(rows)
+    by = {c["method"]: c for c in summary["vs_rtn"] + summary["seed_mean"]}
+    assert by["QuantMLA C2R4 (seed 0)"]["verdict"] == "better" and by["QuaRot† C2R4"]["verdict"] == "tie"
+    assert by["QuantMLA C2R4 (seed 0)"]["kl_ratio"].value == pytest.approx(0.6, abs=0.05)
+    mean = by["QuantMLA C2R4 (mean of 2 seeds)"]
+    assert len(mean["seed_ratios"]) == 2 and mean["verdict"] == "better"
+    row = next(e for e in summary["rows"] if e["method"] == "RTN C2R4")
+    assert row["dppl"].value == pytest.approx(math.expm1(0.01)) and row["dppl"].low == pytest.approx(math.expm1(0.01))
+    text = acc.markdown({"command": "x", "settings": {}, "texts": {"t": rows}})
+    assert "| tie |" in text and "| better |" in text and "seeds 0." in text
+
+
+def test_calibrated_dir_is_keyed_by_the_whole_recipe(acc, model, tmp_path):
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    recipe = acc.CalibrationRecipe(ids=ids, steps=1, lr=5e-3, seed=0, batch_size=2, protection="off")
+    first, info = acc.calibrate_variant(model, "learned-C2R4-seed0", recipe, tmp_path)
+    assert not info["loaded"] and len(list(tmp_path.glob("*.pt"))) == 1
+    again, info2 = acc.calibrate_variant(model, "learned-C2R4-seed0", recipe, tmp_path)
+    assert info2["loaded"] and info2["seconds"] == info["seconds"]
+    for a, b in zip(first.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+    # every ingredient that changes the model changes the key (so a new entry is made, never the stored one reused)
+    digest = acc.model_digest(model)
+    key = acc.calibration_key(digest, "learned-C2R4-seed0", recipe)
+    other_model = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other_model.parameters()).add_(1e-3)
+    others = [acc.calibration_key(digest, "learned-C2R4-seed0", acc.replace(recipe, **change))
+              for change in ({"steps": 2}, {"ids": ids.flip(0)}, {"lr": 1e-2}, {"seed": 1}, {"batch_size": 1},
+                             {"protection": "on"})]
+    others += [acc.calibration_key(acc.model_digest(other_model), "learned-C2R4-seed0", recipe),
+               acc.calibration_key(digest, "learned-C4R4-seed0", recipe)]
+    assert all(o != key for o in others) and len({str(sorted(o.items())) for o in others}) == len(others)
+    _, info3 = acc.calibrate_variant(model, "learned-C2R4-seed0", acc.replace(recipe, steps=2), tmp_path)
+    assert not info3["loaded"] and len(list(tmp_path.glob("*.pt"))) == 2
+    # a stored file whose recorded key does not match is refused, not used
+    path = next(p for p in tmp_path.glob("*.pt") if torch.load(p, weights_only=False)["key"] == info["key"])
+    saved = torch.load(path, weights_only=False)
+    saved["key"] = {**saved["key"], "steps": 30}
+    torch.save(saved, path)
+    with pytest.raises(ValueError, match="delete it or use another --calibrated-dir"):
+        acc.calibrate_variant(model, "learned-C2R4-seed0", recipe, tmp_path)
+
+
 def test_methods_and_bits(acc):
     rows = acc.expand_methods(["bf16", "rtn", "quanto"], acc.parse_bits("C4R4,C2R4"), [True, False])
     assert [m.name for m in rows] == ["BF16 cache", "RTN C4R4", "RTN C4R4, no protection", "RTN C2R4",
@@ -115,6 +194,9 @@ def test_methods_and_bits(acc):
         acc.parse_bits("4x4")
     with pytest.raises(ValueError, match="unknown method 'gptq'"):
         acc.expand_methods(["gptq"], [(4, 4)], [True])
+    rows = acc.expand_methods(["rtn", "quantmla"], [(2, 4)], [True], seeds=[0, 1])
+    assert [m.name for m in rows] == ["RTN C2R4", "QuantMLA C2R4 (seed 0)", "QuantMLA C2R4 (seed 1)"]
+    assert [m.variant for m in rows] == ["base", "learned-C2R4-seed0", "learned-C2R4-seed1"]
 
 
 def test_content_only_variant_keeps_the_function_and_the_rope_key(acc, model):

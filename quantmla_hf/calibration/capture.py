@@ -151,11 +151,21 @@ class AttentionRunner:
     def __post_init__(self):
         self.params = {k: v.detach().to(self.dtype) for k, v in self.module.named_parameters()}
 
-    def __call__(self, hidden: torch.Tensor, overrides: dict | None = None, hook: LatentHook | None = None):
-        """Attention output after `o_proj`, `[b, T, hidden]`, for `hidden: [b, T, hidden]`."""
+    def __call__(self, hidden: torch.Tensor, overrides: dict | None = None, hook: LatentHook | None = None,
+                 attention_mask: torch.Tensor | None = None):
+        """Attention output after `o_proj`, `[b, T, hidden]`, for `hidden: [b, T, hidden]`.
+
+        `attention_mask` (additive, `[1, 1, T, kv_len]`) replaces the captured mask, for a hook whose history is
+        not the plain causal one (the protection-aware content objective, `protection.py`).
+        """
         b, full = hidden.shape[0], self.inputs.batch_size
         args = _slice_rows(self.inputs.args, b, full)
         kwargs = {k: _slice_rows(v, b, full) for k, v in self.inputs.kwargs.items()}
+        if attention_mask is not None:
+            if "attention_mask" not in kwargs:
+                raise ValueError(f"{type(self.module).__name__} takes no attention_mask keyword; the protection-aware "
+                                 "objective cannot run on it (calibrate with calibration_protection off)")
+            kwargs["attention_mask"] = attention_mask.expand(b, -1, -1, -1)
         kwargs[self.inputs.cache_kwarg] = hook
         if self.inputs.hidden_in_kwargs:
             kwargs["hidden_states"] = hidden

@@ -23,6 +23,7 @@ from quantmla_hf.format import PathFormat
 from .capture import AttentionRunner, CapturedInputs, LatentHook
 from .fusion import content_weights, original_weights, query_projection
 from .objectives import fake_quantize, output_nmse, positional_qk_nmse
+from .protection import dual_history, dual_history_mask, quantized_pairs
 from .transforms import ContentTransform, RopeLayout, RopeTransform, apply_family_rope
 
 
@@ -34,6 +35,13 @@ class LearnSettings:
     lr: float = 5e-3
     eval_every: int = 10
     seed: int = 0
+    sink: int = 0
+    recent: int = 0
+
+    @property
+    def protected(self) -> bool:
+        """True when the objectives model the cache's sink/recent protection (`protection.py`)."""
+        return self.sink > 0 or self.recent > 0
 
 
 @dataclass
@@ -128,20 +136,31 @@ class ContentLearner:
         runner: replays the module on its captured inputs.
         teacher: `[N, T, hidden]` full-precision outputs.
         fmt: the content path format (bits, group).
+        sink, recent: the cache's protection to model (0, 0: every cached token quantized). With protection, each
+            query reads the quantized latent only of the keys the cache would hold quantized for it
+            (`protection.py`), so the objective weighs the errors that inference actually sees.
     """
 
-    def __init__(self, runner: AttentionRunner, teacher: torch.Tensor, fmt: PathFormat):
+    def __init__(self, runner: AttentionRunner, teacher: torch.Tensor, fmt: PathFormat, sink: int = 0,
+                 recent: int = 0):
         self.runner, self.teacher, self.fmt = runner, teacher, fmt
+        self.sink, self.recent = sink, recent
         self.base = original_weights(runner.module, runner.dtype)
+        T = runner.inputs.hidden.shape[1]
+        self.mask = None
+        if sink > 0 or recent > 0:
+            self.mask = dual_history_mask(T, sink, recent, runner.dtype, runner.inputs.hidden.device)
 
     def _hook(self) -> LatentHook:
-        return LatentHook(lambda latent, k_rot: (fake_quantize(latent, self.fmt), k_rot))
+        if self.mask is None:
+            return LatentHook(lambda latent, k_rot: (fake_quantize(latent, self.fmt), k_rot))
+        return LatentHook(lambda latent, k_rot: dual_history(latent, k_rot, fake_quantize(latent, self.fmt), k_rot))
 
     def loss_sums(self, rotation: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor):
         """`(sum |err|^2, sum |teacher|^2)` on windows `rows`, differentiable in `rotation`, `scale`."""
         overrides = content_weights(self.runner.module, rotation, scale, self.base)
         h = self.runner.inputs.hidden[rows.to(self.runner.inputs.hidden.device)]
-        out = self.runner(h, overrides, self._hook())
+        out = self.runner(h, overrides, self._hook(), attention_mask=self.mask)
         ref = self.teacher[rows.to(self.teacher.device)]
         return (out - ref).pow(2).sum(), ref.pow(2).sum()
 
@@ -226,15 +245,21 @@ class RopeLearner:
     Args:
         q: `[N, H, T, d_R]` post-RoPE queries; k: `[N, T, d_R]` post-RoPE keys.
         layout: the family's pair layout; fmt: the RoPE path format; batch_size: windows per step.
+        sink, recent: the cache's protection to model: the error counts only over the (query, key) pairs the cache
+            holds quantized (the denominator stays over all causal pairs); 0, 0 counts every causal pair.
     """
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, layout: RopeLayout, fmt: PathFormat, batch_size: int):
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, layout: RopeLayout, fmt: PathFormat, batch_size: int,
+                 sink: int = 0, recent: int = 0):
         self.q, self.k, self.layout, self.fmt, self.batch_size = q, k, layout, fmt, batch_size
+        self.pairs = None
+        if sink > 0 or recent > 0:
+            self.pairs = quantized_pairs(q.shape[2], sink, recent, q.device)
 
     def loss_sums(self, transform: RopeTransform, rows: torch.Tensor):
         rows = rows.to(self.q.device)
         q, k = transform.apply(self.q[rows], query=True), transform.apply(self.k[rows], query=False)
-        return positional_qk_nmse(q, k, fake_quantize(k, self.fmt), sums=True)
+        return positional_qk_nmse(q, k, fake_quantize(k, self.fmt), sums=True, error_pairs=self.pairs)
 
     @torch.no_grad()
     def objective(self, transform: RopeTransform, rows: torch.Tensor) -> float:

@@ -45,17 +45,21 @@ def output_nmse(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (out.float() - ref.float()).pow(2).sum() / ref.float().pow(2).sum().clamp_min(1e-30)
 
 
-def positional_qk_nmse(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, sums: bool = False):
+def positional_qk_nmse(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, sums: bool = False,
+                       error_pairs: torch.Tensor | None = None):
     """Normalized positional-QK error `sum |q (k - k_hat)^T|^2 / sum |q k^T|^2` over causal pairs `j <= t`.
 
     Args:
         q: `[B, H, T, d_R]` post-RoPE (transformed) queries.
         k, k_hat: `[B, T, d_R]` post-RoPE (transformed) keys and their quantized reconstruction.
         sums: return `(numerator, denominator)` instead of their ratio (to aggregate over batches).
+        error_pairs: optional bool `[T, T]`: count the error only on these (causal) pairs, e.g. the pairs the cache
+            holds quantized under sink/recent protection; the denominator stays over every causal pair.
     """
     T = q.shape[2]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    err = torch.einsum("bhtr,bjr->bhtj", q.float(), (k - k_hat).float()).masked_fill(~causal, 0)
+    counted = causal if error_pairs is None else causal & error_pairs
+    err = torch.einsum("bhtr,bjr->bhtj", q.float(), (k - k_hat).float()).masked_fill(~counted, 0)
     ref = torch.einsum("bhtr,bjr->bhtj", q.float(), k.float()).masked_fill(~causal, 0)
     num, den = err.pow(2).sum(), ref.pow(2).sum()
     return (num, den) if sums else num / den.clamp_min(1e-30)

@@ -18,9 +18,11 @@ from .capture import AttentionRunner, LatentHook, capture_inputs
 from .fusion import fuse_content, fuse_rope
 from .learn import ContentLearner, LearnSettings, RopeLearner, rope_streams, teacher_outputs
 from .offload import materialized
+from .protection import quantized_fraction
 from .transforms import rope_kind, rope_layout, start_rotations
 
 HELDOUT_FRACTION = 0.1
+MIN_QUANTIZED_PAIR_FRACTION = 0.25
 DEFAULT_BATCH = 8
 
 
@@ -72,8 +74,32 @@ def _split(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[: n - held], idx[n - held :]
 
 
+def protection_to_model(protection: str, seq_len: int, sink: int, recent: int) -> tuple[int, int, str]:
+    """`(sink, recent, why)`: the protection the objectives model for `calibration_protection=protection`.
+
+    "on": the cache's `sink`/`recent`; "off": none (every cached token quantized, the paper's ablation setting);
+    "auto": the cache's when at least `MIN_QUANTIZED_PAIR_FRACTION` of a window's causal pairs read a quantized key
+    (so the objective still sees enough quantized history), else none.
+    """
+    if protection not in ("auto", "on", "off"):
+        raise ValueError(f"calibration_protection must be 'auto', 'on' or 'off', got {protection!r}")
+    if protection == "off" or (sink == 0 and recent == 0):
+        return 0, 0, "off" if protection == "off" else "the cache protects no token"
+    fraction = quantized_fraction(seq_len, sink, recent)
+    if protection == "on":
+        if fraction == 0:
+            raise ValueError(f"calibration_seq_len={seq_len} leaves no quantized pair with sink_tokens={sink}, "
+                             f"recent_tokens={recent}; use longer windows or calibration_protection='off'")
+        return sink, recent, "on"
+    if fraction < MIN_QUANTIZED_PAIR_FRACTION:
+        return 0, 0, (f"auto: off, windows of {seq_len} tokens leave only {fraction:.0%} of the pairs quantized "
+                      f"under sink {sink} + recent {recent}")
+    return sink, recent, f"auto: on ({fraction:.0%} of the pairs quantized)"
+
+
 def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None,
-             tokenizer=None, *, batch_size: int = DEFAULT_BATCH, progress: bool = True) -> torch.nn.Module:
+             tokenizer=None, *, batch_size: int = DEFAULT_BATCH, progress: bool = True,
+             calibration_protection: str = "auto") -> torch.nn.Module:
     """Calibrate the cache transform of `quantization_config.transform` and fuse it into `model`'s weights.
 
     Args:
@@ -83,6 +109,9 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
             defaults to `quantization_config.calibration_data`. Not needed for "none" and "hadamard".
         batch_size: calibration windows per forward and per optimisation step.
         progress: show a tqdm bar over attention modules.
+        calibration_protection: whether the objectives model the cache's sink/recent protection ("on": a query
+            reads the quantized copy only of the keys the cache holds quantized for it; "off": every cached token
+            quantized; "auto": on when the calibration windows are long enough, see `protection_to_model`).
 
     Returns:
         `model`, whose fused weights compute the same full-precision function and cache the transformed paths.
@@ -111,10 +140,14 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
                                     getattr(text_config(model.config), "vocab_size", None))
         fmt = CacheFormat.from_config(dims.kv_lora_rank, dims.rope_dim, cfg)
         layout, kind = rope_layout(model.config, dims.rope_dim), rope_kind(model.config)
-        settings = LearnSettings(steps=cfg.calibration_steps, lr=cfg.calibration_lr, seed=cfg.seed)
+        sink, recent, why = protection_to_model(calibration_protection, ids.shape[1], cfg.sink_tokens,
+                                                cfg.recent_tokens)
+        settings = LearnSettings(steps=cfg.calibration_steps, lr=cfg.calibration_lr, seed=cfg.seed, sink=sink,
+                                 recent=recent)
         train, held = _split(ids.shape[0])
         record.update(windows=list(ids.shape), heldout_windows=int(held.numel()), steps=cfg.calibration_steps,
-                      lr=cfg.calibration_lr, batch_size=batch_size)
+                      lr=cfg.calibration_lr, batch_size=batch_size, protection_modelled=[sink, recent],
+                      protection=why)
         was_training = model.training
         model.eval()
         bar = tqdm(modules, desc=f"QuantMLA {cfg.transform} {cfg.name}", disable=not progress)
@@ -149,7 +182,7 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
     entry = {}
     if fmt.content.quantized:
         teacher = teacher_outputs(runner)
-        learner = ContentLearner(runner, teacher, fmt.content)
+        learner = ContentLearner(runner, teacher, fmt.content, settings.sink, settings.recent)
         candidates = {name: (r0, _start_scale(name, r0, w)) for name, r0 in start_rotations(w).items()}
         latent_max = _latent_absmax(runner, inputs, w)
         candidates["smooth"] = smooth_content(latent_max, runner.params["kv_b_proj.weight"], w)
@@ -158,7 +191,7 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
         entry["content"] = report.to_dict()
         del teacher
     if fmt.rope.quantized:
-        learner = RopeLearner(q, k, layout, fmt.rope, inputs.batch_size)
+        learner = RopeLearner(q, k, layout, fmt.rope, inputs.batch_size, settings.sink, settings.recent)
         starts = {"identity": torch.ones(layout.n_pairs, device=q.device), "smooth": smooth_rope(q, k, layout)}
         theta, scale, report = learner.learn(starts, train, held, settings)
         fuse_rope(module, layout, theta, scale)
