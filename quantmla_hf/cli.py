@@ -110,12 +110,15 @@ def _quant_config(args):
     transform = args.transform
     if transform == "auto":
         from .calibration.defaults import resolve_transform
+        from .calibration_check import CLI_NAMES, read_calibration_text
 
-        tokenizer = _load_tokenizer(args.model) if args.calibration else None
-        try:
-            transform, why = resolve_transform("auto", args.calibration, tokenizer)
-        except (OSError, UnicodeDecodeError) as err:
-            raise CLIError(f"--calibration {args.calibration}: cannot read it as UTF-8 text ({err})") from err
+        texts = None
+        if args.calibration is not None:
+            try:  # a missing, binary or non-UTF-8 file is refused here, naming it and the flag
+                texts = [read_calibration_text(args.calibration, CLI_NAMES)]
+            except (OSError, ValueError) as err:
+                raise CLIError(str(err)) from err
+        transform, why = resolve_transform("auto", texts, _load_tokenizer(args.model) if texts else None)
         print(why)
     return QuantMLAConfig(
         content_bits=args.content_bits, rope_bits=args.rope_bits, group_size=args.group_size,

@@ -50,25 +50,37 @@ def _run(capsys, argv):
     return rc, capsys.readouterr().err
 
 
-def test_cli_defaults_refuse_before_loading_and_say_what_to_pass(corrupt_dir, tmp_path, capsys):
-    rc, err = _run(capsys, ["quantize", str(corrupt_dir), "--out", str(tmp_path / "q")])
+def test_cli_learned_without_text_refuses_before_loading_and_says_what_to_pass(corrupt_dir, tmp_path, capsys):
+    rc, err = _run(capsys, ["quantize", str(corrupt_dir), "--out", str(tmp_path / "q"), "--transform", "learned"])
     assert rc == 1 and "--calibration FILE" in err and "--transform hadamard" in err
     assert "safetensors" not in err.lower()
 
 
+def test_cli_defaults_work_without_calibration_text_and_say_which_transform(tmp_path, capsys):
+    base = _checkpoint(tmp_path / "base", tokenizer=False, corrupt=False)
+    rc = main(["quantize", str(base), "--out", str(tmp_path / "q")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "transform='none' (RTN): no calibration text" in out.out
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["transform"] == "none"
+
+
 def test_cli_short_text_names_the_file_and_the_flag(corrupt_dir, tmp_path, capsys):
     rc, err = _run(capsys, ["quantize", str(corrupt_dir), "--out", str(tmp_path / "q"),
-                            "--calibration", str(CALIBRATION_TEXT)])
+                            "--calibration", str(CALIBRATION_TEXT), "--transform", "learned"])
     assert rc == 1
     assert f"--calibration {CALIBRATION_TEXT}" in err and "fewer than 2 windows of --calibration-seq-len 512" in err
     assert "calibration_seq_len" not in err  # the CLI flag, not the Python name
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("transform", ["auto", "learned"])
 @pytest.mark.parametrize("which,message", [("binary", "is binary"), ("latin1", "is not UTF-8"), ("missing", "no such file")])
-def test_cli_unreadable_calibration_file(corrupt_dir, tmp_path, capsys, binary_file, latin1_file, which, message):
+def test_cli_unreadable_calibration_file(corrupt_dir, tmp_path, capsys, binary_file, latin1_file, which, message,
+                                         transform):
     path = {"binary": binary_file, "latin1": latin1_file, "missing": tmp_path / "nope.txt"}[which]
-    rc, err = _run(capsys, ["quantize", str(corrupt_dir), "--out", str(tmp_path / "q"), "--calibration", str(path)])
+    rc, err = _run(capsys, ["quantize", str(corrupt_dir), "--out", str(tmp_path / "q"), "--calibration", str(path),
+                            "--transform", transform])
     assert rc == 1 and message in err and str(path) in err
 
 
