@@ -473,10 +473,11 @@ def _tiling(fmt_path) -> tuple[int, int, int, int]:
     return g, triton.next_power_of_2(g), w, max(16, triton.next_power_of_2(w))
 
 
-def _use_asm(fmt_path, device: torch.device) -> bool:
+def _use_asm(fmt_path, device: torch.device, exact: bool = False) -> bool:
     """Inline-assembly dequantization: on CUDA (not the interpreter, which has no inline assembly), for groups of
-    at least 16 elements."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and fmt_path.quantized
+    at least 16 elements, and not for fp32 copies (`exact`): the assembly makes fp16 operands, which the fp32 IEEE
+    dots of an fp32 model refuse (the kernel did not compile for sm_90)."""
+    return (not exact and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and fmt_path.quantized
             and fmt_path.group >= 16 and (fmt_path.group * fmt_path.bits) % 32 == 0)
 
 
@@ -535,6 +536,7 @@ def mla_decode_fwd(
     lp = left_padding.to(device=q.device, dtype=torch.int64).contiguous()
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
     len_from_ptr = isinstance(length, torch.Tensor)
+    exact = sink_c.dtype == torch.float32  # fp32 copies: fp32 IEEE dots (plain integer dequantization)
     mla_decode_fwd_kernel[(head_blocks, B, NSP)](
         q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, lp, length if len_from_ptr else lp,
         o_part, lse_part, 0 if len_from_ptr else length, M, Tq, tps, num_splits, scaling * LOG2E,
@@ -545,8 +547,9 @@ def mla_decode_fwd(
         D_C=D_C, D_CP=triton.next_power_of_2(D_C), GC=GC, GROUP_C=GROUP_C, GROUP_CP=GROUP_CP,
         C_BITS=fmt.content.bits,
         D_R=D_R, D_RP=triton.next_power_of_2(D_R), GR=GR, GROUP_R=GROUP_R, GROUP_RP=GROUP_RP, R_BITS=fmt.rope.bits,
-        S=S, R=R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT=sink_c.dtype == torch.float32, Q_SPLIT=q_split,
-        C_ASM=_use_asm(fmt.content, q.device), R_ASM=_use_asm(fmt.rope, q.device), LEN_FROM_PTR=len_from_ptr,
+        S=S, R=R, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT=exact, Q_SPLIT=q_split,
+        C_ASM=_use_asm(fmt.content, q.device, exact), R_ASM=_use_asm(fmt.rope, q.device, exact),
+        LEN_FROM_PTR=len_from_ptr,
         **extra,
     )
     o, lse = combine_partials(o_part, lse_part, out)
