@@ -350,6 +350,7 @@ def main(argv=None) -> int:
     p.add_argument("--key-weight", type=float, default=1.0)
     p.add_argument("--no-interleave", action="store_true", help="rope_interleave=False (rotate_half layout)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--covariances", help="file caching the input covariances (read if present, else written)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -362,7 +363,15 @@ def main(argv=None) -> int:
         print(f"[{time.time() - t0:6.1f}s] saved it to {args.save_llama}", flush=True)
     windows = calibration_windows(tok, args.calibration, args.calibration_chars, args.calibration_samples,
                                   args.calibration_seq_len)
-    sigmas = input_covariances(llama, windows)
+    if args.covariances and os.path.exists(args.covariances):
+        saved = torch.load(args.covariances)
+        if saved["windows"].shape != windows.shape or not torch.equal(saved["windows"], windows):
+            raise ValueError(f"{args.covariances} was computed on other calibration windows; delete it or change the path")
+        sigmas = saved["sigmas"]
+    else:
+        sigmas = input_covariances(llama, windows)
+        if args.covariances:
+            torch.save({"windows": windows, "sigmas": sigmas}, args.covariances)
     print(f"[{time.time() - t0:6.1f}s] input covariances of {windows.numel()} tokens", flush=True)
     s = ConversionSettings(kv_lora_rank=args.kv_lora_rank, nope_min_wavelength=args.nope_min_wavelength,
                            norm_margin=args.norm_margin, rope_interleave=not args.no_interleave,
