@@ -180,3 +180,49 @@ def test_one_pass_capture_serves_the_inputs_the_library_captures():
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(pa, pb, atol=1e-4, rtol=1e-4), name
     assert any(not torch.equal(pa, pm) for pa, pm in zip(a.parameters(), model.parameters()))  # it did calibrate
+
+
+def test_exact_rows_score_what_chunked_decode_scores():
+    """evaluate.py scores unquantized rows with one causal forward; for an exact cache that equals prefill + chunked
+    decode (what the quantized rows get) up to float rounding."""
+    from transformers import DynamicCache
+
+    from quantmla_hf.tiny_models import tiny_mla_model
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "real_model"))
+    try:
+        import evaluate
+    finally:
+        sys.path.pop(0)
+    model = tiny_mla_model("deepseek_v3", seed=1).eval()
+    seq = torch.randint(0, model.config.vocab_size, (45,), generator=torch.Generator().manual_seed(7))
+    a = evaluate.window_logprobs_exact(model, seq, prefill=20)
+    b = evaluate.window_logprobs(model, seq, lambda: DynamicCache(config=model.config), prefill=20, chunk=16)
+    assert a.shape == b.shape == (25, model.config.vocab_size)
+    assert torch.allclose(a, b, atol=1e-4)
+    stats = evaluate.window_stats(b, seq[20:], a)
+    assert stats["n"] == 25 and abs(stats["kl"]) < 1e-3 and stats["top1"] == 25
+
+
+def test_paired_bootstrap_summary():
+    """Intervals of evaluate.summarize: a row equal to BF16 has a zero interval; a uniformly worse row's interval
+    excludes zero; the learned-RTN difference is paired (same resamples)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "real_model"))
+    try:
+        import evaluate
+    finally:
+        sys.path.pop(0)
+    gen = torch.Generator().manual_seed(8)
+    base = [{"nll": float(v), "n": 100, "kl": 0.0, "top1": 100} for v in 300 + 50 * torch.rand(40, generator=gen)]
+    worse = [dict(w, nll=w["nll"] + 2.0, kl=1.0, top1=90) for w in base]
+    rows = {"BF16 cache": {"windows": base}, "RTN C2R4": {"windows": worse},
+            "QuantMLA C2R4": {"windows": [dict(w, nll=w["nll"] + 1.0, kl=0.5) for w in base]}}
+    s = evaluate.summarize({"rows": rows}, draws=200)
+    assert s["windows"] == 40
+    assert s["rows"]["BF16 cache"]["dppl_ci"] == (0.0, 0.0)
+    lo, hi = s["rows"]["RTN C2R4"]["dppl_ci"]
+    assert 0 < lo <= s["rows"]["RTN C2R4"]["dppl"] <= hi
+    assert abs(s["rows"]["RTN C2R4"]["dppl"] - (math.exp(2.0 / 100) - 1)) < 1e-9
+    d = s["learned_minus_rtn"]["QuantMLA C2R4 - RTN C2R4"]
+    assert d["dppl_ci"][1] < 0 and abs(d["dkl"] + 0.005) < 1e-12
+    assert "QuantMLA C2R4 - RTN C2R4" in evaluate.markdown({"command": "x", "texts": {"t": {"summary": s}}})

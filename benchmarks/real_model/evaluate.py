@@ -2,8 +2,10 @@
 
 Rows (each decoded the way `benchmarks/accuracy.py` does: per window, the first `--prefill` tokens are prefilled,
 the rest fed through the cache in chunks of `--chunk` tokens and scored):
-    llama       the original Llama (transformers `DynamicCache`): what the conversion costs
+    llama       the original Llama, unquantized: what the conversion costs
     bf16        the converted model, unquantized latent cache: the reference of every KL below
+                (both scored with one causal forward per window, which for an exact cache equals prefill + chunked
+                decode up to float rounding; `tests/test_real_model_conversion.py` checks it)
     rtn/smooth/quarot/quantmla/content/quanto   as in benchmarks/accuracy.py (calibrated variants are reused from
                 `--calibrated-dir`)
 
@@ -56,6 +58,13 @@ def window_logprobs(model, seq: torch.Tensor, make_cache, prefill: int, chunk: i
         out = model(seq[None, start:end], **{name: cache}, use_cache=True)
         parts.append(out.logits[0])
     return torch.log_softmax(torch.cat(parts).float(), -1)
+
+
+@torch.no_grad()
+def window_logprobs_exact(model, seq: torch.Tensor, prefill: int) -> torch.Tensor:
+    """What `window_logprobs` computes for an unquantized cache, in one forward: with an exact cache, prefill +
+    chunked decode and a single causal forward give the same logits up to float rounding."""
+    return torch.log_softmax(model(seq[None, :-1], use_cache=False).logits[0, prefill - 1 :].float(), -1)
 
 
 def window_stats(lp: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None) -> dict:
@@ -296,7 +305,9 @@ def main(argv=None) -> int:
             start = time.time()
             for w in range(len(row["windows"]), n_win):
                 seq = ids[w * args.window : (w + 1) * args.window]
-                lp = window_logprobs(model, seq, make, args.prefill, args.chunk)
+                exact = method == "llama" or method.family == "bf16"
+                lp = window_logprobs_exact(model, seq, args.prefill) if exact else \
+                    window_logprobs(model, seq, make, args.prefill, args.chunk)
                 ref_path = ref_dir / f"{w}.pt"
                 if method != "llama" and method.family == "bf16":
                     torch.save(lp, ref_path)
