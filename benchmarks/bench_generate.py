@@ -1,18 +1,21 @@
 """Decode throughput and peak memory of a DeepSeek-V2-Lite-shaped model (real attention widths, a few dense
 layers, random bf16 weights): stock DynamicCache, transformers' QuantizedCache (quanto int4, when optimum-quanto is
 installed) and QuantMLACache (C16R16, C4R4, C2R4, native "quantmla" decode), eager or, for the `-static` and
-`-compiled` methods, on a `StaticQuantMLACache` (issue #10): `-static` runs its decode step eagerly, `-compiled`
-through `torch.compile(model, mode="reduce-overhead", fullgraph=True)` (one CUDA graph per step; compile time
-reported separately, not in the step time).
+`-compiled`/`-graphed` methods, on a `StaticQuantMLACache` (issue #10): `-static` runs its decode step eagerly,
+`-compiled` through `torch.compile(model, mode="reduce-overhead", fullgraph=True)` (inductor: fused kernels, one
+CUDA graph per step), `-graphed` through `torch.compile(model, backend="cudagraphs", fullgraph=True)` (the eager
+kernels recorded into one CUDA graph per step: no code generation, eager numerics). Compile time is reported
+separately, not in the step time.
 
     python benchmarks/bench_generate.py --out DIR [--layers 27] [--steps 16] [--budget-gib 64]
-        [--methods dynamic-bf16,C4R4,C4R4-compiled] [--grid 1x4096,8x32768] [--profile] [--check-tokens 64]
+        [--methods dynamic-bf16,C4R4,C4R4-compiled,C4R4-graphed] [--grid 1x4096,8x32768]
+        [--skip dynamic-bf16@32x32768] [--profile] [--check-tokens 64] [--check-variants eager,static,graphed]
 
-`--profile` records 5 compiled C4R4 steps at the first grid point with torch.profiler and prints the GPU time per
-step of each kernel family. `--check-tokens N` runs `model.generate` greedy for N tokens at batch 1, 4K context
-(C4R4) with the eager QuantMLACache and with the compiled static cache (generate's own compile path,
-`compile_config=CompileConfig(fullgraph=True)`), reports whether the tokens are identical, and times generate's
-ms per new token as `(t(N + 2 tokens) - t(2 tokens)) / N`.
+`--profile` records 5 steps of every captured method (`-compiled`, `-graphed`) with torch.profiler and prints the
+GPU time per step of each kernel family. `--check-tokens N` runs `model.generate` greedy for N tokens at batch 1,
+4K context (C4R4) through each of `--check-variants` (`check_generate`), reports which agree token for token, and
+times generate's ms per new token as `(t(N + 2 tokens) - t(2 tokens)) / N`. Rows are printed as JSON lines as they
+finish and written to `bench_generate.json` after each one.
 
 Largest batch under a memory budget: for each method and context, the decode peak memory of two batch sizes gives
 the memory per sequence (slope) and the fixed part (intercept); the largest batch is
@@ -61,16 +64,29 @@ def cache_kwarg(model):
 _COMPILED = {}
 
 
-def compiled_call(model):
-    """`torch.compile` of the model's call (hooks included, as generate compiles it), built once per model."""
-    if id(model) not in _COMPILED:
+def compiled_call(model, backend="inductor"):
+    """`torch.compile` of the model's call (hooks included, as generate compiles it), built once per model and
+    backend: "inductor" with `mode="reduce-overhead"` (fused kernels, CUDA graph), or "cudagraphs" (the eager
+    kernels recorded into a CUDA graph: no code generation, the eager numerics)."""
+    key = (id(model), backend)
+    if key not in _COMPILED:
         import torch._dynamo
 
         torch._dynamo.config.cache_size_limit = 64
         # one static graph per benchmark shape (no dynamic-shape graph after the second shape)
         torch._dynamo.config.automatic_dynamic_shapes = False
-        _COMPILED[id(model)] = torch.compile(model.__call__, mode="reduce-overhead", fullgraph=True)
-    return _COMPILED[id(model)]
+        mode = "reduce-overhead" if backend == "inductor" else None
+        _COMPILED[key] = torch.compile(model.__call__, backend=backend, mode=mode, fullgraph=True)
+    return _COMPILED[key]
+
+
+def is_static(method: str) -> bool:
+    return method.endswith(("-static", "-compiled", "-graphed"))
+
+
+def is_captured(method: str) -> bool:
+    """Methods whose decode step runs through torch.compile: `-compiled` (inductor) and `-graphed` (cudagraphs)."""
+    return method.endswith(("-compiled", "-graphed"))
 
 
 def make_cache(model, method, recent, max_len):
@@ -78,7 +94,7 @@ def make_cache(model, method, recent, max_len):
     bits = {"C16R16": (16, 16), "C4R4": (4, 4), "C2R4": (2, 4)}[base]
     q = QuantMLAConfig(content_bits=bits[0], rope_bits=bits[1], recent_tokens=recent, transform="none",
                        cache_block_size=1024)
-    if method.endswith("-static") or method.endswith("-compiled"):
+    if is_static(method):
         return StaticQuantMLACache(config=model.config, quantization_config=q, max_cache_len=max_len)
     return QuantMLACache(config=model.config, quantization_config=q)
 
@@ -86,7 +102,7 @@ def make_cache(model, method, recent, max_len):
 @torch.no_grad()
 def run_one(model, method, B, N, steps, recent):
     kw = cache_kwarg(model)
-    static = method.endswith("-static") or method.endswith("-compiled")
+    static = is_static(method)
     max_len = -(-(N + steps + 8) // 256) * 256
     if method == "dynamic-bf16":
         model.set_attn_implementation("sdpa")
@@ -113,7 +129,9 @@ def run_one(model, method, B, N, steps, recent):
         full = torch.zeros((B, max_len), dtype=mask.dtype, device=DEVICE)
         full[:, :N] = 1
         pos = torch.full((B, 1), N, dtype=torch.long, device=DEVICE)
-    forward = compiled_call(model) if method.endswith("-compiled") else model
+    forward = model
+    if is_captured(method):
+        forward = compiled_call(model, "inductor" if method.endswith("-compiled") else "cudagraphs")
     compile_s = 0.0
 
     def step(tok, mask, n):
@@ -130,12 +148,12 @@ def run_one(model, method, B, N, steps, recent):
 
     n = N
     # Untimed steps: JIT compilation, library start-up, CUDA-graph warm-up and recording stay out of the numbers.
-    warm = 3 if method.endswith("-compiled") else 2
+    warm = 3 if is_captured(method) else 2
     for i in range(warm):
         t0 = time.perf_counter()
         tok, mask = step(tok, mask, n)
         n += 1
-        if i == 0 and method.endswith("-compiled"):
+        if i == 0 and is_captured(method):
             torch.cuda.synchronize() if DEVICE == "cuda" else None
             compile_s = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
@@ -160,7 +178,7 @@ def run_one(model, method, B, N, steps, recent):
     del cache
     row = dict(method=method, B=B, N=N, tok_s=B * steps / dt, ms_per_step=1000 * dt / steps, peak_GiB=peak,
                decode_peak_GiB=decode_peak, cache_GiB=cache_gib)
-    if method.endswith("-compiled"):
+    if is_captured(method):
         row["compile_s"] = compile_s
     return row, state
 
@@ -206,40 +224,67 @@ def profile_steps(state, n_steps=5):
                 top_kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]))
 
 
+CHECK_VARIANTS = ("eager", "static", "graphed", "compiled")
+
+
 @torch.no_grad()
-def check_generate(model, new_tokens, N=4096):
-    """Greedy generate at B1, N context, C4R4: eager QuantMLACache vs the compiled static cache."""
+def check_generate(model, new_tokens, variants=CHECK_VARIANTS, N=4096):
+    """Greedy `generate` at B1, N context, C4R4, through each variant:
+
+    - "eager": the growing `QuantMLACache`, no compile (`disable_compile=True`);
+    - "static": a `StaticQuantMLACache` stepped eagerly (`disable_compile=True`: the kernels and device-side
+      lengths of the captured path, without capture);
+    - "graphed": the static cache with generate's own compile path, `CompileConfig(backend="cudagraphs",
+      mode="default", fullgraph=True)` (the eager kernels recorded into CUDA graphs);
+    - "compiled": the same with `CompileConfig(fullgraph=True)` (inductor, `reduce-overhead`).
+
+    Returns each variant's tokens agreement with "eager" and with "static" (identical? first differing position)
+    and ms per new token `(t(N + 2) - t(2)) / N` after a warm-up call (which compiles)."""
     from transformers.generation import CompileConfig
 
     kw = cache_kwarg(model)
     model.set_attn_implementation("quantmla")
     q = QuantMLAConfig(content_bits=4, rope_bits=4, transform="none")
-    ids = torch.randint(0, model.config.vocab_size, (1, N), device=DEVICE)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, N), generator=g).to(DEVICE)
     gen = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     max_len = N + new_tokens + 2
+    extras = {
+        "eager": dict(disable_compile=True),
+        "static": dict(disable_compile=True),
+        "graphed": dict(compile_config=CompileConfig(backend="cudagraphs", mode="default", fullgraph=True)),
+        "compiled": dict(compile_config=CompileConfig(fullgraph=True)),
+    }
 
-    def timed(n, compiled):
-        cache = (StaticQuantMLACache(config=model.config, quantization_config=q, max_cache_len=max_len) if compiled
-                 else QuantMLACache(config=model.config, quantization_config=q))
-        extra = dict(compile_config=CompileConfig(fullgraph=True)) if compiled else dict(disable_compile=True)
+    def timed(n, variant):
+        cache = (QuantMLACache(config=model.config, quantization_config=q) if variant == "eager" else
+                 StaticQuantMLACache(config=model.config, quantization_config=q, max_cache_len=max_len))
         torch.cuda.synchronize()
         t = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen, **extra, **{kw: cache})
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen, **extras[variant], **{kw: cache})
         torch.cuda.synchronize()
-        return out[:, N:], time.perf_counter() - t
+        return out[0, N:].tolist(), time.perf_counter() - t
 
     res = {}
-    for compiled in (False, True):
-        name = "C4R4-compiled (generate)" if compiled else "C4R4 eager (generate)"
-        timed(new_tokens + 2, compiled)  # warm-up (and compile)
-        toks, t_long = timed(new_tokens + 2, compiled)
-        _, t_short = timed(2, compiled)
-        res[name] = dict(tokens=toks[0].tolist(), ms_per_token=1000 * (t_long - t_short) / new_tokens)
-    a, b = (res[k]["tokens"] for k in res)
-    same = sum(x == y for x, y in zip(a, b))
-    first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return dict(identical=a == b, same_positions=same, total=len(a), first_difference=first_diff,
-                ms_per_token={k: v["ms_per_token"] for k, v in res.items()})
+    for v in variants:
+        t0 = time.perf_counter()
+        timed(new_tokens + 2, v)  # warm-up (and compile)
+        warm_s = time.perf_counter() - t0
+        toks, t_long = timed(new_tokens + 2, v)
+        _, t_short = timed(2, v)
+        res[v] = dict(tokens=toks, ms_per_token=1000 * (t_long - t_short) / new_tokens, first_call_s=warm_s)
+        print(json.dumps({"check": v, "ms_per_token": res[v]["ms_per_token"], "first_call_s": warm_s}), flush=True)
+
+    def agree(a, b):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        return dict(identical=a == b, same_positions=sum(x == y for x, y in zip(a, b)), total=len(a),
+                    first_difference=first)
+
+    out = dict(variants=res)
+    for ref in ("eager", "static"):
+        if ref in res:
+            out["vs_" + ref] = {v: agree(res[ref]["tokens"], res[v]["tokens"]) for v in res if v != ref}
+    return out
 
 
 def main():
@@ -255,6 +300,9 @@ def main():
     ap.add_argument("--grid", default="", help="batch x context points, e.g. 1x32768,8x4096 (default: the full grid)")
     ap.add_argument("--profile", action="store_true", help="per-kernel-family GPU time of compiled C4R4 steps")
     ap.add_argument("--check-tokens", type=int, default=0, help="generate N greedy tokens eager vs compiled")
+    ap.add_argument("--check-variants", default=",".join(CHECK_VARIANTS),
+                    help="which generate paths --check-tokens runs (eager, static, graphed, compiled)")
+    ap.add_argument("--skip", default="", help="method@BxN points not to run, e.g. dynamic-bf16@32x32768")
     a = ap.parse_args()
     model = v2_lite(a.layers, a.tiny)
     install_cache_hooks(model)
@@ -272,14 +320,18 @@ def main():
             print("optimum-quanto not installed: QuantizedCache (quanto) rows skipped", flush=True)
             methods.remove("quanto-int4")
     rows, t0 = [], time.time()
+    skip = set(filter(None, a.skip.split(",")))
+    os.makedirs(a.out, exist_ok=True)
     for B, N in grid:
         for m in methods:
+            if f"{m}@{B}x{N}" in skip:
+                continue
             if time.time() - t0 > a.budget_s:
                 print(f"skip {m} B={B} N={N}: time budget spent", flush=True)
                 continue
             try:
                 r, state = run_one(model, m, B, N, a.steps if not a.tiny else 2, recent=128 if not a.tiny else 8)
-                if a.profile and m == "C4R4-compiled" and DEVICE == "cuda":
+                if a.profile and is_captured(m) and DEVICE == "cuda":
                     r["profile"] = profile_steps(state)
                     print(json.dumps(r["profile"], indent=1), flush=True)
                 del state
@@ -290,6 +342,8 @@ def main():
                 r = dict(method=m, B=B, N=N, error=f"{type(e).__name__}: {str(e)[:160]}")
             rows.append(r)
             print(json.dumps(r), flush=True)
+            with open(os.path.join(a.out, f"bench_generate{a.tag}.json"), "w") as f:
+                json.dump(dict(rows=rows), f, indent=1)
     # Largest batch under the budget from the peak-memory slope between two batch sizes at one context.
     fits = []
     for N in sorted({n for _, n in grid}):
@@ -306,9 +360,8 @@ def main():
                              from_batches=[b0, b1]))
     check = None
     if a.check_tokens and DEVICE == "cuda":
-        check = check_generate(model, a.check_tokens)
-        print(json.dumps(check), flush=True)
-    os.makedirs(a.out, exist_ok=True)
+        check = check_generate(model, a.check_tokens, a.check_variants.split(","))
+        print(json.dumps({k: v for k, v in check.items() if k != "variants"}), flush=True)
     with open(os.path.join(a.out, f"bench_generate{a.tag}.json"), "w") as f:
         json.dump(dict(rows=rows, max_batch=fits, check_generate=check), f, indent=1)
     print(f"\n{'method':14s} {'B':>3s} {'N':>6s} {'tok/s':>9s} {'ms/step':>8s} {'peak GiB':>9s} {'dec. GiB':>9s} "

@@ -30,10 +30,11 @@ def test_decode_check_passes_at_tiny_sizes(bench_decode):
 
 def test_generate_benchmark_runs_and_fits_a_largest_batch(tmp_path):
     cmd = [sys.executable, os.path.join(BENCH, "bench_generate.py"), "--tiny", "--out", str(tmp_path),
-           "--methods", "dynamic-bf16,C4R4"]
+           "--methods", "dynamic-bf16,C4R4,C4R4-static", "--skip", "C4R4-static@3x40"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads((tmp_path / "bench_generate.json").read_text())
-    assert {r["method"] for r in result["rows"]} == {"dynamic-bf16", "C4R4"}
+    assert {(r["method"], r["B"]) for r in result["rows"]} == {
+        ("dynamic-bf16", 2), ("dynamic-bf16", 3), ("C4R4", 2), ("C4R4", 3), ("C4R4-static", 2)}
     assert all(r["tok_s"] > 0 and r["ms_per_step"] > 0 for r in result["rows"])
     assert {f["method"] for f in result["max_batch"]} == {"dynamic-bf16", "C4R4"}
