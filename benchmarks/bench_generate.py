@@ -174,8 +174,8 @@ def run_one(model, method, B, N, steps, recent):
         cache_gib = sum(t.numel() * t.element_size() for l in cache.layers for t in (l.keys, l.values)) / 2**30
     else:
         cache_gib = float("nan")  # quanto's packed tensors: not counted here (see peak memory)
+    # `step` closes over `cache`: the caller drops `state` (and with it the cache) when it is done with the row.
     state = dict(step=step, tok=tok, mask=mask, n=n, cache=cache)
-    del cache
     row = dict(method=method, B=B, N=N, tok_s=B * steps / dt, ms_per_step=1000 * dt / steps, peak_GiB=peak,
                decode_peak_GiB=decode_peak, cache_GiB=cache_gib)
     if is_captured(method):
@@ -198,6 +198,28 @@ def kernel_family(name: str) -> str:
     if "index" in n or "scatter" in n or "gather" in n or "copy" in n:
         return "index/copy (cache bookkeeping)"
     return "other: " + name[:60]
+
+
+@torch.no_grad()
+def host_profile(state, n_steps=3, top=25):
+    """Python time of `n_steps` decode steps under cProfile: the `top` functions by cumulative time (where the
+    host overhead of an eager step goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    step, tok, mask, n = state["step"], state["tok"], state["mask"], state["n"]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n_steps):
+        tok, mask = step(tok, mask, n)
+        n += 1
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
 
 
 @torch.no_grad()
@@ -302,6 +324,7 @@ def main():
     ap.add_argument("--check-tokens", type=int, default=0, help="generate N greedy tokens eager vs compiled")
     ap.add_argument("--check-variants", default=",".join(CHECK_VARIANTS),
                     help="which generate paths --check-tokens runs (eager, static, graphed, compiled)")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile 3 steps of every eager QuantMLA method")
     ap.add_argument("--skip", default="", help="method@BxN points not to run, e.g. dynamic-bf16@32x32768")
     a = ap.parse_args()
     model = v2_lite(a.layers, a.tiny)
@@ -334,6 +357,8 @@ def main():
                 if a.profile and is_captured(m) and DEVICE == "cuda":
                     r["profile"] = profile_steps(state)
                     print(json.dumps(r["profile"], indent=1), flush=True)
+                if a.host_profile and m.startswith("C") and not is_captured(m):
+                    print(f"host profile {m} B={B} N={N}:\n" + host_profile(state), flush=True)
                 del state
             except torch.cuda.OutOfMemoryError:
                 r = dict(method=m, B=B, N=N, error="OOM")
