@@ -90,7 +90,8 @@ def mla_decode(
     args = (q_lat, q_rot, _planes(c0, c1, c2, c_bits), _planes(r0, r1, r2, r_bits), fmt, sink_c, sink_r,
             recent_c, recent_r, left_padding, length, capacity, scaling)
     fast = _fast_module() if q_lat.is_cuda else None
-    if fast is not None and fast.fast_supported(fmt, q_lat.dtype, q_lat.device):
+    # fp32 models keep fp32 sink/recent copies: those take the fallback's exact fp32 path, not fp16 operands.
+    if fast is not None and fast.fast_supported(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
         return fast.mla_decode_static(*args)
     if q_lat.is_cuda or use_triton:
         from .kernels.mla_decode import mla_decode_static
