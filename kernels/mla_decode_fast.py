@@ -524,8 +524,11 @@ def _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out):
 
 
 # Formats whose Gluon launch was measured faster than the Triton fast kernel on the H200 (docs/BENCHMARKS.md):
-# the dispatch takes the Gluon kernel only for these (content bits, RoPE bits).
-GLUON_FASTER = {(4, 4), (2, 4)}
+# the dispatch takes the Gluon kernel only for these (content bits, RoPE bits). Empty: the Gluon kernel has not
+# been timed yet (its packed path was checked correct on the H200, its sink/recent path was fixed after that run
+# and not re-run; docs/KERNELS.md "Gluon kernel"), so `mla_decode_static` keeps the Triton fast kernel unless
+# `backend="gluon"` is asked for.
+GLUON_FASTER: set[tuple[int, int]] = set()
 
 
 def use_gluon(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_planes: dict,

@@ -169,35 +169,41 @@ def _dense_tile(kbuf, p_c, p_r, o_t, m_t, s_ct, s_rt, GC: gl.constexpr, d_l: gl.
 
 # --------------------------------------------------------------------------------------------- one tile
 @_jit
-def _pv(kbuf, pbuf, o, alpha, g: gl.constexpr, DENSE: gl.constexpr):
-    """`o^T[64, BM] * alpha + K_g^T[64, BT] @ P_g[BT, BM]` (A: the unpacked tile through a transposed descriptor)."""
+def _pv(kbuf, pbuf, o, alpha, g: gl.constexpr, kz, DENSE: gl.constexpr):
+    """`o^T[64, BM] * alpha + K_g^T[64, BT] @ P_g[BT, BM]` (A: the unpacked tile through a transposed descriptor).
+    `kz` is a run-time zero added to every buffer index (see `_attend`)."""
     if DENSE:
-        b = pbuf.index(0)
+        b = pbuf.index(kz)
     else:
-        b = pbuf.index(g)
-    return warpgroup_mma(kbuf.index(g).permute((1, 0)), b, o * alpha[None, :])
+        b = pbuf.index(g + kz)
+    return warpgroup_mma(kbuf.index(g + kz).permute((1, 0)), b, o * alpha[None, :])
 
 
 @_jit
-def _attend(kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7,
+def _attend(kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, kz,
             GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, DENSE: gl.constexpr,
             acc_l: gl.constexpr):
     """Scores of the unpacked tile (`kbuf`), an online-softmax step over its tokens, and the values of every
-    content group. Returns the new `(m_i, l_i, o0..o7)`."""
+    content group. Returns the new `(m_i, l_i, o0..o7)`.
+
+    `kz` is zero at run time but not known to the compiler: added to every shared-memory buffer index, it keeps
+    the 64-bit wgmma descriptors (about 140 of them) from being hoisted out of the token loop, where they took
+    every register and spilled. It must be a shift of a 64-bit loop variable by less than 64 (a 32-bit value
+    shifted by 40 is poison to LLVM: that read the sink tile from a garbage buffer index on the H200)."""
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
     zero = gl.zeros([BT, BM], gl.float32, acc_l)
     sc = gl.zeros([BT, BM], gl.float32, acc_l)
     for g in gl.static_range(GC):
-        a = warpgroup_mma(kbuf.index(g), qbuf.index(g).permute((1, 0)), zero, use_acc=False)
+        a = warpgroup_mma(kbuf.index(g + kz), qbuf.index(g + kz).permute((1, 0)), zero, use_acc=False)
         if Q_SPLIT:
-            a = warpgroup_mma(kbuf.index(g), qlo.index(g).permute((1, 0)), a)
+            a = warpgroup_mma(kbuf.index(g + kz), qlo.index(g + kz).permute((1, 0)), a)
         if DENSE:
             sc += a
         else:
             sc += a * msc.slice(g * BT, BT).load(row_l).to(gl.float32)[:, None]
-    ar = warpgroup_mma(kbuf.index(GC), qbuf.index(GC).permute((1, 0)), zero, use_acc=False)
+    ar = warpgroup_mma(kbuf.index(GC + kz), qbuf.index(GC + kz).permute((1, 0)), zero, use_acc=False)
     if Q_SPLIT:
-        ar = warpgroup_mma(kbuf.index(GC), qlo.index(GC).permute((1, 0)), ar)
+        ar = warpgroup_mma(kbuf.index(GC + kz), qlo.index(GC + kz).permute((1, 0)), ar)
     if DENSE:
         b_s = sc * fc[None, :] + ar * fr[None, :]
     else:
@@ -209,23 +215,23 @@ def _attend(kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, 
     p = gl.exp2(b_s - m_use[None, :])
     l_i = l_i * alpha + gl.sum(p, axis=0)
     if DENSE:
-        pbuf.index(0).store(p.to(gl.float16))
+        pbuf.index(kz).store(p.to(gl.float16))
     else:
         for g in gl.static_range(GC):
-            pbuf.index(g).store((p * msc.slice(g * BT, BT).load(row_l).to(gl.float32)[:, None]).to(gl.float16))
+            pbuf.index(g + kz).store((p * msc.slice(g * BT, BT).load(row_l).to(gl.float32)[:, None]).to(gl.float16))
     fence_async_shared()
     _cta_barrier()
-    o0 = _pv(kbuf, pbuf, o0, alpha, 0, DENSE)
+    o0 = _pv(kbuf, pbuf, o0, alpha, 0, kz, DENSE)
     if GC > 1:
-        o1 = _pv(kbuf, pbuf, o1, alpha, 1, DENSE)
+        o1 = _pv(kbuf, pbuf, o1, alpha, 1, kz, DENSE)
     if GC > 2:
-        o2 = _pv(kbuf, pbuf, o2, alpha, 2, DENSE)
-        o3 = _pv(kbuf, pbuf, o3, alpha, 3, DENSE)
+        o2 = _pv(kbuf, pbuf, o2, alpha, 2, kz, DENSE)
+        o3 = _pv(kbuf, pbuf, o3, alpha, 3, kz, DENSE)
     if GC > 4:
-        o4 = _pv(kbuf, pbuf, o4, alpha, 4, DENSE)
-        o5 = _pv(kbuf, pbuf, o5, alpha, 5, DENSE)
-        o6 = _pv(kbuf, pbuf, o6, alpha, 6, DENSE)
-        o7 = _pv(kbuf, pbuf, o7, alpha, 7, DENSE)
+        o4 = _pv(kbuf, pbuf, o4, alpha, 4, kz, DENSE)
+        o5 = _pv(kbuf, pbuf, o5, alpha, 5, kz, DENSE)
+        o6 = _pv(kbuf, pbuf, o6, alpha, 6, kz, DENSE)
+        o7 = _pv(kbuf, pbuf, o7, alpha, 7, kz, DENSE)
     return m_new, l_i, o0, o1, o2, o3, o4, o5, o6, o7
 
 
@@ -387,7 +393,7 @@ def mla_decode_gluon_kernel(
         m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
         m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _attend(
             kbuf, qbuf, qlo, pbuf, msc, s_rt, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7,
-            GC, BT, BM, Q_SPLIT, False, acc_l)
+            (it >> 30), GC, BT, BM, Q_SPLIT, False, acc_l)
     async_copy.wait_group(0)
 
     # The last split: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
@@ -406,7 +412,7 @@ def mla_decode_gluon_kernel(
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
         m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _attend(
             kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7,
-            GC, BT, BM, Q_SPLIT, True, acc_l)
+            (start.to(gl.int64) >> 40).to(gl.int32), GC, BT, BM, Q_SPLIT, True, acc_l)
     r_lo = gl.maximum(length - R, 0)
     r_hi = gl.where(is_dense, length, r_lo)
     lo_dense = lp + S
@@ -422,7 +428,7 @@ def mla_decode_gluon_kernel(
         m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
         m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _attend(
             kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7,
-            GC, BT, BM, Q_SPLIT, True, acc_l)
+            (start.to(gl.int64) >> 40).to(gl.int32), GC, BT, BM, Q_SPLIT, True, acc_l)
 
     has = l_i > 0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)

@@ -28,10 +28,11 @@ COMPILE = textwrap.dedent(
     from triton.experimental import gluon
     from quantmla_hf.kernels import mla_decode_gluon as mg
 
-    def build(fn, const, ptr, num_warps):
+    def build(fn, const, ptr, num_warps, aligned=()):
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptr}
+        # what the launcher specialises at run time: 16-byte aligned tensors, strides that are multiples of 16
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + list(aligned)}
         src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
                                                                   for k, v in const.items()}, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
@@ -46,12 +47,13 @@ COMPILE = textwrap.dedent(
     ptr = dict(q_ptr="*bf16", qr_ptr="*bf16", cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
                rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16",
                lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
-    ptx = build(fn, const, ptr, 4)
+    strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
+    ptx = build(fn, const, ptr, 4, strides)
     n_mma = len(re.findall(r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16", ptx))
-    n_cp = len(re.findall(r"cp.async.cg.shared.global", ptx))
+    n_cp = len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10,", ptx))  # 16-byte copies
     # 9 score groups + 8 value groups, 4 k-steps of 16 each, in the packed loop and the two dense loops
     assert n_mma == 3 * (9 + 8) * 4, n_mma
-    assert n_cp >= 9, n_cp  # 8 content groups + the RoPE group per issued tile
+    assert n_cp >= 9, n_cp  # 16-byte copies: 8 content rows of words + 1 RoPE row per thread and issued tile
     print("compiled", n_mma, n_cp)
     """
 )
