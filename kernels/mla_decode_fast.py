@@ -20,9 +20,13 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
   never synchronises with the host and can be captured in a CUDA graph. A split whose range lies past `length`
   writes an empty partial (`lse = -inf`, `o = 0`) that the combine ignores.
 
+The Gluon kernel of `mla_decode_gluon.py` (sm_90: one unpack per tile in shared memory, read by `wgmma` for both
+dots) sits behind the same launcher (`backend="gluon"`); it becomes the default only for formats listed in
+`GLUON_FASTER` once measured faster (none yet).
+
 `fast_handles` says which cases the kernel computes; `fast_supported` (what the decode op dispatches on) also
-requires it to have been measured faster than the fallback (2- and 4-bit content; 8-bit content is correct here but
-slower on the H200, docs/BENCHMARKS.md). Plain Triton: the interpreter runs the same code on CPU in the tests.
+requires it to have been measured faster than the fallback (2- and 4-bit content; 8-bit content is correct here
+but slower on the H200, docs/BENCHMARKS.md). Plain Triton: the interpreter runs the same code on CPU in the tests.
 """
 
 from __future__ import annotations
@@ -424,7 +428,9 @@ def mla_decode_static(
         capacity: static number of positions the planes hold; fixes the grid and the splits.
         scaling: softmax scale.
         out: optional preallocated `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`.
-        launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` overrides (benchmarks).
+        launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` overrides (benchmarks), and
+            `backend`: "triton" (this module's kernel) or "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
+            `block_m, num_warps, stages, waves, num_splits`); default `use_gluon(...)`.
 
     Returns:
         `o_lat: [B, H, Tq, d_c]` fp32 and `lse: [B, H, Tq]` fp32 (natural log; zeros and -inf for a row with no
@@ -542,11 +548,12 @@ def use_gluon(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_
 
 
 def gluon_default_launch(M: int) -> dict:
-    """Launch of the Gluon kernel from static sizes: one warpgroup; up to 16 rows 16-row blocks and 3 cp.async
-    stages (~165 KB of shared memory, one program per multiprocessor), more rows (128 heads, several query tokens)
-    32-row blocks and 2 stages (~182 KB); splits for about 4 programs per multiprocessor."""
+    """Launch of the Gluon kernel from static sizes (chosen from sm_90 compiles, not yet from timings): up to 16
+    rows 16-row blocks, one warpgroup, 3 cp.async stages (~166 KB of shared memory, one program per SM); more rows
+    (128 heads, several query tokens) 32-row blocks over two warpgroups (4 warps spill 1.4 KB there, 8 warps 36 B)
+    and 2 stages (~182 KB); splits for about 4 programs per multiprocessor."""
     if M > 16:
-        return dict(block_m=32, num_warps=4, stages=2, waves=4)
+        return dict(block_m=32, num_warps=8, stages=2, waves=4)
     return dict(block_m=16, num_warps=4, stages=3, waves=4)
 
 

@@ -268,7 +268,14 @@ def _stage_queries(qbuf, qlo, p_q, row0, M, D: gl.constexpr, G0: gl.constexpr, N
 
 
 # --------------------------------------------------------------------------------------------- the kernel
-@_jit
+def _jit_dynamic(fn):
+    """`gluon.jit` without specialisation on the per-step counts (each new value would compile a new kernel)."""
+    if not HAVE_GLUON:
+        return fn
+    return gluon.jit(fn, do_not_specialize=["M", "Tq", "tokens_per_split", "num_splits"])
+
+
+@_jit_dynamic
 def mla_decode_gluon_kernel(
     q_ptr, qr_ptr,
     cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
