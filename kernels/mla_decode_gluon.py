@@ -469,6 +469,28 @@ def cp_vec(words_per_group: int, num_warps: int) -> int:
     return max(1, min(4, BLOCK_T * words_per_group // (32 * num_warps)))
 
 
+SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KB)
+
+
+def smem_bytes(fmt: CacheFormat, block_m: int, stages: int, q_split: bool) -> int:
+    """Shared memory of one program: unpacked tiles, queries (twice for fp32), P tiles, metadata and the cp.async
+    ring, plus 1 KB for the compiler's scratch (within 512 B of ptxas for the launches compiled so far)."""
+    gc = fmt.content.n_groups
+    tiles = (gc + 1) * BLOCK_T * GROUP * 2
+    queries = (gc + 1) * block_m * GROUP * 2 * (2 if q_split else 1)
+    probs = gc * BLOCK_T * block_m * 2
+    meta = gc * BLOCK_T * 3
+    ring = stages * BLOCK_T * (fmt.content.code_bytes + fmt.rope.code_bytes)
+    return tiles + queries + probs + meta + ring + 1024
+
+
+def fit_stages(fmt: CacheFormat, block_m: int, stages: int, q_split: bool) -> int:
+    """The most cp.async stages, at most `stages`, whose program fits in `SMEM_LIMIT` (0 if none does)."""
+    while stages > 0 and smem_bytes(fmt, block_m, stages, q_split) > SMEM_LIMIT:
+        stages -= 1
+    return stages
+
+
 def gluon_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
     """Whether this kernel computes the case: Gluon available, a CUDA device of compute capability 9.0 (wgmma),
     both paths packed at 2/4/8 bits in groups of 64 (content: 1..8 groups, a power of two; RoPE: one group), bf16/
@@ -507,8 +529,15 @@ def planes_contiguous(fmt: CacheFormat, content_planes: dict, rope_planes: dict)
 
 def launch_gluon(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, tps,
                  NS, qk_scale, block_m, num_warps, stages):
-    """Launch `mla_decode_gluon_kernel` on the grid `(NS + 1, cdiv(M, block_m), B)`; `tps` is a multiple of 64."""
+    """Launch `mla_decode_gluon_kernel` on the grid `(NS + 1, cdiv(M, block_m), B)`; `tps` is a multiple of 64.
+    `stages` is lowered until the program fits in shared memory (`fit_stages`)."""
     B = q.shape[0]
+    q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
+    fitted = fit_stages(fmt, block_m, stages, q_split)
+    if fitted < 1:
+        raise ValueError(f"the Gluon decode kernel with {block_m}-row blocks needs "
+                         f"{smem_bytes(fmt, block_m, 1, q_split)} bytes of shared memory for {fmt.name}, more than "
+                         f"{SMEM_LIMIT}: use a smaller block_m or backend='triton'")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
     wpg_c, wpg_r = 2 * fmt.content.bits, 2 * fmt.rope.bits
     grid = (NS + 1, -(-M // block_m), B)
@@ -520,7 +549,7 @@ def launch_gluon(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, len
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
-        R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32,
-        STAGES=stages, CPV_C=cp_vec(wpg_c, num_warps), CPV_R=cp_vec(wpg_r, num_warps), NW=num_warps,
+        R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q_split, STAGES=fitted, CPV_C=cp_vec(wpg_c, num_warps),
+        CPV_R=cp_vec(wpg_r, num_warps), NW=num_warps,
         num_warps=num_warps,
     )

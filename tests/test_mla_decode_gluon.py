@@ -35,11 +35,11 @@ COMPILE = textwrap.dedent(
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + list(aligned)}
         src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
                                                                   for k, v in const.items()}, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
     for bits in (2, 4, 8):
         ptx = build(mg.unpack_group_kernel, dict(W=2 * bits, BITS=bits, NW=4),
-                    dict(w_ptr="*i32", z_ptr="*i8", out_ptr="*fp16"), 4)
+                    dict(w_ptr="*i32", z_ptr="*i8", out_ptr="*fp16"), 4).asm["ptx"]
         assert ".target sm_90" in ptx
     fn = mg.mla_decode_gluon_kernel
     const = dict(GC=8, C_BITS=4, R_BITS=4, S=4, R=128, BM=16, Q_SPLIT=False, STAGES=3, CPV_C=mg.cp_vec(8, 4),
@@ -48,7 +48,12 @@ COMPILE = textwrap.dedent(
                rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16",
                lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
-    ptx = build(fn, const, ptr, 4, strides)
+    kernel = build(fn, const, ptr, 4, strides)
+    ptx = kernel.asm["ptx"]
+    # the host's shared-memory estimate (what `fit_stages` lowers the stages by) covers what the compiler allocates
+    from quantmla_hf import CacheFormat, PathFormat
+    fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
+    assert kernel.metadata.shared <= mg.smem_bytes(fmt, 16, 3, False) <= mg.SMEM_LIMIT, kernel.metadata.shared
     n_mma = len(re.findall(r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16", ptx))
     n_cp = len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10,", ptx))  # 16-byte copies
     # 9 score groups + 8 value groups, 4 k-steps of 16 each, in the packed loop and the two dense loops
