@@ -359,7 +359,8 @@ SWEEP = {
 
 
 SWEEP_GLUON = {
-    ("C4R4", 16): [dict(), dict(stages=2), dict(waves=2), dict(waves=8), dict(num_warps=8)],
+    ("C4R4", 16): [dict(), dict(stages=2), dict(waves=2), dict(waves=8), dict(num_warps=8), dict(async_mma=True),
+                   dict(num_warps=8, async_mma=True)],
     ("C2R4", 16): [dict()],
     ("C4R4", 128): [dict(), dict(block_m=16, num_warps=4, stages=3), dict(block_m=32, num_warps=4)],
 }

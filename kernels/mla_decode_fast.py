@@ -430,7 +430,7 @@ def mla_decode_static(
         out: optional preallocated `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`.
         launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` overrides (benchmarks), and
             `backend`: "triton" (this module's kernel) or "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
-            `block_m, num_warps, stages, waves, num_splits`); default `use_gluon(...)`.
+            `block_m, num_warps, stages, waves, num_splits, async_mma`); default `use_gluon(...)`.
 
     Returns:
         `o_lat: [B, H, Tq, d_c]` fp32 and `lse: [B, H, Tq]` fp32 (natural log; zeros and -inf for a row with no
@@ -587,5 +587,5 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
     gluon_kernel.launch_gluon(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
                               o_part, lse_part, M, Tq, tps, NS, scaling * LOG2E, block_m, int(cfg["num_warps"]),
-                              int(cfg["stages"]))
+                              int(cfg["stages"]), bool(cfg.get("async_mma", False)))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)

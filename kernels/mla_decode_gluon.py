@@ -37,7 +37,8 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
 
     HAVE_GLUON = True
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 / 3.6
@@ -180,19 +181,29 @@ def _pv(kbuf, pbuf, o, alpha, g: gl.constexpr, kz, DENSE: gl.constexpr):
 
 
 @_jit
-def _attend(kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, kz,
-            GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, DENSE: gl.constexpr,
-            acc_l: gl.constexpr):
-    """Scores of the unpacked tile (`kbuf`), an online-softmax step over its tokens, and the values of every
-    content group. Returns the new `(m_i, l_i, o0..o7)`.
+def _qk_async(kbuf, qbuf, qlo, g: gl.constexpr, kz, zero, Q_SPLIT: gl.constexpr):
+    """Issue (without waiting) `K_g @ Q_g^T` (plus the low query part) into a fresh `[BT, BM]` accumulator."""
+    a = warpgroup_mma(kbuf.index(g + kz), qbuf.index(g + kz).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if Q_SPLIT:
+        a = warpgroup_mma(kbuf.index(g + kz), qlo.index(g + kz).permute((1, 0)), a, is_async=True)
+    return a
 
-    `kz` is zero at run time but not known to the compiler: added to every shared-memory buffer index, it keeps
-    the 64-bit wgmma descriptors (about 140 of them) from being hoisted out of the token loop, where they took
-    every register and spilled. It must be a shift of a 64-bit loop variable by less than 64 (a 32-bit value
-    shifted by 40 is poison to LLVM: that read the sink tile from a garbage buffer index on the H200)."""
-    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    zero = gl.zeros([BT, BM], gl.float32, acc_l)
-    sc = gl.zeros([BT, BM], gl.float32, acc_l)
+
+@_jit
+def _pv_async(kbuf, pbuf, o, alpha, g: gl.constexpr, kz, DENSE: gl.constexpr):
+    """`_pv` issued without waiting."""
+    if DENSE:
+        b = pbuf.index(kz)
+    else:
+        b = pbuf.index(g + kz)
+    return warpgroup_mma(kbuf.index(g + kz).permute((1, 0)), b, o * alpha[None, :], is_async=True)
+
+
+@_jit
+def _scores_sync(kbuf, qbuf, qlo, msc, kz, zero, GC: gl.constexpr, BT: gl.constexpr, Q_SPLIT: gl.constexpr,
+                 DENSE: gl.constexpr, row_l: gl.constexpr):
+    """`(sum_g s_g[t] * K_g @ Q_g^T, K_R @ Q_R^T)`, one waited MMA chain per group."""
+    sc = gl.zeros_like(zero)
     for g in gl.static_range(GC):
         a = warpgroup_mma(kbuf.index(g + kz), qbuf.index(g + kz).permute((1, 0)), zero, use_acc=False)
         if Q_SPLIT:
@@ -204,10 +215,60 @@ def _attend(kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, 
     ar = warpgroup_mma(kbuf.index(GC + kz), qbuf.index(GC + kz).permute((1, 0)), zero, use_acc=False)
     if Q_SPLIT:
         ar = warpgroup_mma(kbuf.index(GC + kz), qlo.index(GC + kz).permute((1, 0)), ar)
+    return sc, ar
+
+
+@_jit
+def _finish_scores(sc, ar, s_r, fc, fr, DENSE: gl.constexpr):
+    """Scores in base 2: content part times the per-row factor, plus the RoPE part times its per-token scale."""
     if DENSE:
         b_s = sc * fc[None, :] + ar * fr[None, :]
     else:
         b_s = sc * fc[None, :] + ar * (s_r.to(gl.float32)[:, None] * fr[None, :])
+    return b_s
+
+
+@_jit
+def _attend(kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, kz,
+            GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, DENSE: gl.constexpr,
+            acc_l: gl.constexpr, ASYNC: gl.constexpr):
+    """Scores of the unpacked tile (`kbuf`), an online-softmax step over its tokens, and the values of every
+    content group. Returns the new `(m_i, l_i, o0..o7)`.
+
+    `kz` is zero at run time but not known to the compiler: added to every shared-memory buffer index, it keeps
+    the 64-bit wgmma descriptors (about 140 of them) from being hoisted out of the token loop, where they took
+    every register and spilled. It must be a shift of a 64-bit loop variable by less than 64 (a 32-bit value
+    shifted by 40 is poison to LLVM: that read the sink tile from a garbage buffer index on the H200).
+
+    With `ASYNC` (8 content groups only) the 9 score MMAs, and then the 8 value MMAs, are issued back to back with
+    one wait each instead of one wait per MMA (a launch variant, not the default: not yet run on a GPU)."""
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    zero = gl.zeros([BT, BM], gl.float32, acc_l)
+    if ASYNC and GC == 8:
+        a0 = _qk_async(kbuf, qbuf, qlo, 0, kz, zero, Q_SPLIT)
+        a1 = _qk_async(kbuf, qbuf, qlo, 1, kz, zero, Q_SPLIT)
+        a2 = _qk_async(kbuf, qbuf, qlo, 2, kz, zero, Q_SPLIT)
+        a3 = _qk_async(kbuf, qbuf, qlo, 3, kz, zero, Q_SPLIT)
+        a4 = _qk_async(kbuf, qbuf, qlo, 4, kz, zero, Q_SPLIT)
+        a5 = _qk_async(kbuf, qbuf, qlo, 5, kz, zero, Q_SPLIT)
+        a6 = _qk_async(kbuf, qbuf, qlo, 6, kz, zero, Q_SPLIT)
+        a7 = _qk_async(kbuf, qbuf, qlo, 7, kz, zero, Q_SPLIT)
+        ar = _qk_async(kbuf, qbuf, qlo, GC, kz, zero, Q_SPLIT)
+        a0, a1, a2, a3, a4, a5, a6, a7, ar = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3, a4, a5, a6, a7, ar])
+        if DENSE:
+            sc = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
+        else:
+            sc = a0 * msc.slice(0, BT).load(row_l).to(gl.float32)[:, None]
+            sc += a1 * msc.slice(BT, BT).load(row_l).to(gl.float32)[:, None]
+            sc += a2 * msc.slice(2 * BT, BT).load(row_l).to(gl.float32)[:, None]
+            sc += a3 * msc.slice(3 * BT, BT).load(row_l).to(gl.float32)[:, None]
+            sc += a4 * msc.slice(4 * BT, BT).load(row_l).to(gl.float32)[:, None]
+            sc += a5 * msc.slice(5 * BT, BT).load(row_l).to(gl.float32)[:, None]
+            sc += a6 * msc.slice(6 * BT, BT).load(row_l).to(gl.float32)[:, None]
+            sc += a7 * msc.slice(7 * BT, BT).load(row_l).to(gl.float32)[:, None]
+    else:
+        sc, ar = _scores_sync(kbuf, qbuf, qlo, msc, kz, zero, GC, BT, Q_SPLIT, DENSE, row_l)
+    b_s = _finish_scores(sc, ar, s_r, fc, fr, DENSE)
     b_s = gl.where(m_valid, b_s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(b_s, axis=0))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -221,17 +282,28 @@ def _attend(kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, 
             pbuf.index(g + kz).store((p * msc.slice(g * BT, BT).load(row_l).to(gl.float32)[:, None]).to(gl.float16))
     fence_async_shared()
     _cta_barrier()
-    o0 = _pv(kbuf, pbuf, o0, alpha, 0, kz, DENSE)
-    if GC > 1:
-        o1 = _pv(kbuf, pbuf, o1, alpha, 1, kz, DENSE)
-    if GC > 2:
-        o2 = _pv(kbuf, pbuf, o2, alpha, 2, kz, DENSE)
-        o3 = _pv(kbuf, pbuf, o3, alpha, 3, kz, DENSE)
-    if GC > 4:
-        o4 = _pv(kbuf, pbuf, o4, alpha, 4, kz, DENSE)
-        o5 = _pv(kbuf, pbuf, o5, alpha, 5, kz, DENSE)
-        o6 = _pv(kbuf, pbuf, o6, alpha, 6, kz, DENSE)
-        o7 = _pv(kbuf, pbuf, o7, alpha, 7, kz, DENSE)
+    if ASYNC and GC == 8:
+        o0 = _pv_async(kbuf, pbuf, o0, alpha, 0, kz, DENSE)
+        o1 = _pv_async(kbuf, pbuf, o1, alpha, 1, kz, DENSE)
+        o2 = _pv_async(kbuf, pbuf, o2, alpha, 2, kz, DENSE)
+        o3 = _pv_async(kbuf, pbuf, o3, alpha, 3, kz, DENSE)
+        o4 = _pv_async(kbuf, pbuf, o4, alpha, 4, kz, DENSE)
+        o5 = _pv_async(kbuf, pbuf, o5, alpha, 5, kz, DENSE)
+        o6 = _pv_async(kbuf, pbuf, o6, alpha, 6, kz, DENSE)
+        o7 = _pv_async(kbuf, pbuf, o7, alpha, 7, kz, DENSE)
+        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+    else:
+        o0 = _pv(kbuf, pbuf, o0, alpha, 0, kz, DENSE)
+        if GC > 1:
+            o1 = _pv(kbuf, pbuf, o1, alpha, 1, kz, DENSE)
+        if GC > 2:
+            o2 = _pv(kbuf, pbuf, o2, alpha, 2, kz, DENSE)
+            o3 = _pv(kbuf, pbuf, o3, alpha, 3, kz, DENSE)
+        if GC > 4:
+            o4 = _pv(kbuf, pbuf, o4, alpha, 4, kz, DENSE)
+            o5 = _pv(kbuf, pbuf, o5, alpha, 5, kz, DENSE)
+            o6 = _pv(kbuf, pbuf, o6, alpha, 6, kz, DENSE)
+            o7 = _pv(kbuf, pbuf, o7, alpha, 7, kz, DENSE)
     return m_new, l_i, o0, o1, o2, o3, o4, o5, o6, o7
 
 
@@ -286,7 +358,7 @@ def mla_decode_gluon_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, STAGES: gl.constexpr, CPV_C: gl.constexpr, CPV_R: gl.constexpr,
-    NW: gl.constexpr,
+    NW: gl.constexpr, ASYNC: gl.constexpr,
 ):
     """One program per (split, block of BM rows, batch row). Splits `0 .. num_splits-1` take the packed positions
     `[i * tokens_per_split, (i + 1) * tokens_per_split)` (tile-aligned) intersected with `[S, length - R)` and
@@ -400,7 +472,7 @@ def mla_decode_gluon_kernel(
         m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
         m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _attend(
             kbuf, qbuf, qlo, pbuf, msc, s_rt, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7,
-            (it >> 30), GC, BT, BM, Q_SPLIT, False, acc_l)
+            (it >> 30), GC, BT, BM, Q_SPLIT, False, acc_l, ASYNC)
     async_copy.wait_group(0)
 
     # The last split: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
@@ -419,7 +491,7 @@ def mla_decode_gluon_kernel(
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
         m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _attend(
             kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7,
-            (start.to(gl.int64) >> 40).to(gl.int32), GC, BT, BM, Q_SPLIT, True, acc_l)
+            (start.to(gl.int64) >> 40).to(gl.int32), GC, BT, BM, Q_SPLIT, True, acc_l, ASYNC)
     r_lo = gl.maximum(length - R, 0)
     r_hi = gl.where(is_dense, length, r_lo)
     lo_dense = lp + S
@@ -435,7 +507,7 @@ def mla_decode_gluon_kernel(
         m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
         m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _attend(
             kbuf, qbuf, qlo, pbuf, msc, s_r, fc, fr, m_valid, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7,
-            (start.to(gl.int64) >> 40).to(gl.int32), GC, BT, BM, Q_SPLIT, True, acc_l)
+            (start.to(gl.int64) >> 40).to(gl.int32), GC, BT, BM, Q_SPLIT, True, acc_l, ASYNC)
 
     has = l_i > 0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
@@ -528,7 +600,7 @@ def planes_contiguous(fmt: CacheFormat, content_planes: dict, rope_planes: dict)
 
 
 def launch_gluon(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, tps,
-                 NS, qk_scale, block_m, num_warps, stages):
+                 NS, qk_scale, block_m, num_warps, stages, async_mma=False):
     """Launch `mla_decode_gluon_kernel` on the grid `(NS + 1, cdiv(M, block_m), B)`; `tps` is a multiple of 64.
     `stages` is lowered until the program fits in shared memory (`fit_stages`)."""
     B = q.shape[0]
@@ -550,6 +622,6 @@ def launch_gluon(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, len
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
         R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q_split, STAGES=fitted, CPV_C=cp_vec(wpg_c, num_warps),
-        CPV_R=cp_vec(wpg_r, num_warps), NW=num_warps,
+        CPV_R=cp_vec(wpg_r, num_warps), NW=num_warps, ASYNC=bool(async_mma),
         num_warps=num_warps,
     )

@@ -43,7 +43,7 @@ COMPILE = textwrap.dedent(
         assert ".target sm_90" in ptx
     fn = mg.mla_decode_gluon_kernel
     const = dict(GC=8, C_BITS=4, R_BITS=4, S=4, R=128, BM=16, Q_SPLIT=False, STAGES=3, CPV_C=mg.cp_vec(8, 4),
-                 CPV_R=mg.cp_vec(8, 4), NW=4)
+                 CPV_R=mg.cp_vec(8, 4), NW=4, ASYNC=False)
     ptr = dict(q_ptr="*bf16", qr_ptr="*bf16", cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
                rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16",
                lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
