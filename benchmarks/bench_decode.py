@@ -78,7 +78,7 @@ def decode_fn(kernel, fmt, N, capacity=None, **launch):
     return lambda *args: mla_decode(*args, **launch)
 
 
-def run_check(out_lines, cases=None, R=128, kernel="old"):
+def run_check(out_lines, cases=None, R=128, kernel="old", launch=None):
     """Kernel vs fp64 reference on rows 0 and B-1 (the kernel always runs on the whole batch). The fast kernel runs
     on planes with 67 positions of spare capacity (splits past the device-side length must stay empty).
 
@@ -119,7 +119,7 @@ def run_check(out_lines, cases=None, R=128, kernel="old"):
         lp[0] = 0
         args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
         try:
-            o, lse = decode_fn(kernel, fmt, N, N + spare)(*args)
+            o, lse = decode_fn(kernel, fmt, N, N + spare, **(launch or {}))(*args)
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
         except (ValueError, RuntimeError) as e:  # reported as a failed row; a CUDA fault still ends the process
@@ -429,9 +429,12 @@ def main():
                     help="path to a local copy of vLLM's triton_decode_attention.py (not part of this repository)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-s", type=float, default=240, help="time budget of the --bench grid")
+    ap.add_argument("--gluon-launch", default="", help="KEY=INT,... launch overrides of the Gluon kernel for --check "
+                    "and --bench (e.g. async_mma=1,num_warps=8): check a variant before timing it")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the script itself (interpreter, tiny sizes)")
     a = ap.parse_args()
     lines = []
+    gluon_launch = {k: int(v) for k, v in (kv.split("=") for kv in a.gluon_launch.split(",") if kv)}
     if a.tiny:
         fmt, cp, rp, sc, sr, rc, rr = make_cache("C4R4", 2, 300, R=8, device="cpu")
         print("tiny make_cache ok", cache_bytes(fmt, 2, 300))
@@ -449,10 +452,11 @@ def main():
     if a.check and "gluon" in a.check_kernels:
         result["unpack_ok"] = check_gluon_unpack(lines)
     if a.check:
-        result["check_ok"] = all([run_check(lines, kernel=k) for k in a.check_kernels.split(",") if k])
-    launch = {}
+        result["check_ok"] = all([run_check(lines, kernel=k, launch=gluon_launch if k == "gluon" else None)
+                                  for k in a.check_kernels.split(",") if k])
+    launch = {("gluon", name, H): dict(gluon_launch) for name in CONFIGS for H in (16, 128)} if gluon_launch else {}
     if a.variants:
-        result["variants"], launch = [], {}
+        result["variants"] = []
         for k in a.variant_kernels.split(","):
             res, best = run_variants(lines, kernel=k)
             result["variants"] += res
