@@ -1,8 +1,9 @@
 """Hopper (sm_90) packed MLA decode in Gluon: one dequantization per token tile, shared by both dots (issue #11).
 
 Same function as `mla_decode_fast.py` (reference `mla_decode_ref.py`), same partial outputs, same combine; it is
-launched by `mla_decode_fast.mla_decode_static` when `gluon_handles(...)` says so (sm_90, packed 2/4/8-bit content in
-groups of 64, one RoPE group of 64, contiguous plane rows). Design (docs/KERNELS.md "Gluon kernel"):
+launched by `mla_decode_fast.mla_decode_static(..., backend="gluon")` for the cases `gluon_handles(...)` accepts
+(sm_90, packed 2/4/8-bit content in groups of 64, one RoPE group of 64, contiguous plane rows), and by default only
+for the formats in `mla_decode_fast.GLUON_FASTER` (none until it is timed). Design (docs/KERNELS.md "Gluon kernel"):
 
 * One program per (split, block of `BM` query rows, batch row), one or two warpgroups (`NW` = 4 or 8 warps).
 * The queries of the block are staged once in shared memory, per group of 64 columns, as fp16 `[BM, 64]`
@@ -23,8 +24,9 @@ groups of 64, one RoPE group of 64, contiguous plane rows). Design (docs/KERNELS
   query row.
 
 Gluon kernels do not run in the Triton interpreter; the CPU tests compile this one for sm_90
-(tests/test_mla_decode_gluon.py) and test its unpacking order against the reference packing; the H200 runs it
-(`benchmarks/bench_decode.py --check`). Gluon names used here exist in Triton 3.6 and 3.9 (the CTA barrier is
+(tests/test_mla_decode_gluon.py) and check the code-word order it unpacks against the reference packing; on the
+H200 `benchmarks/bench_decode.py --check --check-kernels gluon` runs `unpack_group_kernel` bit for bit against
+`dequantize_ref` and the kernel against the fp64 reference. Gluon names used here exist in Triton 3.6 and 3.9 (the CTA barrier is
 `thread_barrier` in 3.6 and `barrier` in 3.9, `_cta_barrier`; cp.async is `async_copy_global_to_shared` in 3.6 and
 `async_load` in 3.9, `_async_load`).
 """
