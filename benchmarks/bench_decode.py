@@ -25,6 +25,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels.mla_decode import mla_decode
+from quantmla_hf.kernels import mla_decode_gluon
 from quantmla_hf.kernels.mla_decode_fast import fast_handles, mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
@@ -62,9 +63,11 @@ def cache_bytes(fmt, B, N):
 
 
 def decode_fn(kernel, fmt, N, capacity=None, **launch):
-    """`(args) -> (o, lse)` for one kernel: "fast" = `mla_decode_static` with a device-side length and the planes'
-    capacity (`capacity`, default N), "old" = the fallback `mla_decode` with a host length."""
-    if kernel == "fast":
+    """`(args) -> (o, lse)` for one kernel: "fast" = `mla_decode_static` through the Triton fast kernel, "gluon" =
+    the same through the Gluon (sm_90) kernel, both with a device-side length and the planes' capacity (`capacity`,
+    default N); "old" = the fallback `mla_decode` with a host length."""
+    if kernel in ("fast", "gluon"):
+        launch = dict(launch, backend="triton" if kernel == "fast" else "gluon")
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
         cap = capacity or N
 
@@ -75,7 +78,7 @@ def decode_fn(kernel, fmt, N, capacity=None, **launch):
     return lambda *args: mla_decode(*args, **launch)
 
 
-def run_check(out_lines, cases=None, R=128, kernel="old"):
+def run_check(out_lines, cases=None, R=128, kernel="old", launch=None):
     """Kernel vs fp64 reference on rows 0 and B-1 (the kernel always runs on the whole batch). The fast kernel runs
     on planes with 67 positions of spare capacity (splits past the device-side length must stay empty).
 
@@ -87,6 +90,7 @@ def run_check(out_lines, cases=None, R=128, kernel="old"):
         ("C4R4", 16, 2, 131072, 4), ("C2R4", 128, 1, 5000, 16),
         ("C4R4", 16, 32, 131072, 1),  # B * N * 576 = 2.4e9 > 2**31 elements
         ("C8R8", 16, 3, 9000, 16), ("C4R4", 16, 5, 20000, 3),
+        ("C4R4", 16, 3, 100, 1), ("C2R4", 16, 2, 197, 4),  # shorter than sink + recent; a few packed positions
     ]
     worst_o, worst_lse = 0.0, 0.0
     # Queries in bf16 (what the attention swap passes: exact in one fp16 operand) and in fp32 (high/low split).
@@ -95,8 +99,12 @@ def run_check(out_lines, cases=None, R=128, kernel="old"):
     ]
     worst_o, worst_lse, all_ok = 0.0, 0.0, True
     for name, H, B, N, Tq, qdt in cases:
-        spare = 67 if kernel == "fast" else 0
+        spare = 67 if kernel in ("fast", "gluon") else 0
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + spare, R=R, seed=B + N)
+        if kernel == "gluon" and not mla_decode_gluon.gluon_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
+            out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the Gluon kernel, skipped")
+            print(out_lines[-1], flush=True)
+            continue
         if kernel == "fast" and not fast_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the fast kernel, skipped")
             print(out_lines[-1], flush=True)
@@ -110,9 +118,16 @@ def run_check(out_lines, cases=None, R=128, kernel="old"):
         lp = torch.randint(0, 40, (B,), device=DEVICE, generator=g)
         lp[0] = 0
         args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
-        o, lse = decode_fn(kernel, fmt, N, N + spare)(*args)
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
+        try:
+            o, lse = decode_fn(kernel, fmt, N, N + spare, **(launch or {}))(*args)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+        except (ValueError, RuntimeError) as e:  # reported as a failed row; a CUDA fault still ends the process
+            all_ok = False
+            out_lines.append(f"check {kernel} {name} H={H} B={B} N={N} Tq={Tq} q={qdt}: ERROR {type(e).__name__}: "
+                             f"{str(e)[:300]}")
+            print(out_lines[-1], flush=True)
+            continue
         for b in sorted({0, B - 1}):
             sub = lambda d: {k: v[b : b + 1] for k, v in d.items()}  # noqa: E731
             ref_o, ref_lse = mla_decode_ref(q_lat[b : b + 1], q_rot[b : b + 1], sub(cp), sub(rp), fmt, sc[b : b + 1],
@@ -137,6 +152,28 @@ def run_check(out_lines, cases=None, R=128, kernel="old"):
     print(line, flush=True)
     out_lines.append(line)
     return all_ok
+
+
+def check_gluon_unpack(out_lines):
+    """The Gluon kernel's unpacking (`mla_decode_gluon.unpack_group_kernel`) against the reference dequantization of
+    random codes and zero points, every width: bit-exact `code - z`."""
+    from quantmla_hf.kernels.quant_pack_ref import dequantize_ref
+
+    ok = True
+    for bits in (2, 4, 8):
+        f = PathFormat(64, bits, 64)
+        codes = torch.randint(0, 256, (64, f.code_bytes), dtype=torch.uint8, device=DEVICE)
+        zero = torch.randint(-100, 100, (64, 1), dtype=torch.int8, device=DEVICE)
+        out = torch.empty(64, 64, dtype=torch.float16, device=DEVICE)
+        mla_decode_gluon.unpack_group_kernel[(1,)](codes.view(torch.int32), zero, out, W=2 * bits, BITS=bits, NW=4,
+                                                   num_warps=4)
+        ref = dequantize_ref(codes, torch.ones(64, 1, dtype=torch.float16, device=DEVICE), zero, f, torch.float32)
+        good = torch.equal(out.float(), ref)
+        ok = ok and good
+        out_lines.append(f"check gluon unpack {bits} bits: {'OK' if good else 'FAIL'} "
+                         f"(max diff {(out.float() - ref).abs().max().item():.1f})")
+        print(out_lines[-1], flush=True)
+    return ok
 
 
 def bench(fn, slow=False):
@@ -233,7 +270,8 @@ def bf16_kernel_fn(decode_attention_fwd, B, H, N, kv):
 
 POINTS = [(16, 1, 4096), (16, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 8, 131072), (16, 32, 131072),
           (128, 8, 32768), (128, 32, 32768)]
-OURS = [("fast", "C4R4"), ("fast", "C2R4"), ("fast", "C8R8"), ("old", "C4R4"), ("old", "C8R8"), ("old", "C16R16")]
+OURS = [("gluon", "C4R4"), ("gluon", "C2R4"), ("gluon", "C8R8"), ("fast", "C4R4"), ("fast", "C2R4"), ("old", "C8R8"),
+        ("old", "C16R16")]
 
 
 def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=None, stock=False):
@@ -259,7 +297,11 @@ def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=Non
             fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
             args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
             fn = decode_fn(kernel, fmt, N, **(launch or {}).get((kernel, name, H), {}))
-            ms = bench(lambda: fn(*args))
+            try:
+                ms = bench(lambda: fn(*args))
+            except Exception as e:  # e.g. a kernel that does not handle this case: reported, not fatal
+                ms = float("nan")
+                out_lines.append(f"{name}-{kernel} H={H} B={B} N={N}: {type(e).__name__}: {str(e)[:200]}")
             here.append(dict(method=f"{name}-{kernel}", H=H, B=B, N=N, ms=ms, bytes=cache_bytes(fmt, B, N)))
             del cp, rp
         kv_bytes = B * N * (D_C + D_R) * 2
@@ -316,8 +358,18 @@ SWEEP = {
 }
 
 
-def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32768), ("C4R4", 128, 32, 32768))):
-    """Launch sweep of the fast kernel around its defaults at the target points (B 32, 32K)."""
+SWEEP_GLUON = {
+    ("C4R4", 16): [dict(), dict(stages=2), dict(waves=2), dict(waves=8), dict(num_warps=8), dict(async_mma=True),
+                   dict(num_warps=8, async_mma=True)],
+    ("C2R4", 16): [dict()],
+    ("C4R4", 128): [dict(), dict(block_m=16, num_warps=4, stages=3), dict(block_m=32, num_warps=4)],
+}
+
+
+def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32768), ("C4R4", 128, 32, 32768)),
+                 kernel="fast"):
+    """Launch sweep of the fast (or Gluon) kernel around its defaults at the target points (B 32, 32K)."""
+    sweep = SWEEP_GLUON if kernel == "gluon" else SWEEP
     res = []
     for name, H, B, N in points:
         if True:
@@ -327,14 +379,14 @@ def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32
             q_rot = torch.randn(B, H, 1, D_R, device=DEVICE, generator=g).bfloat16()
             lp = torch.zeros(B, dtype=torch.long, device=DEVICE)
             args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
-            for v in SWEEP[(name, H)]:
+            for v in sweep[(name, H)]:
                 try:
-                    fn = decode_fn("fast", fmt, N, **v)
+                    fn = decode_fn(kernel, fmt, N, **v)
                     ms = bench(lambda: fn(*args))
                 except Exception as e:  # a variant that does not compile (registers, shared memory) is not fatal
                     ms = float("nan")
                     out_lines.append(f"variant {name} H={H} {v}: {type(e).__name__}: {str(e)[:200]}")
-                line = f"variant fast {name} H={H} B={B} N={N} {v or 'default'}: {ms:.4f} ms"
+                line = f"variant {kernel} {name} H={H} B={B} N={N} {v or 'default'}: {ms:.4f} ms"
                 print(line, flush=True)
                 out_lines.append(line)
                 res.append(dict(method=name, H=H, B=B, N=N, variant=v, ms=ms))
@@ -346,13 +398,13 @@ def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32
         if r["ms"] == r["ms"] and (k not in best or r["ms"] < best[k][1]):
             best[k] = (r["variant"], r["ms"])
     for (name, H), (v, ms) in best.items():
-        line = f"best launch fast {name} H={H}: {v or 'default'} {ms:.4f} ms"
+        line = f"best launch {kernel} {name} H={H}: {v or 'default'} {ms:.4f} ms"
         print(line, flush=True)
         out_lines.append(line)
     return res, {k: v for k, (v, _) in best.items()}
 
 
-def launch_from_sweep(best):
+def launch_from_sweep(best, kernel="fast"):
     """Per-(kernel, format, heads) launch overrides for the table from the sweep's winners: the 16-head C4R4 winner
     also for C8R8."""
     launch = {}
@@ -360,7 +412,7 @@ def launch_from_sweep(best):
         for name in ("C4R4", "C2R4", "C8R8"):
             v = best.get((name, H), best.get(("C4R4", H)))
             if v:
-                launch[("fast", name, H)] = v
+                launch[(kernel, name, H)] = v
     return launch
 
 
@@ -370,14 +422,19 @@ def main():
     ap.add_argument("--check-kernels", default="fast", help="comma list of kernels to check: fast, old")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--variant-kernels", default="gluon,fast", help="comma list of kernels to sweep: gluon, fast")
+    ap.add_argument("--points", default="", help="H:B:N,... timing points (default: the full grid)")
     ap.add_argument("--stock", action="store_true", help="also time the stock transformers step (slow)")
     ap.add_argument("--bf16-kernel", default=os.environ.get("BF16_MLA_KERNEL", ""),
                     help="path to a local copy of vLLM's triton_decode_attention.py (not part of this repository)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-s", type=float, default=240, help="time budget of the --bench grid")
+    ap.add_argument("--gluon-launch", default="", help="KEY=INT,... launch overrides of the Gluon kernel for --check "
+                    "and --bench (e.g. async_mma=1,num_warps=8): check a variant before timing it")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the script itself (interpreter, tiny sizes)")
     a = ap.parse_args()
     lines = []
+    gluon_launch = {k: int(v) for k, v in (kv.split("=") for kv in a.gluon_launch.split(",") if kv)}
     if a.tiny:
         fmt, cp, rp, sc, sr, rc, rr = make_cache("C4R4", 2, 300, R=8, device="cpu")
         print("tiny make_cache ok", cache_bytes(fmt, 2, 300))
@@ -392,17 +449,24 @@ def main():
     print(env, flush=True)
     lines.append(env)
     result = {"env": env}
+    if a.check and "gluon" in a.check_kernels:
+        result["unpack_ok"] = check_gluon_unpack(lines)
     if a.check:
-        result["check_ok"] = all([run_check(lines, kernel=k) for k in a.check_kernels.split(",") if k])
-    launch = {}
+        result["check_ok"] = all([run_check(lines, kernel=k, launch=gluon_launch if k == "gluon" else None)
+                                  for k in a.check_kernels.split(",") if k])
+    launch = {("gluon", name, H): dict(gluon_launch) for name in CONFIGS for H in (16, 128)} if gluon_launch else {}
     if a.variants:
-        result["variants"], best = run_variants(lines)
-        launch = launch_from_sweep(best)  # the table runs the fast kernel with the sweep's winners
+        result["variants"] = []
+        for k in a.variant_kernels.split(","):
+            res, best = run_variants(lines, kernel=k)
+            result["variants"] += res
+            launch.update(launch_from_sweep(best, k))  # the table runs each kernel with its sweep's winners
         lines.append(f"table launch overrides: {launch}")
     if a.bench:
         bf16 = load_bf16_kernel(a.bf16_kernel)
         lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")
-        result["ceiling_GBps"], result["rows"] = run_bench(lines, budget_s=a.budget_s, bf16_kernel=bf16,
+        points = [tuple(int(x) for x in p.split(":")) for p in a.points.split(",") if p] or None
+        result["ceiling_GBps"], result["rows"] = run_bench(lines, points=points, budget_s=a.budget_s, bf16_kernel=bf16,
                                                            stock=a.stock, launch=launch)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_decode.json"), "w") as f:

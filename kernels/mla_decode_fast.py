@@ -20,9 +20,13 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
   never synchronises with the host and can be captured in a CUDA graph. A split whose range lies past `length`
   writes an empty partial (`lse = -inf`, `o = 0`) that the combine ignores.
 
+The Gluon kernel of `mla_decode_gluon.py` (sm_90: one unpack per tile in shared memory, read by `wgmma` for both
+dots) sits behind the same launcher (`backend="gluon"`); it becomes the default only for formats listed in
+`GLUON_FASTER` once measured faster (none yet).
+
 `fast_handles` says which cases the kernel computes; `fast_supported` (what the decode op dispatches on) also
-requires it to have been measured faster than the fallback (2- and 4-bit content; 8-bit content is correct here but
-slower on the H200, docs/BENCHMARKS.md). Plain Triton: the interpreter runs the same code on CPU in the tests.
+requires it to have been measured faster than the fallback (2- and 4-bit content; 8-bit content is correct here
+but slower on the H200, docs/BENCHMARKS.md). Plain Triton: the interpreter runs the same code on CPU in the tests.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import triton
 import triton.language as tl
 
 from quantmla_hf.format import CacheFormat
+
+from . import mla_decode_gluon as gluon_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -422,7 +428,9 @@ def mla_decode_static(
         capacity: static number of positions the planes hold; fixes the grid and the splits.
         scaling: softmax scale.
         out: optional preallocated `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`.
-        launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` overrides (benchmarks).
+        launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` overrides (benchmarks), and
+            `backend`: "triton" (this module's kernel) or "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
+            `block_m, num_warps, stages, waves, num_splits, async_mma`); default `use_gluon(...)`.
 
     Returns:
         `o_lat: [B, H, Tq, d_c]` fp32 and `lse: [B, H, Tq]` fp32 (natural log; zeros and -inf for a row with no
@@ -463,6 +471,11 @@ def mla_decode_static(
             raise ValueError(f"{name} must be [B={B}, {n}, d] with a contiguous last dimension, got {tuple(t.shape)}")
 
     M = H * Tq
+    backend = launch.pop("backend", None) or ("gluon" if use_gluon(fmt, q_lat, content_planes, rope_planes, sink_c)
+                                              else "triton")
+    if backend == "gluon":
+        return _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
+                             left_padding, length, capacity, scaling, out, **launch)
     cfg = default_launch(B, M, capacity, fmt, q_lat.device)
     cfg.update({k: v for k, v in launch.items() if v is not None})
     BLOCK_M, BLOCK_T = int(cfg["block_m"]), int(cfg["block_t"])
@@ -495,6 +508,12 @@ def mla_decode_static(
         D_R=D_R, R_BITS=fmt.rope.bits, S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=BLOCK_M, BLOCK_T=BLOCK_T,
         Q_SPLIT=q_split, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
+    return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)
+
+
+def _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out):
+    """Merge the split partials `[B, M, NSP, d_c]`, `[B, M, NSP]` into `(o [B, H, Tq, d_c], lse [B, H, Tq])`."""
+    dev, M = o_part.device, H * Tq
     if out is None:
         o = torch.empty((B, H, Tq, D_C), dtype=torch.float32, device=dev)
         lse = torch.empty((B, H, Tq), dtype=torch.float32, device=dev)
@@ -508,3 +527,65 @@ def mla_decode_static(
         o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=max(2, triton.next_power_of_2(NSP)), BLOCK_D=BLOCK_D,
     )
     return o, lse
+
+
+# Formats whose Gluon launch was measured faster than the Triton fast kernel on the H200 (docs/BENCHMARKS.md):
+# the dispatch takes the Gluon kernel only for these (content bits, RoPE bits). Empty: the Gluon kernel has not
+# been timed yet (its packed path was checked correct on the H200, its sink/recent path was fixed after that run
+# and not re-run; docs/KERNELS.md "Gluon kernel"), so `mla_decode_static` keeps the Triton fast kernel unless
+# `backend="gluon"` is asked for.
+GLUON_FASTER: set[tuple[int, int]] = set()
+
+
+def use_gluon(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_planes: dict,
+              sink_c: torch.Tensor) -> bool:
+    """Default backend of `mla_decode_static`: the Gluon kernel (`mla_decode_gluon.py`) where it handles the case
+    on this device, the planes are laid out contiguously, and it was measured faster (`GLUON_FASTER`)."""
+    if _interpreting() or not q_lat.is_cuda or (fmt.content.bits, fmt.rope.bits) not in GLUON_FASTER:
+        return False
+    return (gluon_kernel.gluon_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype)
+            and gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes))
+
+
+def gluon_default_launch(M: int) -> dict:
+    """Launch of the Gluon kernel from static sizes (chosen from sm_90 compiles, not yet from timings): up to 16
+    rows 16-row blocks, one warpgroup, 3 cp.async stages (~166 KB of shared memory, one program per SM); more rows
+    (128 heads, several query tokens) 32-row blocks over two warpgroups (4 warps spill 1.4 KB there, 8 warps 36 B)
+    and 2 stages (~182 KB); splits for about 4 programs per multiprocessor."""
+    if M > 16:
+        return dict(block_m=32, num_warps=8, stages=2, waves=4)
+    return dict(block_m=16, num_warps=4, stages=3, waves=4)
+
+
+def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, left_padding,
+                  length, capacity, scaling, out, **launch):
+    """`mla_decode_static` through the Gluon kernel (same partials and combine as the Triton fast kernel)."""
+    B, H, Tq, D_C = q_lat.shape
+    D_R = q_rot.shape[-1]
+    M = H * Tq
+    if not gluon_kernel.gluon_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
+        raise ValueError(f"the Gluon decode kernel does not handle {fmt.name} with {q_lat.dtype} queries on "
+                         f"{q_lat.device} (needs sm_90, groups of 64, one RoPE group): use backend='triton'")
+    if not gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes):
+        raise ValueError("the Gluon decode kernel needs plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
+                         "use backend='triton' for strided planes")
+    cfg = gluon_default_launch(M)
+    cfg.update({k: v for k, v in launch.items() if v is not None})
+    block_m = int(cfg["block_m"])
+    head_blocks = triton.cdiv(M, block_m)
+    sms = _num_sms(q_lat.device.index or 0)
+    NS = cfg.get("num_splits") or num_splits_for(B, head_blocks, capacity, fmt, sms, gluon_kernel.BLOCK_T,
+                                                 cfg["waves"])
+    NS = max(1, int(NS))
+    covered = max(1, capacity - fmt.recent_tokens)  # splits cover positions [0, capacity - R), tile-aligned
+    tps = triton.cdiv(triton.cdiv(covered, NS), gluon_kernel.BLOCK_T) * gluon_kernel.BLOCK_T
+    NSP = NS + 1
+    q = q_lat.reshape(B, M, D_C).contiguous()
+    qr = q_rot.reshape(B, M, D_R).contiguous()
+    o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
+    lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
+    gluon_kernel.launch_gluon(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
+                              o_part, lse_part, M, Tq, tps, NS, scaling * LOG2E, block_m, int(cfg["num_warps"]),
+                              int(cfg["stages"]), bool(cfg.get("async_mma", False)))
+    return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)
