@@ -21,8 +21,8 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
   writes an empty partial (`lse = -inf`, `o = 0`) that the combine ignores.
 
 The Gluon kernel of `mla_decode_gluon.py` (sm_90: one unpack per tile in shared memory, read by `wgmma` for both
-dots) sits behind the same launcher (`backend="gluon"`); it becomes the default only for formats listed in
-`GLUON_FASTER` once measured faster (none yet).
+dots) sits behind the same launcher (`backend="gluon"`) and is the default where it was measured faster
+(`gluon_measured_faster`: 8-bit content, and 2/4-bit content with more than 16 query rows, e.g. 128 heads).
 
 `fast_handles` says which cases the kernel computes; `fast_supported` (what the decode op dispatches on) also
 requires it to have been measured faster than the fallback (2- and 4-bit content; 8-bit content is correct here
@@ -366,10 +366,16 @@ def fast_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: tor
 
 
 def fast_supported(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
-    """Whether to dispatch to this kernel (else `mla_decode.py`): it handles the case (`fast_handles`) AND was
-    measured faster than the fallback there. 8-bit content is handled correctly but measured slower on the H200
-    (16 heads, B32, 32K: 1.30 ms vs 1.00 ms; docs/BENCHMARKS.md), so it stays on the fallback."""
-    return fmt.content.bits in (2, 4) and fast_handles(fmt, q_dtype, device, copy_dtype)
+    """Whether to dispatch to `mla_decode_static` (else `mla_decode.py`): it handles the case (`fast_handles`) AND
+    was measured faster than the fallback there. 2- and 4-bit content: the Triton fast kernel (or the Gluon one,
+    `use_gluon`). 8-bit content: only where the Gluon kernel runs (sm_90), measured faster than the fallback; the
+    Triton fast kernel is correct at 8 bits but slower than the fallback (16 heads, B32, 32K: 1.30 vs 1.00 ms)."""
+    if not fast_handles(fmt, q_dtype, device, copy_dtype):
+        return False
+    if fmt.content.bits in (2, 4):
+        return True
+    return (fmt.content.bits == 8 and gluon_measured_faster(8, fmt.rope.bits, 1) and not _interpreting()
+            and gluon_kernel.gluon_handles(fmt, q_dtype, device, copy_dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -529,19 +535,28 @@ def _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out):
     return o, lse
 
 
-# Formats whose Gluon launch was measured faster than the Triton fast kernel on the H200 (docs/BENCHMARKS.md):
-# the dispatch takes the Gluon kernel only for these (content bits, RoPE bits). Empty: the Gluon kernel has not
-# been timed yet (its packed path was checked correct on the H200, its sink/recent path was fixed after that run
-# and not re-run; docs/KERNELS.md "Gluon kernel"), so `mla_decode_static` keeps the Triton fast kernel unless
-# `backend="gluon"` is asked for.
-GLUON_FASTER: set[tuple[int, int]] = set()
+def gluon_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
+    """Whether the Gluon kernel was measured faster than the alternative for this format and number of query rows
+    per batch row (`rows = H * Tq`), on the H200 in one run (docs/BENCHMARKS.md "Gluon kernel", do_bench medians):
+
+    - C8R8 (the alternative is the fallback kernel): 16 heads B32 32K 0.749 vs 0.994 ms, 128 heads B32 32K 2.86 vs
+      4.84 ms, 16 heads B1 4K 0.165 vs 0.348 ms: Gluon everywhere measured.
+    - C4R4 / C2R4 (the alternative is the Triton fast kernel): 128 heads B32 32K 2.64 vs 3.90 ms and 2.57 vs 3.95
+      ms (Gluon); 16 heads B32 32K 0.70 vs 0.59 ms and 0.71 vs 0.57 ms (Triton): Gluon above 16 rows.
+    """
+    if (content_bits, rope_bits) == (8, 8):
+        return True
+    if (content_bits, rope_bits) in ((4, 4), (2, 4)):
+        return rows > 16
+    return False
 
 
 def use_gluon(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_planes: dict,
               sink_c: torch.Tensor) -> bool:
     """Default backend of `mla_decode_static`: the Gluon kernel (`mla_decode_gluon.py`) where it handles the case
-    on this device, the planes are laid out contiguously, and it was measured faster (`GLUON_FASTER`)."""
-    if _interpreting() or not q_lat.is_cuda or (fmt.content.bits, fmt.rope.bits) not in GLUON_FASTER:
+    on this device, the planes are laid out contiguously, and it was measured faster (`gluon_measured_faster`)."""
+    rows = q_lat.shape[1] * q_lat.shape[2]
+    if _interpreting() or not q_lat.is_cuda or not gluon_measured_faster(fmt.content.bits, fmt.rope.bits, rows):
         return False
     return (gluon_kernel.gluon_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype)
             and gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes))

@@ -3,7 +3,7 @@
 Same function as `mla_decode_fast.py` (reference `mla_decode_ref.py`), same partial outputs, same combine; it is
 launched by `mla_decode_fast.mla_decode_static(..., backend="gluon")` for the cases `gluon_handles(...)` accepts
 (sm_90, packed 2/4/8-bit content in groups of 64, one RoPE group of 64, contiguous plane rows), and by default only
-for the formats in `mla_decode_fast.GLUON_FASTER` (none until it is timed). Design (docs/KERNELS.md "Gluon kernel"):
+where `mla_decode_fast.gluon_measured_faster` says it was timed faster on the H200. Design (docs/KERNELS.md "Gluon kernel"):
 
 * One program per (split, block of `BM` query rows, batch row), one or two warpgroups (`NW` = 4 or 8 warps).
 * The queries of the block are staged once in shared memory, per group of 64 columns, as fp16 `[BM, 64]`

@@ -18,7 +18,7 @@ import torch
 
 from quantmla_hf import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_gluon as mg
-from quantmla_hf.kernels.mla_decode_fast import use_gluon
+from quantmla_hf.kernels.mla_decode_fast import gluon_measured_faster, use_gluon
 from quantmla_hf.kernels.quant_pack_ref import quantize_ref, unpack_codes
 
 COMPILE = textwrap.dedent(
@@ -91,6 +91,15 @@ def test_dispatch_rules():
     assert mg.cp_vec(8, 4) == 4 and mg.cp_vec(4, 4) == 2 and mg.cp_vec(16, 8) == 4 and mg.cp_vec(4, 8) == 1
     q = torch.zeros(1, 16, 1, 512, dtype=torch.bfloat16)
     assert not use_gluon(fmt(4, 4), q, {}, {}, q)  # CPU tensors: the Triton kernels
+
+
+def test_gluon_is_the_default_only_where_it_was_measured_faster():
+    # H200 timings (docs/BENCHMARKS.md "Gluon kernel"): 8-bit content at any row count; 2/4-bit content only above
+    # 16 query rows (128 heads), where the Triton fast kernel loses; 16-bit paths never (not handled)
+    assert gluon_measured_faster(8, 8, 1) and gluon_measured_faster(8, 8, 128)
+    assert gluon_measured_faster(4, 4, 128) and gluon_measured_faster(2, 4, 32)
+    assert not gluon_measured_faster(4, 4, 16) and not gluon_measured_faster(2, 4, 1)
+    assert not gluon_measured_faster(16, 16, 128) and not gluon_measured_faster(4, 8, 128)
 
 
 def test_contiguous_planes_are_recognised():
