@@ -277,7 +277,7 @@ def test_calibrated_variant_is_keyed_by_the_protection_it_models(tmp_path):
         sys.path.pop(0)
     accuracy = evaluate.harness
     model = tiny_mla_model("deepseek_v3", seed=0).eval()
-    ids = torch.randint(0, model.config.vocab_size, (4, 160), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, model.config.vocab_size, (2, 136), generator=torch.Generator().manual_seed(3))
     on, info_on = evaluate.calibrated_variant(model, "learned-C2R4-seed0", ids, 1, "on", tmp_path)
     off, info_off = evaluate.calibrated_variant(model, "learned-C2R4-seed0", ids, 1, "off", tmp_path)
     assert not info_on["loaded"] and not info_off["loaded"]
