@@ -223,6 +223,82 @@ def test_paired_bootstrap_summary():
     lo, hi = s["rows"]["RTN C2R4"]["dppl_ci"]
     assert 0 < lo <= s["rows"]["RTN C2R4"]["dppl"] <= hi
     assert abs(s["rows"]["RTN C2R4"]["dppl"] - (math.exp(2.0 / 100) - 1)) < 1e-9
-    d = s["learned_minus_rtn"]["QuantMLA C2R4 - RTN C2R4"]
+    d = s["comparisons"]["QuantMLA C2R4 - RTN C2R4"]
     assert d["dppl_ci"][1] < 0 and abs(d["dkl"] + 0.005) < 1e-12
     assert "QuantMLA C2R4 - RTN C2R4" in evaluate.markdown({"command": "x", "texts": {"t": {"summary": s}}})
+
+
+def test_kl_ratio_comparisons_and_verdicts():
+    """evaluate.summarize compares every non-RTN row with RTN at its setting, and QuantMLA with the other transforms
+    there; the KL ratio is mean KL over mean KL with the interval of quantmla_hf.intervals.bootstrap (paired)."""
+    from quantmla_hf.intervals import bootstrap, ratio_of_means
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "real_model"))
+    try:
+        import evaluate
+    finally:
+        sys.path.pop(0)
+    gen = torch.Generator().manual_seed(9)
+    base = [{"nll": float(v), "n": 128, "kl": 0.0, "top1": 128} for v in 300 + 50 * torch.rand(30, generator=gen)]
+    rtn_kl = 100 + 40 * torch.rand(30, generator=gen)
+    noise = 20 * torch.randn(30, generator=gen)
+    rows = {"BF16 cache": {"windows": base},
+            "RTN C2R4": {"windows": [dict(w, kl=float(k)) for w, k in zip(base, rtn_kl)]},
+            "QuantMLA C2R4": {"windows": [dict(w, kl=float(0.5 * k)) for w, k in zip(base, rtn_kl)]},
+            "QuaRot† C2R4": {"windows": [dict(w, kl=float(k + e)) for w, k, e in zip(base, rtn_kl, noise)]},
+            "RTN C2R4, no protection": {"windows": [dict(w, kl=float(2 * k)) for w, k in zip(base, rtn_kl)]}}
+    s = evaluate.summarize({"rows": rows}, draws=300)
+    assert set(s["comparisons"]) == {"QuantMLA C2R4 - RTN C2R4", "QuaRot† C2R4 - RTN C2R4",
+                                     "QuantMLA C2R4 - QuaRot† C2R4"}
+    half = s["comparisons"]["QuantMLA C2R4 - RTN C2R4"]
+    assert abs(half["kl_ratio"] - 0.5) < 1e-12 and half["kl_ratio_ci"][1] < 1 and half["verdict"] == "lower"
+    assert half["kl_ratio_ci"][0] == pytest.approx(0.5) and half["kl_ratio_ci"][1] == pytest.approx(0.5)
+    tie = s["comparisons"]["QuaRot† C2R4 - RTN C2R4"]
+    ref = bootstrap(ratio_of_means, (rtn_kl + noise) / 128, rtn_kl / 128, resamples=300, seed=0)
+    assert tie["kl_ratio"] == pytest.approx(ref.value) and tie["kl_ratio_ci"] == pytest.approx((ref.low, ref.high))
+    assert tie["verdict"] == "tie" and tie["kl_ratio_ci"][0] < 1 < tie["kl_ratio_ci"][1]
+    assert "| QuantMLA C2R4 - RTN C2R4 |" in evaluate.markdown({"command": "x", "texts": {"t": {"summary": s}}})
+    assert evaluate.setting_of("RTN + content transform C2R4, no protection") == ("RTN + content transform",
+                                                                                 "C2R4, no protection")
+    assert evaluate.setting_of("BF16 cache") is None
+
+
+def test_calibrated_variant_is_keyed_by_the_protection_it_models(tmp_path):
+    """evaluate.calibrated_variant stores each calibration under its full key: a protected row's learned variant and
+    an unprotected row's are different models; the same recipe is reused (not recalibrated), another is refused."""
+    import json as _json
+
+    from quantmla_hf.tiny_models import tiny_mla_model
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "real_model"))
+    try:
+        import evaluate
+    finally:
+        sys.path.pop(0)
+    accuracy = evaluate.harness
+    model = tiny_mla_model("deepseek_v3", seed=0).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 136), generator=torch.Generator().manual_seed(3))
+    on, info_on = evaluate.calibrated_variant(model, "learned-C2R4-seed0", ids, 1, "on", tmp_path)
+    off, info_off = evaluate.calibrated_variant(model, "learned-C2R4-seed0", ids, 1, "off", tmp_path)
+    assert not info_on["loaded"] and not info_off["loaded"]
+    assert info_on["record"]["protection_modelled"] == [4, 128] and info_off["record"]["protection_modelled"] == [0, 0]
+    assert info_on["key"]["protection"] == "on" and len(list(tmp_path.glob("learned-C2R4-seed0-*.pt"))) == 2
+    again, info = evaluate.calibrated_variant(model, "learned-C2R4-seed0", ids, 1, "on", tmp_path)
+    assert info["loaded"] and info["seconds"] == info_on["seconds"]
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), on.state_dict().values()))
+    # a stored file whose recorded key differs from its name's is refused, not silently reused
+    path = next(p for p in tmp_path.glob("learned-C2R4-seed0-*.pt")
+                if torch.load(p, weights_only=False)["key"]["protection"] == "on")
+    saved = torch.load(path, weights_only=False)
+    saved["key"] = {**saved["key"], "steps": 99}
+    torch.save(saved, path)
+    with pytest.raises(ValueError, match="calibrated with"):
+        evaluate.calibrated_variant(model, "learned-C2R4-seed0", ids, 1, "on", tmp_path)
+    # which rows calibrate with which protection
+    rows = {m.name: evaluate.calibration_protection_for(m, "on") for m in accuracy.expand_methods(
+        ["rtn", "quarot", "smooth", "quantmla", "content"], [(2, 4)], [True, False], seeds=[None])}
+    assert rows == {"RTN C2R4": "off", "RTN C2R4, no protection": "off", "QuaRot† C2R4": "off",
+                    "QuaRot† C2R4, no protection": "off", "SmoothQuant† C2R4": "off",
+                    "SmoothQuant† C2R4, no protection": "off", "QuantMLA C2R4": "on", "QuantMLA C2R4, no protection": "off",
+                    "RTN + content transform C2R4": "on", "RTN + content transform C2R4, no protection": "off"}
+    assert _json.dumps(info_on["key"])  # the key is plain data (written to the results json)

@@ -6,12 +6,20 @@ the rest fed through the cache in chunks of `--chunk` tokens and scored):
     bf16        the converted model, unquantized latent cache: the reference of every KL below
                 (both scored with one causal forward per window, which for an exact cache equals prefill + chunked
                 decode up to float rounding; `tests/test_real_model_conversion.py` checks it)
-    rtn/smooth/quarot/quantmla/content/quanto   as in benchmarks/accuracy.py (calibrated variants are reused from
-                `--calibrated-dir`)
+    rtn/smooth/quarot/quantmla/content/quanto   as in benchmarks/accuracy.py (one calibration seed, 0; calibrated
+                variants are stored in and reused from `--calibrated-dir`, keyed by `accuracy.calibration_key`)
+
+Calibration: the first `--calibration-samples` windows of `--calibration-seq-len` tokens of `--calibration` (in
+order, not drawn). The objectives model the protection of the row's cache: a protected row's variant is calibrated
+with `calibration_protection=--calibration-protection` (default "on": 4 sink + 128 recent), an unprotected row's with
+"off" (every cached token quantized), so the two are different calibrated models (different keys).
 
 Statistics: per window we keep the summed NLL, the summed KL(BF16 || row) and the top-1 agreement count. Windows are
 resampled with replacement (`--bootstrap` times, the same resample for every row: paired), giving 95% percentile
-intervals of the perplexity change vs BF16, of the mean KL, and of paired differences (learned - RTN).
+intervals of the perplexity change vs BF16, of the mean KL, and of paired comparisons: every non-RTN quantized row
+against RTN at the same bits and protection, and QuantMLA against the other transforms at its setting (difference of
+perplexity change, difference of mean KL, and the KL ratio `mean KL / mean KL of the other`, whose interval comes
+from `quantmla_hf.intervals.bootstrap` on the same resamples; "tie" when it contains 1).
 
 Example:
     python benchmarks/real_model/evaluate.py --model /tmp/realmodel/mla-dc256 --llama /tmp/realmodel/llama \\
@@ -25,11 +33,14 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from quantmla_hf.intervals import Interval, bootstrap, ratio_of_means
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared harness
@@ -105,6 +116,46 @@ def interval(draws: torch.Tensor) -> tuple[float, float]:
     return lo, hi
 
 
+def setting_of(name: str) -> tuple[str, str] | None:
+    """`(method label, setting)` of a quantized row name, e.g. "QuaRot† C2R4, no protection" ->
+    ("QuaRot†", "C2R4, no protection"); None for rows without a bit setting (BF16, Llama, quanto)."""
+    m = re.fullmatch(r"(.+?) (C\d+R\d+.*)", name)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def comparisons(rows) -> list[tuple[str, str]]:
+    """`(row, against)` pairs among the row names `rows` (in order): every non-RTN quantized row against RTN at the
+    same bits and protection; every QuantMLA (learned) row also against the other non-RTN rows of its setting."""
+    parsed = {name: setting_of(name) for name in rows}
+    out = []
+    for name, ps in parsed.items():
+        if ps is None or ps[0] == "RTN":
+            continue
+        rtn = f"RTN {ps[1]}"
+        if rtn in parsed:
+            out.append((name, rtn))
+        if ps[0] == "QuantMLA":
+            out += [(name, other) for other, po in parsed.items()
+                    if po is not None and po[1] == ps[1] and po[0] not in ("RTN", "QuantMLA")]
+    return out
+
+
+def kl_ratio(rows, other_rows, draws: int) -> Interval:
+    """Mean KL of `rows` over the mean KL of `other_rows` (the same windows, each with `kl` summed over `n` tokens)
+    with its 95% paired bootstrap interval (`quantmla_hf.intervals.bootstrap`, `draws` resamples, the seed of
+    `bootstrap_indices`, so the resamples are those of every other interval here)."""
+    a = torch.tensor([r["kl"] / r["n"] for r in rows], dtype=torch.float64)
+    b = torch.tensor([r["kl"] / r["n"] for r in other_rows], dtype=torch.float64)
+    if any(r["n"] != rows[0]["n"] for r in list(rows) + list(other_rows)):
+        raise ValueError("kl_ratio needs windows of equal scored length (a ratio of means of per-window means)")
+    return bootstrap(ratio_of_means, a, b, resamples=draws, seed=0)
+
+
+def verdict(ratio: Interval) -> str:
+    """"lower" / "higher" KL when the ratio's 95% interval excludes 1, else "tie"."""
+    return "lower" if ratio.high < 1 else "higher" if ratio.low > 1 else "tie"
+
+
 def summarize(results: dict, draws: int) -> dict:
     """Point estimates and 95% intervals of every row against BF16, and of learned - RTN differences."""
     rows = results["rows"]
@@ -126,21 +177,21 @@ def summarize(results: dict, draws: int) -> dict:
                      top1=sum(x["top1"] for x in w) / sum(x["n"] for x in w))
         summary[name] = s
     pairs = {}
-    for name in rows:
-        if name.startswith("QuantMLA "):
-            rtn = name.replace("QuantMLA ", "RTN ")
-            if rtn in summary and name in summary:
-                a, b = rows[name]["windows"][:n], rows[rtn]["windows"][:n]
-                d_ppl = ppl_change(a, ref["windows"], idx) - ppl_change(b, ref["windows"], idx)
-                d_kl = mean_kl(a, idx) - mean_kl(b, idx)
-                pairs[f"{name} - {rtn}"] = {
-                    "dppl": summary[name]["dppl"] - summary[rtn]["dppl"], "dppl_ci": interval(d_ppl),
-                    "dkl": summary[name]["kl"] - summary[rtn]["kl"], "dkl_ci": interval(d_kl)}
-    return {"windows": n, "draws": draws, "rows": summary, "learned_minus_rtn": pairs}
+    for name, other in comparisons(summary):
+        a, b = rows[name]["windows"][:n], rows[other]["windows"][:n]
+        d_ppl = ppl_change(a, ref["windows"], idx) - ppl_change(b, ref["windows"], idx)
+        d_kl = mean_kl(a, idx) - mean_kl(b, idx)
+        ratio = kl_ratio(a, b, draws)
+        pairs[f"{name} - {other}"] = {
+            "dppl": summary[name]["dppl"] - summary[other]["dppl"], "dppl_ci": interval(d_ppl),
+            "dkl": summary[name]["kl"] - summary[other]["kl"], "dkl_ci": interval(d_kl),
+            "kl_ratio": ratio.value, "kl_ratio_ci": (ratio.low, ratio.high), "verdict": verdict(ratio)}
+    return {"windows": n, "draws": draws, "rows": summary, "comparisons": pairs}
 
 
 def markdown(results: dict) -> str:
-    lines = [f"Command: `{results['command']}`", ""]
+    lines = [f"Earlier command (rows kept): `{c}`" for c in results.get("earlier_commands", [])]
+    lines += [f"Command: `{results['command']}`", ""]
     for text, res in results["texts"].items():
         s = res.get("summary") or {}
         lines += [f"#### {text} ({s.get('windows', '?')} windows; 95% paired bootstrap over windows, "
@@ -152,12 +203,15 @@ def markdown(results: dict) -> str:
             top1 = f"{r['top1']:.3f}" if "top1" in r else "—"
             lines.append(f"| {name} | {r['ppl']:.3f} | {100 * r['dppl']:+.2f}% [{100 * r['dppl_ci'][0]:+.2f}, "
                          f"{100 * r['dppl_ci'][1]:+.2f}] | {kl} | {top1} |")
-        if s.get("learned_minus_rtn"):
-            lines += ["", "| paired difference | Δppl (pct points) [95% CI] | ΔKL [95% CI] |", "| --- | ---: | ---: |"]
-            for name, d in s["learned_minus_rtn"].items():
+        if s.get("comparisons"):
+            lines += ["", "| paired comparison (row - other) | Δppl (pct points) [95% CI] | ΔKL [95% CI] | "
+                      "KL / other's KL [95% CI] | KL verdict |", "| --- | ---: | ---: | ---: | --- |"]
+            for name, d in s["comparisons"].items():
+                ratio = (f"{d['kl_ratio']:.3f} [{d['kl_ratio_ci'][0]:.3f}, {d['kl_ratio_ci'][1]:.3f}] | {d['verdict']}"
+                         if "kl_ratio" in d else "— | —")
                 lines.append(f"| {name} | {100 * d['dppl']:+.2f} [{100 * d['dppl_ci'][0]:+.2f}, "
                              f"{100 * d['dppl_ci'][1]:+.2f}] | {d['dkl']:+.4f} [{d['dkl_ci'][0]:+.4f}, "
-                             f"{d['dkl_ci'][1]:+.4f}] |")
+                             f"{d['dkl_ci'][1]:+.4f}] | {ratio} |")
         lines.append("")
     for key in ("greedy", "needle", "ratio", "calibration"):
         if results.get(key):
@@ -166,6 +220,30 @@ def markdown(results: dict) -> str:
 
 
 # -------------------------------------------------------------------------------------------------------- main
+
+
+LR, SEED, BATCH = 5e-3, 0, 8  # calibration learning rate, seed and batch (the library's defaults)
+
+
+def calibration_protection_for(method, protected_setting: str) -> str:
+    """What the objectives of `method`'s variant model: the row's own protection for the learned variants
+    (`protected_setting` when its cache protects sink/recent tokens, "off" when it does not); "off" for variants
+    whose calibration does not read it (base, hadamard, smooth)."""
+    learns = method.variant.startswith("learned")
+    return (protected_setting if method.protect else "off") if learns else "off"
+
+
+def calibrated_variant(base, variant: str, ids: torch.Tensor, steps: int, protection: str, cache_dir: Path | None,
+                       base_digest: str = ""):
+    """`(model, info)`: `base` with the transform of `variant` fused, calibrated on `ids: [N, T]` (`steps` steps per
+    layer and path, learning rate `LR`, seed `SEED`, batch `BATCH`, `calibration_protection=protection`) with every
+    layer's inputs captured in one pass; reused from `cache_dir` when a model of the same key
+    (`accuracy.calibration_key`) is stored there, and a stored file of another key is refused.
+    `info` as `accuracy.calibrate_variant` returns it (seconds, loaded, record, key)."""
+    recipe = harness.CalibrationRecipe(ids=ids, steps=steps, lr=LR, seed=SEED, batch_size=BATCH,
+                                       protection=protection)
+    with one_pass_capture():
+        return harness.calibrate_variant(base, variant, recipe, cache_dir, base_digest)
 
 
 def chat_prompts(tokenizer) -> list[torch.Tensor]:
@@ -209,7 +287,11 @@ def main(argv=None) -> int:
     p.add_argument("--calibration-samples", type=int, default=8)
     p.add_argument("--calibration-seq-len", type=int, default=256)
     p.add_argument("--calibration-steps", type=int, default=10)
-    p.add_argument("--calibrated-dir", help="where calibrated variants are saved and reused")
+    p.add_argument("--calibration-protection", default="on", choices=("auto", "on", "off"),
+                   help="what the objectives of a protected row's variant model (quantize's calibration_protection); "
+                        "an unprotected row's variant is always calibrated with 'off'")
+    p.add_argument("--calibrated-dir", help="where calibrated variants are saved and reused (keyed by everything that "
+                   "changes them: benchmarks/accuracy.py calibration_key)")
     p.add_argument("--greedy-steps", type=int, default=0, help="greedy agreement Llama vs converted (0: skip)")
     p.add_argument("--needle-lengths", default="")
     p.add_argument("--needle-methods", default="bf16")
@@ -229,6 +311,8 @@ def main(argv=None) -> int:
         old = json.loads(out.with_suffix(".json").read_text())
         if old.get("settings", {}).get("window") == args.window and old["settings"].get("prefill") == args.prefill:
             results["texts"] = old.get("texts", {})
+            results["calibration"] = old.get("calibration", {})
+            results["earlier_commands"] = old.get("earlier_commands", []) + [old["command"]]
 
     def save():
         for res in results["texts"].values():
@@ -241,25 +325,37 @@ def main(argv=None) -> int:
     llama = AutoModelForCausalLM.from_pretrained(args.llama, dtype=torch.float32).eval() if args.llama else None
     families = [m.strip() for m in args.methods.split(",") if m.strip()]
     protect = [{"on": True, "off": False}[x] for x in args.protect.split(",")]
-    methods = harness.expand_methods([f for f in families if f != "llama"], harness.parse_bits(args.bits), protect)
+    # One calibration seed (0), and row names without "(seed 0)" (the names of the published rows).
+    methods = harness.expand_methods([f for f in families if f != "llama"], harness.parse_bits(args.bits), protect,
+                                     seeds=[None])
     calib = None
     if args.calibration:
         ids = harness.token_ids(tok, harness.read_text(args.calibration, args.calibration_chars))
         n = ids.numel() // args.calibration_seq_len
         calib = ids[: n * args.calibration_seq_len].view(n, args.calibration_seq_len)
-    loaded = {"base": base}
+    cache_dir = Path(args.calibrated_dir) if args.calibrated_dir else None
+    base_digest = harness.model_digest(base)
+    loaded = {}
 
-    def variant(v):
-        if v not in loaded:
-            if calib is None and v not in ("base", "hadamard"):
-                raise ValueError(f"variant {v} needs --calibration")
+    def variant(method):
+        """The model `method` runs on, calibrated for its cache's protection (or reused from --calibrated-dir)."""
+        protection = calibration_protection_for(method, args.calibration_protection)
+        if (method.variant, protection) not in loaded:
+            if calib is None and method.variant not in ("base", "hadamard"):
+                raise ValueError(f"variant {method.variant} needs --calibration")
             sel = calib[: args.calibration_samples] if calib is not None else torch.zeros(2, 8, dtype=torch.long)
-            with one_pass_capture():
-                loaded[v], sec, rec = harness.calibrate_variant(
-                    base, v, sel, args.calibration_steps, Path(args.calibrated_dir) if args.calibrated_dir else None)
-            results["calibration"][v] = {"seconds": sec}
-            log(f"variant {v}: calibrated in {sec:.0f} s")
-        return loaded[v]
+            model, info = calibrated_variant(base, method.variant, sel, args.calibration_steps, protection, cache_dir,
+                                             base_digest)
+            loaded[(method.variant, protection)] = model
+            if method.variant != "base":
+                record = info.get("record") or {}
+                results["calibration"][f"{method.variant}, protection {protection}"] = {
+                    "seconds": info["seconds"], "loaded": info["loaded"], "key": info["key"],
+                    "protection_modelled": record.get("protection_modelled"), "windows": record.get("windows")}
+                how = "reused from --calibrated-dir (calibrated earlier in" if info["loaded"] else "calibrated in"
+                log(f"variant {method.variant} (calibration_protection {protection}): {how} {info['seconds']:.0f} s"
+                    f"{')' if info['loaded'] else ''}")
+        return loaded[(method.variant, protection)]
 
     if args.greedy_steps and llama is not None:
         rows = []
@@ -299,7 +395,7 @@ def main(argv=None) -> int:
             row = res["rows"].setdefault(name, {"windows": []})
             if len(row["windows"]) >= n_win:
                 continue
-            model = llama if method == "llama" else variant(method.variant)
+            model = llama if method == "llama" else variant(method)
             make = (lambda: DynamicCache(config=llama.config)) if method == "llama" else \
                 harness.make_cache_factory(method, model.config)
             start = time.time()
@@ -329,7 +425,7 @@ def main(argv=None) -> int:
         for method in methods:
             if method.family not in wanted and method.name not in wanted:
                 continue
-            model = variant(method.variant)
+            model = variant(method)
             make = harness.make_cache_factory(method, model.config)
             by_length = {}
             for n in [int(x) for x in args.needle_lengths.split(",")]:
