@@ -13,7 +13,8 @@ Methods (`--methods`, each run at every `--bits` setting and `--protect` choice 
     quantmla    learned transform, calibrated per bit setting and fused ("learned"), objectives as
                 --calibration-protection says
     quantmla_allq  the same, with objectives that quantize every cached token (calibration_protection="off")
-    content     ablation: learned content transform only (calibrated with rope_bits=16, so the RoPE path is untouched)
+    content     ablation: learned content transform only (the learned model with its RoPE rows put back)
+    rope        ablation: learned RoPE transform only (the learned model with its content rows put back)
     quanto      transformers `QuantizedCache(backend="quanto")`, nbits = content bits, residual 128, group 64
                 (it quantizes both paths at the same width; its residual window is its own protection)
 Protection: "on" keeps 4 sink + 128 recent tokens in the model dtype, "off" sets sink_tokens = recent_tokens = 0.
@@ -50,9 +51,9 @@ import torch
 from quantmla_hf.intervals import Interval
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "quantmla_hf" / "assets" / "reference_model"
-METHODS = ("bf16", "rtn", "smooth", "quarot", "quanto", "quantmla", "quantmla_allq", "content")
+METHODS = ("bf16", "rtn", "smooth", "quarot", "quanto", "quantmla", "quantmla_allq", "content", "rope")
 LABELS = {"bf16": "BF16 cache", "rtn": "RTN", "smooth": "SmoothQuant†", "quarot": "QuaRot†", "quantmla": "QuantMLA",
-          "content": "RTN + content transform", "quanto": "QuantizedCache (quanto)",
+          "content": "RTN + content transform", "rope": "RTN + RoPE transform", "quanto": "QuantizedCache (quanto)",
           "quantmla_allq": "QuantMLA, objectives without protection"}
 NAMES = ("Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kavya", "Lars",
          "Mireille", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Stefan", "Tomas", "Ursula", "Viktor", "Wanda")
@@ -84,7 +85,7 @@ class Method:
     content_bits: int = 16
     rope_bits: int = 16
     protect: bool = True
-    seed: int | None = None  # calibration seed of the calibrated families (smooth, quantmla, content)
+    seed: int | None = None  # calibration seed of the calibrated families (smooth, quantmla, content, rope)
 
     @property
     def calibrated(self) -> bool:
@@ -106,11 +107,12 @@ class Method:
         v = {"bf16": "base", "rtn": "base", "quanto": "base", "smooth": "smooth", "quarot": "hadamard",
              "quantmla": f"learned-C{self.content_bits}R{self.rope_bits}",
              "quantmla_allq": f"learned-C{self.content_bits}R{self.rope_bits}-allq",
-             "content": f"learned-C{self.content_bits}R16"}[self.family]
+             "content": f"learned-C{self.content_bits}R16",
+             "rope": f"learned-C{self.content_bits}R{self.rope_bits}-rope"}[self.family]
         return f"{v}-seed{self.seed or 0}" if self.calibrated else v
 
 
-CALIBRATED = ("smooth", "quantmla", "quantmla_allq", "content")
+CALIBRATED = ("smooth", "quantmla", "quantmla_allq", "content", "rope")
 
 
 def expand_methods(families: list[str], bits: list[tuple[int, int]], protect: list[bool],
@@ -238,6 +240,13 @@ def calibrate_variant(base, variant: str, recipe: CalibrationRecipe, cache_dir: 
         full, info = calibrate_variant(base, f"learned-C{content_only.group(1)}R4{content_only.group(2) or ''}",
                                        recipe, cache_dir, base_digest)
         return restore_rope_rows(full, base), info
+    rope_only = re.fullmatch(r"learned-C(\d+)R(\d+)-rope(-seed\d+)?", variant)
+    if rope_only:
+        # The mirror image: the full learned model with the content rows (kv_a content rows, kv_a_layernorm,
+        # kv_b_proj) put back, so only the RoPE transform remains.
+        c, r, seed = rope_only.groups()
+        full, info = calibrate_variant(base, f"learned-C{c}R{r}{seed or ''}", recipe, cache_dir, base_digest)
+        return restore_content_rows(full, base), info
     if re.fullmatch(r"learned-C(\d+)R(\d+)-allq(-seed\d+)?", variant):
         recipe = replace(recipe, protection="off")
     key = calibration_key(base_digest or model_digest(base), variant, recipe)
@@ -297,6 +306,23 @@ def restore_rope_rows(model, base):
             q, qb = query_projection(m).weight, query_projection(b).weight
             rows = q.view(-1, d_nope + d_r, q.shape[-1])
             rows[:, d_nope:] = qb.view(-1, d_nope + d_r, qb.shape[-1])[:, d_nope:]
+    return out
+
+
+def restore_content_rows(model, base):
+    """A copy of `model` whose content weights (content rows of `kv_a_proj_with_mqa` and of its bias, the
+    `kv_a_layernorm` weight, `kv_b_proj`) are `base`'s: the RoPE transform alone."""
+    from quantmla_hf.hooks import mla_attention_modules
+
+    out = copy.deepcopy(model)
+    for m, b in zip(mla_attention_modules(out), mla_attention_modules(base)):
+        d_c = m.kv_a_layernorm.weight.numel()
+        with torch.no_grad():
+            m.kv_a_proj_with_mqa.weight[:d_c] = b.kv_a_proj_with_mqa.weight[:d_c]
+            if m.kv_a_proj_with_mqa.bias is not None:
+                m.kv_a_proj_with_mqa.bias[:d_c] = b.kv_a_proj_with_mqa.bias[:d_c]
+            m.kv_a_layernorm.weight.copy_(b.kv_a_layernorm.weight)
+            m.kv_b_proj.weight.copy_(b.kv_b_proj.weight)
     return out
 
 

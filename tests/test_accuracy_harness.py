@@ -225,3 +225,12 @@ def test_content_only_variant_keeps_the_function_and_the_rope_key(acc, model):
     torch.testing.assert_close(content_layer.values, base_layer.values)
     assert not torch.allclose(fused_layer.values, base_layer.values, atol=1e-3)
     torch.testing.assert_close(content_layer.keys, fused_layer.keys)
+    # The mirror image (`rope` method): RoPE transform kept, content rows put back.
+    rope_only = acc.restore_content_rows(fused, model)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(rope_only(ids, **{CACHE_KWARG: cache}).logits, model(ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.layers[0].keys, base_layer.keys)
+    torch.testing.assert_close(cache.layers[0].values, fused_layer.values)
+    assert [m.variant for m in acc.expand_methods(["rope"], [(4, 4)], [True])] == ["learned-C4R4-rope-seed0"]

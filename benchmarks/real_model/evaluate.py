@@ -6,7 +6,7 @@ the rest fed through the cache in chunks of `--chunk` tokens and scored):
     bf16        the converted model, unquantized latent cache: the reference of every KL below
                 (both scored with one causal forward per window, which for an exact cache equals prefill + chunked
                 decode up to float rounding; `tests/test_real_model_conversion.py` checks it)
-    rtn/smooth/quarot/quantmla/content/quanto   as in benchmarks/accuracy.py (one calibration seed, 0; calibrated
+    rtn/smooth/quarot/quantmla/content/rope/quanto   as in benchmarks/accuracy.py (one calibration seed, 0; calibrated
                 variants are stored in and reused from `--calibrated-dir`, keyed by `accuracy.calibration_key`)
 
 Calibration: the first `--calibration-samples` windows of `--calibration-seq-len` tokens of `--calibration` (in
