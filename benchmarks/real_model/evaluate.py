@@ -409,7 +409,13 @@ def main(argv=None) -> int:
                     torch.save(lp, ref_path)
                     ref = None
                 else:
-                    ref = torch.load(ref_path) if ref_path.exists() else None
+                    if not ref_path.exists():
+                        raise FileNotFoundError(
+                            f"the BF16 reference log-probabilities of window {w} are missing ({ref_path}): they are "
+                            f"written when the bf16 row is scored into this --out; a BF16 row reused from "
+                            f"{out.with_suffix('.json').name} needs its {out.stem}.ref folder too (rerun with a fresh "
+                            "--out, or copy/link the .ref folder of the --out that scored it)")
+                    ref = torch.load(ref_path)
                 row["windows"].append(window_stats(lp, seq[args.prefill :], ref))
             row["seconds"] = time.time() - start
             save()
