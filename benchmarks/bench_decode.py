@@ -25,7 +25,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels.mla_decode import mla_decode
-from quantmla_hf.kernels import mla_decode_gluon
+from quantmla_hf.kernels import mla_decode_gluon, mla_decode_strided
 from quantmla_hf.kernels.mla_decode_fast import fast_handles, mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
@@ -64,10 +64,10 @@ def cache_bytes(fmt, B, N):
 
 def decode_fn(kernel, fmt, N, capacity=None, **launch):
     """`(args) -> (o, lse)` for one kernel: "fast" = `mla_decode_static` through the Triton fast kernel, "gluon" =
-    the same through the Gluon (sm_90) kernel, both with a device-side length and the planes' capacity (`capacity`,
+    the same through the Gluon (sm_90) kernel, "strided" = through the strided-plane kernel, all three with a device-side length and the planes' capacity (`capacity`,
     default N); "old" = the fallback `mla_decode` with a host length."""
-    if kernel in ("fast", "gluon"):
-        launch = dict(launch, backend="triton" if kernel == "fast" else "gluon")
+    if kernel in ("fast", "gluon", "strided"):
+        launch = dict(launch, backend={"fast": "triton"}.get(kernel, kernel))
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
         cap = capacity or N
 
@@ -99,10 +99,15 @@ def run_check(out_lines, cases=None, R=128, kernel="old", launch=None):
     ]
     worst_o, worst_lse, all_ok = 0.0, 0.0, True
     for name, H, B, N, Tq, qdt in cases:
-        spare = 67 if kernel in ("fast", "gluon") else 0
+        spare = 67 if kernel in ("fast", "gluon", "strided") else 0
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + spare, R=R, seed=B + N)
         if kernel == "gluon" and not mla_decode_gluon.gluon_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the Gluon kernel, skipped")
+            print(out_lines[-1], flush=True)
+            continue
+        if kernel == "strided" and not mla_decode_strided.strided_handles(
+                fmt, torch.float32 if qdt == "fp32" else torch.bfloat16, DEVICE, sc.dtype):
+            out_lines.append(f"check {name} H={H} B={B} N={N} q={qdt}: not handled by the strided kernel, skipped")
             print(out_lines[-1], flush=True)
             continue
         if kernel == "fast" and not fast_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
@@ -270,8 +275,8 @@ def bf16_kernel_fn(decode_attention_fwd, B, H, N, kv):
 
 POINTS = [(16, 1, 4096), (16, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 8, 131072), (16, 32, 131072),
           (128, 8, 32768), (128, 32, 32768)]
-OURS = [("gluon", "C4R4"), ("gluon", "C2R4"), ("gluon", "C8R8"), ("fast", "C4R4"), ("fast", "C2R4"), ("old", "C8R8"),
-        ("old", "C16R16")]
+OURS = [("strided", "C4R4"), ("strided", "C2R4"), ("strided", "C8R8"), ("gluon", "C4R4"), ("gluon", "C2R4"),
+        ("gluon", "C8R8"), ("fast", "C4R4"), ("fast", "C2R4"), ("old", "C8R8"), ("old", "C16R16")]
 
 
 def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=None, stock=False):
@@ -366,10 +371,17 @@ SWEEP_GLUON = {
 }
 
 
+SWEEP_STRIDED = {
+    ("C4R4", 16): [dict(), dict(num_stages=3), dict(num_stages=1), dict(waves=4), dict(waves=16)],
+    ("C2R4", 16): [dict()],
+    ("C4R4", 128): [dict()],
+}
+
+
 def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32768), ("C4R4", 128, 32, 32768)),
                  kernel="fast"):
     """Launch sweep of the fast (or Gluon) kernel around its defaults at the target points (B 32, 32K)."""
-    sweep = SWEEP_GLUON if kernel == "gluon" else SWEEP
+    sweep = {"gluon": SWEEP_GLUON, "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
     res = []
     for name, H, B, N in points:
         if True:
@@ -419,10 +431,10 @@ def launch_from_sweep(best, kernel="fast"):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--check-kernels", default="fast", help="comma list of kernels to check: fast, old")
+    ap.add_argument("--check-kernels", default="fast", help="comma list of kernels to check: fast, gluon, strided, old")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--variants", action="store_true")
-    ap.add_argument("--variant-kernels", default="gluon,fast", help="comma list of kernels to sweep: gluon, fast")
+    ap.add_argument("--variant-kernels", default="gluon,fast", help="comma list of kernels to sweep: gluon, fast, strided")
     ap.add_argument("--points", default="", help="H:B:N,... timing points (default: the full grid)")
     ap.add_argument("--stock", action="store_true", help="also time the stock transformers step (slow)")
     ap.add_argument("--bf16-kernel", default=os.environ.get("BF16_MLA_KERNEL", ""),

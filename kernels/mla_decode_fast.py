@@ -41,6 +41,7 @@ import triton.language as tl
 from quantmla_hf.format import CacheFormat
 
 from . import mla_decode_gluon as gluon_kernel
+from . import mla_decode_strided as strided_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -435,8 +436,9 @@ def mla_decode_static(
         scaling: softmax scale.
         out: optional preallocated `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`.
         launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` overrides (benchmarks), and
-            `backend`: "triton" (this module's kernel) or "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
-            `block_m, num_warps, stages, waves, num_splits, async_mma`); default `use_gluon(...)`.
+            `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
+            `block_m, num_warps, stages, waves, num_splits, async_mma`) or "strided" (`mla_decode_strided.py`; keys
+            `block_m, block_t, num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
 
     Returns:
         `o_lat: [B, H, Tq, d_c]` fp32 and `lse: [B, H, Tq]` fp32 (natural log; zeros and -inf for a row with no
@@ -477,11 +479,13 @@ def mla_decode_static(
             raise ValueError(f"{name} must be [B={B}, {n}, d] with a contiguous last dimension, got {tuple(t.shape)}")
 
     M = H * Tq
-    backend = launch.pop("backend", None) or ("gluon" if use_gluon(fmt, q_lat, content_planes, rope_planes, sink_c)
-                                              else "triton")
+    backend = launch.pop("backend", None) or default_backend(fmt, q_lat, content_planes, rope_planes, sink_c)
     if backend == "gluon":
         return _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
                              left_padding, length, capacity, scaling, out, **launch)
+    if backend == "strided":
+        return _strided_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
+                               left_padding, length, capacity, scaling, out, **launch)
     cfg = default_launch(B, M, capacity, fmt, q_lat.device)
     cfg.update({k: v for k, v in launch.items() if v is not None})
     BLOCK_M, BLOCK_T = int(cfg["block_m"]), int(cfg["block_t"])
@@ -551,6 +555,27 @@ def gluon_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
     return False
 
 
+def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
+    """Whether the strided-plane kernel (`mla_decode_strided.py`) was measured faster than every other kernel for
+    this format and number of query rows per batch row, on the H200 in one run (docs/BENCHMARKS.md "Strided-plane
+    kernel", do_bench medians): C8R8 at 16 heads, B32 32K 0.699 ms (Gluon 0.749, fallback 0.988; 32-token tiles,
+    2 stages) and B1 4K 0.140 ms (Gluon 0.314). Not at 128 heads (13.8 ms against Gluon's 2.84), and not for
+    C4R4/C2R4 (0.81 / 7.8 ms against the Triton fast kernel's 0.59 / 0.57)."""
+    return (content_bits, rope_bits) == (8, 8) and rows <= 16
+
+
+def default_backend(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_planes: dict,
+                    sink_c: torch.Tensor) -> str:
+    """The kernel `mla_decode_static` runs by default: the one measured fastest for this format and number of query
+    rows (`strided_measured_faster`, `gluon_measured_faster`) among those that handle the case on this device;
+    the Triton fast kernel otherwise."""
+    rows = q_lat.shape[1] * q_lat.shape[2]
+    if (not _interpreting() and q_lat.is_cuda and strided_measured_faster(fmt.content.bits, fmt.rope.bits, rows)
+            and strided_kernel.strided_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype)):
+        return "strided"
+    return "gluon" if use_gluon(fmt, q_lat, content_planes, rope_planes, sink_c) else "triton"
+
+
 def use_gluon(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_planes: dict,
               sink_c: torch.Tensor) -> bool:
     """Default backend of `mla_decode_static`: the Gluon kernel (`mla_decode_gluon.py`) where it handles the case
@@ -603,4 +628,35 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     gluon_kernel.launch_gluon(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
                               o_part, lse_part, M, Tq, tps, NS, scaling * LOG2E, block_m, int(cfg["num_warps"]),
                               int(cfg["stages"]), bool(cfg.get("async_mma", False)))
+    return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)
+
+
+def _strided_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, left_padding,
+                    length, capacity, scaling, out, **launch):
+    """`mla_decode_static` through the strided-plane kernel (`mla_decode_strided.py`; same partials and combine)."""
+    B, H, Tq, D_C = q_lat.shape
+    D_R = q_rot.shape[-1]
+    M = H * Tq
+    if not strided_kernel.strided_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
+        raise ValueError(f"the strided-plane decode kernel does not handle {fmt.name} with {q_lat.dtype} queries and "
+                         f"{sink_c.dtype} copies on {q_lat.device} (needs packed 2/4/8-bit paths, content groups of "
+                         "64, bf16/fp16 queries): use backend='triton'")
+    cfg = strided_kernel.strided_default_launch(M)
+    cfg.update({k: v for k, v in launch.items() if v is not None})
+    block_m, block_t = int(cfg["block_m"]), int(cfg["block_t"])
+    head_blocks = triton.cdiv(M, block_m)
+    sms = _num_sms(q_lat.device.index or 0) if q_lat.is_cuda and not _interpreting() else 8
+    NS = cfg.get("num_splits") or num_splits_for(B, head_blocks, capacity, fmt, sms, block_t, cfg["waves"])
+    NS = max(1, int(NS))
+    n_packed = max(1, capacity - fmt.sink_tokens - fmt.recent_tokens)
+    tps = triton.cdiv(triton.cdiv(n_packed, NS), block_t) * block_t
+    NSP = NS + 1
+    q = q_lat.reshape(B, M, D_C).contiguous()
+    qr = q_rot.reshape(B, M, D_R).contiguous()
+    o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
+    lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
+    strided_kernel.launch_strided(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp,
+                                  length, o_part, lse_part, M, Tq, tps, NS, scaling * LOG2E, block_m, block_t,
+                                  int(cfg["num_warps"]), int(cfg["num_stages"]))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)
