@@ -559,8 +559,8 @@ def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> boo
     """Whether the strided-plane kernel (`mla_decode_strided.py`) was measured faster than every other kernel for
     this format and number of query rows per batch row, on the H200 in one run (docs/BENCHMARKS.md "Strided-plane
     kernel", do_bench medians): C8R8 at 16 heads, B32 32K 0.699 ms (Gluon 0.749, fallback 0.988; 32-token tiles,
-    2 stages) and B1 4K 0.140 ms (Gluon 0.314). Not at 128 heads (13.8 ms against Gluon's 2.84), and not for
-    C4R4/C2R4 (0.81 / 7.8 ms against the Triton fast kernel's 0.59 / 0.57)."""
+    2 stages). Not at 128 heads (13.8 ms against Gluon's 2.84), and not for C4R4/C2R4 (0.81 / 7.8 ms against the
+    Triton fast kernel's 0.59 / 0.57). (B1 4K eager timings are host-bound and varied 2x between runs: not used.)"""
     return (content_bits, rope_bits) == (8, 8) and rows <= 16
 
 
