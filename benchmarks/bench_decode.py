@@ -364,10 +364,10 @@ SWEEP = {
 
 
 SWEEP_GLUON = {
-    ("C4R4", 16): [dict(), dict(stages=2), dict(waves=2), dict(waves=8), dict(num_warps=8), dict(async_mma=True),
-                   dict(num_warps=8, async_mma=True)],
-    ("C2R4", 16): [dict()],
-    ("C4R4", 128): [dict(), dict(block_m=16, num_warps=4, stages=3), dict(block_m=32, num_warps=4)],
+    ("C4R4", 16): [dict(), dict(waves=8), dict(waves=8, async_mma=True), dict(waves=16), dict(waves=16, async_mma=True),
+                   dict(waves=8, stages=2), dict(waves=12, async_mma=True)],
+    ("C2R4", 16): [dict(), dict(waves=8, async_mma=True)],
+    ("C4R4", 128): [dict(), dict(waves=8), dict(waves=8, async_mma=True), dict(waves=2)],
 }
 
 

@@ -22,7 +22,9 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
 
 The Gluon kernel of `mla_decode_gluon.py` (sm_90: one unpack per tile in shared memory, read by `wgmma` for both
 dots) sits behind the same launcher (`backend="gluon"`) and is the default where it was measured faster
-(`gluon_measured_faster`: 8-bit content, and 2/4-bit content with more than 16 query rows, e.g. 128 heads).
+(`gluon_measured_faster`: 8-bit content, 2/4-bit content with more than 16 query rows, e.g. 128 heads, and 4-bit
+content at batch 8 to 32). The strided-plane kernel of `mla_decode_strided.py` is a third backend
+(`backend="strided"`), measured slower everywhere so far.
 
 `fast_handles` says which cases the kernel computes; `fast_supported` (what the decode op dispatches on) also
 requires it to have been measured faster than the fallback (2- and 4-bit content; 8-bit content is correct here
@@ -539,29 +541,36 @@ def _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out):
     return o, lse
 
 
-def gluon_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
-    """Whether the Gluon kernel was measured faster than the alternative for this format and number of query rows
-    per batch row (`rows = H * Tq`), on the H200 in one run (docs/BENCHMARKS.md "Gluon kernel", do_bench medians):
+def gluon_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: int | None = None) -> bool:
+    """Whether the Gluon kernel was measured faster than the alternative for this format, number of query rows per
+    batch row (`rows = H * Tq`) and batch size, on the H200 in one run (docs/BENCHMARKS.md "Gluon kernel" and
+    "Gluon launch sweep", do_bench medians, same process):
 
-    - C8R8 (the alternative is the fallback kernel): 16 heads B32 32K 0.749 vs 0.994 ms, 128 heads B32 32K 2.86 vs
-      4.84 ms, 16 heads B1 4K 0.165 vs 0.348 ms: Gluon everywhere measured.
-    - C4R4 / C2R4 (the alternative is the Triton fast kernel): 128 heads B32 32K 2.64 vs 3.90 ms and 2.57 vs 3.95
-      ms (Gluon); 16 heads B32 32K 0.70 vs 0.59 ms and 0.71 vs 0.57 ms (Triton): Gluon above 16 rows.
+    - C8R8 (the alternatives are the fallback and the strided-plane kernel): 16 heads B32 32K 0.647 vs 0.988 and
+      0.694 ms, B8 128K 0.643 vs 0.992 and 0.691 ms; 128 heads B32 32K 2.86 vs 4.84 ms: Gluon everywhere measured.
+    - C4R4 (the alternative is the Triton fast kernel): 128 heads B32 32K 2.64 vs 3.90 ms; 16 heads (32-token-wide
+      launch sweep winner: 8 programs per SM, `async_mma`) B32 32K 0.581 vs 0.589 ms and B8 128K 0.578 vs 0.591 ms.
+      Elsewhere the Triton fast kernel stays: at batch 1 (or an unknown batch) its CUDA-graph replay was timed
+      (0.040 ms at 4K) and the Gluon one was not; at B64 32K only the earlier Gluon launch was timed (1.254 vs
+      1.214 ms, slower).
+    - C2R4: 128 heads 2.57 vs 3.95 ms (Gluon); 16 heads B32 32K 0.598 vs 0.569 ms (Triton fast).
     """
     if (content_bits, rope_bits) == (8, 8):
         return True
-    if (content_bits, rope_bits) in ((4, 4), (2, 4)):
+    if (content_bits, rope_bits) == (4, 4):
+        return rows > 16 or (batch is not None and 8 <= batch <= 32)
+    if (content_bits, rope_bits) == (2, 4):
         return rows > 16
     return False
 
 
 def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
     """Whether the strided-plane kernel (`mla_decode_strided.py`) was measured faster than every other kernel for
-    this format and number of query rows per batch row, on the H200 in one run (docs/BENCHMARKS.md "Strided-plane
-    kernel", do_bench medians): C8R8 at 16 heads, B32 32K 0.699 ms (Gluon 0.749, fallback 0.988; 32-token tiles,
-    2 stages). Not at 128 heads (13.8 ms against Gluon's 2.84), and not for C4R4/C2R4 (0.81 / 7.8 ms against the
-    Triton fast kernel's 0.59 / 0.57). (B1 4K eager timings are host-bound and varied 2x between runs: not used.)"""
-    return (content_bits, rope_bits) == (8, 8) and rows <= 16
+    this format and number of query rows: nowhere so far (docs/BENCHMARKS.md "Strided-plane kernel", same process,
+    16 heads B32 32K: C8R8 0.694 ms against Gluon's 0.647, C4R4 0.81 against the Triton fast kernel's 0.59, C2R4
+    3.8-7.8 against 0.57; 128 heads C4R4 8.4 against Gluon's 2.6). It stays selectable (`backend="strided"`) as the
+    measured alternative; this gate is where a faster version would be switched on."""
+    return False
 
 
 def default_backend(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_planes: dict,
@@ -581,20 +590,23 @@ def use_gluon(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_
     """Default backend of `mla_decode_static`: the Gluon kernel (`mla_decode_gluon.py`) where it handles the case
     on this device, the planes are laid out contiguously, and it was measured faster (`gluon_measured_faster`)."""
     rows = q_lat.shape[1] * q_lat.shape[2]
-    if _interpreting() or not q_lat.is_cuda or not gluon_measured_faster(fmt.content.bits, fmt.rope.bits, rows):
+    if (_interpreting() or not q_lat.is_cuda
+            or not gluon_measured_faster(fmt.content.bits, fmt.rope.bits, rows, q_lat.shape[0])):
         return False
     return (gluon_kernel.gluon_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype)
             and gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes))
 
 
 def gluon_default_launch(M: int) -> dict:
-    """Launch of the Gluon kernel from static sizes (chosen from sm_90 compiles, not yet from timings): up to 16
-    rows 16-row blocks, one warpgroup, 3 cp.async stages (~166 KB of shared memory, one program per SM); more rows
-    (128 heads, several query tokens) 32-row blocks over two warpgroups (4 warps spill 1.4 KB there, 8 warps 36 B)
-    and 2 stages (~182 KB); splits for about 4 programs per multiprocessor."""
+    """Launch of the Gluon kernel from static sizes: up to 16 rows 16-row blocks, one warpgroup, 3 cp.async stages
+    (~166 KB of shared memory, one program per SM), splits for about 8 programs per multiprocessor and the
+    `async_mma` issue order (H200 sweep, 16 heads B32 32K: 0.581 ms against 0.700 with 4 programs per SM and a
+    `wgmma` wait per group; docs/BENCHMARKS.md "Gluon launch sweep"); more rows (128 heads, several query tokens)
+    32-row blocks over two warpgroups (4 warps spill 1.4 KB there, 8 warps 36 B), 2 stages (~182 KB), about 4
+    programs per multiprocessor (2, 4 and 8 measured within 1%)."""
     if M > 16:
         return dict(block_m=32, num_warps=8, stages=2, waves=4)
-    return dict(block_m=16, num_warps=4, stages=3, waves=4)
+    return dict(block_m=16, num_warps=4, stages=3, waves=8, async_mma=True)
 
 
 def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, left_padding,

@@ -99,6 +99,10 @@ def test_gluon_is_the_default_only_where_it_was_measured_faster():
     assert gluon_measured_faster(8, 8, 1) and gluon_measured_faster(8, 8, 128)
     assert gluon_measured_faster(4, 4, 128) and gluon_measured_faster(2, 4, 32)
     assert not gluon_measured_faster(4, 4, 16) and not gluon_measured_faster(2, 4, 1)
+    # 16 heads: C4R4 measured faster through Gluon at batch 8 and 32 only; C2R4 stays on the Triton fast kernel
+    assert gluon_measured_faster(4, 4, 16, 8) and gluon_measured_faster(4, 4, 16, 32)
+    assert not gluon_measured_faster(4, 4, 16, 1) and not gluon_measured_faster(4, 4, 16, 64)
+    assert not gluon_measured_faster(2, 4, 16, 32)
     assert not gluon_measured_faster(16, 16, 128) and not gluon_measured_faster(4, 8, 128)
 
 

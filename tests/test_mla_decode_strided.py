@@ -93,9 +93,8 @@ def test_handles_and_dispatch_rules():
     assert not strided_handles(fmt(4, 4, dc=1024), torch.bfloat16, "cpu")  # sixteen groups
     assert not strided_handles(fmt(4, 4, dr=128), torch.bfloat16, "cpu")  # two RoPE groups
     assert not strided_handles(fmt(4, 2, dr=32), torch.bfloat16, "cpu")  # 8 bytes per RoPE plane: K < 16
-    # dispatch: measured faster only for C8R8 with at most 16 query rows; never chosen on CPU
-    assert strided_measured_faster(8, 8, 16) and not strided_measured_faster(8, 8, 128)
-    assert not strided_measured_faster(4, 4, 16) and not strided_measured_faster(2, 4, 1)
+    # dispatch: measured slower than another kernel everywhere so far, so never the default (and never on CPU)
+    assert not any(strided_measured_faster(cb, rb, rows) for cb, rb in ((8, 8), (4, 4), (2, 4)) for rows in (1, 16, 128))
     q = torch.zeros(1, 16, 1, 512, dtype=torch.bfloat16)
     assert default_backend(fmt(8, 8), q, {}, {}, q) == "triton"
 
