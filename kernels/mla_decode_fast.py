@@ -353,9 +353,9 @@ def mla_decode_fast_combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP
                       other=0.0)
         total += tl.sum(w, axis=0)
         acc += tl.sum(b_o * w[:, None], axis=0)
-    has_d = lse_dense > float("-inf")
-    w_d = tl.where(has_d, tl.exp(lse_dense - m_use), 0.0)
-    b_od = tl.load(o_part_ptr + (i_bm * NSP + n_packed) * D_C + o_d, mask=m_d & (lse_dense + tl.zeros((BLOCK_D,), tl.float32) > float("-inf")), other=0.0)
+    w_d = tl.where(lse_dense > float("-inf"), tl.exp(lse_dense - m_use), 0.0)
+    m_od = m_d & (lse_dense + tl.zeros((BLOCK_D,), tl.float32) > float("-inf"))  # [BLOCK_D]: read only if non-empty
+    b_od = tl.load(o_part_ptr + (i_bm * NSP + n_packed) * D_C + o_d, mask=m_od, other=0.0)
     total += w_d
     acc += b_od * w_d
     tot = tl.sum(total, axis=0)

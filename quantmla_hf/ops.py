@@ -20,8 +20,9 @@ that module exists, the kernels are wanted (CUDA, or `use_triton`: the Triton in
 `kernels/mla_decode.py` on CUDA or when `use_triton`, else the PyTorch reference `mla_decode_static_ref`. None of
 them synchronises with the host. The growing `QuantMLACache` calls the same `decode_device_length` where
 `fast_decode_module` takes the case (attention.py), so eager and static decoding run the same kernel with the same
-split boundaries (they follow the length, not the capacity: `mla_decode_fast.split_plan`) and agree bit for bit. Every op has a fake (meta) implementation giving its output shapes, and the decode and
-combine outputs are fresh tensors (no aliasing), as `torch.library.opcheck` requires.
+split boundaries (they follow the length, not the capacity: `mla_decode_fast.split_plan`) and agree bit for bit.
+Every op has a fake (meta) implementation giving its output shapes, and the decode and combine outputs are fresh
+tensors (no aliasing), as `torch.library.opcheck` requires.
 """
 
 from __future__ import annotations
