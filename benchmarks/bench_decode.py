@@ -159,6 +159,36 @@ def run_check(out_lines, cases=None, R=128, kernel="old", launch=None):
     return all_ok
 
 
+def check_capacity_invariance(out_lines, kernel, cases=None):
+    """The same positions decoded from planes of two capacities (N + 67, as a growing cache holds them, and 4N, a
+    larger static cache): the split boundaries follow the length, not the capacity, so `(o, lse)` must be bitwise
+    identical (what lets the growing and static caches give the same greedy tokens)."""
+    cases = cases or [("C4R4", 16, 1, 4096, 1), ("C4R4", 16, 32, 32768, 1), ("C4R4", 128, 2, 32768, 1),
+                      ("C2R4", 16, 3, 20000, 3), ("C8R8", 16, 2, 9000, 1)]
+    all_ok = True
+    for name, H, B, N, Tq in cases:
+        fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, 4 * N, seed=B + N)
+        if not (mla_decode_gluon.gluon_handles(fmt, torch.bfloat16, DEVICE, sc.dtype) if kernel == "gluon" else
+                fast_handles(fmt, torch.bfloat16, DEVICE, sc.dtype)):
+            continue
+        g = torch.Generator(device=DEVICE).manual_seed(N)
+        q_lat = torch.randn(B, H, Tq, D_C, device=DEVICE, generator=g).bfloat16()
+        q_rot = torch.randn(B, H, Tq, D_R, device=DEVICE, generator=g).bfloat16()
+        lp = torch.randint(0, 40, (B,), device=DEVICE, generator=g)
+        lp[0] = 0
+        short = lambda d: {k: v[:, : N + 67].clone() for k, v in d.items()}  # noqa: E731
+        outs = [decode_fn(kernel, fmt, N, cap)(q_lat, q_rot, planes_c, planes_r, fmt, sc, sr, rc, rr, lp, N, SCALING)
+                for cap, planes_c, planes_r in ((N + 67, short(cp), short(rp)), (4 * N, cp, rp))]
+        ok = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        all_ok = all_ok and ok
+        line = (f"capacity {kernel} {name:6s} H={H:3d} B={B:2d} N={N:6d} Tq={Tq:2d} capacities {N + 67} vs {4 * N}: "
+                f"{'bitwise identical' if ok else 'DIFFER max %.2e' % (outs[0][0] - outs[1][0]).abs().max().item()}")
+        print(line, flush=True)
+        out_lines.append(line)
+        del cp, rp, outs
+    return all_ok
+
+
 def check_gluon_unpack(out_lines):
     """The Gluon kernel's unpacking (`mla_decode_gluon.unpack_group_kernel`) against the reference dequantization of
     random codes and zero points, every width: bit-exact `code - z`."""
@@ -432,6 +462,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--check-kernels", default="fast", help="comma list of kernels to check: fast, gluon, strided, old")
+    ap.add_argument("--check-cases", default="",
+                    help="FORMAT:H:B:N:Tq,... cases of --check (default: the full list of run_check)")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--variant-kernels", default="gluon,fast", help="comma list of kernels to sweep: gluon, fast, strided")
@@ -464,8 +496,12 @@ def main():
     if a.check and "gluon" in a.check_kernels:
         result["unpack_ok"] = check_gluon_unpack(lines)
     if a.check:
-        result["check_ok"] = all([run_check(lines, kernel=k, launch=gluon_launch if k == "gluon" else None)
+        cases = [(f, *(int(x) for x in rest)) for f, *rest in (c.split(":") for c in a.check_cases.split(",") if c)]
+        result["check_ok"] = all([run_check(lines, cases=cases or None, kernel=k,
+                                            launch=gluon_launch if k == "gluon" else None)
                                   for k in a.check_kernels.split(",") if k])
+        result["capacity_ok"] = all([check_capacity_invariance(lines, k) for k in a.check_kernels.split(",")
+                                     if k in ("fast", "gluon")])
     launch = {("gluon", name, H): dict(gluon_launch) for name in CONFIGS for H in (16, 128)} if gluon_launch else {}
     if a.variants:
         result["variants"] = []

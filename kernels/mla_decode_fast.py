@@ -16,9 +16,13 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
   `acc_g = acc_g * alpha + p @ v_g`, eight `[BM, group]` accumulators (for the values the group's bytes are read
   again, an L1 hit, and unpacked again rather than held in registers across the softmax). No per-element
   zero/scale gathers.
-* Splits depend only on (B, head blocks, capacity); `length` and `left_padding` are read in-kernel, so the launch
-  never synchronises with the host and can be captured in a CUDA graph. A split whose range lies past `length`
-  writes an empty partial (`lse = -inf`, `o = 0`) that the combine ignores.
+* Split boundaries depend on (B, head blocks, device) and the device-side `length` only, never on the capacity
+  (`split_plan`): the kernel computes `tokens_per_split` from `length`, so a growing cache and a static one of
+  any capacity cut the same positions into the same splits, and the combine (fixed-size chunks, empty splits
+  skipped) sums them in the same order: bitwise-identical results. The grid follows the capacity (enough splits
+  for its last position); `length` and `left_padding` are read in-kernel, so the launch never synchronises with
+  the host and can be captured in a CUDA graph. A split whose range lies past `length` writes an empty partial
+  (`lse = -inf`, `o = 0`) that the combine skips.
 
 The Gluon kernel of `mla_decode_gluon.py` (sm_90: one unpack per tile in shared memory, read by `wgmma` for both
 dots) sits behind the same launcher (`backend="gluon"`) and is the default where it was measured faster
@@ -46,6 +50,7 @@ from . import mla_decode_gluon as gluon_kernel
 from . import mla_decode_strided as strided_kernel
 
 LOG2E = 1.4426950408889634
+COMBINE_CHUNK = 64  # packed splits merged per step of the combine (fixed: the summation order must not follow the grid)
 
 
 @triton.jit
@@ -195,13 +200,13 @@ def _store_group(o_ptr, o_row, m_m, acc, inv_l, g: tl.constexpr, GROUP: tl.const
 
 
 # Lengths and counts change every decode step: no specialisation on them (the length is read from memory anyway).
-@triton.jit(do_not_specialize=["M", "Tq", "tokens_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["M", "Tq", "split_target", "num_splits"])
 def mla_decode_fast_kernel(
     q_ptr, qr_ptr,
     cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
     snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr,
     o_ptr, lse_ptr,
-    M, Tq, tokens_per_split, num_splits, qk_scale,
+    M, Tq, split_target, num_splits, qk_scale,
     s_qb, s_qrb, s_ccb, s_cct, s_csb, s_cst, s_rcb, s_rct, s_rsb, s_rst,
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
@@ -210,7 +215,9 @@ def mla_decode_fast_kernel(
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr,
 ):
     """One program per (split, head block, batch row): splits `0 .. num_splits-1` take `tokens_per_split` packed
-    positions each from `S`; split `num_splits` takes the sink and recent copies. Writes the normalised partial
+    positions each from `S`, where `tokens_per_split = max(2 * BLOCK_T, round_up(cdiv(length - S - R,
+    split_target), BLOCK_T))` comes from the device-side length (`split_plan`: the same boundaries whatever the
+    capacity); split `num_splits` takes the sink and recent copies. Writes the normalised partial
     `o: [B, M, num_splits + 1, D_C]` and `lse: [B, M, num_splits + 1]` (natural log, -inf when empty)."""
     i_s = tl.program_id(0).to(tl.int64)
     i_hb = tl.program_id(1).to(tl.int64)
@@ -252,7 +259,10 @@ def mla_decode_fast_kernel(
     is_dense = i_s == num_splits
 
     # Packed positions: this split's share of [S, length - R), intersected with [lp + S, ...). Every one of them lies
-    # before each causal limit because Tq <= R.
+    # before each causal limit because Tq <= R. The share follows the length, not the capacity (`split_plan`).
+    packed_len = tl.maximum(length - R - S, 0)
+    tokens_per_split = (packed_len + split_target - 1) // split_target
+    tokens_per_split = tl.maximum((tokens_per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T, 2 * BLOCK_T)
     lo_s = S + i_s * tokens_per_split
     hi_s = tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, length - R))
     lo_valid = lp + S
@@ -318,24 +328,44 @@ def mla_decode_fast_kernel(
 def mla_decode_fast_combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.constexpr,
                                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Log-sum-exp merge of the splits of one (batch row, query row) and block of d_c columns; a row with no
-    visible position gives zeros and lse -inf."""
+    visible position gives zeros and lse -inf.
+
+    The packed splits `0 .. NSP-2` are summed in chunks of a fixed `BLOCK_S` (one chunk sum after the other), their
+    partials read only where non-empty, then the sink/recent split `NSP-1`: a launch with more (trailing, empty)
+    splits adds exact zeros, so the result depends on the non-empty partials only, not on `NSP`."""
     i_bm = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
-    o_s = tl.arange(0, BLOCK_S)
-    m_s = o_s < NSP
-    b_lse = tl.load(lse_part_ptr + i_bm * NSP + o_s, mask=m_s, other=float("-inf"))
-    m = tl.max(b_lse, axis=0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(b_lse - m_use)
-    total = tl.sum(w, axis=0)
+    n_packed = NSP - 1
+    p_lse = lse_part_ptr + i_bm * NSP
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D_C
-    b_o = tl.load(o_part_ptr + (i_bm * NSP + o_s[:, None]) * D_C + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
-                  other=0.0)
-    out = tl.sum(b_o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    lse_dense = tl.load(p_lse + n_packed)
+    m = lse_dense
+    for s0 in range(0, n_packed, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m = tl.maximum(m, tl.max(tl.load(p_lse + o_s, mask=o_s < n_packed, other=float("-inf")), axis=0))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros((1,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s0 in range(0, n_packed, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        b_lse = tl.load(p_lse + o_s, mask=o_s < n_packed, other=float("-inf"))
+        has = b_lse > float("-inf")
+        w = tl.where(has, tl.exp(b_lse - m_use), 0.0)
+        b_o = tl.load(o_part_ptr + (i_bm * NSP + o_s[:, None]) * D_C + o_d[None, :], mask=has[:, None] & m_d[None, :],
+                      other=0.0)
+        total += tl.sum(w, axis=0)
+        acc += tl.sum(b_o * w[:, None], axis=0)
+    w_d = tl.where(lse_dense > float("-inf"), tl.exp(lse_dense - m_use), 0.0)
+    m_od = m_d & (lse_dense + tl.zeros((BLOCK_D,), tl.float32) > float("-inf"))  # [BLOCK_D]: read only if non-empty
+    b_od = tl.load(o_part_ptr + (i_bm * NSP + n_packed) * D_C + o_d, mask=m_od, other=0.0)
+    total += w_d
+    acc += b_od * w_d
+    tot = tl.sum(total, axis=0)
+    out = acc / tl.where(tot > 0, tot, 1.0)
     tl.store(o_ptr + i_bm * D_C + o_d, out, mask=m_d)
     if i_d == 0:
-        tl.store(lse_ptr + i_bm, tl.where(total > 0, m_use + tl.log(total), float("-inf")))
+        tl.store(lse_ptr + i_bm, tl.where(tot > 0, m_use + tl.log(tot), float("-inf")))
 
 
 def _pow2(n: int) -> bool:
@@ -396,13 +426,23 @@ def default_launch(B: int, M: int, capacity: int, fmt: CacheFormat, device) -> d
     return dict(block_m=16, block_t=32, num_warps=4, num_stages=1, waves=8)
 
 
-def num_splits_for(B: int, head_blocks: int, capacity: int, fmt: CacheFormat, sms: int, block_t: int,
-                   waves: float) -> int:
-    """Packed-position splits from static sizes: about `waves * sms` programs in all, each split at least 2 tiles."""
-    n_packed = max(0, capacity - fmt.sink_tokens - fmt.recent_tokens)
-    want = -(-int(waves * sms) // max(1, B * head_blocks))
-    most = max(1, n_packed // (2 * block_t))
-    return max(1, min(want, most))
+def split_plan(B: int, head_blocks: int, capacity: int, first: int, fmt: CacheFormat, sms: int, block_t: int,
+               waves: float, num_splits: int | None = None) -> tuple[int, int]:
+    """Packed-position splits as `(split_target, grid_splits)`.
+
+    `split_target` fixes the split boundaries and depends on static sizes other than the capacity: about `waves *
+    sms` programs in all, `cdiv(waves * sms, B * head_blocks)` splits per (row, head block) (or `num_splits` when
+    given). The kernels cut the packed positions the device-side length holds, `n = length - R - first` (`first`:
+    where the splits start, `S` for the Triton kernel, 0 for the tile-aligned Gluon kernel), into
+    `tokens_per_split = max(2 * block_t, round_up(cdiv(n, split_target), block_t))` each: the same boundaries for
+    a growing cache and a static one, whatever their capacities. At most `min(split_target, cdiv(n, 2 * block_t))`
+    splits hold positions, so `grid_splits`, that bound at the capacity, is enough for every length the planes can
+    hold; the splits past the data write empty partials that the combine skips (its sum does not depend on the
+    grid)."""
+    target = num_splits or -(-int(waves * sms) // max(1, B * head_blocks))
+    target = max(1, int(target))
+    n_cap = max(0, capacity - fmt.recent_tokens - first)
+    return target, max(1, min(target, -(-n_cap // (2 * block_t))))
 
 
 def mla_decode_static(
@@ -434,10 +474,12 @@ def mla_decode_static(
         recent_c, recent_r: `[B, R, d]` model-dtype ring of the last R positions (slot `p % R`).
         left_padding: `[B]` int64 on the device.
         length: int64 tensor of shape `[1]` on the device: positions cached (the Tq queries are the last Tq).
-        capacity: static number of positions the planes hold; fixes the grid and the splits.
+        capacity: static number of positions the planes hold; fixes the grid (not the split boundaries, which
+            follow `length`: `split_plan`).
         scaling: softmax scale.
         out: optional preallocated `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`.
-        launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` overrides (benchmarks), and
+        launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` (the split target of `split_plan`)
+            overrides (benchmarks), and
             `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
             `block_m, num_warps, stages, waves, num_splits, async_mma`) or "strided" (`mla_decode_strided.py`; keys
             `block_m, block_t, num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
@@ -493,10 +535,8 @@ def mla_decode_static(
     BLOCK_M, BLOCK_T = int(cfg["block_m"]), int(cfg["block_t"])
     head_blocks = triton.cdiv(M, BLOCK_M)
     sms = _num_sms(q_lat.device.index or 0) if q_lat.is_cuda and not _interpreting() else 8
-    NS = cfg.get("num_splits") or num_splits_for(B, head_blocks, capacity, fmt, sms, BLOCK_T, cfg["waves"])
-    NS = max(1, int(NS))
-    n_packed = max(1, capacity - fmt.sink_tokens - fmt.recent_tokens)
-    tps = triton.cdiv(triton.cdiv(n_packed, NS), BLOCK_T) * BLOCK_T
+    target, NS = split_plan(B, head_blocks, capacity, fmt.sink_tokens, fmt, sms, BLOCK_T, cfg["waves"],
+                            cfg.get("num_splits"))
     NSP = NS + 1
 
     q = q_lat.reshape(B, M, D_C).contiguous()
@@ -510,7 +550,7 @@ def mla_decode_static(
     mla_decode_fast_kernel[(NSP, head_blocks, B)](
         q, qr, cp["codes"], cp["scale"], cp["zero"], rp["codes"], rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
-        M, Tq, tps, NS, scaling * LOG2E,
+        M, Tq, target, NS, scaling * LOG2E,
         q.stride(0), qr.stride(0), cp["codes"].stride(0), cp["codes"].stride(1), cp["scale"].stride(0),
         cp["scale"].stride(1), rp["codes"].stride(0), rp["codes"].stride(1), rp["scale"].stride(0),
         rp["scale"].stride(1),
@@ -535,8 +575,9 @@ def _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out):
             raise ValueError(f"out must be contiguous ([B, H, Tq, d_c], [B, H, Tq]) = ({(B, H, Tq, D_C)}, "
                              f"{(B, H, Tq)}), got {tuple(o.shape)} and {tuple(lse.shape)}")
     BLOCK_D = min(triton.next_power_of_2(D_C), 128)
+    # BLOCK_S is fixed (not derived from NSP): the chunks, hence the summation order, are the same for any grid.
     mla_decode_fast_combine_kernel[(B * M, triton.cdiv(D_C, BLOCK_D))](
-        o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=max(2, triton.next_power_of_2(NSP)), BLOCK_D=BLOCK_D,
+        o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=COMBINE_CHUNK, BLOCK_D=BLOCK_D,
     )
     return o, lse
 
@@ -626,11 +667,9 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     block_m = int(cfg["block_m"])
     head_blocks = triton.cdiv(M, block_m)
     sms = _num_sms(q_lat.device.index or 0)
-    NS = cfg.get("num_splits") or num_splits_for(B, head_blocks, capacity, fmt, sms, gluon_kernel.BLOCK_T,
-                                                 cfg["waves"])
-    NS = max(1, int(NS))
-    covered = max(1, capacity - fmt.recent_tokens)  # splits cover positions [0, capacity - R), tile-aligned
-    tps = triton.cdiv(triton.cdiv(covered, NS), gluon_kernel.BLOCK_T) * gluon_kernel.BLOCK_T
+    # splits cover positions [0, length - R), tile-aligned from 0; the kernel sizes them from the length
+    target, NS = split_plan(B, head_blocks, capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, cfg["waves"],
+                            cfg.get("num_splits"))
     NSP = NS + 1
     q = q_lat.reshape(B, M, D_C).contiguous()
     qr = q_rot.reshape(B, M, D_R).contiguous()
@@ -638,7 +677,7 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
     gluon_kernel.launch_gluon(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
-                              o_part, lse_part, M, Tq, tps, NS, scaling * LOG2E, block_m, int(cfg["num_warps"]),
+                              o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m, int(cfg["num_warps"]),
                               int(cfg["stages"]), bool(cfg.get("async_mma", False)))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)
 
@@ -658,10 +697,8 @@ def _strided_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink
     block_m, block_t = int(cfg["block_m"]), int(cfg["block_t"])
     head_blocks = triton.cdiv(M, block_m)
     sms = _num_sms(q_lat.device.index or 0) if q_lat.is_cuda and not _interpreting() else 8
-    NS = cfg.get("num_splits") or num_splits_for(B, head_blocks, capacity, fmt, sms, block_t, cfg["waves"])
-    NS = max(1, int(NS))
-    n_packed = max(1, capacity - fmt.sink_tokens - fmt.recent_tokens)
-    tps = triton.cdiv(triton.cdiv(n_packed, NS), block_t) * block_t
+    target, NS = split_plan(B, head_blocks, capacity, fmt.sink_tokens, fmt, sms, block_t, cfg["waves"],
+                            cfg.get("num_splits"))
     NSP = NS + 1
     q = q_lat.reshape(B, M, D_C).contiguous()
     qr = q_rot.reshape(B, M, D_R).contiguous()
@@ -669,6 +706,6 @@ def _strided_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
     strided_kernel.launch_strided(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp,
-                                  length, o_part, lse_part, M, Tq, tps, NS, scaling * LOG2E, block_m, block_t,
+                                  length, o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m, block_t,
                                   int(cfg["num_warps"]), int(cfg["num_stages"]))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)

@@ -346,7 +346,7 @@ def _jit_dynamic(fn):
     """`gluon.jit` without specialisation on the per-step counts (each new value would compile a new kernel)."""
     if not HAVE_GLUON:
         return fn
-    return gluon.jit(fn, do_not_specialize=["M", "Tq", "tokens_per_split", "num_splits"])
+    return gluon.jit(fn, do_not_specialize=["M", "Tq", "split_target", "num_splits"])
 
 
 @_jit_dynamic
@@ -355,7 +355,7 @@ def mla_decode_gluon_kernel(
     cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
     snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr,
     o_ptr, lse_ptr,
-    M, Tq, tokens_per_split, num_splits, qk_scale,
+    M, Tq, split_target, num_splits, qk_scale,
     s_qb, s_qrb, s_ccb, s_csb, s_rcb, s_rsb,
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
@@ -364,7 +364,9 @@ def mla_decode_gluon_kernel(
 ):
     """One program per (split, block of BM rows, batch row). Splits `0 .. num_splits-1` take the packed positions
     `[i * tokens_per_split, (i + 1) * tokens_per_split)` (tile-aligned) intersected with `[S, length - R)` and
-    `[lp + S, ...)`; split `num_splits` takes the sink and recent copies. Planes are passed as 32-bit words for the
+    `[lp + S, ...)`, where `tokens_per_split = max(2 * 64, round_up(cdiv(length - R, split_target), 64))` comes from
+    the device-side length (`mla_decode_fast.split_plan`: the same boundaries whatever the capacity); split
+    `num_splits` takes the sink and recent copies. Planes are passed as 32-bit words for the
     codes (`cc_ptr`, `rc_ptr`), rows contiguous. Writes normalised partials `o: [B, M, num_splits + 1, D_C]` and
     `lse: [B, M, num_splits + 1]` (natural log, -inf when empty)."""
     BT: gl.constexpr = 64
@@ -429,7 +431,11 @@ def mla_decode_gluon_kernel(
     o7 = gl.zeros([64, BM], gl.float32, acc_l)
     is_dense = i_s == num_splits
 
-    # Packed positions of this split: tiles aligned to BT from position i_s * tokens_per_split.
+    # Packed positions of this split: tiles aligned to BT from position i_s * tokens_per_split, the share of
+    # [0, length - R) sized from the length (not the capacity: `split_plan`).
+    covered = gl.maximum(length - R, 0)
+    tokens_per_split = (covered + split_target - 1) // split_target
+    tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 2 * BT)
     base = i_s * tokens_per_split
     lo = gl.maximum(base, S)
     hi = gl.where(is_dense, lo, gl.minimum(base + tokens_per_split, length - R))
@@ -601,9 +607,10 @@ def planes_contiguous(fmt: CacheFormat, content_planes: dict, rope_planes: dict)
     return True
 
 
-def launch_gluon(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, tps,
-                 NS, qk_scale, block_m, num_warps, stages, async_mma=False):
-    """Launch `mla_decode_gluon_kernel` on the grid `(NS + 1, cdiv(M, block_m), B)`; `tps` is a multiple of 64.
+def launch_gluon(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
+                 split_target, NS, qk_scale, block_m, num_warps, stages, async_mma=False):
+    """Launch `mla_decode_gluon_kernel` on the grid `(NS + 1, cdiv(M, block_m), B)`; the kernel sizes the splits
+    from the device-side length and `split_target` (`mla_decode_fast.split_plan`), `NS` must cover them.
     `stages` is lowered until the program fits in shared memory (`fit_stages`)."""
     B = q.shape[0]
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
@@ -618,7 +625,7 @@ def launch_gluon(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, len
     mla_decode_gluon_kernel[grid](
         q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
-        M, Tq, tps, NS, qk_scale,
+        M, Tq, split_target, NS, qk_scale,
         q.stride(0), qr.stride(0), cw.stride(0), cp["scale"].stride(0), rw.stride(0), rp["scale"].stride(0),
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),

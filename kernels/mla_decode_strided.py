@@ -164,20 +164,22 @@ def _row_scale(p_q, o_m, m_m, D: tl.constexpr):
     return tl.exp2(e), tl.exp2(-e)
 
 
-@triton.jit(do_not_specialize=["M", "Tq", "tokens_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["M", "Tq", "split_target", "num_splits"])
 def mla_decode_strided_kernel(
     q_ptr, qr_ptr,
     cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
     snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr,
     o_ptr, lse_ptr,
-    M, Tq, tokens_per_split, num_splits, qk_scale,
+    M, Tq, split_target, num_splits, qk_scale,
     s_qb, s_qrb, s_ccb, s_cct, s_csb, s_cst, s_rcb, s_rct, s_rsb, s_rst,
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     D_C: tl.constexpr, GC: tl.constexpr, C_BITS: tl.constexpr, D_R: tl.constexpr, R_BITS: tl.constexpr,
     S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """One program per (split, block of query rows, batch row); splits `0 .. num_splits-1` take `tokens_per_split`
-    packed positions each from `S`, split `num_splits` the sink and recent copies. Writes the normalised partial
+    """One program per (split, block of query rows, batch row); splits `0 .. num_splits-1` take `tokens_per_split =
+    max(2 * BLOCK_T, round_up(cdiv(length - S - R, split_target), BLOCK_T))` packed positions each from `S` (sized from
+    the device-side length, as the fast kernel: `mla_decode_fast.split_plan`), split `num_splits` the sink and recent
+    copies. Writes the normalised partial
     `o: [B, M, num_splits + 1, D_C]` and `lse: [B, M, num_splits + 1]` (natural log, -inf when empty)."""
     i_s = tl.program_id(0).to(tl.int64)
     i_hb = tl.program_id(1).to(tl.int64)
@@ -206,6 +208,9 @@ def mla_decode_strided_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     is_dense = i_s == num_splits
 
+    packed_len = tl.maximum(length - R - S, 0)
+    tokens_per_split = (packed_len + split_target - 1) // split_target
+    tokens_per_split = tl.maximum((tokens_per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T, 2 * BLOCK_T)
     lo_s = S + i_s * tokens_per_split
     hi_s = tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, length - R))
     lo_valid = lp + S
@@ -290,15 +295,15 @@ def strided_default_launch(M: int) -> dict:
     return dict(block_m=16, block_t=32, num_warps=4, num_stages=2, waves=8)
 
 
-def launch_strided(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, tps,
-                   NS, qk_scale, block_m, block_t, num_warps, num_stages):
+def launch_strided(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
+                   split_target, NS, qk_scale, block_m, block_t, num_warps, num_stages):
     """Launch the kernel on `q: [B, M, d_c]`, `qr: [B, M, d_R]` (contiguous) into the partials."""
     B = q.shape[0]
     grid = (NS + 1, triton.cdiv(M, block_m), B)
     mla_decode_strided_kernel[grid](
         q, qr, cp["codes"], cp["scale"], cp["zero"], rp["codes"], rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
-        M, Tq, tps, NS, qk_scale,
+        M, Tq, split_target, NS, qk_scale,
         q.stride(0), qr.stride(0), cp["codes"].stride(0), cp["codes"].stride(1), cp["scale"].stride(0),
         cp["scale"].stride(1), rp["codes"].stride(0), rp["codes"].stride(1), rp["scale"].stride(0),
         rp["scale"].stride(1),

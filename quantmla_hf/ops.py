@@ -14,11 +14,15 @@ decode step without graph breaks and `mode="reduce-overhead"` captures it as one
     torch.ops.quantmla.lse_combine(o_part [B, M, NSP, d_c], lse_part [B, M, NSP]) -> (o [B, M, d_c], lse [B, M])
         merge split-K partials by log-sum-exp (`-inf` partials are empty splits).
 
-Dispatch of `mla_decode`: `quantmla_hf.kernels.mla_decode_fast.mla_decode_static` when that module exists and its
-`fast_supported(fmt, q_dtype, device)` says so, else the Triton kernel of `kernels/mla_decode.py` on CUDA (or when
-`use_triton`, e.g. in the Triton interpreter), else the PyTorch reference `mla_decode_static_ref`. None of them
-synchronises with the host. Every op has a fake (meta) implementation giving its output shapes, and the decode and
-combine outputs are fresh tensors (no aliasing), as `torch.library.opcheck` requires.
+Dispatch of `mla_decode` (`decode_device_length`): `quantmla_hf.kernels.mla_decode_fast.mla_decode_static` when
+that module exists, the kernels are wanted (CUDA, or `use_triton`: the Triton interpreter on CPU) and its
+`fast_supported(fmt, q_dtype, device, copy_dtype)` says so (`fast_decode_module`), else the Triton kernel of
+`kernels/mla_decode.py` on CUDA or when `use_triton`, else the PyTorch reference `mla_decode_static_ref`. None of
+them synchronises with the host. The growing `QuantMLACache` calls the same `decode_device_length` where
+`fast_decode_module` takes the case (attention.py), so eager and static decoding run the same kernel with the same
+split boundaries (they follow the length, not the capacity: `mla_decode_fast.split_plan`) and agree bit for bit.
+Every op has a fake (meta) implementation giving its output shapes, and the decode and combine outputs are fresh
+tensors (no aliasing), as `torch.library.opcheck` requires.
 """
 
 from __future__ import annotations
@@ -77,6 +81,41 @@ def _(x, codes, scale, zero, position, bits, group, use_triton) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- decode
+def fast_decode_module(fmt: CacheFormat, q_lat: torch.Tensor, copy_dtype: torch.dtype, use_triton: bool):
+    """`kernels/mla_decode_fast.py` when it takes this decode (kernels wanted: CUDA or `use_triton`; the module
+    present; `fast_supported`, which includes the Triton interpreter on CPU), else None."""
+    if not (q_lat.is_cuda or use_triton):
+        return None
+    fast = _fast_module()
+    if fast is None or not fast.fast_supported(fmt, q_lat.dtype, q_lat.device, copy_dtype):
+        return None
+    return fast
+
+
+def decode_device_length(
+    q_lat: torch.Tensor, q_rot: torch.Tensor, content_planes: dict[str, torch.Tensor],
+    rope_planes: dict[str, torch.Tensor], fmt: CacheFormat, sink_c: torch.Tensor, sink_r: torch.Tensor,
+    recent_c: torch.Tensor, recent_r: torch.Tensor, left_padding: torch.Tensor, length: torch.Tensor, capacity: int,
+    scaling: float, use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed decode over the first `length` (int64 `[1]` on the device) positions of planes `[B, capacity, .]`:
+    the dispatch of `torch.ops.quantmla.mla_decode`, also what the growing cache's fast path calls. Returns
+    `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`; no host synchronisation."""
+    args = (q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, left_padding,
+            length, capacity, scaling)
+    # fp32 models keep fp32 sink/recent copies: those take the fallback's exact fp32 path, not fp16 operands.
+    fast = fast_decode_module(fmt, q_lat, sink_c.dtype, use_triton)
+    if fast is not None:
+        return fast.mla_decode_static(*args)
+    if q_lat.is_cuda or use_triton:
+        from .kernels.mla_decode import mla_decode_static
+
+        return mla_decode_static(*args)
+    from .kernels.mla_decode_ref import mla_decode_static_ref
+
+    return mla_decode_static_ref(*args)
+
+
 @torch.library.custom_op(f"{LIB}::mla_decode", mutates_args=())
 def mla_decode(
     q_lat: torch.Tensor, q_rot: torch.Tensor,
@@ -87,19 +126,8 @@ def mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fmt = cache_format(q_lat.shape[-1], c_bits, c_group, q_rot.shape[-1], r_bits, r_group, sink_tokens,
                        recent_tokens)
-    args = (q_lat, q_rot, _planes(c0, c1, c2, c_bits), _planes(r0, r1, r2, r_bits), fmt, sink_c, sink_r,
-            recent_c, recent_r, left_padding, length, capacity, scaling)
-    fast = _fast_module() if q_lat.is_cuda else None
-    # fp32 models keep fp32 sink/recent copies: those take the fallback's exact fp32 path, not fp16 operands.
-    if fast is not None and fast.fast_supported(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
-        return fast.mla_decode_static(*args)
-    if q_lat.is_cuda or use_triton:
-        from .kernels.mla_decode import mla_decode_static
-
-        return mla_decode_static(*args)
-    from .kernels.mla_decode_ref import mla_decode_static_ref
-
-    return mla_decode_static_ref(*args)
+    return decode_device_length(q_lat, q_rot, _planes(c0, c1, c2, c_bits), _planes(r0, r1, r2, r_bits), fmt, sink_c,
+                                sink_r, recent_c, recent_r, left_padding, length, capacity, scaling, use_triton)
 
 
 @mla_decode.register_fake

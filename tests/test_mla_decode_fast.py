@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantmla_hf import CacheFormat, PathFormat
-from quantmla_hf.kernels.mla_decode_fast import fast_handles, fast_supported, mla_decode_static
+from quantmla_hf.kernels.mla_decode_fast import fast_handles, fast_supported, mla_decode_static, split_plan
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
@@ -170,3 +170,47 @@ def test_bad_inputs_get_clear_errors():
     fmt16 = CacheFormat(PathFormat(64, 16, 64), PathFormat(16, 16, 64), 2, 4)
     with pytest.raises(ValueError, match="fast_supported"):
         mla_decode_static(*a[:4], fmt16, *a[5:10], torch.tensor([30]), cap, a[11])
+
+
+def _shrunk(planes, cap):
+    return {k: v[:, :cap].clone() for k, v in planes.items()}
+
+
+def test_split_boundaries_follow_the_length_not_the_capacity():
+    """The same 140 positions in planes of capacity 150 and 4200 (a growing cache vs a static one): different grids
+    (3 and 32 splits), the same split boundaries (sized from the device-side length in the kernel: 64, 64, 6
+    packed positions) and the same combine order, so the outputs are bitwise identical; both match the reference.
+    (Boundaries cut for the capacity gave 96 + 38 vs one split of 160 here, and results differing in the last
+    bits.)"""
+    length = 140
+    args, _ = make_case(2, length, 2, 2, 128, 32, 4, 4, 2, 4, [0, 7], seed=3, spare=4200 - length,
+                        q_dtype=torch.bfloat16)
+    fmt = args[4]
+    small = list(args)
+    small[2], small[3] = _shrunk(args[2], 150), _shrunk(args[3], 150)
+    grids = [split_plan(2, 1, c, fmt.sink_tokens, fmt, 8, 32, 8)[1] for c in (150, 4200)]
+    assert grids == [3, 32], grids  # the launches really differ
+    o_big, lse_big = run_fast(args, 4200)
+    o_small, lse_small = run_fast(small, 150)
+    assert torch.equal(o_big, o_small) and torch.equal(lse_big, lse_small)
+    ref_out, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
+    assert_close("o_lat", ref_out, o_big, OUT_RATIO)
+    assert (lse_big - ref_lse).abs().max() < LSE_ABS
+
+
+def test_split_plan_keeps_the_measured_split_counts():
+    """Splits holding positions (H200, 132 SMs, default launches): B32 32K as before the length-sized splits
+    (33 of 992 tokens); B1 4K 62 splits of 64 tokens (before: 42 of 96), on a grid bounded by the capacity."""
+    fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
+    S, R = fmt.sink_tokens, fmt.recent_tokens
+
+    def active(B, length, capacity):
+        target, grid = split_plan(B, 1, capacity, S, fmt, 132, 32, 8)
+        n = length - S - R
+        tps = max(64, -(-(-(-n // target)) // 32) * 32)
+        assert -(-n // tps) <= grid
+        return -(-n // tps), tps, grid
+
+    assert active(32, 32768, 32768) == (33, 992, 33)
+    assert active(1, 4096, 4096) == (62, 64, 62)
+    assert active(1, 4096, 32768)[:2] == (62, 64)  # a larger static cache: same splits, larger grid

@@ -20,7 +20,7 @@ from quantmla_hf.kernels.mla_decode_fast import default_backend, mla_decode_stat
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 from quantmla_hf.kernels.mla_decode_strided import strided_handles
 
-from test_mla_decode_fast import check, make_case, run_fast
+from test_mla_decode_fast import _shrunk, check, make_case, run_fast
 
 STRIDED = dict(backend="strided")
 
@@ -79,6 +79,19 @@ def test_same_result_as_the_fast_kernel_within_rounding():
     o_f, l_f = run_fast(args, cap, num_splits=2, block_t=16, backend="triton")
     assert ((o_s - o_f).norm() / o_f.norm()).item() < 1e-3
     assert (l_s - l_f).abs().max().item() < 1e-4
+
+
+def test_split_boundaries_follow_the_length_not_the_capacity():
+    """As the fast kernel (`split_plan`): the same 140 positions in planes of capacity 150 and 4200 give different
+    grids but the same split boundaries and combine order, so bitwise-identical outputs."""
+    length = 140
+    args, _ = make_case(2, length, 2, 2, 128, 32, 4, 4, 2, 4, [0, 7], seed=3, spare=4200 - length,
+                        q_dtype=torch.bfloat16)
+    small = list(args)
+    small[2], small[3] = _shrunk(args[2], 150), _shrunk(args[3], 150)
+    o_big, lse_big = run_fast(args, 4200, **STRIDED)
+    o_small, lse_small = run_fast(small, 150, **STRIDED)
+    assert torch.equal(o_big, o_small) and torch.equal(lse_big, lse_small)
 
 
 def test_handles_and_dispatch_rules():

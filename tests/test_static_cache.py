@@ -26,8 +26,8 @@ from helpers import CACHE_KWARG, assert_close
 from test_mla_decode import LSE_ABS, OUT_RATIO, random_case
 
 
-def _qconfig(**kw):
-    return QuantMLAConfig(content_bits=4, rope_bits=4, sink_tokens=2, recent_tokens=4, kernel="torch",
+def _qconfig(kernel="torch", **kw):
+    return QuantMLAConfig(content_bits=4, rope_bits=4, sink_tokens=2, recent_tokens=4, kernel=kernel,
                           transform="none", **kw)
 
 
@@ -113,6 +113,44 @@ def test_every_family_decodes_compiled_in_one_graph(model_type):
         assert_close("logits", b, a, 1e-5)
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(modules), "a decode step recompiled"
+
+
+def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
+    """bf16, Triton kernels (the fast kernel, in the interpreter here): the growing QuantMLACache (planes of 16-32
+    positions, grown geometrically) and the static cache (80 positions: a larger grid of splits) call the same
+    decode dispatch (`ops.decode_device_length`) with the same split boundaries (sized from the length) and the
+    same combine order: every decode step's attention output (fp32, before the bf16 rounding that would hide last
+    bits), every step's logits and the greedy tokens are identical, with tokens leaving the recent window (4) for
+    the packed planes at every step. (Several non-empty splits: tests/test_mla_decode_fast.py.)"""
+    calls = []
+    decode = ops.decode_device_length
+
+    def recording(*args):
+        out = decode(*args)
+        calls[-1].append(out[0].clone())
+        return out
+
+    monkeypatch.setattr(ops, "decode_device_length", recording)
+    ids, mask = _prompt(length=12, seed=7)
+    model = tiny_mla_model("deepseek_v3", num_hidden_layers=1, dtype=torch.bfloat16)
+    install_cache_hooks(model)
+    model.set_attn_implementation("quantmla")
+    q = _qconfig(kernel="triton")
+    kw = _gen_kwargs(mask, 5)
+    grow = QuantMLACache(config=model.config, quantization_config=q)
+    calls.append([])
+    ref = model.generate(ids, **kw, **{CACHE_KWARG: grow})
+    static = StaticQuantMLACache(config=model.config, quantization_config=q, max_cache_len=80)
+    calls.append([])
+    out = model.generate(ids, **kw, **{CACHE_KWARG: static})
+    assert grow.layers[0].content.capacity < 80 and grow.layers[0].length == 16
+    assert all(layer.last_update_native for layer in grow.layers)
+    assert len(calls[0]) == len(calls[1]) == 4, [len(c) for c in calls]  # 4 decode steps each, same dispatch
+    for step, (a, b) in enumerate(zip(*calls)):
+        assert torch.equal(a, b), f"step {step}: attention differs by {(a - b).abs().max():.3g}"
+    assert torch.equal(out.sequences, ref.sequences)
+    for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a.float() - b.float()).abs().max():.3g}"
 
 
 # ---------------------------------------------------------------------------------------- eager semantics
