@@ -11,10 +11,11 @@ Valid positions of batch row b are `[left_padding[b], length)`, and query t sees
 sink copy, the last `R` positions from the model-dtype recent ring (slot `p % R`), every other one from the packed
 planes, dequantized in registers (byte layout in `quantmla_hf/format.py`). Nothing of the history is written back.
 
-Kernel 1 (`mla_decode_fwd_kernel`): one program per (head block, batch row, split). Splits `0 .. NS-1` take equal
-shares of the packed positions `[S, length - R)`; split `NS` takes the sink and recent tokens. Each program keeps an
-online softmax in base 2 and writes its partial `o: [B, M, NS+1, d_c]` (normalised) and `lse: [B, M, NS+1]`.
-Kernel 2 (`mla_decode_combine_kernel`): merges the splits of one (row, query row) by log-sum-exp.
+Kernel 1 (`mla_decode_fwd_kernel`): one program per (head block, batch row, split). Splits `0 .. NS-1` take
+shares of the packed positions `[S, length - R)` sized from the length (`split_plan`); split `NS` takes the sink and
+recent tokens. Each program keeps an online softmax in base 2 and writes its partial `o: [B, M, NS+1, d_c]`
+(normalised) and `lse: [B, M, NS+1]`. The splits are merged by log-sum-exp by the fast module's combine kernel
+(`mla_decode_fast.mla_decode_fast_combine_kernel`: fixed chunks, so the result does not depend on the grid).
 
 Arithmetic (design notes: docs/KERNELS.md "Arithmetic and accuracy"):
 
@@ -329,13 +330,13 @@ def _dense_step(q_ptr_b, qr_ptr_b, o_m, m_m, inv_fc, inv_fr, fc, fr, p_c, s_ct, 
 
 
 # Lengths and counts change every decode step: specialising on them (== 1, % 16) would recompile mid-generation.
-@triton.jit(do_not_specialize=["length", "M", "Tq", "tokens_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["length", "M", "Tq", "split_target", "num_splits"])
 def mla_decode_fwd_kernel(
     q_ptr, qr_ptr,
     c0_ptr, c1_ptr, c2_ptr, r0_ptr, r1_ptr, r2_ptr,
     sc_ptr, sr_ptr, rc_ptr, rr_ptr, lp_ptr, len_ptr,
     o_ptr, lse_ptr,
-    length, M, Tq, tokens_per_split, num_splits, qk_scale,
+    length, M, Tq, split_target, num_splits, qk_scale,
     s_qb, s_qrb, s_c0b, s_c0t, s_c1b, s_c1t, s_r0b, s_r0t, s_r1b, s_r1t,
     s_scb, s_sct, s_srb, s_srt, s_rcb, s_rct, s_rrb, s_rrt,
     D_C: tl.constexpr, D_CP: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, GROUP_CP: tl.constexpr,
@@ -347,8 +348,8 @@ def mla_decode_fwd_kernel(
     C_ASM: tl.constexpr, R_ASM: tl.constexpr, LEN_FROM_PTR: tl.constexpr,
 ):
     if LEN_FROM_PTR:
-        # Static caches: the length lives on the device (int64 [1]); the grid and splits follow the capacity, and
-        # a split whose share lies past the length writes an empty partial (lse = -inf) that the combine ignores.
+        # Static caches: the length lives on the device (int64 [1]); the grid follows the capacity, and a split
+        # whose share lies past the length writes an empty partial (lse = -inf) that the combine skips.
         length = tl.load(len_ptr)
     i_hb = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)
@@ -373,7 +374,12 @@ def mla_decode_fwd_kernel(
 
     # Packed positions: this split's share of [S, length - R), intersected with [lp + S, ...); all of them lie
     # before every causal limit because Tq <= R.
+    # Split size from the length (host or device), never from the capacity (`split_plan`): a growing cache and a
+    # static one cut the same positions into the same splits.
     hi = length - R
+    packed_len = tl.maximum(hi - S, 0)
+    tokens_per_split = (packed_len + split_target - 1) // split_target
+    tokens_per_split = tl.maximum((tokens_per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N, 4 * BLOCK_N)
     lo_s = S + i_s * tokens_per_split
     hi_s = tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, hi))
     lo_valid = lp + S
@@ -430,29 +436,6 @@ def mla_decode_fwd_kernel(
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
-@triton.jit(do_not_specialize=["NSP"])
-def mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.constexpr,
-                              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program per (batch row, query row) and block of d_c.
-    i_bm = tl.program_id(0).to(tl.int64)
-    i_d = tl.program_id(1).to(tl.int64)
-    o_s = tl.arange(0, BLOCK_S)
-    m_s = o_s < NSP
-    b_lse = tl.load(lse_part_ptr + i_bm * NSP + o_s, mask=m_s, other=float("-inf"))
-    m = tl.max(b_lse, axis=0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(b_lse - m_use)
-    total = tl.sum(w, axis=0)
-    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_d = o_d < D_C
-    p = o_part_ptr + (i_bm * NSP + o_s[:, None]) * D_C + o_d[None, :]
-    b_o = tl.load(p, mask=m_s[:, None] & m_d[None, :], other=0.0)
-    out = tl.sum(b_o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(o_ptr + i_bm * D_C + o_d, out, mask=m_d)
-    if i_d == 0:
-        tl.store(lse_ptr + i_bm, tl.where(total > 0, m_use + tl.log(total), float("-inf")))
-
-
 def _planes(planes: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if bits == 16:
         v = planes["values"]
@@ -481,13 +464,20 @@ def _use_asm(fmt_path, device: torch.device, exact: bool = False) -> bool:
             and fmt_path.group >= 16 and (fmt_path.group * fmt_path.bits) % 32 == 0)
 
 
-def default_num_splits(batch: int, head_blocks: int, n_packed: int, num_sms: int, block_n: int) -> int:
-    """Splits of the packed positions: about 8 programs per multiprocessor (short programs keep the last wave's
-    tail small; 8 beat 2 and 16 on the H200, docs/BENCHMARKS.md), each split keeping at least 4 blocks of tokens
-    (the partial outputs then stay small against the cache bytes read)."""
-    want = -(-8 * num_sms // max(1, batch * head_blocks))
-    most = max(1, n_packed // (4 * block_n))
-    return max(1, min(want, most))
+def split_plan(batch: int, head_blocks: int, n_capacity: int, num_sms: int, block_n: int,
+               num_splits: int | None = None) -> tuple[int, int]:
+    """Splits of the packed positions as `(split_target, grid_splits)`.
+
+    `split_target` (or `num_splits` when given) is about 8 programs per multiprocessor (short programs keep the last
+    wave's tail small; 8 beat 2 and 16 on the H200, docs/BENCHMARKS.md) and depends on static sizes only, not on the
+    length or the capacity. The kernel cuts the `n = length - S - R` packed positions the length holds into
+    `tokens_per_split = max(4 * block_n, round_up(cdiv(n, split_target), block_n))` each (at least 4 blocks, so
+    the partial outputs stay small against the cache bytes read): the same boundaries whether the length is a host
+    int (growing cache) or a device tensor (static cache of any capacity). At most `min(split_target,
+    cdiv(n, 4 * block_n))` splits hold positions, so `grid_splits`, that bound at `n_capacity` (the packed positions
+    the planes can hold), is enough."""
+    target = max(1, int(num_splits or -(-8 * num_sms // max(1, batch * head_blocks))))
+    return target, max(1, min(target, -(-max(0, n_capacity) // (4 * block_n))))
 
 
 def mla_decode_fwd(
@@ -522,12 +512,9 @@ def mla_decode_fwd(
         BLOCK_M = block_m or 16
         BLOCK_N = block_n or 16
     head_blocks = triton.cdiv(M, BLOCK_M)
-    n_packed = max(0, (capacity if isinstance(length, torch.Tensor) else length) - R - S)
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        num_splits = default_num_splits(B, head_blocks, n_packed, sms, BLOCK_N)
-    num_splits = max(1, int(num_splits))
-    tps = triton.cdiv(triton.cdiv(max(n_packed, 1), num_splits), BLOCK_N) * BLOCK_N
+    n_capacity = max(0, (capacity if isinstance(length, torch.Tensor) else length) - R - S)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+    target, num_splits = split_plan(B, head_blocks, n_capacity, sms, BLOCK_N, num_splits)
     NSP = num_splits + 1
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
@@ -539,7 +526,7 @@ def mla_decode_fwd(
     exact = sink_c.dtype == torch.float32  # fp32 copies: fp32 IEEE dots (plain integer dequantization)
     mla_decode_fwd_kernel[(head_blocks, B, NSP)](
         q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, lp, length if len_from_ptr else lp,
-        o_part, lse_part, 0 if len_from_ptr else length, M, Tq, tps, num_splits, scaling * LOG2E,
+        o_part, lse_part, 0 if len_from_ptr else length, M, Tq, target, num_splits, scaling * LOG2E,
         q.stride(0), qr.stride(0), c0.stride(0), c0.stride(1), c1.stride(0), c1.stride(1),
         r0.stride(0), r0.stride(1), r1.stride(0), r1.stride(1),
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
@@ -567,8 +554,12 @@ def combine_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: tuple | 
     else:
         o, lse = out[0].view(B, M, D_C), out[1].view(B, M)
     BLOCK_D = min(triton.next_power_of_2(D_C), 128)
-    mla_decode_combine_kernel[(B * M, triton.cdiv(D_C, BLOCK_D))](
-        o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=max(2, triton.next_power_of_2(NSP)), BLOCK_D=BLOCK_D,
+    # The fast module's combine: fixed-size chunks over the splits, empty ones skipped, so the sum (and its bits)
+    # does not depend on the grid (a host-length launch and a capacity-sized one agree exactly).
+    from .mla_decode_fast import COMBINE_CHUNK, mla_decode_fast_combine_kernel
+
+    mla_decode_fast_combine_kernel[(B * M, triton.cdiv(D_C, BLOCK_D))](
+        o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=COMBINE_CHUNK, BLOCK_D=BLOCK_D,
     )
     return o, lse
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quantmla_hf import CacheFormat, PathFormat, QuantMLALayer
-from quantmla_hf.kernels.mla_decode import default_num_splits, mla_decode
+from quantmla_hf.kernels.mla_decode import mla_decode, split_plan
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
@@ -128,9 +128,26 @@ def test_split_count_does_not_change_the_result():
 
 
 def test_default_split_count_fills_the_gpu():
-    assert default_num_splits(1, 1, 32768, 132, 32) >= 132  # batch 1: at least one program per SM
-    assert 64 * default_num_splits(64, 1, 32768, 132, 32) >= 2 * 132
-    assert default_num_splits(1, 1, 100, 132, 32) == 1  # too short to split
+    assert split_plan(1, 1, 32768, 132, 32)[1] >= 132  # batch 1: at least one program per SM
+    assert 64 * split_plan(64, 1, 32768, 132, 32)[1] >= 2 * 132
+    assert split_plan(1, 1, 100, 132, 32)[1] == 1  # too short to split
+    assert split_plan(32, 1, 32768, 132, 32) == split_plan(32, 1, 131072, 132, 32)[:1] + (33,)  # target, not capacity
+
+
+def test_split_boundaries_follow_the_length_not_the_capacity():
+    """A host length (growing cache) and a device length with planes of 4x the capacity (static cache): different
+    grids, the same split boundaries and combine order, so bitwise-identical results (fp32 model: exact path)."""
+    args = random_case(2, 300, 2, 1, 64, 16, 4, 4, 2, 4, torch.float32, [0, 9], seed=8)
+    a = list(args)
+    o_host, lse_host = mla_decode(*args)
+    big = lambda d: {k: torch.cat([v, torch.randn_like(v.float()).to(v.dtype).repeat(1, 3, 1)], 1)  # noqa: E731
+                     for k, v in d.items()}
+    from quantmla_hf.kernels.mla_decode import mla_decode_static
+
+    o_dev, lse_dev = mla_decode_static(a[0], a[1], big(a[2]), big(a[3]), *a[4:10], torch.tensor([300]), 1200, a[11])
+    assert torch.equal(o_host, o_dev) and torch.equal(lse_host, lse_dev)
+    ref_o, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
+    assert_close("o_lat", ref_o, o_host, 2e-3)
 
 
 def test_reads_a_real_cache_layer():

@@ -153,6 +153,30 @@ def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
         assert torch.equal(a, b), f"step {step}: logits differ by {(a.float() - b.float()).abs().max():.3g}"
 
 
+def test_growing_and_static_caches_agree_bit_for_bit_fp32_fallback():
+    """fp32 model: the fast kernels do not take fp32 copies, so both caches decode through the fallback kernel
+    (`kernels/mla_decode.py`), the growing one with a host length, the static one with the device length and a
+    larger grid. Its splits are sized from the length too and its combine is the grid-independent one, so every
+    step's logits (fp32 all the way: nothing rounds the last bits away) and the greedy tokens are identical. A
+    140-token prompt gives several non-empty splits, and the 8192-position static cache a grid whose old
+    capacity-sized splits (128 positions) differed from the growing cache's (80): with them the logits differed
+    at the second decode step by 6e-8."""
+    ids, mask = _prompt(length=140, seed=9)
+    model = tiny_mla_model("deepseek_v3", num_hidden_layers=1, dtype=torch.float32)
+    install_cache_hooks(model)
+    model.set_attn_implementation("quantmla")
+    q = _qconfig(kernel="triton")
+    kw = _gen_kwargs(mask, 3)
+    grow = QuantMLACache(config=model.config, quantization_config=q)
+    ref = model.generate(ids, **kw, **{CACHE_KWARG: grow})
+    static = StaticQuantMLACache(config=model.config, quantization_config=q, max_cache_len=8192)
+    out = model.generate(ids, **kw, **{CACHE_KWARG: static})
+    assert all(layer.last_update_native for layer in grow.layers)
+    assert torch.equal(out.sequences, ref.sequences)
+    for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max():.3g}"
+
+
 # ---------------------------------------------------------------------------------------- eager semantics
 def test_beam_search_crop_and_reset_keep_the_buffers():
     """Beam search (in-place reorder) gives the dynamic cache's sequences; crop and reset keep every address."""
