@@ -109,4 +109,4 @@ def test_per_step_arguments_are_not_specialised():
         return {kernel.arg_names[i] if isinstance(i, int) else i for i in names}
 
     assert {"T", "start"} <= unspecialised(quant_pack_fwd_kernel)
-    assert {"length", "tokens_per_split", "num_splits"} <= unspecialised(mla_decode_fwd_kernel)
+    assert {"length", "split_target", "num_splits"} <= unspecialised(mla_decode_fwd_kernel)
