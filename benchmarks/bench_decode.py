@@ -25,7 +25,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels.mla_decode import mla_decode
-from quantmla_hf.kernels import mla_decode_gluon, mla_decode_strided
+from quantmla_hf.kernels import mla_decode_gluon, mla_decode_gluon_scaled, mla_decode_strided
 from quantmla_hf.kernels.mla_decode_fast import fast_handles, mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
@@ -66,8 +66,11 @@ def decode_fn(kernel, fmt, N, capacity=None, **launch):
     """`(args) -> (o, lse)` for one kernel: "fast" = `mla_decode_static` through the Triton fast kernel, "gluon" =
     the same through the Gluon (sm_90) kernel, "strided" = through the strided-plane kernel, all three with a device-side length and the planes' capacity (`capacity`,
     default N); "old" = the fallback `mla_decode` with a host length."""
-    if kernel in ("fast", "gluon", "strided"):
-        launch = dict(launch, backend={"fast": "triton"}.get(kernel, kernel))
+    if kernel in ("fast", "gluon", "gluon-scaled", "strided"):
+        if kernel == "gluon-scaled":
+            launch = dict(launch, backend="gluon", scaled=True)
+        else:
+            launch = dict(launch, backend={"fast": "triton"}.get(kernel, kernel))
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
         cap = capacity or N
 
@@ -99,10 +102,15 @@ def run_check(out_lines, cases=None, R=128, kernel="old", launch=None):
     ]
     worst_o, worst_lse, all_ok = 0.0, 0.0, True
     for name, H, B, N, Tq, qdt in cases:
-        spare = 67 if kernel in ("fast", "gluon", "strided") else 0
+        spare = 67 if kernel in ("fast", "gluon", "gluon-scaled", "strided") else 0
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + spare, R=R, seed=B + N)
         if kernel == "gluon" and not mla_decode_gluon.gluon_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the Gluon kernel, skipped")
+            print(out_lines[-1], flush=True)
+            continue
+        if kernel == "gluon-scaled" and not mla_decode_gluon_scaled.scaled_handles(
+                fmt, torch.float32 if qdt == "fp32" else torch.bfloat16, DEVICE, sc.dtype):
+            out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the scaled Gluon kernel, skipped")
             print(out_lines[-1], flush=True)
             continue
         if kernel == "strided" and not mla_decode_strided.strided_handles(
@@ -168,8 +176,9 @@ def check_capacity_invariance(out_lines, kernel, cases=None):
     all_ok = True
     for name, H, B, N, Tq in cases:
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, 4 * N, seed=B + N)
-        if not (mla_decode_gluon.gluon_handles(fmt, torch.bfloat16, DEVICE, sc.dtype) if kernel == "gluon" else
-                fast_handles(fmt, torch.bfloat16, DEVICE, sc.dtype)):
+        handles = {"gluon": mla_decode_gluon.gluon_handles,
+                   "gluon-scaled": mla_decode_gluon_scaled.scaled_handles}.get(kernel, fast_handles)
+        if not handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             continue
         g = torch.Generator(device=DEVICE).manual_seed(N)
         q_lat = torch.randn(B, H, Tq, D_C, device=DEVICE, generator=g).bfloat16()
@@ -207,6 +216,19 @@ def check_gluon_unpack(out_lines):
         ok = ok and good
         out_lines.append(f"check gluon unpack {bits} bits: {'OK' if good else 'FAIL'} "
                          f"(max diff {(out.float() - ref).abs().max().item():.1f})")
+        print(out_lines[-1], flush=True)
+        if bits == 8:
+            continue
+        # the scaled kernel's unpacking: fp16 `(code - z) * s`, one rounding of the exact product
+        scale = (torch.rand(64, 1, device=DEVICE) * 0.1 + 0.01).half()
+        mla_decode_gluon_scaled.unpack_scaled_kernel[(1,)](codes.view(torch.int32), zero, scale, out, W=2 * bits,
+                                                           BITS=bits, NW=4, num_warps=4)
+        # the kernel's tiles hold the group's elements in `column_order`
+        ref_s = (ref * scale.float()).half()[:, mla_decode_gluon_scaled.column_order(bits).to(DEVICE)]
+        good = torch.equal(out, ref_s)
+        ok = ok and good
+        out_lines.append(f"check gluon scaled unpack {bits} bits: {'OK' if good else 'FAIL'} "
+                         f"(max diff {(out.float() - ref_s.float()).abs().max().item():.2e})")
         print(out_lines[-1], flush=True)
     return ok
 
@@ -305,11 +327,11 @@ def bf16_kernel_fn(decode_attention_fwd, B, H, N, kv):
 
 POINTS = [(16, 1, 4096), (16, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 8, 131072), (16, 32, 131072),
           (128, 8, 32768), (128, 32, 32768)]
-OURS = [("strided", "C4R4"), ("strided", "C2R4"), ("strided", "C8R8"), ("gluon", "C4R4"), ("gluon", "C2R4"),
+OURS = [("gluon-scaled", "C4R4"), ("gluon-scaled", "C2R4"), ("strided", "C4R4"), ("strided", "C2R4"), ("strided", "C8R8"), ("gluon", "C4R4"), ("gluon", "C2R4"),
         ("gluon", "C8R8"), ("fast", "C4R4"), ("fast", "C2R4"), ("old", "C8R8"), ("old", "C16R16")]
 
 
-def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=None, stock=False):
+def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=None, stock=False, ours=None):
     """Timing table: every point times our kernels, the torch bmm on a BF16 latent cache and, when given, the BF16
     Triton kernel, in the same process."""
     t0 = time.time()
@@ -328,7 +350,7 @@ def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=Non
         q_rot = torch.randn(B, H, 1, D_R, device=DEVICE, generator=g).bfloat16()
         lp = torch.zeros(B, dtype=torch.long, device=DEVICE)
         here = []
-        for kernel, name in OURS:
+        for kernel, name in ours or OURS:
             fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
             args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
             fn = decode_fn(kernel, fmt, N, **(launch or {}).get((kernel, name, H), {}))
@@ -355,6 +377,11 @@ def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=Non
             args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
             ms = bench(graphed(lambda: fn(*args)))
             here.append(dict(method="C4R4-fast-graph", H=H, B=B, N=N, ms=ms, bytes=cache_bytes(fmt, B, N)))
+            if mla_decode_gluon_scaled.scaled_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
+                fn = decode_fn("gluon-scaled", fmt, N)
+                ms = bench(graphed(lambda: fn(*args)))
+                here.append(dict(method="C4R4-gluon-scaled-graph", H=H, B=B, N=N, ms=ms,
+                                 bytes=cache_bytes(fmt, B, N)))
             del cp, rp
         if bf16_kernel is not None and B * N * (D_C + D_R) >= 2**31:
             # Known limit of that kernel: int32 offsets; past 2**31 elements it faults and kills the process.
@@ -401,6 +428,15 @@ SWEEP_GLUON = {
 }
 
 
+SWEEP_GLUON_SCALED = {
+    ("C4R4", 16): [dict(), dict(waves=4), dict(waves=16), dict(num_warps=8), dict(num_warps=8, maxnreg=128),
+                   dict(num_warps=8, maxnreg=128, waves=16), dict(stages=2), dict(stages=2, waves=4)],
+    ("C2R4", 16): [dict(), dict(num_warps=8, maxnreg=128), dict(stages=2)],
+    ("C4R4", 128): [dict(), dict(block_m=16, num_warps=4, waves=8), dict(block_m=64, num_warps=8),
+                    dict(block_m=32, num_warps=8, waves=8)],
+}
+
+
 SWEEP_STRIDED = {
     ("C4R4", 16): [dict(), dict(num_stages=3), dict(num_stages=1), dict(waves=4), dict(waves=16)],
     ("C2R4", 16): [dict()],
@@ -411,7 +447,7 @@ SWEEP_STRIDED = {
 def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32768), ("C4R4", 128, 32, 32768)),
                  kernel="fast"):
     """Launch sweep of the fast (or Gluon) kernel around its defaults at the target points (B 32, 32K)."""
-    sweep = {"gluon": SWEEP_GLUON, "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
+    sweep = {"gluon": SWEEP_GLUON, "gluon-scaled": SWEEP_GLUON_SCALED, "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
     res = []
     for name, H, B, N in points:
         if True:
@@ -471,6 +507,7 @@ def main():
     ap.add_argument("--stock", action="store_true", help="also time the stock transformers step (slow)")
     ap.add_argument("--bf16-kernel", default=os.environ.get("BF16_MLA_KERNEL", ""),
                     help="path to a local copy of vLLM's triton_decode_attention.py (not part of this repository)")
+    ap.add_argument("--ours", default="", help="KERNEL:FORMAT,... of ours to time in --bench (default: all of OURS)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-s", type=float, default=240, help="time budget of the --bench grid")
     ap.add_argument("--gluon-launch", default="", help="KEY=INT,... launch overrides of the Gluon kernel for --check "
@@ -501,7 +538,7 @@ def main():
                                             launch=gluon_launch if k == "gluon" else None)
                                   for k in a.check_kernels.split(",") if k])
         result["capacity_ok"] = all([check_capacity_invariance(lines, k) for k in a.check_kernels.split(",")
-                                     if k in ("fast", "gluon")])
+                                     if k in ("fast", "gluon", "gluon-scaled")])
     launch = {("gluon", name, H): dict(gluon_launch) for name in CONFIGS for H in (16, 128)} if gluon_launch else {}
     if a.variants:
         result["variants"] = []
@@ -514,8 +551,9 @@ def main():
         bf16 = load_bf16_kernel(a.bf16_kernel)
         lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")
         points = [tuple(int(x) for x in p.split(":")) for p in a.points.split(",") if p] or None
+        ours = [tuple(x.split(":")) for x in a.ours.split(",") if x] or None
         result["ceiling_GBps"], result["rows"] = run_bench(lines, points=points, budget_s=a.budget_s, bf16_kernel=bf16,
-                                                           stock=a.stock, launch=launch)
+                                                           stock=a.stock, launch=launch, ours=ours)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -47,6 +47,7 @@ import triton.language as tl
 from quantmla_hf.format import CacheFormat
 
 from . import mla_decode_gluon as gluon_kernel
+from . import mla_decode_gluon_scaled as scaled_kernel
 from . import mla_decode_strided as strided_kernel
 
 LOG2E = 1.4426950408889634
@@ -481,7 +482,8 @@ def mla_decode_static(
         launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` (the split target of `split_plan`)
             overrides (benchmarks), and
             `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
-            `block_m, num_warps, stages, waves, num_splits, async_mma`) or "strided" (`mla_decode_strided.py`; keys
+            `block_m, num_warps, stages, waves, num_splits, async_mma, scaled`: `scaled` picks the scaled-tile kernel of
+            `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys
             `block_m, block_t, num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
 
     Returns:
@@ -605,6 +607,20 @@ def gluon_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: i
     return False
 
 
+def gluon_scaled_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: int | None = None) -> bool:
+    """Whether the scaled-tile Gluon kernel (`mla_decode_gluon_scaled.py`) was measured faster than every other
+    kernel for this format, number of query rows (`H * Tq`) and batch size (H200, same process, do_bench medians;
+    docs/BENCHMARKS.md "Gluon kernel on scaled tiles"):
+
+    - C4R4, 16 heads: B32 32K 0.343 ms (exact Gluon 0.590, Triton fast 0.597), B8 128K 0.338 (0.582), B64 32K
+      0.692 (1.162, Triton fast 1.229); 128 heads B32 32K 1.534 (exact Gluon 2.654).
+    - C2R4, 16 heads: B32 32K 0.336 ms (Triton fast 0.569), B8 128K 0.331, B64 32K 0.683; 128 heads 1.512.
+    Batch 1 (or an unknown batch) at up to 16 rows is not measured here: the Triton fast kernel stays."""
+    if (content_bits, rope_bits) not in ((4, 4), (2, 4)):
+        return False
+    return rows > 16 or (batch is not None and batch >= 8)
+
+
 def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
     """Whether the strided-plane kernel (`mla_decode_strided.py`) was measured faster than every other kernel for
     this format and number of query rows: nowhere so far (docs/BENCHMARKS.md "Strided-plane kernel", same process,
@@ -628,23 +644,45 @@ def default_backend(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict,
 
 def use_gluon(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_planes: dict,
               sink_c: torch.Tensor) -> bool:
-    """Default backend of `mla_decode_static`: the Gluon kernel (`mla_decode_gluon.py`) where it handles the case
-    on this device, the planes are laid out contiguously, and it was measured faster (`gluon_measured_faster`)."""
+    """Default backend of `mla_decode_static`: a Gluon kernel where it handles the case on this device, the planes
+    are laid out contiguously, and it was measured faster: the scaled-tile one (`gluon_scaled_measured_faster`,
+    `_gluon_static` picks it by the same rule) or the exact one (`gluon_measured_faster`)."""
     rows = q_lat.shape[1] * q_lat.shape[2]
-    if (_interpreting() or not q_lat.is_cuda
-            or not gluon_measured_faster(fmt.content.bits, fmt.rope.bits, rows, q_lat.shape[0])):
+    cb, rb, batch = fmt.content.bits, fmt.rope.bits, q_lat.shape[0]
+    if _interpreting() or not q_lat.is_cuda:
+        return False
+    if (gluon_scaled_measured_faster(cb, rb, rows, batch)
+            and scaled_kernel.scaled_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype)
+            and gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes)):
+        return True
+    if not gluon_measured_faster(cb, rb, rows, batch):
         return False
     return (gluon_kernel.gluon_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype)
             and gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes))
 
 
-def gluon_default_launch(M: int) -> dict:
-    """Launch of the Gluon kernel from static sizes: up to 16 rows 16-row blocks, one warpgroup, 3 cp.async stages
+def gluon_default_launch(M: int, scaled: bool = False) -> dict:
+    """Launch of the Gluon kernel from static sizes.
+
+    Exact-integer tiles (`mla_decode_gluon.py`): up to 16 rows 16-row blocks, one warpgroup, 3 cp.async stages
     (~166 KB of shared memory, one program per SM), splits for about 8 programs per multiprocessor and the
     `async_mma` issue order (H200 sweep, 16 heads B32 32K: 0.581 ms against 0.700 with 4 programs per SM and a
     `wgmma` wait per group; docs/BENCHMARKS.md "Gluon launch sweep"); more rows (128 heads, several query tokens)
     32-row blocks over two warpgroups (4 warps spill 1.4 KB there, 8 warps 36 B), 2 stages (~182 KB), about 4
-    programs per multiprocessor (2, 4 and 8 measured within 1%)."""
+    programs per multiprocessor (2, 4 and 8 measured within 1%).
+
+    Scaled tiles (`mla_decode_gluon_scaled.py`, `scaled=True`; H200 sweep, docs/BENCHMARKS.md "Gluon kernel on
+    scaled tiles"): up to 16 rows 16-row blocks, one warpgroup, one cp.async slot (~113 KB: two programs per SM),
+    about 8 programs per SM (16 heads B32 32K: 0.343 ms; 4 and 16 programs per SM 0.413 and 0.379, two stages with
+    one program per SM 0.465, two warpgroups 0.47-0.56); more than 32 rows (128 heads): 64-row blocks over two
+    warpgroups, about 4 programs per SM (1.540 ms against 2.20 with 32-row blocks and 2.38 with 16); 17 to 32
+    rows: 32-row blocks over two warpgroups (not timed at that row count)."""
+    if scaled:
+        if M > 32:
+            return dict(block_m=64, num_warps=8, stages=1, waves=4, scaled=True)
+        if M > 16:
+            return dict(block_m=32, num_warps=8, stages=1, waves=4, scaled=True)
+        return dict(block_m=16, num_warps=4, stages=1, waves=8, scaled=True)
     if M > 16:
         return dict(block_m=32, num_warps=8, stages=2, waves=4)
     return dict(block_m=16, num_warps=4, stages=3, waves=8, async_mma=True)
@@ -652,7 +690,9 @@ def gluon_default_launch(M: int) -> dict:
 
 def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, left_padding,
                   length, capacity, scaling, out, **launch):
-    """`mla_decode_static` through the Gluon kernel (same partials and combine as the Triton fast kernel)."""
+    """`mla_decode_static` through a Gluon kernel (same partials and combine as the Triton fast kernel): the
+    scaled-tile kernel when `launch["scaled"]` says so (default: `gluon_scaled_measured_faster`), the exact one
+    otherwise."""
     B, H, Tq, D_C = q_lat.shape
     D_R = q_rot.shape[-1]
     M = H * Tq
@@ -662,9 +702,25 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     if not gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes):
         raise ValueError("the Gluon decode kernel needs plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
                          "use backend='triton' for strided planes")
-    cfg = gluon_default_launch(M)
-    cfg.update({k: v for k, v in launch.items() if v is not None})
+    scaled = launch.get("scaled")
+    if scaled is None:
+        scaled = (gluon_scaled_measured_faster(fmt.content.bits, fmt.rope.bits, M, B)
+                  and scaled_kernel.scaled_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype))
+    scaled = bool(scaled)
+    if scaled and not scaled_kernel.scaled_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
+        raise ValueError(f"the scaled-tile Gluon kernel does not handle {fmt.name} (2- or 4-bit content and RoPE, "
+                         "4 or 8 content groups): pass scaled=False for the exact-integer Gluon kernel")
+    cfg = gluon_default_launch(M, scaled)
+    cfg.update({k: v for k, v in launch.items() if v is not None and k != "scaled"})
     block_m = int(cfg["block_m"])
+    q_split = q_lat.dtype == torch.float32 or q_rot.dtype == torch.float32
+    if scaled and "block_m" not in launch:
+        # fp32 queries stage a high and a low part: 64-row blocks would not fit shared memory, halve them
+        while block_m > 16 and scaled_kernel.smem_bytes(fmt, block_m, int(cfg["stages"]), q_split) > \
+                scaled_kernel.SMEM_LIMIT:
+            block_m //= 2
+        if block_m == 16:
+            cfg["num_warps"] = 4
     head_blocks = triton.cdiv(M, block_m)
     sms = _num_sms(q_lat.device.index or 0)
     # splits cover positions [0, length - R), tile-aligned from 0; the kernel sizes them from the length
@@ -676,9 +732,14 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
-    gluon_kernel.launch_gluon(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
-                              o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m, int(cfg["num_warps"]),
-                              int(cfg["stages"]), bool(cfg.get("async_mma", False)))
+    if scaled:
+        scaled_kernel.launch_scaled(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp,
+                                    length, o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m,
+                                    int(cfg["num_warps"]), int(cfg["stages"]), cfg.get("maxnreg"))
+    else:
+        gluon_kernel.launch_gluon(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp,
+                                  length, o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m,
+                                  int(cfg["num_warps"]), int(cfg["stages"]), bool(cfg.get("async_mma", False)))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)
 
 
