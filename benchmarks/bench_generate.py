@@ -246,7 +246,7 @@ def profile_steps(state, n_steps=5):
                 top_kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]))
 
 
-CHECK_VARIANTS = ("eager", "static", "graphed", "compiled")
+CHECK_VARIANTS = ("eager", "static", "graphed", "compiled", "compiled-exact")
 
 
 @torch.no_grad()
@@ -258,7 +258,9 @@ def check_generate(model, new_tokens, variants=CHECK_VARIANTS, N=4096):
       lengths of the captured path, without capture);
     - "graphed": the static cache with generate's own compile path, `CompileConfig(backend="cudagraphs",
       mode="default", fullgraph=True)` (the eager kernels recorded into CUDA graphs);
-    - "compiled": the same with `CompileConfig(fullgraph=True)` (inductor, `reduce-overhead`).
+    - "compiled": the same with `CompileConfig(fullgraph=True)` (inductor, `reduce-overhead`);
+    - "compiled-exact": inductor with CUDA graphs (what `reduce-overhead` sets) and `emulate_precision_casts`
+      (fused bf16 arithmetic rounds its intermediates as eager does).
 
     Returns each variant's tokens agreement with "eager" and with "static" (identical? first differing position)
     and ms per new token `(t(N + 2) - t(2)) / N` after a warm-up call (which compiles)."""
@@ -276,6 +278,8 @@ def check_generate(model, new_tokens, variants=CHECK_VARIANTS, N=4096):
         "static": dict(disable_compile=True),
         "graphed": dict(compile_config=CompileConfig(backend="cudagraphs", mode="default", fullgraph=True)),
         "compiled": dict(compile_config=CompileConfig(fullgraph=True)),
+        "compiled-exact": dict(compile_config=CompileConfig(
+            fullgraph=True, mode=None, options={"triton.cudagraphs": True, "emulate_precision_casts": True})),
     }
 
     def timed(n, variant):

@@ -24,10 +24,10 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
   the host and can be captured in a CUDA graph. A split whose range lies past `length` writes an empty partial
   (`lse = -inf`, `o = 0`) that the combine skips.
 
-The Gluon kernel of `mla_decode_gluon.py` (sm_90: one unpack per tile in shared memory, read by `wgmma` for both
-dots) sits behind the same launcher (`backend="gluon"`) and is the default where it was measured faster
-(`gluon_measured_faster`: 8-bit content, 2/4-bit content with more than 16 query rows, e.g. 128 heads, and 4-bit
-content at batch 8 to 32). The strided-plane kernel of `mla_decode_strided.py` is a third backend
+The Gluon kernels (sm_90) sit behind the same launcher (`backend="gluon"`): `mla_decode_gluon_scaled.py` (fp16
+`(code - z) * s` tiles, two programs per SM; `scaled=True`) is the default for C4R4 everywhere and for C2R4 at batch
+>= 8 or above 16 rows (`gluon_scaled_measured_faster`), `mla_decode_gluon.py` (exact-integer tiles) for 8-bit content
+(`gluon_measured_faster`). The strided-plane kernel of `mla_decode_strided.py` is a third backend
 (`backend="strided"`), measured slower everywhere so far.
 
 `fast_handles` says which cases the kernel computes; `fast_supported` (what the decode op dispatches on) also
@@ -327,21 +327,24 @@ def mla_decode_fast_kernel(
 
 @triton.jit(do_not_specialize=["NSP"])
 def mla_decode_fast_combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.constexpr,
-                                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, N_TAIL: tl.constexpr = 1):
     """Log-sum-exp merge of the splits of one (batch row, query row) and block of d_c columns; a row with no
     visible position gives zeros and lse -inf.
 
-    The packed splits `0 .. NSP-2` are summed in chunks of a fixed `BLOCK_S` (one chunk sum after the other), their
-    partials read only where non-empty, then the sink/recent split `NSP-1`: a launch with more (trailing, empty)
-    splits adds exact zeros, so the result depends on the non-empty partials only, not on `NSP`."""
+    The packed splits `0 .. NSP-N_TAIL-1` are summed in chunks of a fixed `BLOCK_S` (one chunk sum after the
+    other), their partials read only where non-empty, then the `N_TAIL` sink/recent slots at the end, one by one
+    in order (1 for the kernels with one copy split; the scaled Gluon kernel spreads the copies over 3): a launch
+    with more (trailing, empty) packed splits adds exact zeros, so the result depends on the non-empty partials
+    only, not on `NSP`."""
     i_bm = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
-    n_packed = NSP - 1
+    n_packed = NSP - N_TAIL
     p_lse = lse_part_ptr + i_bm * NSP
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D_C
-    lse_dense = tl.load(p_lse + n_packed)
-    m = lse_dense
+    m = tl.load(p_lse + n_packed)
+    for j in tl.static_range(1, N_TAIL):
+        m = tl.maximum(m, tl.load(p_lse + n_packed + j))
     for s0 in range(0, n_packed, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
         m = tl.maximum(m, tl.max(tl.load(p_lse + o_s, mask=o_s < n_packed, other=float("-inf")), axis=0))
@@ -357,11 +360,13 @@ def mla_decode_fast_combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP
                       other=0.0)
         total += tl.sum(w, axis=0)
         acc += tl.sum(b_o * w[:, None], axis=0)
-    w_d = tl.where(lse_dense > float("-inf"), tl.exp(lse_dense - m_use), 0.0)
-    m_od = m_d & (lse_dense + tl.zeros((BLOCK_D,), tl.float32) > float("-inf"))  # [BLOCK_D]: read only if non-empty
-    b_od = tl.load(o_part_ptr + (i_bm * NSP + n_packed) * D_C + o_d, mask=m_od, other=0.0)
-    total += w_d
-    acc += b_od * w_d
+    for j in tl.static_range(N_TAIL):
+        lse_dense = tl.load(p_lse + n_packed + j)
+        w_d = tl.where(lse_dense > float("-inf"), tl.exp(lse_dense - m_use), 0.0)
+        m_od = m_d & (lse_dense + tl.zeros((BLOCK_D,), tl.float32) > float("-inf"))  # read only if non-empty
+        b_od = tl.load(o_part_ptr + (i_bm * NSP + n_packed + j) * D_C + o_d, mask=m_od, other=0.0)
+        total += w_d
+        acc += b_od * w_d
     tot = tl.sum(total, axis=0)
     out = acc / tl.where(tot > 0, tot, 1.0)
     tl.store(o_ptr + i_bm * D_C + o_d, out, mask=m_d)
@@ -565,8 +570,9 @@ def mla_decode_static(
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)
 
 
-def _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out):
-    """Merge the split partials `[B, M, NSP, d_c]`, `[B, M, NSP]` into `(o [B, H, Tq, d_c], lse [B, H, Tq])`."""
+def _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, n_tail=1):
+    """Merge the split partials `[B, M, NSP, d_c]`, `[B, M, NSP]` (the last `n_tail` slots: the sink/recent
+    copies) into `(o [B, H, Tq, d_c], lse [B, H, Tq])`."""
     dev, M = o_part.device, H * Tq
     if out is None:
         o = torch.empty((B, H, Tq, D_C), dtype=torch.float32, device=dev)
@@ -579,7 +585,7 @@ def _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out):
     BLOCK_D = min(triton.next_power_of_2(D_C), 128)
     # BLOCK_S is fixed (not derived from NSP): the chunks, hence the summation order, are the same for any grid.
     mla_decode_fast_combine_kernel[(B * M, triton.cdiv(D_C, BLOCK_D))](
-        o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=COMBINE_CHUNK, BLOCK_D=BLOCK_D,
+        o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=COMBINE_CHUNK, BLOCK_D=BLOCK_D, N_TAIL=n_tail,
     )
     return o, lse
 
@@ -612,13 +618,16 @@ def gluon_scaled_measured_faster(content_bits: int, rope_bits: int, rows: int, b
     kernel for this format, number of query rows (`H * Tq`) and batch size (H200, same process, do_bench medians;
     docs/BENCHMARKS.md "Gluon kernel on scaled tiles"):
 
-    - C4R4, 16 heads: B32 32K 0.343 ms (exact Gluon 0.590, Triton fast 0.597), B8 128K 0.338 (0.582), B64 32K
-      0.692 (1.162, Triton fast 1.229); 128 heads B32 32K 1.534 (exact Gluon 2.654).
-    - C2R4, 16 heads: B32 32K 0.336 ms (Triton fast 0.569), B8 128K 0.331, B64 32K 0.683; 128 heads 1.512.
-    Batch 1 (or an unknown batch) at up to 16 rows is not measured here: the Triton fast kernel stays."""
-    if (content_bits, rope_bits) not in ((4, 4), (2, 4)):
-        return False
-    return rows > 16 or (batch is not None and batch >= 8)
+    - C4R4, 16 heads: B32 32K 0.320 ms (exact Gluon 0.590, Triton fast 0.593), B8 128K 0.307 (0.582, 0.595), B64
+      32K 0.692 (1.162, 1.229); B1 4K replayed from a CUDA graph 0.0201 ms (Triton fast 0.0395); 128 heads B32 32K
+      1.486 (exact Gluon 2.654).
+    - C2R4, 16 heads: B32 32K 0.330 ms (Triton fast 0.569), B8 128K 0.321, B64 32K 0.683; 128 heads 1.505.
+      C2R4 at batch < 8 was not timed on its own: the Triton fast kernel stays there."""
+    if (content_bits, rope_bits) == (4, 4):
+        return True
+    if (content_bits, rope_bits) == (2, 4):
+        return rows > 16 or (batch is not None and batch >= 8)
+    return False
 
 
 def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
@@ -726,7 +735,7 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     # splits cover positions [0, length - R), tile-aligned from 0; the kernel sizes them from the length
     target, NS = split_plan(B, head_blocks, capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, cfg["waves"],
                             cfg.get("num_splits"))
-    NSP = NS + 1
+    NSP = NS + (scaled_kernel.copy_programs(fmt) if scaled else 1)  # partial slots: packed splits + copied tokens
     q = q_lat.reshape(B, M, D_C).contiguous()
     qr = q_rot.reshape(B, M, D_R).contiguous()
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
@@ -740,7 +749,7 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
         gluon_kernel.launch_gluon(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp,
                                   length, o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m,
                                   int(cfg["num_warps"]), int(cfg["stages"]), bool(cfg.get("async_mma", False)))
-    return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out)
+    return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 
 def _strided_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, left_padding,

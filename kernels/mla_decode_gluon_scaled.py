@@ -6,8 +6,10 @@ Same function, partial outputs and combine as `mla_decode_gluon.py` (reference `
 exact-integer Gluon kernel (docs/KERNELS.md "Gluon kernel on scaled tiles"):
 
 * Each group of a 64-token tile is unpacked once into fp16 `(code - z) * s` (the exact integer `code - z` by the
-  fp16 magic number, then one rounding by the group's fp16 step `s`), for content and RoPE alike. The tile in
-  shared memory then holds the dequantized keys, so
+  fp16 magic number, then one rounding by the group's fp16 step `s`), for content and RoPE alike, two elements per
+  register by inline PTX (`pair_asm`: `lop3`, `sub.f16x2`, `mul.f16x2`), in the tile column order that needs no
+  reordering (`column_order`; the queries are staged and the outputs stored in it). The tile in shared memory then
+  holds the dequantized keys, so
   - the scores are ONE `warpgroup_mma` chain over all 9 groups into one `[BT, BM]` accumulator (the exact kernel
     keeps a partial per group and scales it: 9 accumulators live, 255 registers with spills),
   - the probabilities are stored once, `P: [BT, BM]` fp16 (the exact kernel stores `P * s_g` per group: 8 tiles),
@@ -21,6 +23,8 @@ exact-integer Gluon kernel (docs/KERNELS.md "Gluon kernel on scaled tiles"):
 * The queries of the block share one per-row power of two for content and RoPE (one accumulator).
 * The row sums of the online softmax stay per (token lane, row) until the end: one cross-warp reduction per tile
   (the maximum) instead of two.
+* The sink and recent copies take one program per 64-token tile (`copy_programs`: 3 for 4 + 128 tokens) instead of
+  one program for all: at batch 1 that program was the longest. The combine merges them as its last `N_TAIL` slots.
 
 Accuracy: the one extra rounding per key element (relative 2**-12) is far below the 2- and 4-bit quantization
 step; the LSE stays within 1e-4 of the fp64 reference (`bench_decode.py --check`). At 8 bits it would not (keys
@@ -323,8 +327,11 @@ def mla_decode_gluon_scaled_kernel(
 ):
     """One program per (split, block of BM rows, batch row): the splits of `mla_decode_gluon_kernel` (tile-aligned,
     sized from the device-side length, split `num_splits` takes the sink and recent copies), the same inputs
-    (codes as 32-bit words, rows contiguous) and the same outputs `o: [B, M, num_splits + 1, D_C]`, `lse: [B, M,
-    num_splits + 1]` (normalised partials, natural-log LSE, -inf when empty)."""
+    (codes as 32-bit words, rows contiguous), except that the sink and recent copies are spread over `ND =
+    cdiv(S, 64) + cdiv(R, 64)` programs of one tile each (splits `num_splits .. num_splits + ND - 1`: sink tiles,
+    then recent tiles from `length - R`), so no program attends more than one copied tile after the packed ones
+    (at batch 1 the copied tiles were the longest program). Outputs `o: [B, M, num_splits + ND, D_C]`, `lse: [B, M,
+    num_splits + ND]` (normalised partials, natural-log LSE, -inf when empty)."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     WPG_C: gl.constexpr = 2 * C_BITS  # 32-bit words per group of 64 codes
@@ -385,7 +392,10 @@ def mla_decode_gluon_scaled_kernel(
     o5 = gl.zeros([64, BM], gl.float32, acc_l)
     o6 = gl.zeros([64, BM], gl.float32, acc_l)
     o7 = gl.zeros([64, BM], gl.float32, acc_l)
-    is_dense = i_s == num_splits
+    SINK_TILES: gl.constexpr = (S + BT - 1) // BT
+    ND: gl.constexpr = SINK_TILES + (R + BT - 1) // BT  # programs for the copied tokens
+    is_dense = i_s >= num_splits
+    d = i_s - num_splits  # which copied tile (sink tiles first), negative for the packed splits
 
     # Packed positions of this split (`mla_decode_fast.split_plan`: sized from the length, not the capacity).
     covered = gl.maximum(length - R, 0)
@@ -440,10 +450,11 @@ def mla_decode_gluon_scaled_kernel(
 
     # The last split: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, d_l)).to(gl.int64)
-    n_sink = gl.where(is_dense, S, 0)
+    s_lo = d * BT
+    s_hi = gl.where(is_dense & (d < SINK_TILES), gl.minimum(s_lo + BT, S), s_lo)
     p_snc = snc_ptr + i_b * s_sncb
     p_snr = snr_ptr + i_b * s_snrb
-    for start in range(0, n_sink, BT):
+    for start in range(s_lo, s_hi, BT):
         _cta_barrier()
         o_j = start + o_dt
         _dense_tile(kbuf, p_snc, p_snr, o_j, (o_j < S) & (lp + o_j < length), s_snct, s_snrt, GC, C_BITS, R_BITS, d_l)
@@ -455,8 +466,9 @@ def mla_decode_gluon_scaled_kernel(
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _attend(
             kbuf, qbuf, qlo, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7,
             (start.to(gl.int64) >> 40).to(gl.int32), GC, BT, BM, Q_SPLIT, acc_l)
-    r_lo = gl.maximum(length - R, 0)
-    r_hi = gl.where(is_dense, length, r_lo)
+    r_first = gl.maximum(length - R, 0)
+    r_lo = r_first + (d - SINK_TILES) * BT
+    r_hi = gl.where(is_dense & (d >= SINK_TILES), gl.minimum(r_lo + BT, length), r_lo)
     lo_dense = lp + S
     p_rcc = rcc_ptr + i_b * s_rccb
     p_rcr = rcr_ptr + i_b * s_rcrb
@@ -476,7 +488,7 @@ def mla_decode_gluon_scaled_kernel(
     has = l_i > 0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     b_lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_row = (i_b * M + o_m) * (num_splits + 1) + i_s
+    o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
     _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
     _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
     _store_o(o_ptr, o_row, m_m, o2, inv_l, 2, GC, D_C, C_BITS, acc_l)
@@ -506,6 +518,12 @@ def programs_per_sm(fmt: CacheFormat, block_m: int, stages: int, q_split: bool) 
     return SMEM_PER_SM // (smem_bytes(fmt, block_m, stages, q_split) + 1024)
 
 
+def copy_programs(fmt: CacheFormat) -> int:
+    """Programs (partial-output slots) per row and head block for the sink and recent copies: one per 64-token tile
+    of each, `cdiv(S, 64) + cdiv(R, 64)` (3 for 4 sink and 128 recent tokens)."""
+    return -(-fmt.sink_tokens // BLOCK_T) + -(-fmt.recent_tokens // BLOCK_T)
+
+
 def scaled_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
     """Whether this kernel computes the case: what the exact Gluon kernel handles (`gluon_handles`), with 2- or
     4-bit content and RoPE (at 8 bits the fp16 rounding of the scaled keys would move the LSE past 1e-4) and 4 or 8
@@ -517,9 +535,10 @@ def scaled_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: t
 
 def launch_scaled(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
                   split_target, NS, qk_scale, block_m, num_warps, stages, maxnreg=None):
-    """Launch `mla_decode_gluon_scaled_kernel` on the grid `(NS + 1, cdiv(M, block_m), B)` (the kernel sizes the
-    splits from the device-side length; `NS` must cover them, `mla_decode_fast.split_plan`). `maxnreg` caps the
-    registers per thread (two 8-warp programs per SM need at most 128)."""
+    """Launch `mla_decode_gluon_scaled_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, block_m), B)` (the
+    kernel sizes the splits from the device-side length; `NS` must cover them, `mla_decode_fast.split_plan`; the
+    partials `o_part`, `lse_part` hold `NS + copy_programs(fmt)` slots). `maxnreg` caps the registers per thread
+    (two 8-warp programs per SM need at most 128)."""
     B = q.shape[0]
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
     need = smem_bytes(fmt, block_m, stages, q_split)
@@ -529,7 +548,7 @@ def launch_scaled(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
                          f"smaller block_m")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
     wpg_c, wpg_r = 2 * fmt.content.bits, 2 * fmt.rope.bits
-    grid = (NS + 1, -(-M // block_m), B)
+    grid = (NS + copy_programs(fmt), -(-M // block_m), B)
     mla_decode_gluon_scaled_kernel[grid](
         q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,

@@ -214,3 +214,32 @@ def test_split_plan_keeps_the_measured_split_counts():
     assert active(32, 32768, 32768) == (33, 992, 33)
     assert active(1, 4096, 4096) == (62, 64, 62)
     assert active(1, 4096, 32768)[:2] == (62, 64)  # a larger static cache: same splits, larger grid
+
+
+@pytest.mark.parametrize("n_tail", [1, 3])
+def test_combine_tail_slots_and_trailing_empty_splits(n_tail):
+    """The combine merges packed splits in fixed chunks and then the `n_tail` copy slots at the end (3 for the
+    scaled Gluon kernel, whose sink and recent copies take one program per tile): the log-sum-exp merge of the
+    reference, and bitwise the same with 70 more empty packed splits (a larger static grid)."""
+    from quantmla_hf.kernels.mla_decode_fast import _combine
+
+    g = torch.Generator().manual_seed(n_tail)
+    B, H, Tq, D, live = 2, 3, 1, 40, 5
+    o_live = torch.randn(B, H * Tq, live + n_tail, D, generator=g)
+    lse_live = torch.randn(B, H * Tq, live + n_tail, generator=g) * 3
+    lse_live[0, 1, 2] = float("-inf")  # an empty split inside the live ones
+    lse_live[1, 0, -1] = float("-inf")  # an empty copy slot
+
+    def with_empty(extra):
+        o = torch.cat([o_live[:, :, :live], torch.full((B, H * Tq, extra, D), float("nan")), o_live[:, :, live:]], 2)
+        lse = torch.cat([lse_live[:, :, :live], torch.full((B, H * Tq, extra), float("-inf")),
+                         lse_live[:, :, live:]], 2)
+        return o.contiguous(), lse.contiguous()
+
+    outs = [_combine(*with_empty(extra), B, H, Tq, D, live + extra + n_tail, None, n_tail) for extra in (0, 70)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    w = torch.softmax(lse_live.double(), dim=-1)
+    ref_o = (torch.nan_to_num(o_live.double()) * w[..., None]).sum(2)
+    ref_lse = torch.logsumexp(lse_live.double(), dim=-1)
+    assert (outs[0][0].reshape(B, H * Tq, D).double() - ref_o).abs().max() < 1e-5
+    assert (outs[0][1].reshape(B, H * Tq).double() - ref_lse).abs().max() < 1e-5
