@@ -66,9 +66,11 @@ def decode_fn(kernel, fmt, N, capacity=None, **launch):
     """`(args) -> (o, lse)` for one kernel: "fast" = `mla_decode_static` through the Triton fast kernel, "gluon" =
     the same through the Gluon (sm_90) kernel, "strided" = through the strided-plane kernel, all three with a device-side length and the planes' capacity (`capacity`,
     default N); "old" = the fallback `mla_decode` with a host length."""
-    if kernel in ("fast", "gluon", "gluon-scaled", "strided"):
+    if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "strided"):
         if kernel == "gluon-scaled":
             launch = dict(launch, backend="gluon", scaled=True)
+        elif kernel == "gluon-regs":
+            launch = dict(launch, backend="gluon", regs=True)
         else:
             launch = dict(launch, backend={"fast": "triton"}.get(kernel, kernel))
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
@@ -102,13 +104,13 @@ def run_check(out_lines, cases=None, R=128, kernel="old", launch=None):
     ]
     worst_o, worst_lse, all_ok = 0.0, 0.0, True
     for name, H, B, N, Tq, qdt in cases:
-        spare = 67 if kernel in ("fast", "gluon", "gluon-scaled", "strided") else 0
+        spare = 67 if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "strided") else 0
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + spare, R=R, seed=B + N)
         if kernel == "gluon" and not mla_decode_gluon.gluon_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the Gluon kernel, skipped")
             print(out_lines[-1], flush=True)
             continue
-        if kernel == "gluon-scaled" and not mla_decode_gluon_scaled.scaled_handles(
+        if kernel in ("gluon-scaled", "gluon-regs") and not mla_decode_gluon_scaled.scaled_handles(
                 fmt, torch.float32 if qdt == "fp32" else torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the scaled Gluon kernel, skipped")
             print(out_lines[-1], flush=True)
@@ -177,7 +179,8 @@ def check_capacity_invariance(out_lines, kernel, cases=None):
     for name, H, B, N, Tq in cases:
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, 4 * N, seed=B + N)
         handles = {"gluon": mla_decode_gluon.gluon_handles,
-                   "gluon-scaled": mla_decode_gluon_scaled.scaled_handles}.get(kernel, fast_handles)
+                   "gluon-scaled": mla_decode_gluon_scaled.scaled_handles,
+                   "gluon-regs": mla_decode_gluon_scaled.scaled_handles}.get(kernel, fast_handles)
         if not handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             continue
         g = torch.Generator(device=DEVICE).manual_seed(N)
@@ -327,13 +330,25 @@ def bf16_kernel_fn(decode_attention_fwd, B, H, N, kv):
 
 POINTS = [(16, 1, 4096), (16, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 8, 131072), (16, 32, 131072),
           (128, 8, 32768), (128, 32, 32768)]
-OURS = [("gluon-scaled", "C4R4"), ("gluon-scaled", "C2R4"), ("strided", "C4R4"), ("strided", "C2R4"), ("strided", "C8R8"), ("gluon", "C4R4"), ("gluon", "C2R4"),
+OURS = [("gluon-regs", "C4R4"), ("gluon-regs", "C2R4"), ("gluon-scaled", "C4R4"), ("gluon-scaled", "C2R4"), ("strided", "C4R4"), ("strided", "C2R4"), ("strided", "C8R8"), ("gluon", "C4R4"), ("gluon", "C2R4"),
         ("gluon", "C8R8"), ("fast", "C4R4"), ("fast", "C2R4"), ("old", "C8R8"), ("old", "C16R16")]
 
 
-def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=None, stock=False, ours=None):
+def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=None, stock=False, ours=None,
+              graph=False):
     """Timing table: every point times our kernels, the torch bmm on a BF16 latent cache and, when given, the BF16
-    Triton kernel, in the same process."""
+    Triton kernel, in the same process. `graph`: every method replayed from a CUDA graph (no host or launch
+    overhead; a method that cannot be captured is timed eagerly and says so)."""
+
+    def timed(fn):
+        if not graph:
+            return bench(fn), ""
+        try:
+            return bench(graphed(fn)), "-graph"
+        except Exception:  # not capturable (host synchronisation): eager, marked as such
+            torch.cuda.synchronize()
+            return bench(fn), "-eager"
+
     t0 = time.time()
     ceiling = copy_ceiling()
     line = f"copy ceiling: {ceiling:.0f} GB/s (device-to-device copy of 2 GiB, read + write)"
@@ -354,20 +369,21 @@ def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=Non
             fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
             args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
             fn = decode_fn(kernel, fmt, N, **(launch or {}).get((kernel, name, H), {}))
+            sfx = ""
             try:
-                ms = bench(lambda: fn(*args))
+                ms, sfx = timed(lambda: fn(*args))
             except Exception as e:  # e.g. a kernel that does not handle this case: reported, not fatal
                 ms = float("nan")
                 out_lines.append(f"{name}-{kernel} H={H} B={B} N={N}: {type(e).__name__}: {str(e)[:200]}")
-            here.append(dict(method=f"{name}-{kernel}", H=H, B=B, N=N, ms=ms, bytes=cache_bytes(fmt, B, N)))
+            here.append(dict(method=f"{name}-{kernel}{sfx}", H=H, B=B, N=N, ms=ms, bytes=cache_bytes(fmt, B, N)))
             del cp, rp
         kv_bytes = B * N * (D_C + D_R) * 2
         kv = torch.randn(B, N, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
         q = torch.randn(B, H, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
         if B * H * N * 4 * 3 < 60e9:
-            ms = bench(lambda: torch_absorbed(q, kv, SCALING))
-            here.append(dict(method="torch-bmm-bf16", H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
-        if B == 1:
+            ms, sfx = timed(lambda: torch_absorbed(q, kv, SCALING))
+            here.append(dict(method="torch-bmm-bf16" + sfx, H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
+        if B == 1 and not graph:
             # Launch overhead dominates at batch 1: both also replayed from a CUDA graph (how a captured decode step
             # runs them; the fast kernel's interface is built for capture).
             ms = bench(graphed(lambda: torch_absorbed(q, kv, SCALING)))
@@ -382,6 +398,9 @@ def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=Non
                 ms = bench(graphed(lambda: fn(*args)))
                 here.append(dict(method="C4R4-gluon-scaled-graph", H=H, B=B, N=N, ms=ms,
                                  bytes=cache_bytes(fmt, B, N)))
+                fn = decode_fn("gluon-regs", fmt, N)
+                ms = bench(graphed(lambda: fn(*args)))
+                here.append(dict(method="C4R4-gluon-regs-graph", H=H, B=B, N=N, ms=ms, bytes=cache_bytes(fmt, B, N)))
             del cp, rp
         if bf16_kernel is not None and B * N * (D_C + D_R) >= 2**31:
             # Known limit of that kernel: int32 offsets; past 2**31 elements it faults and kills the process.
@@ -389,11 +408,12 @@ def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=Non
         elif bf16_kernel is not None:
             try:
                 fn = bf16_kernel_fn(bf16_kernel, B, H, N, kv)
-                ms = bench(fn)
+                sfx = ""
+                ms, sfx = timed(fn)
             except Exception as e:  # e.g. int32 offsets past 2**31 elements: reported, not fatal
                 ms = float("nan")
                 out_lines.append(f"bf16 Triton kernel H={H} B={B} N={N}: {type(e).__name__}: {str(e)[:160]}")
-            here.append(dict(method="vllm-triton-bf16", H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
+            here.append(dict(method="vllm-triton-bf16" + sfx, H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
         del kv
         if stock and B * N * H * (D_NOPE + D_V) * 2 * 3 < 60e9:
             step = stock_step_fn(*stock_layer(H), B, N)
@@ -428,6 +448,12 @@ SWEEP_GLUON = {
 }
 
 
+SWEEP_GLUON_REGS = {
+    ("C4R4", 16): [dict(), dict(waves=4), dict(waves=6), dict(waves=12), dict(waves=16), dict(inflight=2),
+                   dict(inflight=2, waves=4)],
+    ("C2R4", 16): [dict(), dict(waves=4), dict(inflight=2)],
+    ("C4R4", 128): [dict()],
+}
 SWEEP_GLUON_SCALED = {
     ("C4R4", 16): [dict(), dict(waves=4), dict(waves=16), dict(num_warps=8), dict(num_warps=8, maxnreg=128),
                    dict(num_warps=8, maxnreg=128, waves=16), dict(stages=2), dict(stages=2, waves=4)],
@@ -446,8 +472,10 @@ SWEEP_STRIDED = {
 
 def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32768), ("C4R4", 128, 32, 32768)),
                  kernel="fast"):
-    """Launch sweep of the fast (or Gluon) kernel around its defaults at the target points (B 32, 32K)."""
-    sweep = {"gluon": SWEEP_GLUON, "gluon-scaled": SWEEP_GLUON_SCALED, "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
+    """Launch sweep of the fast (or Gluon) kernel around its defaults at the target points (B 32, 32K), each
+    variant replayed from a CUDA graph."""
+    sweep = {"gluon": SWEEP_GLUON, "gluon-scaled": SWEEP_GLUON_SCALED, "gluon-regs": SWEEP_GLUON_REGS,
+             "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
     res = []
     for name, H, B, N in points:
         if True:
@@ -460,7 +488,8 @@ def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32
             for v in sweep[(name, H)]:
                 try:
                     fn = decode_fn(kernel, fmt, N, **v)
-                    ms = bench(lambda: fn(*args))
+                    # replayed from a CUDA graph (the static kernels are built for capture): host time excluded
+                    ms = bench(graphed(lambda: fn(*args)) if kernel != "old" else lambda: fn(*args))
                 except Exception as e:  # a variant that does not compile (registers, shared memory) is not fatal
                     ms = float("nan")
                     out_lines.append(f"variant {name} H={H} {v}: {type(e).__name__}: {str(e)[:200]}")
@@ -507,6 +536,7 @@ def main():
     ap.add_argument("--stock", action="store_true", help="also time the stock transformers step (slow)")
     ap.add_argument("--bf16-kernel", default=os.environ.get("BF16_MLA_KERNEL", ""),
                     help="path to a local copy of vLLM's triton_decode_attention.py (not part of this repository)")
+    ap.add_argument("--graph", action="store_true", help="--bench: replay every method from a CUDA graph")
     ap.add_argument("--ours", default="", help="KERNEL:FORMAT,... of ours to time in --bench (default: all of OURS)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-s", type=float, default=240, help="time budget of the --bench grid")
@@ -538,7 +568,7 @@ def main():
                                             launch=gluon_launch if k == "gluon" else None)
                                   for k in a.check_kernels.split(",") if k])
         result["capacity_ok"] = all([check_capacity_invariance(lines, k) for k in a.check_kernels.split(",")
-                                     if k in ("fast", "gluon", "gluon-scaled")])
+                                     if k in ("fast", "gluon", "gluon-scaled", "gluon-regs")])
     launch = {("gluon", name, H): dict(gluon_launch) for name in CONFIGS for H in (16, 128)} if gluon_launch else {}
     if a.variants:
         result["variants"] = []
@@ -553,7 +583,8 @@ def main():
         points = [tuple(int(x) for x in p.split(":")) for p in a.points.split(",") if p] or None
         ours = [tuple(x.split(":")) for x in a.ours.split(",") if x] or None
         result["ceiling_GBps"], result["rows"] = run_bench(lines, points=points, budget_s=a.budget_s, bf16_kernel=bf16,
-                                                           stock=a.stock, launch=launch, ours=ours)
+                                                           stock=a.stock, launch=launch, ours=ours,
+                                                           graph=a.graph)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

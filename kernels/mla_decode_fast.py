@@ -24,9 +24,11 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
   the host and can be captured in a CUDA graph. A split whose range lies past `length` writes an empty partial
   (`lse = -inf`, `o = 0`) that the combine skips.
 
-The Gluon kernels (sm_90) sit behind the same launcher (`backend="gluon"`): `mla_decode_gluon_scaled.py` (fp16
-`(code - z) * s` tiles, two programs per SM; `scaled=True`) is the default for C4R4 everywhere and for C2R4 at batch
->= 8 or above 16 rows (`gluon_scaled_measured_faster`), `mla_decode_gluon.py` (exact-integer tiles) for 8-bit content
+The Gluon kernels (sm_90) sit behind the same launcher (`backend="gluon"`): `mla_decode_gluon_regs.py` (keys
+unpacked into the registers of the score `wgmma`; `regs=True`) is the default for C4R4 and C2R4 at up to 16 query
+rows and batch >= 8 (`gluon_regs_measured_faster`), `mla_decode_gluon_scaled.py` (fp16 `(code - z) * s` tiles, two
+programs per SM; `scaled=True`) for the other C4R4 cases and for C2R4 above 16 rows
+(`gluon_scaled_measured_faster`), `mla_decode_gluon.py` (exact-integer tiles) for 8-bit content
 (`gluon_measured_faster`). The strided-plane kernel of `mla_decode_strided.py` is a third backend
 (`backend="strided"`), measured slower everywhere so far.
 
@@ -47,6 +49,7 @@ import triton.language as tl
 from quantmla_hf.format import CacheFormat
 
 from . import mla_decode_gluon as gluon_kernel
+from . import mla_decode_gluon_regs as regs_kernel
 from . import mla_decode_gluon_scaled as scaled_kernel
 from . import mla_decode_strided as strided_kernel
 
@@ -487,8 +490,9 @@ def mla_decode_static(
         launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` (the split target of `split_plan`)
             overrides (benchmarks), and
             `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
-            `block_m, num_warps, stages, waves, num_splits, async_mma, scaled`: `scaled` picks the scaled-tile kernel of
-            `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys
+            `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, inflight`: `regs` picks the
+            register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits, inflight`), `scaled` the
+            scaled-tile kernel of `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys
             `block_m, block_t, num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
 
     Returns:
@@ -630,6 +634,24 @@ def gluon_scaled_measured_faster(content_bits: int, rope_bits: int, rows: int, b
     return False
 
 
+def gluon_regs_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: int | None = None) -> bool:
+    """Whether the register-operand Gluon kernel (`mla_decode_gluon_regs.py`, 16-row blocks) was measured faster
+    than every other kernel for this format, number of query rows (`H * Tq`) and batch size (H200, same process,
+    CUDA-graph replay, do_bench medians; docs/BENCHMARKS.md "Gluon kernel with register operands"):
+
+    - C4R4, 16 heads: B32 32K 0.274-0.278 ms (scaled-tile kernel 0.321-0.322), B8 128K 0.259-0.266 (0.307-0.309),
+      B64 32K 0.521-0.531 (0.642-0.646).
+    - C2R4, 16 heads: B32 32K 0.279-0.281 (scaled 0.333), B8 128K 0.265-0.268 (0.323), B64 32K 0.510 (0.652).
+    - Batch 1, 4K: a tie within the run-to-run spread (C4R4 0.0219 and 0.0223 against the scaled kernel's 0.0223
+      and 0.0212 in two runs; C2R4 0.0228 against 0.0216): the scaled kernel stays below batch 8 (batches 2-7 were
+      not timed).
+    - Above 16 rows (128 heads: 1.85-1.87 ms against the scaled kernel's 1.50, each token unpacked once per 16
+      heads) the scaled kernel stays."""
+    if rows > 16 or batch is None or batch < 8:
+        return False
+    return (content_bits, rope_bits) in ((4, 4), (2, 4))
+
+
 def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
     """Whether the strided-plane kernel (`mla_decode_strided.py`) was measured faster than every other kernel for
     this format and number of query rows: nowhere so far (docs/BENCHMARKS.md "Strided-plane kernel", same process,
@@ -660,7 +682,7 @@ def use_gluon(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_
     cb, rb, batch = fmt.content.bits, fmt.rope.bits, q_lat.shape[0]
     if _interpreting() or not q_lat.is_cuda:
         return False
-    if (gluon_scaled_measured_faster(cb, rb, rows, batch)
+    if ((gluon_regs_measured_faster(cb, rb, rows, batch) or gluon_scaled_measured_faster(cb, rb, rows, batch))
             and scaled_kernel.scaled_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype)
             and gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes)):
         return True
@@ -711,6 +733,13 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     if not gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes):
         raise ValueError("the Gluon decode kernel needs plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
                          "use backend='triton' for strided planes")
+    regs = launch.get("regs")
+    if regs is None:
+        regs = (launch.get("scaled") is None and gluon_regs_measured_faster(fmt.content.bits, fmt.rope.bits, M, B)
+                and regs_kernel.regs_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype))
+    if regs:
+        return _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
+                                  left_padding, length, capacity, scaling, out, **launch)
     scaled = launch.get("scaled")
     if scaled is None:
         scaled = (gluon_scaled_measured_faster(fmt.content.bits, fmt.rope.bits, M, B)
@@ -720,7 +749,7 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
         raise ValueError(f"the scaled-tile Gluon kernel does not handle {fmt.name} (2- or 4-bit content and RoPE, "
                          "4 or 8 content groups): pass scaled=False for the exact-integer Gluon kernel")
     cfg = gluon_default_launch(M, scaled)
-    cfg.update({k: v for k, v in launch.items() if v is not None and k != "scaled"})
+    cfg.update({k: v for k, v in launch.items() if v is not None and k not in ("scaled", "regs")})
     block_m = int(cfg["block_m"])
     q_split = q_lat.dtype == torch.float32 or q_rot.dtype == torch.float32
     if scaled and "block_m" not in launch:
@@ -749,6 +778,31 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
         gluon_kernel.launch_gluon(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp,
                                   length, o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m,
                                   int(cfg["num_warps"]), int(cfg["stages"]), bool(cfg.get("async_mma", False)))
+    return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
+
+
+def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
+                       left_padding, length, capacity, scaling, out, **launch):
+    """`mla_decode_static` through the register-operand Gluon kernel (`mla_decode_gluon_regs.py`: 16-row blocks, one
+    warpgroup; launch keys `waves`, `num_splits`, `inflight`), same partials and combine as the scaled-tile kernel."""
+    B, H, Tq, D_C = q_lat.shape
+    D_R = q_rot.shape[-1]
+    M = H * Tq
+    if not regs_kernel.regs_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
+        raise ValueError(f"the register-operand Gluon kernel does not handle {fmt.name} with {q_lat.dtype} queries "
+                         "(2- or 4-bit content and RoPE, 4 or 8 content groups, sm_90): pass regs=False")
+    head_blocks = triton.cdiv(M, regs_kernel.BLOCK_M)
+    sms = _num_sms(q_lat.device.index or 0)
+    target, NS = split_plan(B, head_blocks, capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, launch.get("waves") or 8,
+                            launch.get("num_splits"))
+    NSP = NS + scaled_kernel.copy_programs(fmt)
+    q = q_lat.reshape(B, M, D_C).contiguous()
+    qr = q_rot.reshape(B, M, D_R).contiguous()
+    o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
+    lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
+    regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
+                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, launch.get("inflight") or 1)
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 

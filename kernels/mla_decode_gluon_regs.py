@@ -1,0 +1,661 @@
+"""Hopper (sm_90) packed MLA decode in Gluon with the keys unpacked into *registers* as the score `wgmma`'s A
+operand (issue #11).
+
+Same function, splits, partial outputs and combine as `mla_decode_gluon_scaled.py` (reference
+`mla_decode_ref.py`); launched by `mla_decode_fast.mla_decode_static(..., backend="gluon", regs=True)` and by
+default where `mla_decode_fast.gluon_regs_measured_faster` says the H200 timed it faster. What differs from the
+scaled-tile kernel (docs/KERNELS.md "Gluon kernel with register operands"), from its Nsight Compute profile (the
+shared-memory pipe was the busiest unit: 65% of the cycles, L1 78%):
+
+* No cp.async ring and no shared staging of the codes: every thread loads the code words it unpacks straight from
+  global memory into registers, one tile ahead (the words of unit u of tile i + 1 are loaded as soon as unit u of
+  tile i has been unpacked).
+* The unpacked fp16 keys `(code - z) * s` are the *register* A operand of the score `wgmma`s: the scores no
+  longer read 2 KB of shared memory per `m64n16k16`, and the RoPE keys never touch shared memory.
+* The content keys are still stored once to shared memory (`kbuf`), for the value `wgmma`s (`O^T = V^T P`: each
+  warp needs every token of 16 channels, so the tile crosses warps there).
+
+Unit layout (one of `GC` content units, then the RoPE unit, per 64-token tile): in unit u, thread `q = lane % 4`
+of each quad owns the 16 contiguous channels `[unit_base(u, q), + 16)` of two tokens (rows `lane / 4` and `+ 8`
+of its warp's 16), i.e. 1 (2-bit) or 2 (4-bit) code words per token, loaded as one 4- or 8-byte word vector. The
+asm (`half_asm`) turns a word into its fp16 elements in word order; the same registers are then *viewed* two
+ways, both free relabellings checked at compile time (`convert_layout(..., assert_trivial=True)`):
+  - the A fragment of `m64n16k16` (row = token, column `16 kc + 8 h + 2 q + e`, holding the element `E w + k +
+    (E / 2) e` of the thread's words with `(E / 2) w + k = 2 kc + h`, `E = 32 / bits`): the queries are staged in
+    that order (`score_channel`);
+  - the tile row of `kbuf[u]`, column `16 q + E w + 2 k + e` (`value_channel`: each stored 32-bit pair is one
+    asm register, no byte permutes): the value rows of `O^T` come out in it and are stored back to their channels.
+Shared memory (C4R4, 16 rows, bf16 queries): content tiles 64 KB + queries 18 KB + P 2 KB = 86 KB: two
+programs per SM.
+
+The sink and recent copies take one program per 64-token tile (as in the scaled kernel): the copies are loaded in
+the same unit layout (16 contiguous channels per thread and row) and go through the same score and value steps.
+
+Accuracy: as the scaled kernel (one fp16 rounding of `(code - z) * s`); 2- and 4-bit paths only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla_hf.format import CacheFormat
+
+from . import mla_decode_gluon as exact
+from . import mla_decode_gluon_scaled as scaled
+from .mla_decode_gluon import BLOCK_T, GROUP, HAVE_GLUON, SMEM_LIMIT, _jit
+
+if HAVE_GLUON:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+
+    from .mla_decode_gluon import _cta_barrier, _order4, _order8
+
+BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
+
+
+# --------------------------------------------------------------------------------------------- channel maps
+def unit_base(u: int, q, n_groups: int):
+    """First channel of the 16 that thread `q` (of a quad) owns in unit u: content units `0 .. n_groups - 1`
+    (`64 * (q + 4 * (u // 4)) + 16 * (u % 4)`, channels of the content latent), RoPE unit `n_groups` (`16 * q`)."""
+    if u == n_groups:
+        return 16 * q
+    return 64 * (q + 4 * (u // 4)) + 16 * (u % 4)
+
+
+def score_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
+    """`[64]` int64: the channel (of the content latent for u < n_groups, of the RoPE key for u = n_groups) held by
+    column c of unit u's score A operand (row-major `m64n16k16` A fragments: column `16 kc + 8 h + 2 q + e` of thread
+    q holds element `E w + k + (E / 2) e` of its words, `(E / 2) w + k = 2 kc + h`); the queries are staged in it."""
+    c = torch.arange(64)
+    kc, h, q, e = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
+    n = 16 // bits
+    p = 2 * kc + h
+    off = (p // n) * (2 * n) + p % n + n * e
+    return unit_base(u, q, n_groups) + off
+
+
+def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
+    """`[64]` int64: the content channel held by row c of `kbuf[u]`'s transpose (the value output's row c): column
+    `16 q + E w + 2 k + e` of the stored tile holds element `E w + k + (E / 2) e` of quad slot q's 16 channels
+    (`E = 32 / bits`), so each stored 32-bit pair is one asm register."""
+    c = torch.arange(64)
+    r, n = c % 16, 16 // bits
+    return unit_base(u, c // 16, n_groups) + (r // (2 * n)) * (2 * n) + (r % (2 * n)) // 2 + n * (r % 2)
+
+
+# --------------------------------------------------------------------------------------------- unpacking
+def half_asm(bits: int) -> str:
+    """PTX that turns one 32-bit code word into its `E = 32 / bits` fp16 elements `(code - z) * s`, in word order.
+
+    Operands: outputs `$0 .. $(E-1)` (16-bit), then the word `$E`, `$(E+1)` = fp16x2 `(1024 + z, 1024 + z)` and
+    `$(E+2)` = fp16x2 `(s, s)`. Elements k and k + E/2 (bits `[bits*k, bits*(k+1))` and 16 higher) are put under
+    the fp16 magic number `0x6400` in the two halves of one register by one `lop3` (after a shift), then one
+    `sub.f16x2` (exact) and one `mul.f16x2` (one rounding); the halves are the outputs (a free register split)."""
+    n = 16 // bits
+    e = 2 * n
+    mask = (1 << bits) - 1
+    mask2 = mask | (mask << 16)
+    lines = ["{", ".reg .b32 t;"]
+    for k in range(n):
+        src = f"${e}"
+        if k:
+            lines.append(f"shr.u32 t, ${e}, {bits * k};")
+            src = "t"
+        lines.append(f"lop3.b32 t, {src}, {mask2:#010x}, 0x64006400, 0xEA;")
+        lines.append(f"sub.f16x2 t, t, ${e + 1};")
+        lines.append(f"mul.f16x2 t, t, ${e + 2};")
+        lines.append(f"mov.b32 {{${k}, ${k + n}}}, t;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+if HAVE_GLUON:
+    _HALF_ASM_2 = gl.constexpr(half_asm(2))
+    _HALF_ASM_4 = gl.constexpr(half_asm(4))
+
+
+@_jit
+def _unit_base(u: gl.constexpr, q, GC: gl.constexpr):
+    if u == GC:
+        return 16 * q
+    return 64 * (q + 4 * (u // 4)) + 16 * (u % 4)
+
+
+@_jit
+def _score_channel(u: gl.constexpr, c, BITS: gl.constexpr, GC: gl.constexpr):
+    """`score_channel` in the kernel."""
+    N: gl.constexpr = 16 // BITS
+    p = 2 * (c // 16) + (c // 8) % 2
+    return _unit_base(u, (c // 2) % 4, GC) + (p // N) * (2 * N) + p % N + N * (c % 2)
+
+
+@_jit
+def _order16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    return gl.join(_order8(x0, x2, x4, x6, x8, x10, x12, x14), _order8(x1, x3, x5, x7, x9, x11, x13, x15))
+
+
+@_jit
+def _pair_z(z, HALF: gl.constexpr):
+    """Stored zero points `z` int8 (`z - HALF`) -> int32 fp16x2 `(1024 + z, 1024 + z)` (exact: any int8 zero point,
+    also one outside the code range, is an integer of at most 11 bits)."""
+    v = (z.to(gl.int32) + (1024 + HALF)).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return v | (v << 16)
+
+
+@_jit
+def _pair_s(s):
+    """fp16 steps `s` -> int32 fp16x2 `(s, s)`."""
+    v = s.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return v | (v << 16)
+
+
+@_jit
+def _unpack_unit(w, zz, ss, BITS: gl.constexpr, wl: gl.constexpr):
+    """Words `w: [64, 4, WU]` int32 (thread q's words of each token), `zz`, `ss: [64, 4]` int32 fp16x2 pairs ->
+    `[64, 4, WU, 2, E / 2]` fp16 `(code - z) * s`, element `(E / 2) * e + k` of word `w` at `[t, q, w, e, k]`."""
+    ml: gl.constexpr = gl.SliceLayout(2, wl)
+    zz, w = gl.broadcast(gl.convert_layout(zz, ml, assert_trivial=True)[:, :, None], w)
+    ss, w = gl.broadcast(gl.convert_layout(ss, ml, assert_trivial=True)[:, :, None], w)
+    if BITS == 4:
+        y0, y1, y2, y3, y4, y5, y6, y7 = gl.inline_asm_elementwise(
+            _HALF_ASM_4, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss], dtype=[gl.float16] * 8, is_pure=True, pack=1)
+        x = _order8(y0, y1, y2, y3, y4, y5, y6, y7)
+        return gl.reshape(x, [64, 4, w.shape[2], 2, 4])
+    else:
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = gl.inline_asm_elementwise(
+            _HALF_ASM_2, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss],
+            dtype=[gl.float16] * 16, is_pure=True, pack=1)
+        x = _order16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
+        return gl.reshape(x, [64, 4, w.shape[2], 2, 8])
+
+
+@_jit
+def _a_view(x5, dot_a: gl.constexpr):
+    """`[64, 4, WU, 2, E / 2]` unit keys -> the `[64, 64]` A operand (a relabelling of the same registers)."""
+    x = gl.permute(x5, (0, 1, 2, 4, 3))  # [t, q, w, k, e]: pair p = (E / 2) w + k
+    x = gl.reshape(x, [64, 4, 4, 2, 2])  # [t, q, kc, h, e]
+    x = gl.permute(x, (0, 2, 3, 1, 4))  # [t, kc, h, q, e]: column 16 kc + 8 h + 2 q + e
+    return gl.convert_layout(gl.reshape(x, [64, 64]), dot_a, assert_trivial=True)
+
+
+@_jit
+def _v_view(x5):
+    """`[64, 4, WU, 2, E / 2]` unit keys -> the `[64, 64]` tile stored for the values: column `16 q + E w + 2 k + e`
+    holds element `E w + k + (E / 2) e` of quad slot q, so each 32-bit pair of a store is one register of the asm
+    (no byte permutes)."""
+    return gl.reshape(gl.permute(x5, (0, 1, 2, 4, 3)), [64, 64])
+
+
+@_jit
+def _load_unit(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr,
+               wl: gl.constexpr):
+    """Code words `[64, 4, WU]` of unit u for tokens `[t0, t0 + 64)` (zeros outside `[lo, hi)`): thread q's words
+    `unit_base(u, q) * bits / 32 + [0, WU)` of each token row of `ROW_WORDS` words."""
+    WU: gl.constexpr = BITS // 2
+    ml: gl.constexpr = gl.SliceLayout(2, wl)
+    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)).to(gl.int64)
+    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
+    o_w = gl.arange(0, WU, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+    word = _unit_base(u, o_q, GC) * BITS // 32
+    off = (o_t[:, None] * ROW_WORDS + word[None, :])[:, :, None] + o_w[None, None, :]
+    m = ((o_t >= lo) & (o_t < hi))[:, None, None]
+    return gl.load(p_c + off, mask=m, other=0)
+
+
+@_jit
+def _load_meta(p_s, p_z, t0, lo, hi, hf: gl.constexpr, GC: gl.constexpr, ml: gl.constexpr):
+    """Steps `[64, 4]` fp16 and stored zero points int8 of content group `q + 4 hf` (for `GC = 0`: the RoPE group,
+    the same for every q) of tokens `[t0, t0 + 64)`, zeros outside `[lo, hi)`."""
+    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)).to(gl.int64)
+    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
+    m = ((o_t >= lo) & (o_t < hi))[:, None]
+    if GC == 0:
+        off = o_t[:, None] + 0 * o_q[None, :]
+    else:
+        off = o_t[:, None] * GC + (o_q + 4 * hf)[None, :]
+    return gl.load(p_s + off, mask=m, other=0.0), gl.load(p_z + off, mask=m, other=0)
+
+
+@_jit
+def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, xl: gl.constexpr):
+    """Model-dtype copies `[64, 4, 16]` -> fp16 of unit u: rows `o_slot: [64]` (valid `m_t`), thread q's 16 channels
+    from `unit_base(u, q)`."""
+    sl: gl.constexpr = gl.SliceLayout(2, xl)
+    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
+    o_e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
+    off = ((o_slot * s_t)[:, None] + _unit_base(u, o_q, GC)[None, :])[:, :, None] + o_e[None, None, :]
+    x = gl.load(p + off, mask=m_t[:, None, None], other=0.0)
+    return x.to(gl.float16)
+
+
+# --------------------------------------------------------------------------------------------- queries, outputs
+@_jit
+def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
+                   Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr):
+    """Rows `row0 + [0, BM)` of `p_q: [M, D_C]` and `p_qr: [M, 64]`, divided by one per-row power of two `f` (so
+    `|q| / f < 2**14`), as fp16 (high, and low for fp32 queries) in `qbuf[u]: [BM, 64]` in `score_channel` order
+    (units 0..GC-1 content, GC RoPE). Returns `f: [BM]` (q_l rows)."""
+    o_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
+    m_m = (o_m < M)[:, None]
+    o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
+    amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, q_l))
+    for u in gl.static_range(GC + 1):
+        if u < GC:
+            x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m,
+                        other=0.0).to(gl.float32)
+        else:
+            x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m,
+                        other=0.0).to(gl.float32)
+        amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
+    e = gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0)
+    inv_f = gl.exp2(-e)
+    for u in gl.static_range(GC + 1):
+        if u < GC:
+            x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m,
+                        other=0.0).to(gl.float32)
+        else:
+            x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m,
+                        other=0.0).to(gl.float32)
+        x = x * inv_f[:, None]
+        hi = x.to(gl.float16)
+        qbuf.index(u).store(hi)
+        if Q_SPLIT:
+            qlo.index(u).store((x - hi.to(gl.float32)).to(gl.float16))
+    return gl.exp2(e)
+
+
+@_jit
+def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C: gl.constexpr,
+             C_BITS: gl.constexpr, acc_l: gl.constexpr):
+    """`o^T[64, BM]` of unit u (row c = channel `value_channel(u)[c]`), normalised, to the partial output rows."""
+    if u < GC:
+        N: gl.constexpr = 16 // C_BITS
+        c = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        r = c % 16
+        o_d = _unit_base(u, c // 16, GC) + (r // (2 * N)) * (2 * N) + (r % (2 * N)) // 2 + N * (r % 2)
+        gl.store(o_ptr + o_row[None, :] * D_C + o_d[:, None], o * inv_l[None, :], mask=m_m[None, :])
+
+
+# --------------------------------------------------------------------------------------------- one tile
+@_jit
+def _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr, Q_SPLIT: gl.constexpr,
+                INFLIGHT: gl.constexpr, dot_a: gl.constexpr):
+    """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
+    until at most `INFLIGHT` units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two units, kept
+    alive until theirs have finished). Returns `(acc, p1, p2)` for the next unit."""
+    a = _a_view(x5, dot_a)
+    acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > 0, is_async=True)
+    if Q_SPLIT:
+        acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
+    if u < GC:
+        if u == 0:
+            _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
+        kbuf.index(u + kz).store(_v_view(x5))
+    PER: gl.constexpr = 2 if Q_SPLIT else 1
+    if INFLIGHT == 1:
+        if u > 0:
+            p1 = warpgroup_mma_wait(PER, deps=[p1])
+        return acc, a, p2
+    else:
+        if u > 1:
+            p2 = warpgroup_mma_wait(2 * PER, deps=[p2])
+        return acc, a, p1
+
+
+@_jit
+def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
+    """`o^T[64, BM] + kbuf[u]^T[64, BT] @ P[BT, BM]`, issued without waiting."""
+    return warpgroup_mma(kbuf.index(u + kz).permute((1, 0)), pbuf.index(kz), o, is_async=True)
+
+
+@_jit
+def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr):
+    """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0) and the values of every
+    content unit (`o_u^T[64, BM] += kbuf[u]^T @ P`). Returns `(m_i, l_p, o0..o7)`; `l_p: [64, BM]` holds the row
+    sums per token lane (reduced once, at the end).
+
+    Lazy rescaling: a row's reference maximum `m_i` moves only when the tile's maximum passes it by more than
+    `RESCALE_LOG2` (so the probabilities, `2 ** (s - m_i)`, stay below 2**8: exact in fp16 to its relative 2**-11,
+    and the fp32 sums have room), and the accumulators are rescaled only in a tile where some row moved (one
+    branch, the same in every thread): after the first tiles the 64 multiplies per thread of a rescale are
+    skipped. The result is the same softmax (the LSE is `m_i + log2(l)` for whatever reference `m_i` holds)."""
+    b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
+    m_tile = gl.max(b_s, axis=0)
+    move = m_tile > m_i + 8.0  # RESCALE_LOG2 (true for every row's first finite scores: m_i = -inf)
+    m_new = gl.where(move, m_tile, m_i)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(b_s - m_use[None, :])
+    if gl.max(move.to(gl.int32), axis=0) > 0:
+        alpha = gl.exp2(m_i - m_use)
+        l_p = l_p * alpha[None, :]
+        o0 = o0 * alpha[None, :]
+        o1 = o1 * alpha[None, :]
+        o2 = o2 * alpha[None, :]
+        o3 = o3 * alpha[None, :]
+        if GC == 8:
+            o4 = o4 * alpha[None, :]
+            o5 = o5 * alpha[None, :]
+            o6 = o6 * alpha[None, :]
+            o7 = o7 * alpha[None, :]
+    l_p = l_p + p
+    pbuf.index(kz).store(p.to(gl.float16))
+    fence_async_shared()  # kbuf (stored by the score units) and P, visible to the wgmma
+    _cta_barrier()
+    o0 = _pv(kbuf, pbuf, o0, 0, kz)
+    o1 = _pv(kbuf, pbuf, o1, 1, kz)
+    o2 = _pv(kbuf, pbuf, o2, 2, kz)
+    o3 = _pv(kbuf, pbuf, o3, 3, kz)
+    if GC == 8:
+        o4 = _pv(kbuf, pbuf, o4, 4, kz)
+        o5 = _pv(kbuf, pbuf, o5, 5, kz)
+        o6 = _pv(kbuf, pbuf, o6, 6, kz)
+        o7 = _pv(kbuf, pbuf, o7, 7, kz)
+        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
+    else:  # 4 content units (MiniCPM3's d_c = 256); o4..o7 unused
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
+    return m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@_jit
+def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, GC: gl.constexpr, BM: gl.constexpr,
+                  Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
+                  xl: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
+    """Scores `[64, BM]` (waited) of 64 model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys
+    stored to `kbuf`."""
+    acc = gl.zeros([64, BM], gl.float32, acc_l)
+    # the unpacked units' element order: offset w * E + (E / 2) * e + k at [t, q, w, e, k]
+    x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, 0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
+    acc, p1, p2 = _score_unit(x5, acc, x5, x5, qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    for u in gl.static_range(1, GC):
+        x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
+        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
+    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
+    return acc
+
+
+@_jit
+def _packed_scores(c0, c1, c2, c3, c4, c5, c6, c7, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz,
+                   p_cc, p_rc, tn, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr,
+                   C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr,
+                   wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
+    """Scores `[64, BM]` (waited) of one packed tile from its code words `c0..c7` (content units), `cr` (RoPE) and
+    fp16x2 metadata (`zz0, ss0`: groups q, `zz1, ss1`: groups q + 4, `zzr, ssr`: RoPE); its content keys stored to
+    `kbuf`. Each unit's words are replaced by those of the tile at `tn` as soon as they are unpacked. Returns
+    `(acc, c0..c7, cr)`."""
+    RWC: gl.constexpr = GC * 2 * C_BITS
+    RWR: gl.constexpr = 2 * R_BITS
+    acc = gl.zeros([64, BM], gl.float32, acc_l)
+    x5 = _unpack_unit(c0, zz0, ss0, C_BITS, wc_l)
+    c0 = _load_unit(p_cc, tn, lo, hi, 0, RWC, C_BITS, GC, wc_l)
+    acc, p1, p2 = _score_unit(x5, acc, x5, x5, qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    x5 = _unpack_unit(c1, zz0, ss0, C_BITS, wc_l)
+    c1 = _load_unit(p_cc, tn, lo, hi, 1, RWC, C_BITS, GC, wc_l)
+    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 1, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    x5 = _unpack_unit(c2, zz0, ss0, C_BITS, wc_l)
+    c2 = _load_unit(p_cc, tn, lo, hi, 2, RWC, C_BITS, GC, wc_l)
+    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 2, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    x5 = _unpack_unit(c3, zz0, ss0, C_BITS, wc_l)
+    c3 = _load_unit(p_cc, tn, lo, hi, 3, RWC, C_BITS, GC, wc_l)
+    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 3, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    if GC == 8:
+        x5 = _unpack_unit(c4, zz1, ss1, C_BITS, wc_l)
+        c4 = _load_unit(p_cc, tn, lo, hi, 4, RWC, C_BITS, GC, wc_l)
+        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 4, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+        x5 = _unpack_unit(c5, zz1, ss1, C_BITS, wc_l)
+        c5 = _load_unit(p_cc, tn, lo, hi, 5, RWC, C_BITS, GC, wc_l)
+        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 5, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+        x5 = _unpack_unit(c6, zz1, ss1, C_BITS, wc_l)
+        c6 = _load_unit(p_cc, tn, lo, hi, 6, RWC, C_BITS, GC, wc_l)
+        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 6, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+        x5 = _unpack_unit(c7, zz1, ss1, C_BITS, wc_l)
+        c7 = _load_unit(p_cc, tn, lo, hi, 7, RWC, C_BITS, GC, wc_l)
+        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 7, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    x5 = _unpack_unit(cr, zzr, ssr, R_BITS, wr_l)
+    cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
+    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
+    return acc, c0, c1, c2, c3, c4, c5, c6, c7, cr
+
+
+# --------------------------------------------------------------------------------------------- the kernel
+def _words_layout(wu: int):
+    """`[64, 4, wu]` words: lane `4 r + q` of warp w holds token `16 w + r` (and `+ 8`, a register) and quad slot
+    q, its `wu` words in registers (the rows and quad slots of the `m64n16k16` A fragments)."""
+    regs = [[0, 0, 1 << i] for i in range(wu.bit_length() - 1)] + [[8, 0, 0]]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0],
+                                                                  [4, 0, 0]],
+                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, wu])
+
+
+@scaled._jit_dynamic
+def mla_decode_gluon_regs_kernel(
+    q_ptr, qr_ptr,
+    cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
+    snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr,
+    o_ptr, lse_ptr,
+    M, Tq, split_target, num_splits, qk_scale,
+    s_qb, s_qrb, s_ccb, s_csb, s_rcb, s_rsb,
+    s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
+    GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
+    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr, WR_L: gl.constexpr,
+    XL: gl.constexpr,
+):
+    """Grid, splits, inputs and outputs of `mla_decode_gluon_scaled_kernel` (one program per split, block of BM
+    rows and batch row; the last `ND` splits attend one copied tile each); one warpgroup. `WC_L`, `WR_L`: the
+    content and RoPE word layouts (`_words_layout`), `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`: score
+    units whose `wgmma`s may be in flight while the next is unpacked (1 or 2)."""
+    BT: gl.constexpr = 64
+    D_C: gl.constexpr = GC * 64
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)  # per token
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_l)  # per query row
+    ml: gl.constexpr = gl.SliceLayout(2, WC_L)  # per (token, quad slot)
+    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
+                                              rank=2)
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    HALF_C: gl.constexpr = 1 << (C_BITS - 1)
+    HALF_R: gl.constexpr = 1 << (R_BITS - 1)
+
+    i_s = gl.program_id(0).to(gl.int64)
+    i_hb = gl.program_id(1)
+    i_b = gl.program_id(2).to(gl.int64)
+    length = gl.load(len_ptr).to(gl.int64)
+    lp = gl.load(lp_ptr + i_b).to(gl.int64)
+    o_m = i_hb * BM + gl.arange(0, BM, layout=col_l)
+    m_m = o_m < M
+    lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
+
+    kbuf = gl.allocate_shared_memory(gl.float16, [GC, BT, 64], k_sl)
+    qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
+    if Q_SPLIT:
+        qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
+    else:
+        qlo = qbuf
+    pbuf = gl.allocate_shared_memory(gl.float16, [1, BT, BM], p_sl)
+
+    f = _stage_queries(qbuf, qlo, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, Q_SPLIT,
+                       C_BITS, R_BITS, q_l)
+    f = gl.convert_layout(f, col_l) * qk_scale  # scores in base 2, pre-multiplied by scaling * log2(e)
+    fence_async_shared()
+    _cta_barrier()  # the staged queries visible to every warp's wgmma
+
+    m_i = gl.full([BM], float("-inf"), gl.float32, col_l)
+    l_p = gl.zeros([BT, BM], gl.float32, acc_l)
+    o0 = gl.zeros([64, BM], gl.float32, acc_l)
+    o1 = gl.zeros([64, BM], gl.float32, acc_l)
+    o2 = gl.zeros([64, BM], gl.float32, acc_l)
+    o3 = gl.zeros([64, BM], gl.float32, acc_l)
+    o4 = gl.zeros([64, BM], gl.float32, acc_l)
+    o5 = gl.zeros([64, BM], gl.float32, acc_l)
+    o6 = gl.zeros([64, BM], gl.float32, acc_l)
+    o7 = gl.zeros([64, BM], gl.float32, acc_l)
+    SINK_TILES: gl.constexpr = (S + BT - 1) // BT
+    ND: gl.constexpr = SINK_TILES + (R + BT - 1) // BT  # programs for the copied tokens
+    is_dense = i_s >= num_splits
+    d = i_s - num_splits  # which copied tile (sink tiles first), negative for the packed splits
+
+    # Packed positions of this split (`mla_decode_fast.split_plan`: sized from the length, not the capacity).
+    covered = gl.maximum(length - R, 0)
+    tokens_per_split = (covered + split_target - 1) // split_target
+    tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 2 * BT)
+    base = i_s * tokens_per_split
+    lo = gl.maximum(base, S)
+    hi = gl.where(is_dense, lo, gl.minimum(base + tokens_per_split, length - R))
+    lo_valid = gl.maximum(lo, lp + S)
+    n_tiles = gl.where(hi > lo, (hi - base + BT - 1) // BT, 0).to(gl.int32)
+    p_cc = cc_ptr + i_b * s_ccb
+    p_rc = rc_ptr + i_b * s_rcb
+    p_cs = cs_ptr + i_b * s_csb
+    p_cz = cz_ptr + i_b * s_csb
+    p_rs = rs_ptr + i_b * s_rsb
+    p_rz = rz_ptr + i_b * s_rsb
+    RWC: gl.constexpr = GC * 2 * C_BITS
+    RWR: gl.constexpr = 2 * R_BITS
+
+    # tile 0's words and metadata (each later tile's are loaded while the one before is attended)
+    c0 = _load_unit(p_cc, base, lo_valid, hi, 0, RWC, C_BITS, GC, WC_L)
+    c1 = _load_unit(p_cc, base, lo_valid, hi, 1, RWC, C_BITS, GC, WC_L)
+    c2 = _load_unit(p_cc, base, lo_valid, hi, 2, RWC, C_BITS, GC, WC_L)
+    c3 = _load_unit(p_cc, base, lo_valid, hi, 3, RWC, C_BITS, GC, WC_L)
+    if GC == 8:
+        c4 = _load_unit(p_cc, base, lo_valid, hi, 4, RWC, C_BITS, GC, WC_L)
+        c5 = _load_unit(p_cc, base, lo_valid, hi, 5, RWC, C_BITS, GC, WC_L)
+        c6 = _load_unit(p_cc, base, lo_valid, hi, 6, RWC, C_BITS, GC, WC_L)
+        c7 = _load_unit(p_cc, base, lo_valid, hi, 7, RWC, C_BITS, GC, WC_L)
+        s1, z1 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 1, GC, ml)
+    else:
+        c4 = c0
+        c5 = c0
+        c6 = c0
+        c7 = c0
+    cr = _load_unit(p_rc, base, lo_valid, hi, GC, RWR, R_BITS, GC, WR_L)
+    s0, z0 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 0, GC, ml)
+    if GC != 8:
+        s1 = s0
+        z1 = z0
+    sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
+    o_bt = gl.arange(0, BT, layout=row_l).to(gl.int64)
+    for it in range(n_tiles):
+        t0 = base + it * BT
+        tn = t0 + BT
+        zz0 = _pair_z(z0, HALF_C)
+        ss0 = _pair_s(s0)
+        zz1 = _pair_z(z1, HALF_C)
+        ss1 = _pair_s(s1)
+        zzr = _pair_z(zr, HALF_R)
+        ssr = _pair_s(sr)
+        s0, z0 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, 0, GC, ml)
+        if GC == 8:
+            s1, z1 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, 1, GC, ml)
+        sr, zr = _load_meta(p_rs, p_rz, tn, lo_valid, hi, 0, 0, ml)
+        kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
+        acc, c0, c1, c2, c3, c4, c5, c6, c7, cr = _packed_scores(
+            c0, c1, c2, c3, c4, c5, c6, c7, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
+            lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WR_L, acc_l, dot_a)
+        o_t = t0 + o_bt
+        m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
+        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+
+    # The copied tiles: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
+    o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
+    s_lo = d * BT
+    s_hi = gl.where(is_dense & (d < SINK_TILES), gl.minimum(s_lo + BT, S), s_lo)
+    p_snc = snc_ptr + i_b * s_sncb
+    p_snr = snr_ptr + i_b * s_snrb
+    for start in range(s_lo, s_hi, BT):
+        kz = (start.to(gl.int64) >> 40).to(gl.int32)
+        o_j = start + o_dt
+        acc = _dense_scores(p_snc, p_snr, o_j, (o_j < S) & (lp + o_j < length), s_snct, s_snrt, qbuf, qlo, kbuf, kz,
+                            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
+        o_jr = start + o_bt
+        o_t = lp + o_jr
+        m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
+        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+    r_first = gl.maximum(length - R, 0)
+    r_lo = r_first + (d - SINK_TILES) * BT
+    r_hi = gl.where(is_dense & (d >= SINK_TILES), gl.minimum(r_lo + BT, length), r_lo)
+    lo_dense = lp + S
+    p_rcc = rcc_ptr + i_b * s_rccb
+    p_rcr = rcr_ptr + i_b * s_rcrb
+    for start in range(r_lo, r_hi, BT):
+        kz = (start.to(gl.int64) >> 40).to(gl.int32)
+        o_p = start + o_dt
+        acc = _dense_scores(p_rcc, p_rcr, o_p % R, (o_p < r_hi) & (o_p >= lo_dense), s_rcct, s_rcrt, qbuf, qlo,
+                            kbuf, kz, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
+        o_t = start + o_bt
+        m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
+        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+
+    l_i = gl.sum(l_p, axis=0)
+    has = l_i > 0
+    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    b_lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
+    _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o2, inv_l, 2, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o3, inv_l, 3, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o4, inv_l, 4, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o5, inv_l, 5, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o6, inv_l, 6, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o7, inv_l, 7, GC, D_C, C_BITS, acc_l)
+    gl.store(lse_ptr + o_row, b_lse, mask=m_m)
+
+
+# --------------------------------------------------------------------------------------------- host side
+def dense_layout():
+    """`[64, 4, 16]` copies: the words layout with the 16 channels of a quad slot in registers."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
+
+
+def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
+    """Shared memory of one program: content tiles, queries (twice for fp32), one P tile, plus 1 KB for the
+    compiler's scratch."""
+    gc = fmt.content.n_groups
+    return gc * BLOCK_T * GROUP * 2 + (gc + 1) * BLOCK_M * GROUP * 2 * (2 if q_split else 1) + BLOCK_T * BLOCK_M * 2 \
+        + 1024
+
+
+def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
+    """Whether this kernel computes the case: what the scaled kernel handles (2- or 4-bit content and RoPE, 4 or 8
+    content groups, sm_90)."""
+    return scaled.scaled_handles(fmt, q_dtype, device, copy_dtype)
+
+
+def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
+                split_target, NS, qk_scale, inflight=1):
+    """Launch `mla_decode_gluon_regs_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, 16), B)`, one
+    warpgroup per program (the partials hold `NS + copy_programs(fmt)` slots); `inflight`: 1 or 2 score units'
+    `wgmma`s in flight while the next unit is unpacked."""
+    if inflight not in (1, 2):
+        raise ValueError(f"inflight must be 1 or 2, got {inflight}")
+    B = q.shape[0]
+    q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
+    need = smem_bytes(fmt, q_split)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"the register-operand Gluon decode kernel needs {need} bytes of shared memory for "
+                         f"{fmt.name}, more than {SMEM_LIMIT}")
+    cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
+    grid = (NS + scaled.copy_programs(fmt), -(-M // BLOCK_M), B)
+    mla_decode_gluon_regs_kernel[grid](
+        q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
+        sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
+        M, Tq, split_target, NS, qk_scale,
+        q.stride(0), qr.stride(0), cw.stride(0), cp["scale"].stride(0), rw.stride(0), rp["scale"].stride(0),
+        sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
+        recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
+        GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
+        R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=int(inflight), WC_L=_words_layout(fmt.content.bits // 2),
+        WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(), num_warps=4,
+    )

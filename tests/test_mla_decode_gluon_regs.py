@@ -1,0 +1,163 @@
+"""The register-operand Gluon (sm_90) decode kernel `kernels/mla_decode_gluon_regs.py` on a machine without a GPU.
+
+Gluon kernels do not run in the Triton interpreter. Here: the kernel compiles for sm_90 (in a subprocess: the test
+session runs Triton in interpreter mode) within the shared memory of two programs per SM, with the score `wgmma`s
+taking the unpacked keys from registers, no cp.async, and one `lop3` / `sub.f16x2` / `mul.f16x2` per pair of
+elements; the unit layout (which thread unpacks which code words, and the two register relabellings the kernel
+makes of them, emulated here with the same permutes and reshapes on PyTorch tensors, and the asm instruction by
+instruction) puts the dequantized keys at the channels that `score_channel` and `value_channel` say; and the
+dispatch rules. On the H200, `benchmarks/bench_decode.py --check --check-kernels gluon-regs` runs the kernel against
+the fp64 reference (docs/BENCHMARKS.md "Gluon kernel with register operands").
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from quantmla_hf import CacheFormat, PathFormat
+from quantmla_hf.kernels import mla_decode_gluon as mg
+from quantmla_hf.kernels import mla_decode_gluon_regs as mr
+from quantmla_hf.kernels import mla_decode_gluon_scaled as ms
+from quantmla_hf.kernels.mla_decode_fast import gluon_regs_measured_faster, use_gluon
+from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
+
+COMPILE = textwrap.dedent(
+    """
+    import re, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from quantmla_hf import CacheFormat, PathFormat
+    from quantmla_hf.kernels import mla_decode_gluon_regs as mr
+    from quantmla_hf.kernels import mla_decode_gluon_scaled as ms
+
+    fn = mr.mla_decode_gluon_regs_kernel
+    strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
+    for cb, q_split in ((4, False), (2, False), (4, True)):
+        qd = "*fp32" if q_split else "*bf16"
+        ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
+                   rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
+                   rcr_ptr="*bf16", lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
+        const = dict(GC=8, C_BITS=cb, R_BITS=4, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=1,
+                     WC_L=mr._words_layout(cb // 2), WR_L=mr._words_layout(2), XL=mr.dense_layout())
+        sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
+               for n in fn.arg_names}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
+        src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                                                  for k, v in const.items()}, attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, 4, 64))
+        need = mr.smem_bytes(fmt, q_split)
+        assert kernel.metadata.shared <= need, (cb, q_split, kernel.metadata.shared, need)
+        assert ms.SMEM_PER_SM // (need + 1024) >= 2, need  # two programs per SM
+        ptx = kernel.asm["ptx"]
+        mma = r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 \\{[^}]*\\}, "
+        per = 2 if q_split else 1
+        # scores: 9 units x 4 k-steps with the A operand in registers, in the packed loop and the two copy loops
+        assert len(re.findall(mma + r"\\{", ptx)) == 3 * 9 * 4 * per, (cb, len(re.findall(mma + r"\\{", ptx)))
+        # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
+        assert len(re.findall(mma + r"%rd", ptx)) == 3 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
+        assert "cp.async" not in ptx  # the code words go straight to registers
+        # one lop3 + sub.f16x2 + mul.f16x2 per pair: 9 units x 2 tokens x 8 pairs per thread and tile
+        for op in ("0x64006400", "sub.f16x2", "mul.f16x2"):
+            assert len(re.findall(re.escape(op), ptx)) == 9 * 2 * 8, (cb, op, len(re.findall(re.escape(op), ptx)))
+    print("compiled")
+    """
+)
+
+
+@pytest.mark.skipif(not mg.HAVE_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon, Triton >= 3.5)")
+def test_regs_kernel_compiles_for_sm90_register_operands():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=900,
+                         cwd="/")
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+def _emulate_half_asm(words: torch.Tensor, zf: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
+    """What `half_asm(bits)` computes, instruction by instruction, on `words: [...]` int32 with fp16 `zf = 1024 + z`
+    and `s` broadcast against them: `[..., 2, 16 / bits]` fp16, element `(16 / bits) * e + k` of each word at
+    `[..., e, k]` (output k + n * e: half e of the k-th register)."""
+    n = 16 // bits
+    mask2 = ((1 << bits) - 1) * 0x10001
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    outs = []
+    for k in range(n):
+        t = ((w >> (bits * k)) & mask2) | 0x64006400  # shr, then lop3 (a & b) | c
+        halves = torch.stack([t & 0xFFFF, t >> 16], dim=-1).to(torch.int16).view(torch.float16)  # mov {lo, hi}
+        outs.append((halves - zf[..., None]) * s[..., None])  # sub.f16x2 (exact), mul.f16x2 (one rounding)
+    return torch.stack(outs, dim=-1)  # [..., e, k]
+
+
+@pytest.mark.parametrize("content_bits,rope_bits", [(4, 4), (2, 4), (2, 2)])
+@pytest.mark.parametrize("n_groups", [8, 4])
+def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_groups):
+    """Emulate what the threads of one 64-token tile hold: thread q of unit u loads the words of its 16 channels
+    from `unit_base(u, q)`, unpacks them (the asm, emulated), and the kernel views the registers as the score A
+    operand (`_a_view`) and as the stored value tile (`_v_view`); the same permutes and reshapes here must put the
+    dequantized key of channel `score_channel(u)[c]` / `value_channel(u)[c]` at column c, and the units cover
+    every channel once."""
+    T = 64
+    g = torch.Generator().manual_seed(content_bits * 10 + rope_bits + n_groups)
+    for u in range(n_groups + 1):
+        rope = u == n_groups
+        bits = rope_bits if rope else content_bits
+        f = PathFormat(64 if rope else 64 * n_groups, bits, 64)
+        codes, scale, zero = quantize_ref(torch.randn(T, f.dim, generator=g) * 3, f)
+        zero = torch.randint(-3, 4, zero.shape, generator=g, dtype=torch.int8)  # also zeros outside the code range
+        words = codes.view(torch.int32)  # [T, row words]
+        wu, q = bits // 2, torch.arange(4)
+        word_idx = (mr.unit_base(u, q, n_groups) * bits // 32)[:, None] + torch.arange(wu)  # [4, WU]
+        w = words[:, word_idx]  # [T, 4, WU]
+        grp = torch.zeros(4, dtype=torch.long) if rope else q + 4 * (u // 4)
+        zf = (zero[:, grp].to(torch.int32) + 1024 + (1 << (bits - 1))).to(torch.float16)  # `_pair_z`, [T, 4]
+        x5 = _emulate_half_asm(w, zf[:, :, None], scale[:, grp][:, :, None], bits)  # [T, 4, WU, 2, n]
+        # `_a_view`
+        a = x5.permute(0, 1, 2, 4, 3).reshape(T, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(T, 64)
+        # `_v_view`
+        v = x5.permute(0, 1, 2, 4, 3).reshape(T, 64)
+        exact = dequantize_ref(codes, torch.ones_like(scale), zero, f, torch.float32)  # code - z
+        ref = (exact.half() * scale.repeat_interleave(64, dim=1)).float()  # one rounding, as the kernel
+        sc = mr.score_channel(u, bits, n_groups)
+        assert torch.equal(a.float(), ref[:, sc]), u
+        if not rope:
+            vc = mr.value_channel(u, bits, n_groups)
+            assert torch.equal(v.float(), ref[:, vc]), u
+    for bits in (2, 4):
+        content = torch.cat([mr.score_channel(u, bits, n_groups) for u in range(n_groups)])
+        values = torch.cat([mr.value_channel(u, bits, n_groups) for u in range(n_groups)])
+        assert sorted(content.tolist()) == list(range(64 * n_groups))
+        assert sorted(values.tolist()) == list(range(64 * n_groups))
+        assert sorted(mr.score_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
+
+
+def test_half_asm_operands():
+    for bits in (2, 4):
+        n = 16 // bits
+        asm = mr.half_asm(bits)
+        outs = [int(x) for pair in re.findall(r"mov\.b32 \{\$(\d+), \$(\d+)\}", asm) for x in pair]
+        assert sorted(outs) == list(range(2 * n))  # every fp16 output written once
+        assert f"${2 * n + 2}" in asm and f"${2 * n + 3}" not in asm  # word, 1024 + z, s
+        assert len(re.findall(r"lop3\.b32", asm)) == len(re.findall(r"mul\.f16x2", asm)) == n
+
+
+def test_regs_dispatch_rules():
+    fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
+    # measured faster on the H200 (docs/BENCHMARKS.md "Gluon kernel with register operands"): C4R4 and C2R4 at 16
+    # heads and batch >= 8; batch 1 was a tie (the scaled kernel stays), 128 heads slower
+    assert gluon_regs_measured_faster(4, 4, 16, 8) and gluon_regs_measured_faster(4, 4, 16, 64)
+    assert gluon_regs_measured_faster(2, 4, 16, 32)
+    assert not gluon_regs_measured_faster(4, 4, 16, 1) and not gluon_regs_measured_faster(4, 4, 16)
+    assert not gluon_regs_measured_faster(4, 4, 128, 32) and not gluon_regs_measured_faster(4, 4, 32, 32)
+    assert not gluon_regs_measured_faster(8, 8, 16, 32) and not gluon_regs_measured_faster(16, 16, 16, 32)
+    assert not mr.regs_handles(fmt, torch.bfloat16, "cpu")  # sm_90 only
+    q = torch.zeros(8, 16, 1, 512, dtype=torch.bfloat16)
+    assert not use_gluon(fmt, q, {}, {}, q)  # CPU tensors: the Triton kernels
+    with pytest.raises(ValueError, match="inflight must be 1 or 2"):
+        mr.launch_regs(q, q, {"codes": torch.zeros(1, 1, 4, dtype=torch.uint8)},
+                       {"codes": torch.zeros(1, 1, 4, dtype=torch.uint8)}, fmt, q, q, q, q, None, None, None, None,
+                       16, 1, 8, 8, 1.0, inflight=3)
