@@ -25,7 +25,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels.mla_decode import mla_decode
-from quantmla_hf.kernels import mla_decode_gluon, mla_decode_gluon_scaled, mla_decode_strided
+from quantmla_hf.kernels import mla_decode_gluon, mla_decode_gluon_regs, mla_decode_gluon_scaled, mla_decode_strided
 from quantmla_hf.kernels.mla_decode_fast import fast_handles, mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
@@ -110,7 +110,8 @@ def run_check(out_lines, cases=None, R=128, kernel="old", launch=None):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the Gluon kernel, skipped")
             print(out_lines[-1], flush=True)
             continue
-        if kernel in ("gluon-scaled", "gluon-regs") and not mla_decode_gluon_scaled.scaled_handles(
+        handles = mla_decode_gluon_regs.regs_handles if kernel == "gluon-regs" else mla_decode_gluon_scaled.scaled_handles
+        if kernel in ("gluon-scaled", "gluon-regs") and not handles(
                 fmt, torch.float32 if qdt == "fp32" else torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the scaled Gluon kernel, skipped")
             print(out_lines[-1], flush=True)
@@ -180,7 +181,7 @@ def check_capacity_invariance(out_lines, kernel, cases=None):
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, 4 * N, seed=B + N)
         handles = {"gluon": mla_decode_gluon.gluon_handles,
                    "gluon-scaled": mla_decode_gluon_scaled.scaled_handles,
-                   "gluon-regs": mla_decode_gluon_scaled.scaled_handles}.get(kernel, fast_handles)
+                   "gluon-regs": mla_decode_gluon_regs.regs_handles}.get(kernel, fast_handles)
         if not handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             continue
         g = torch.Generator(device=DEVICE).manual_seed(N)
@@ -452,6 +453,7 @@ SWEEP_GLUON_REGS = {
     ("C4R4", 16): [dict(), dict(waves=4), dict(waves=6), dict(waves=12), dict(waves=16), dict(inflight=2),
                    dict(inflight=2, waves=4)],
     ("C2R4", 16): [dict(), dict(waves=4), dict(inflight=2)],
+    ("C8R8", 16): [dict(), dict(waves=6)],
     ("C4R4", 128): [dict()],
 }
 SWEEP_GLUON_SCALED = {
@@ -470,15 +472,15 @@ SWEEP_STRIDED = {
 }
 
 
-def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32768), ("C4R4", 128, 32, 32768)),
-                 kernel="fast"):
+def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32768), ("C8R8", 16, 32, 32768),
+                                    ("C4R4", 128, 32, 32768)), kernel="fast"):
     """Launch sweep of the fast (or Gluon) kernel around its defaults at the target points (B 32, 32K), each
     variant replayed from a CUDA graph."""
     sweep = {"gluon": SWEEP_GLUON, "gluon-scaled": SWEEP_GLUON_SCALED, "gluon-regs": SWEEP_GLUON_REGS,
              "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
     res = []
     for name, H, B, N in points:
-        if True:
+        if (name, H) in sweep:  # a kernel's sweep names the formats it handles
             fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
             g = torch.Generator(device=DEVICE).manual_seed(1)
             q_lat = torch.randn(B, H, 1, D_C, device=DEVICE, generator=g).bfloat16()

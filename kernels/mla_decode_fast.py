@@ -25,11 +25,11 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
   (`lse = -inf`, `o = 0`) that the combine skips.
 
 The Gluon kernels (sm_90) sit behind the same launcher (`backend="gluon"`): `mla_decode_gluon_regs.py` (keys
-unpacked into the registers of the score `wgmma`; `regs=True`) is the default for C4R4 and C2R4 at up to 16 query
-rows and batch >= 8 (`gluon_regs_measured_faster`), `mla_decode_gluon_scaled.py` (fp16 `(code - z) * s` tiles, two
+unpacked into the registers of the score `wgmma`; `regs=True`) is the default for C4R4, C2R4 and C8R8 at up to 16
+query rows and batch >= 8 (`gluon_regs_measured_faster`), `mla_decode_gluon_scaled.py` (fp16 `(code - z) * s` tiles, two
 programs per SM; `scaled=True`) for the other C4R4 cases and for C2R4 above 16 rows
-(`gluon_scaled_measured_faster`), `mla_decode_gluon.py` (exact-integer tiles) for 8-bit content
-(`gluon_measured_faster`). The strided-plane kernel of `mla_decode_strided.py` is a third backend
+(`gluon_scaled_measured_faster`), `mla_decode_gluon.py` (exact-integer tiles) for the other 8-bit
+cases (`gluon_measured_faster`). The strided-plane kernel of `mla_decode_strided.py` is a third backend
 (`backend="strided"`), measured slower everywhere so far.
 
 `fast_handles` says which cases the kernel computes; `fast_supported` (what the decode op dispatches on) also
@@ -639,17 +639,19 @@ def gluon_regs_measured_faster(content_bits: int, rope_bits: int, rows: int, bat
     than every other kernel for this format, number of query rows (`H * Tq`) and batch size (H200, same process,
     CUDA-graph replay, do_bench medians; docs/BENCHMARKS.md "Gluon kernel with register operands"):
 
-    - C4R4, 16 heads: B32 32K 0.274-0.278 ms (scaled-tile kernel 0.321-0.322), B8 128K 0.259-0.266 (0.307-0.309),
-      B64 32K 0.521-0.531 (0.642-0.646).
+    - C4R4, 16 heads: B32 32K 0.274-0.279 ms (scaled-tile kernel 0.321-0.322), B8 128K 0.259-0.267 (0.307-0.309),
+      B64 32K 0.517-0.531 (0.642-0.646).
     - C2R4, 16 heads: B32 32K 0.279-0.281 (scaled 0.333), B8 128K 0.265-0.268 (0.323), B64 32K 0.510 (0.652).
+    - C8R8, 16 heads: B32 32K 0.495 (exact-integer Gluon kernel 0.649), B8 128K 0.486 (0.640), B64 32K 0.998
+      (1.269).
     - Batch 1, 4K: a tie within the run-to-run spread (C4R4 0.0219 and 0.0223 against the scaled kernel's 0.0223
-      and 0.0212 in two runs; C2R4 0.0228 against 0.0216): the scaled kernel stays below batch 8 (batches 2-7 were
-      not timed).
+      and 0.0212 in two runs; C2R4 0.0228 against 0.0216); C8R8 not timed there: the other kernels stay below
+      batch 8 (batches 2-7 were not timed).
     - Above 16 rows (128 heads: 1.85-1.87 ms against the scaled kernel's 1.50, each token unpacked once per 16
       heads) the scaled kernel stays."""
     if rows > 16 or batch is None or batch < 8:
         return False
-    return (content_bits, rope_bits) in ((4, 4), (2, 4))
+    return (content_bits, rope_bits) in ((4, 4), (2, 4), (8, 8))
 
 
 def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
@@ -682,7 +684,11 @@ def use_gluon(fmt: CacheFormat, q_lat: torch.Tensor, content_planes: dict, rope_
     cb, rb, batch = fmt.content.bits, fmt.rope.bits, q_lat.shape[0]
     if _interpreting() or not q_lat.is_cuda:
         return False
-    if ((gluon_regs_measured_faster(cb, rb, rows, batch) or gluon_scaled_measured_faster(cb, rb, rows, batch))
+    if (gluon_regs_measured_faster(cb, rb, rows, batch)
+            and regs_kernel.regs_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype)
+            and gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes)):
+        return True
+    if (gluon_scaled_measured_faster(cb, rb, rows, batch)
             and scaled_kernel.scaled_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype)
             and gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes)):
         return True
@@ -790,7 +796,7 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
     M = H * Tq
     if not regs_kernel.regs_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
         raise ValueError(f"the register-operand Gluon kernel does not handle {fmt.name} with {q_lat.dtype} queries "
-                         "(2- or 4-bit content and RoPE, 4 or 8 content groups, sm_90): pass regs=False")
+                         "(2- or 4-bit or 8-bit content and RoPE, 4 or 8 content groups, sm_90): pass regs=False")
     head_blocks = triton.cdiv(M, regs_kernel.BLOCK_M)
     sms = _num_sms(q_lat.device.index or 0)
     target, NS = split_plan(B, head_blocks, capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, launch.get("waves") or 8,

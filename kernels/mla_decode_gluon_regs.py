@@ -31,7 +31,10 @@ programs per SM.
 The sink and recent copies take one program per 64-token tile (as in the scaled kernel): the copies are loaded in
 the same unit layout (16 contiguous channels per thread and row) and go through the same score and value steps.
 
-Accuracy: as the scaled kernel (one fp16 rounding of `(code - z) * s`); 2- and 4-bit paths only.
+Accuracy: as the scaled kernel (one fp16 rounding of `(code - z) * s`) at 2 and 4 bits. At 8 bits (C8R8) a key of
+up to 255 steps rounded once to fp16 would move the LSE by ~4.5e-3, so the asm also returns the remainder `lo = (code
+- z) * s - hi` (one `fma.rn.f16x2`, exact above fp16 subnormals) and the scores take a second register-A `wgmma` on
+it; the values use the rounded keys (relative 2**-12 per element, averaged over the tile).
 """
 
 from __future__ import annotations
@@ -85,27 +88,34 @@ def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- unpacking
-def half_asm(bits: int) -> str:
+def half_asm(bits: int, split: bool = False) -> str:
     """PTX that turns one 32-bit code word into its `E = 32 / bits` fp16 elements `(code - z) * s`, in word order.
 
-    Operands: outputs `$0 .. $(E-1)` (16-bit), then the word `$E`, `$(E+1)` = fp16x2 `(1024 + z, 1024 + z)` and
-    `$(E+2)` = fp16x2 `(s, s)`. Elements k and k + E/2 (bits `[bits*k, bits*(k+1))` and 16 higher) are put under
-    the fp16 magic number `0x6400` in the two halves of one register by one `lop3` (after a shift), then one
-    `sub.f16x2` (exact) and one `mul.f16x2` (one rounding); the halves are the outputs (a free register split)."""
+    Operands: outputs `$0 .. $(E-1)` (16-bit; with `split` also `$E .. $(2E-1)`), then the word, fp16x2 `(1024 +
+    z, 1024 + z)` and fp16x2 `(s, s)`. Elements k and k + E/2 (bits `[bits*k, bits*(k+1))` and 16 higher) are put
+    under the fp16 magic number `0x6400` in the two halves of one register by one `lop3` (after a shift), then one
+    `sub.f16x2` (exact) and one `mul.f16x2` (one rounding); the halves are the outputs (a free register split).
+    `split` (8-bit codes, whose keys of up to 255 steps would round too coarsely for the scores): also the
+    remainder `lo = (code - z) * s - hi` by one `fma.rn.f16x2` (exact up to fp16 subnormals), outputs `E + j`."""
     n = 16 // bits
     e = 2 * n
+    o = 2 * e if split else e  # first input operand
     mask = (1 << bits) - 1
     mask2 = mask | (mask << 16)
-    lines = ["{", ".reg .b32 t;"]
+    lines = ["{", ".reg .b32 t, h, hn;"]
     for k in range(n):
-        src = f"${e}"
+        src = f"${o}"
         if k:
-            lines.append(f"shr.u32 t, ${e}, {bits * k};")
+            lines.append(f"shr.u32 t, ${o}, {bits * k};")
             src = "t"
         lines.append(f"lop3.b32 t, {src}, {mask2:#010x}, 0x64006400, 0xEA;")
-        lines.append(f"sub.f16x2 t, t, ${e + 1};")
-        lines.append(f"mul.f16x2 t, t, ${e + 2};")
-        lines.append(f"mov.b32 {{${k}, ${k + n}}}, t;")
+        lines.append(f"sub.f16x2 t, t, ${o + 1};")
+        lines.append(f"mul.f16x2 h, t, ${o + 2};")
+        lines.append(f"mov.b32 {{${k}, ${k + n}}}, h;")
+        if split:
+            lines.append("neg.f16x2 hn, h;")
+            lines.append(f"fma.rn.f16x2 t, t, ${o + 2}, hn;")
+            lines.append(f"mov.b32 {{${e + k}, ${e + k + n}}}, t;")
     lines.append("}")
     return "\n".join(lines)
 
@@ -113,6 +123,7 @@ def half_asm(bits: int) -> str:
 if HAVE_GLUON:
     _HALF_ASM_2 = gl.constexpr(half_asm(2))
     _HALF_ASM_4 = gl.constexpr(half_asm(4))
+    _HALF_ASM_8 = gl.constexpr(half_asm(8, split=True))
 
 
 @_jit
@@ -153,21 +164,28 @@ def _pair_s(s):
 @_jit
 def _unpack_unit(w, zz, ss, BITS: gl.constexpr, wl: gl.constexpr):
     """Words `w: [64, 4, WU]` int32 (thread q's words of each token), `zz`, `ss: [64, 4]` int32 fp16x2 pairs ->
-    `[64, 4, WU, 2, E / 2]` fp16 `(code - z) * s`, element `(E / 2) * e + k` of word `w` at `[t, q, w, e, k]`."""
+    `(hi, lo)`: `[64, 4, WU, 2, E / 2]` fp16 `(code - z) * s`, element `(E / 2) * e + k` of word `w` at `[t, q, w,
+    e, k]`, and at 8 bits its remainder `lo` (below 8 bits `lo` is `hi`, unused)."""
     ml: gl.constexpr = gl.SliceLayout(2, wl)
     zz, w = gl.broadcast(gl.convert_layout(zz, ml, assert_trivial=True)[:, :, None], w)
     ss, w = gl.broadcast(gl.convert_layout(ss, ml, assert_trivial=True)[:, :, None], w)
-    if BITS == 4:
+    if BITS == 8:
+        y0, y1, y2, y3, l0, l1, l2, l3 = gl.inline_asm_elementwise(
+            _HALF_ASM_8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss], dtype=[gl.float16] * 8, is_pure=True, pack=1)
+        hi = gl.reshape(_order4(y0, y1, y2, y3), [64, 4, w.shape[2], 2, 2])
+        return hi, gl.reshape(_order4(l0, l1, l2, l3), [64, 4, w.shape[2], 2, 2])
+    elif BITS == 4:
         y0, y1, y2, y3, y4, y5, y6, y7 = gl.inline_asm_elementwise(
             _HALF_ASM_4, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss], dtype=[gl.float16] * 8, is_pure=True, pack=1)
-        x = _order8(y0, y1, y2, y3, y4, y5, y6, y7)
-        return gl.reshape(x, [64, 4, w.shape[2], 2, 4])
+        x = gl.reshape(_order8(y0, y1, y2, y3, y4, y5, y6, y7), [64, 4, w.shape[2], 2, 4])
+        return x, x
     else:
         y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = gl.inline_asm_elementwise(
             _HALF_ASM_2, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss],
             dtype=[gl.float16] * 16, is_pure=True, pack=1)
         x = _order16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
-        return gl.reshape(x, [64, 4, w.shape[2], 2, 8])
+        x = gl.reshape(x, [64, 4, w.shape[2], 2, 8])
+        return x, x
 
 
 @_jit
@@ -279,28 +297,48 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
 
 # --------------------------------------------------------------------------------------------- one tile
 @_jit
-def _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr, Q_SPLIT: gl.constexpr,
-                INFLIGHT: gl.constexpr, dot_a: gl.constexpr):
+def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
+                Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr):
     """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
-    until at most `INFLIGHT` units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two units, kept
-    alive until theirs have finished). Returns `(acc, p1, p2)` for the next unit."""
+    until at most `INFLIGHT` (0, 1 or 2) units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two
+    units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit.
+
+    `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
+    accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
+    in `pend` and adds them in fp32): one chain over all 576 channels plus their remainders moved the LSE of
+    8-bit keys' large scores past 1e-4 on the H200 (tensor-core accumulation). One unit in flight; `p1`, `p2` hold
+    its high and low A operands."""
     a = _a_view(x5, dot_a)
-    acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > 0, is_async=True)
-    if Q_SPLIT:
-        acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
+    if LO:
+        alo = _a_view(x5lo, dot_a)
+        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=(u % 3) > 0, is_async=True)
+        acc = warpgroup_mma(alo, qbuf.index(u + kz).permute((1, 0)), acc, is_async=True)
+        if Q_SPLIT:
+            acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
+    else:
+        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > 0, is_async=True)
+        if Q_SPLIT:
+            acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
     if u < GC:
         if u == 0:
             _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
         kbuf.index(u + kz).store(_v_view(x5))
-    PER: gl.constexpr = 2 if Q_SPLIT else 1
-    if INFLIGHT == 1:
+    PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
+    if LO:
+        if u > 0:
+            p1, p2 = warpgroup_mma_wait(PER, deps=[p1, p2])
+        return acc, pend, a, alo
+    elif INFLIGHT == 0:
+        acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+        return acc, pend, a, p2
+    elif INFLIGHT == 1:
         if u > 0:
             p1 = warpgroup_mma_wait(PER, deps=[p1])
-        return acc, a, p2
+        return acc, pend, a, p2
     else:
         if u > 1:
             p2 = warpgroup_mma_wait(2 * PER, deps=[p2])
-        return acc, a, p1
+        return acc, pend, a, p1
 
 
 @_jit
@@ -366,12 +404,15 @@ def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, GC: gl
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     # the unpacked units' element order: offset w * E + (E / 2) * e + k at [t, q, w, e, k]
     x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, 0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
-    acc, p1, p2 = _score_unit(x5, acc, x5, x5, qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5,
+                                    qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a)
     for u in gl.static_range(1, GC):
         x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
-        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
+                                        qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a)
     x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
-    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
+                                    qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc
 
@@ -387,36 +428,58 @@ def _packed_scores(c0, c1, c2, c3, c4, c5, c6, c7, cr, zz0, ss0, zz1, ss1, zzr, 
     `(acc, c0..c7, cr)`."""
     RWC: gl.constexpr = GC * 2 * C_BITS
     RWR: gl.constexpr = 2 * R_BITS
+    LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
     acc = gl.zeros([64, BM], gl.float32, acc_l)
-    x5 = _unpack_unit(c0, zz0, ss0, C_BITS, wc_l)
+    pend = acc  # LO: the finished accumulator chains (units 0-2, then 3-5)
+    pend2 = acc
+    x5, xlo = _unpack_unit(c0, zz0, ss0, C_BITS, wc_l)
     c0 = _load_unit(p_cc, tn, lo, hi, 0, RWC, C_BITS, GC, wc_l)
-    acc, p1, p2 = _score_unit(x5, acc, x5, x5, qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
-    x5 = _unpack_unit(c1, zz0, ss0, C_BITS, wc_l)
+    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, acc, x5, x5, qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                  dot_a)
+    x5, xlo = _unpack_unit(c1, zz0, ss0, C_BITS, wc_l)
     c1 = _load_unit(p_cc, tn, lo, hi, 1, RWC, C_BITS, GC, wc_l)
-    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 1, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
-    x5 = _unpack_unit(c2, zz0, ss0, C_BITS, wc_l)
+    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 1, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                  dot_a)
+    x5, xlo = _unpack_unit(c2, zz0, ss0, C_BITS, wc_l)
     c2 = _load_unit(p_cc, tn, lo, hi, 2, RWC, C_BITS, GC, wc_l)
-    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 2, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
-    x5 = _unpack_unit(c3, zz0, ss0, C_BITS, wc_l)
+    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 2, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                  dot_a)
+    if LO:
+        pend = acc
+        acc = gl.zeros([64, BM], gl.float32, acc_l)
+    x5, xlo = _unpack_unit(c3, zz0, ss0, C_BITS, wc_l)
     c3 = _load_unit(p_cc, tn, lo, hi, 3, RWC, C_BITS, GC, wc_l)
-    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 3, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
+    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 3, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                  dot_a)
     if GC == 8:
-        x5 = _unpack_unit(c4, zz1, ss1, C_BITS, wc_l)
+        x5, xlo = _unpack_unit(c4, zz1, ss1, C_BITS, wc_l)
         c4 = _load_unit(p_cc, tn, lo, hi, 4, RWC, C_BITS, GC, wc_l)
-        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 4, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
-        x5 = _unpack_unit(c5, zz1, ss1, C_BITS, wc_l)
+        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 4, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                  dot_a)
+        x5, xlo = _unpack_unit(c5, zz1, ss1, C_BITS, wc_l)
         c5 = _load_unit(p_cc, tn, lo, hi, 5, RWC, C_BITS, GC, wc_l)
-        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 5, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
-        x5 = _unpack_unit(c6, zz1, ss1, C_BITS, wc_l)
+        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 5, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                  dot_a)
+        if LO:
+            pend2 = acc
+            acc = gl.zeros([64, BM], gl.float32, acc_l)
+        x5, xlo = _unpack_unit(c6, zz1, ss1, C_BITS, wc_l)
         c6 = _load_unit(p_cc, tn, lo, hi, 6, RWC, C_BITS, GC, wc_l)
-        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 6, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
-        x5 = _unpack_unit(c7, zz1, ss1, C_BITS, wc_l)
+        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 6, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                  dot_a)
+        x5, xlo = _unpack_unit(c7, zz1, ss1, C_BITS, wc_l)
         c7 = _load_unit(p_cc, tn, lo, hi, 7, RWC, C_BITS, GC, wc_l)
-        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, 7, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
-    x5 = _unpack_unit(cr, zzr, ssr, R_BITS, wr_l)
+        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 7, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                  dot_a)
+    x5, xlo = _unpack_unit(cr, zzr, ssr, R_BITS, wr_l)
     cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
-    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a)
-    acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
+    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                  dot_a)
+    if LO:
+        acc, pend, pend2, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, pend2, p1, p2])
+        acc = acc + pend + pend2
+    else:
+        acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc, c0, c1, c2, c3, c4, c5, c6, c7, cr
 
 
@@ -628,18 +691,24 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
 
 
 def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
-    """Whether this kernel computes the case: what the scaled kernel handles (2- or 4-bit content and RoPE, 4 or 8
-    content groups, sm_90)."""
-    return scaled.scaled_handles(fmt, q_dtype, device, copy_dtype)
+    """Whether this kernel computes the case: what the exact Gluon kernel handles (sm_90, groups of 64), with 4 or
+    8 content groups and either 2- or 4-bit content and RoPE (keys rounded once to fp16) or 8-bit content and RoPE
+    (keys as fp16 high and low parts for the scores)."""
+    if not exact.gluon_handles(fmt, q_dtype, device, copy_dtype):
+        return False
+    c, r = fmt.content.bits, fmt.rope.bits
+    return fmt.content.n_groups in (4, 8) and ((c in (2, 4) and r in (2, 4)) or (c == 8 and r == 8))
 
 
 def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
                 split_target, NS, qk_scale, inflight=1):
     """Launch `mla_decode_gluon_regs_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, 16), B)`, one
     warpgroup per program (the partials hold `NS + copy_programs(fmt)` slots); `inflight`: 1 or 2 score units'
-    `wgmma`s in flight while the next unit is unpacked."""
-    if inflight not in (1, 2):
-        raise ValueError(f"inflight must be 1 or 2, got {inflight}")
+    `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1)."""
+    if inflight not in (0, 1, 2):
+        raise ValueError(f"inflight must be 0, 1 or 2, got {inflight}")
+    if fmt.content.bits == 8 and inflight != 1:
+        raise ValueError(f"8-bit keys run with inflight=1 (one unit's high and low wgmmas in flight), got {inflight}")
     B = q.shape[0]
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
     need = smem_bytes(fmt, q_split)

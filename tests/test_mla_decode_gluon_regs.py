@@ -37,20 +37,21 @@ COMPILE = textwrap.dedent(
 
     fn = mr.mla_decode_gluon_regs_kernel
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
-    for cb, q_split in ((4, False), (2, False), (4, True)):
+    for cb, q_split in ((4, False), (2, False), (4, True), (8, False)):
         qd = "*fp32" if q_split else "*bf16"
         ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
                    rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
                    rcr_ptr="*bf16", lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
-        const = dict(GC=8, C_BITS=cb, R_BITS=4, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=1,
-                     WC_L=mr._words_layout(cb // 2), WR_L=mr._words_layout(2), XL=mr.dense_layout())
+        rb = 8 if cb == 8 else 4
+        const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=1,
+                     WC_L=mr._words_layout(cb // 2), WR_L=mr._words_layout(rb // 2), XL=mr.dense_layout())
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
         src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
                                                                   for k, v in const.items()}, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, 4, 64))
+        fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = mr.smem_bytes(fmt, q_split)
         assert kernel.metadata.shared <= need, (cb, q_split, kernel.metadata.shared, need)
         assert ms.SMEM_PER_SM // (need + 1024) >= 2, need  # two programs per SM
@@ -58,12 +59,14 @@ COMPILE = textwrap.dedent(
         mma = r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 \\{[^}]*\\}, "
         per = 2 if q_split else 1
         # scores: 9 units x 4 k-steps with the A operand in registers, in the packed loop and the two copy loops
-        assert len(re.findall(mma + r"\\{", ptx)) == 3 * 9 * 4 * per, (cb, len(re.findall(mma + r"\\{", ptx)))
+        # (8-bit keys: the packed loop also on the remainders)
+        n_reg = 3 * 9 * 4 * per + (9 * 4 if cb == 8 else 0)
+        assert len(re.findall(mma + r"\\{", ptx)) == n_reg, (cb, len(re.findall(mma + r"\\{", ptx)))
         # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
         assert len(re.findall(mma + r"%rd", ptx)) == 3 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
         assert "cp.async" not in ptx  # the code words go straight to registers
         # one lop3 + sub.f16x2 + mul.f16x2 per pair: 9 units x 2 tokens x 8 pairs per thread and tile
-        for op in ("0x64006400", "sub.f16x2", "mul.f16x2"):
+        for op in ("0x64006400", "sub.f16x2", "mul.f16x2") + (("fma.rn.f16x2",) if cb == 8 else ()):
             assert len(re.findall(re.escape(op), ptx)) == 9 * 2 * 8, (cb, op, len(re.findall(re.escape(op), ptx)))
     print("compiled")
     """
@@ -93,7 +96,7 @@ def _emulate_half_asm(words: torch.Tensor, zf: torch.Tensor, s: torch.Tensor, bi
     return torch.stack(outs, dim=-1)  # [..., e, k]
 
 
-@pytest.mark.parametrize("content_bits,rope_bits", [(4, 4), (2, 4), (2, 2)])
+@pytest.mark.parametrize("content_bits,rope_bits", [(4, 4), (2, 4), (2, 2), (8, 8)])
 @pytest.mark.parametrize("n_groups", [8, 4])
 def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_groups):
     """Emulate what the threads of one 64-token tile hold: thread q of unit u loads the words of its 16 channels
@@ -124,6 +127,10 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         ref = (exact.half() * scale.repeat_interleave(64, dim=1)).float()  # one rounding, as the kernel
         sc = mr.score_channel(u, bits, n_groups)
         assert torch.equal(a.float(), ref[:, sc]), u
+        if bits == 8:  # the remainder (fma.rn.f16x2 of code - z, s and -hi): hi + lo is the exact product here
+            prod = exact * scale.float().repeat_interleave(64, dim=1)  # exact in fp32 (8-bit x 11-bit)
+            lo = (prod - ref).half()
+            assert torch.equal(ref.double() + lo.double(), prod.double()), u
         if not rope:
             vc = mr.value_channel(u, bits, n_groups)
             assert torch.equal(v.float(), ref[:, vc]), u
@@ -147,17 +154,23 @@ def test_half_asm_operands():
 
 def test_regs_dispatch_rules():
     fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
-    # measured faster on the H200 (docs/BENCHMARKS.md "Gluon kernel with register operands"): C4R4 and C2R4 at 16
-    # heads and batch >= 8; batch 1 was a tie (the scaled kernel stays), 128 heads slower
+    # measured faster on the H200 (docs/BENCHMARKS.md "Gluon kernel with register operands"): C4R4, C2R4 and C8R8
+    # at 16 heads and batch >= 8; batch 1 was a tie (the scaled kernel stays), 128 heads slower
     assert gluon_regs_measured_faster(4, 4, 16, 8) and gluon_regs_measured_faster(4, 4, 16, 64)
-    assert gluon_regs_measured_faster(2, 4, 16, 32)
+    assert gluon_regs_measured_faster(2, 4, 16, 32) and gluon_regs_measured_faster(8, 8, 16, 32)
     assert not gluon_regs_measured_faster(4, 4, 16, 1) and not gluon_regs_measured_faster(4, 4, 16)
+    assert not gluon_regs_measured_faster(8, 8, 16, 1)
     assert not gluon_regs_measured_faster(4, 4, 128, 32) and not gluon_regs_measured_faster(4, 4, 32, 32)
-    assert not gluon_regs_measured_faster(8, 8, 16, 32) and not gluon_regs_measured_faster(16, 16, 16, 32)
+    assert not gluon_regs_measured_faster(8, 4, 16, 32) and not gluon_regs_measured_faster(16, 16, 16, 32)
     assert not mr.regs_handles(fmt, torch.bfloat16, "cpu")  # sm_90 only
     q = torch.zeros(8, 16, 1, 512, dtype=torch.bfloat16)
     assert not use_gluon(fmt, q, {}, {}, q)  # CPU tensors: the Triton kernels
-    with pytest.raises(ValueError, match="inflight must be 1 or 2"):
+    c8 = CacheFormat(PathFormat(512, 8, 64), PathFormat(64, 8, 64))
+    with pytest.raises(ValueError, match="8-bit keys run with inflight=1"):
+        mr.launch_regs(q, q, {"codes": torch.zeros(1, 1, 4, dtype=torch.uint8)},
+                       {"codes": torch.zeros(1, 1, 4, dtype=torch.uint8)}, c8, q, q, q, q, None, None, None, None,
+                       16, 1, 8, 8, 1.0, inflight=2)
+    with pytest.raises(ValueError, match="inflight must be 0, 1 or 2"):
         mr.launch_regs(q, q, {"codes": torch.zeros(1, 1, 4, dtype=torch.uint8)},
                        {"codes": torch.zeros(1, 1, 4, dtype=torch.uint8)}, fmt, q, q, q, q, None, None, None, None,
                        16, 1, 8, 8, 1.0, inflight=3)
