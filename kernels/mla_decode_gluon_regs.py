@@ -53,6 +53,7 @@ if HAVE_GLUON:
                                                                    warpgroup_mma_wait)
 
     from .mla_decode_gluon import _cta_barrier, _order4, _order8
+    from .mla_decode_gluon_scaled import _copy_ranges, _finish, _split_range
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
 
@@ -557,20 +558,8 @@ def mla_decode_gluon_regs_kernel(
     o5 = gl.zeros([64, BM], gl.float32, acc_l)
     o6 = gl.zeros([64, BM], gl.float32, acc_l)
     o7 = gl.zeros([64, BM], gl.float32, acc_l)
-    SINK_TILES: gl.constexpr = (S + BT - 1) // BT
-    ND: gl.constexpr = SINK_TILES + (R + BT - 1) // BT  # programs for the copied tokens
-    is_dense = i_s >= num_splits
-    d = i_s - num_splits  # which copied tile (sink tiles first), negative for the packed splits
-
-    # Packed positions of this split (`mla_decode_fast.split_plan`: sized from the length, not the capacity).
-    covered = gl.maximum(length - R, 0)
-    tokens_per_split = (covered + split_target - 1) // split_target
-    tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 2 * BT)
-    base = i_s * tokens_per_split
-    lo = gl.maximum(base, S)
-    hi = gl.where(is_dense, lo, gl.minimum(base + tokens_per_split, length - R))
-    lo_valid = gl.maximum(lo, lp + S)
-    n_tiles = gl.where(hi > lo, (hi - base + BT - 1) // BT, 0).to(gl.int32)
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT)
     p_cc = cc_ptr + i_b * s_ccb
     p_rc = rc_ptr + i_b * s_rcb
     p_cs = cs_ptr + i_b * s_csb
@@ -627,8 +616,7 @@ def mla_decode_gluon_regs_kernel(
 
     # The copied tiles: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
-    s_lo = d * BT
-    s_hi = gl.where(is_dense & (d < SINK_TILES), gl.minimum(s_lo + BT, S), s_lo)
+    s_lo, s_hi, r_lo, r_hi = _copy_ranges(i_s, num_splits, length, S, R, BT)
     p_snc = snc_ptr + i_b * s_sncb
     p_snr = snr_ptr + i_b * s_snrb
     for start in range(s_lo, s_hi, BT):
@@ -641,9 +629,6 @@ def mla_decode_gluon_regs_kernel(
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
             acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
-    r_first = gl.maximum(length - R, 0)
-    r_lo = r_first + (d - SINK_TILES) * BT
-    r_hi = gl.where(is_dense & (d >= SINK_TILES), gl.minimum(r_lo + BT, length), r_lo)
     lo_dense = lp + S
     p_rcc = rcc_ptr + i_b * s_rccb
     p_rcr = rcr_ptr + i_b * s_rcrb
@@ -657,10 +642,7 @@ def mla_decode_gluon_regs_kernel(
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
             acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
 
-    l_i = gl.sum(l_p, axis=0)
-    has = l_i > 0
-    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    b_lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv_l, b_lse = _finish(l_p, m_i)
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
     _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
     _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)

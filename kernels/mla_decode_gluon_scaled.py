@@ -304,6 +304,48 @@ def _attend(kbuf, qbuf, qlo, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5,
     return m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7
 
 
+# --------------------------------------------------------------------------------------------- split arithmetic
+@_jit
+def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
+    """The packed positions of split `i_s` (`mla_decode_fast.split_plan`: sized from the device-side length, not the
+    capacity, tile-aligned from 0): `(base, lo_valid, hi, n_tiles)`: tiles start at `base`, positions `[lo_valid,
+    hi)` are valid (after the sink and the row's left padding `lp`, before the recent ring); the copy programs
+    (`i_s >= num_splits`) get no packed tiles."""
+    covered = gl.maximum(length - R, 0)
+    tokens_per_split = (covered + split_target - 1) // split_target
+    tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 2 * BT)
+    base = i_s * tokens_per_split
+    lo = gl.maximum(base, S)
+    hi = gl.where(i_s >= num_splits, lo, gl.minimum(base + tokens_per_split, length - R))
+    n_tiles = gl.where(hi > lo, (hi - base + BT - 1) // BT, 0).to(gl.int32)
+    return base, gl.maximum(lo, lp + S), hi, n_tiles
+
+
+@_jit
+def _copy_ranges(i_s, num_splits, length, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
+    """Copy program `d = i_s - num_splits` attends one 64-token tile: sink slots `[s_lo, s_hi)` for the first
+    `cdiv(S, 64)` programs, then recent positions `[r_lo, r_hi)` from `length - R`; empty ranges elsewhere. Returns
+    `(s_lo, s_hi, r_lo, r_hi)`."""
+    SINK_TILES: gl.constexpr = (S + BT - 1) // BT
+    d = i_s - num_splits
+    is_dense = i_s >= num_splits
+    s_lo = d * BT
+    s_hi = gl.where(is_dense & (d < SINK_TILES), gl.minimum(s_lo + BT, S), s_lo)
+    r_lo = gl.maximum(length - R, 0) + (d - SINK_TILES) * BT
+    r_hi = gl.where(is_dense & (d >= SINK_TILES), gl.minimum(r_lo + BT, length), r_lo)
+    return s_lo, s_hi, r_lo, r_hi
+
+
+@_jit
+def _finish(l_p, m_i):
+    """Row sums per token lane `l_p: [BT, BM]` and reference maxima `m_i: [BM]` (base 2) -> `(1 / l, natural-log
+    LSE)`, `(0, -inf)` for a row with no visible position."""
+    l_i = gl.sum(l_p, axis=0)
+    has = l_i > 0
+    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    return inv_l, gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+
+
 # --------------------------------------------------------------------------------------------- the kernel
 def _jit_dynamic(fn):
     """`gluon.jit` without specialisation on the per-step counts (each new value would compile a new kernel)."""
@@ -392,20 +434,8 @@ def mla_decode_gluon_scaled_kernel(
     o5 = gl.zeros([64, BM], gl.float32, acc_l)
     o6 = gl.zeros([64, BM], gl.float32, acc_l)
     o7 = gl.zeros([64, BM], gl.float32, acc_l)
-    SINK_TILES: gl.constexpr = (S + BT - 1) // BT
-    ND: gl.constexpr = SINK_TILES + (R + BT - 1) // BT  # programs for the copied tokens
-    is_dense = i_s >= num_splits
-    d = i_s - num_splits  # which copied tile (sink tiles first), negative for the packed splits
-
-    # Packed positions of this split (`mla_decode_fast.split_plan`: sized from the length, not the capacity).
-    covered = gl.maximum(length - R, 0)
-    tokens_per_split = (covered + split_target - 1) // split_target
-    tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 2 * BT)
-    base = i_s * tokens_per_split
-    lo = gl.maximum(base, S)
-    hi = gl.where(is_dense, lo, gl.minimum(base + tokens_per_split, length - R))
-    lo_valid = gl.maximum(lo, lp + S)
-    n_tiles = gl.where(hi > lo, (hi - base + BT - 1) // BT, 0).to(gl.int32)
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT)
     p_cc = cc_ptr + i_b * s_ccb
     p_rc = rc_ptr + i_b * s_rcb
     p_cs = cs_ptr + i_b * s_csb
@@ -450,8 +480,7 @@ def mla_decode_gluon_scaled_kernel(
 
     # The last split: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, d_l)).to(gl.int64)
-    s_lo = d * BT
-    s_hi = gl.where(is_dense & (d < SINK_TILES), gl.minimum(s_lo + BT, S), s_lo)
+    s_lo, s_hi, r_lo, r_hi = _copy_ranges(i_s, num_splits, length, S, R, BT)
     p_snc = snc_ptr + i_b * s_sncb
     p_snr = snr_ptr + i_b * s_snrb
     for start in range(s_lo, s_hi, BT):
@@ -466,9 +495,6 @@ def mla_decode_gluon_scaled_kernel(
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _attend(
             kbuf, qbuf, qlo, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7,
             (start.to(gl.int64) >> 40).to(gl.int32), GC, BT, BM, Q_SPLIT, acc_l)
-    r_first = gl.maximum(length - R, 0)
-    r_lo = r_first + (d - SINK_TILES) * BT
-    r_hi = gl.where(is_dense & (d >= SINK_TILES), gl.minimum(r_lo + BT, length), r_lo)
     lo_dense = lp + S
     p_rcc = rcc_ptr + i_b * s_rccb
     p_rcr = rcr_ptr + i_b * s_rcrb
@@ -484,10 +510,7 @@ def mla_decode_gluon_scaled_kernel(
             kbuf, qbuf, qlo, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7,
             (start.to(gl.int64) >> 40).to(gl.int32), GC, BT, BM, Q_SPLIT, acc_l)
 
-    l_i = gl.sum(l_p, axis=0)
-    has = l_i > 0
-    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    b_lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv_l, b_lse = _finish(l_p, m_i)
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
     _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
     _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
