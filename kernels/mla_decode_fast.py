@@ -51,6 +51,7 @@ from quantmla_hf.format import CacheFormat
 from . import mla_decode_gluon as gluon_kernel
 from . import mla_decode_gluon_regs as regs_kernel
 from . import mla_decode_gluon_scaled as scaled_kernel
+from . import mla_decode_gluon_ws as ws_kernel
 from . import mla_decode_strided as strided_kernel
 
 LOG2E = 1.4426950408889634
@@ -491,7 +492,8 @@ def mla_decode_static(
             overrides (benchmarks), and
             `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
             `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, inflight`: `regs` picks the
-            register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits, inflight`), `scaled` the
+            register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits, inflight`, and `ws` for its
+            two-warpgroup form in `mla_decode_gluon_ws.py`, key `worker_regs`), `scaled` the
             scaled-tile kernel of `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys
             `block_m, block_t, num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
 
@@ -654,6 +656,13 @@ def gluon_regs_measured_faster(content_bits: int, rope_bits: int, rows: int, bat
     return (content_bits, rope_bits) in ((4, 4), (2, 4), (8, 8))
 
 
+def gluon_ws_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: int | None = None) -> bool:
+    """Whether the two-warpgroup register kernel (`mla_decode_gluon_ws.py`) was measured faster than the
+    one-warpgroup register kernel for this format, number of query rows and batch size: not yet (H200 timings
+    pending), so it runs only when asked for (`ws=True`)."""
+    return False
+
+
 def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
     """Whether the strided-plane kernel (`mla_decode_strided.py`) was measured faster than every other kernel for
     this format and number of query rows: nowhere so far (docs/BENCHMARKS.md "Strided-plane kernel", same process,
@@ -755,7 +764,7 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
         raise ValueError(f"the scaled-tile Gluon kernel does not handle {fmt.name} (2- or 4-bit content and RoPE, "
                          "4 or 8 content groups): pass scaled=False for the exact-integer Gluon kernel")
     cfg = gluon_default_launch(M, scaled)
-    cfg.update({k: v for k, v in launch.items() if v is not None and k not in ("scaled", "regs")})
+    cfg.update({k: v for k, v in launch.items() if v is not None and k not in ("scaled", "regs", "ws")})
     block_m = int(cfg["block_m"])
     q_split = q_lat.dtype == torch.float32 or q_rot.dtype == torch.float32
     if scaled and "block_m" not in launch:
@@ -797,6 +806,13 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
     if not regs_kernel.regs_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
         raise ValueError(f"the register-operand Gluon kernel does not handle {fmt.name} with {q_lat.dtype} queries "
                          "(2- or 4-bit or 8-bit content and RoPE, 4 or 8 content groups, sm_90): pass regs=False")
+    ws = launch.get("ws")
+    if ws is None:
+        ws = (gluon_ws_measured_faster(fmt.content.bits, fmt.rope.bits, M, B)
+              and ws_kernel.ws_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype))
+    if ws and not ws_kernel.ws_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
+        raise ValueError(f"the two-warpgroup Gluon kernel does not handle {fmt.name} (2- or 4-bit content in 8 groups, "
+                         "4-bit RoPE): pass ws=False for the one-warpgroup register kernel")
     head_blocks = triton.cdiv(M, regs_kernel.BLOCK_M)
     sms = _num_sms(q_lat.device.index or 0)
     target, NS = split_plan(B, head_blocks, capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, launch.get("waves") or 8,
@@ -807,8 +823,16 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
-    regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
-                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, launch.get("inflight") or 1)
+    inflight = launch.get("inflight")
+    if ws:
+        ws_kernel.launch_ws(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
+                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E,
+                            ws_kernel.INFLIGHT if inflight is None else inflight,
+                            launch.get("worker_regs") or ws_kernel.WORKER_REGS)
+    else:
+        regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp,
+                                length, o_part, lse_part, M, Tq, target, NS, scaling * LOG2E,
+                                1 if inflight is None else inflight)
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 

@@ -208,10 +208,11 @@ def _v_view(x5):
 
 @_jit
 def _load_unit(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr,
-               wl: gl.constexpr):
-    """Code words `[64, 4, WU]` of unit u for tokens `[t0, t0 + 64)` (zeros outside `[lo, hi)`): thread q's words
-    `unit_base(u, q) * bits / 32 + [0, WU)` of each token row of `ROW_WORDS` words."""
-    WU: gl.constexpr = BITS // 2
+               wl: gl.constexpr, NU: gl.constexpr = 1):
+    """Code words `[64, 4, NU * WU]` of units `u .. u + NU - 1` (consecutive in a thread's group) for tokens `[t0, t0
+    + 64)` (zeros outside `[lo, hi)`): thread q's words `unit_base(u, q) * bits / 32 + [0, NU * WU)` of each token
+    row of `ROW_WORDS` words."""
+    WU: gl.constexpr = BITS // 2 * NU
     ml: gl.constexpr = gl.SliceLayout(2, wl)
     o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)).to(gl.int64)
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
@@ -299,10 +300,12 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
 # --------------------------------------------------------------------------------------------- one tile
 @_jit
 def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
-                Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr):
+                Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
+                FIRST: gl.constexpr = 0):
     """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
     until at most `INFLIGHT` (0, 1 or 2) units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two
-    units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit.
+    units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
+    tile's first unit in this warpgroup (it starts the accumulator and waits for the previous tile's value reads).
 
     `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
     accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
@@ -317,11 +320,11 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
         if Q_SPLIT:
             acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
     else:
-        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > 0, is_async=True)
+        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
         if Q_SPLIT:
             acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
     if u < GC:
-        if u == 0:
+        if u == FIRST:
             _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
         kbuf.index(u + kz).store(_v_view(x5))
     PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
@@ -333,11 +336,11 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
         acc, a = warpgroup_mma_wait(0, deps=[acc, a])
         return acc, pend, a, p2
     elif INFLIGHT == 1:
-        if u > 0:
+        if u > FIRST:
             p1 = warpgroup_mma_wait(PER, deps=[p1])
         return acc, pend, a, p2
     else:
-        if u > 1:
+        if u > FIRST + 1:
             p2 = warpgroup_mma_wait(2 * PER, deps=[p2])
         return acc, pend, a, p1
 
@@ -419,69 +422,78 @@ def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, GC: gl
 
 
 @_jit
-def _packed_scores(c0, c1, c2, c3, c4, c5, c6, c7, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz,
+def _split_units(w, WU: gl.constexpr, wl: gl.constexpr):
+    """Words `[64, 4, 2 WU]` of two consecutive units of a thread's group -> the two units' `[64, 4, WU]` (layout
+    `wl`; a relabelling of the same registers)."""
+    u0, u1 = gl.split(gl.permute(gl.reshape(w, [64, 4, 2, WU]), (0, 1, 3, 2)))
+    return gl.convert_layout(u0, wl, assert_trivial=True), gl.convert_layout(u1, wl, assert_trivial=True)
+
+
+@_jit
+def _unit_pair(cp, u: gl.constexpr, zz, ss, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
+               GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
+               wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
+               FIRST: gl.constexpr = 0):
+    """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does;
+    `cp` replaced by the words of the tile at `tn` once both are unpacked. 8-bit keys: the accumulator chain that
+    starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. `FIRST`: as in
+    `_score_unit`. Returns `(acc, pend, p1, p2, cp)`."""
+    LO: gl.constexpr = C_BITS == 8
+    c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
+    x5, xlo = _unpack_unit(c0, zz, ss, C_BITS, wc_l)
+    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, LO, INFLIGHT,
+                                    dot_a, FIRST)
+    if LO:
+        if u == 2:
+            pend = acc
+            acc = gl.zeros([64, BM], gl.float32, acc_l)
+    x5, xlo = _unpack_unit(c1, zz, ss, C_BITS, wc_l)
+    cp = _load_unit(p_cc, tn, lo, hi, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2)
+    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, LO,
+                                    INFLIGHT, dot_a, FIRST)
+    return acc, pend, p1, p2, cp
+
+
+@_jit
+def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz,
                    p_cc, p_rc, tn, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr,
                    C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr,
-                   wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
-    """Scores `[64, BM]` (waited) of one packed tile from its code words `c0..c7` (content units), `cr` (RoPE) and
-    fp16x2 metadata (`zz0, ss0`: groups q, `zz1, ss1`: groups q + 4, `zzr, ssr`: RoPE); its content keys stored to
-    `kbuf`. Each unit's words are replaced by those of the tile at `tn` as soon as they are unpacked. Returns
-    `(acc, c0..c7, cr)`."""
-    RWC: gl.constexpr = GC * 2 * C_BITS
+                   wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
+    """Scores `[64, BM]` (waited) of one packed tile from its code words `c01 .. c67` (content units in pairs, `[64,
+    4, 2 WU]`: a thread's 32 consecutive channels of group q, units 0-3, or q + 4, units 4-7), `cr` (RoPE) and fp16x2
+    metadata (`zz0, ss0`: groups q, `zz1, ss1`: groups q + 4, `zzr, ssr`: RoPE); its content keys stored to `kbuf`.
+    A pair's words are replaced by those of the tile at `tn` once both units are unpacked (one 8-, 16- or 32-byte
+    load per token and thread instead of two of half the width: half the L1 sector requests). Returns `(acc, c01,
+    c23, c45, c67, cr)`."""
     RWR: gl.constexpr = 2 * R_BITS
     LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     pend = acc  # LO: the finished accumulator chains (units 0-2, then 3-5)
     pend2 = acc
-    x5, xlo = _unpack_unit(c0, zz0, ss0, C_BITS, wc_l)
-    c0 = _load_unit(p_cc, tn, lo, hi, 0, RWC, C_BITS, GC, wc_l)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, acc, x5, x5, qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                  dot_a)
-    x5, xlo = _unpack_unit(c1, zz0, ss0, C_BITS, wc_l)
-    c1 = _load_unit(p_cc, tn, lo, hi, 1, RWC, C_BITS, GC, wc_l)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 1, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                  dot_a)
-    x5, xlo = _unpack_unit(c2, zz0, ss0, C_BITS, wc_l)
-    c2 = _load_unit(p_cc, tn, lo, hi, 2, RWC, C_BITS, GC, wc_l)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 2, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                  dot_a)
-    if LO:
-        pend = acc
-        acc = gl.zeros([64, BM], gl.float32, acc_l)
-    x5, xlo = _unpack_unit(c3, zz0, ss0, C_BITS, wc_l)
-    c3 = _load_unit(p_cc, tn, lo, hi, 3, RWC, C_BITS, GC, wc_l)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 3, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                  dot_a)
+    p1 = acc
+    p2 = acc
+    acc, pend, p1, p2, c01 = _unit_pair(c01, 0, zz0, ss0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
+                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+    acc, pend, p1, p2, c23 = _unit_pair(c23, 2, zz0, ss0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
+                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
     if GC == 8:
-        x5, xlo = _unpack_unit(c4, zz1, ss1, C_BITS, wc_l)
-        c4 = _load_unit(p_cc, tn, lo, hi, 4, RWC, C_BITS, GC, wc_l)
-        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 4, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                  dot_a)
-        x5, xlo = _unpack_unit(c5, zz1, ss1, C_BITS, wc_l)
-        c5 = _load_unit(p_cc, tn, lo, hi, 5, RWC, C_BITS, GC, wc_l)
-        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 5, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                  dot_a)
-        if LO:
+        acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
+                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+        if LO:  # the third chain starts at unit 6
             pend2 = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
-        x5, xlo = _unpack_unit(c6, zz1, ss1, C_BITS, wc_l)
-        c6 = _load_unit(p_cc, tn, lo, hi, 6, RWC, C_BITS, GC, wc_l)
-        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 6, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                  dot_a)
-        x5, xlo = _unpack_unit(c7, zz1, ss1, C_BITS, wc_l)
-        c7 = _load_unit(p_cc, tn, lo, hi, 7, RWC, C_BITS, GC, wc_l)
-        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, 7, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                  dot_a)
+        acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
+                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
     x5, xlo = _unpack_unit(cr, zzr, ssr, R_BITS, wr_l)
     cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                  dot_a)
+                                    dot_a)
     if LO:
         acc, pend, pend2, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, pend2, p1, p2])
         acc = acc + pend + pend2
     else:
         acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
-    return acc, c0, c1, c2, c3, c4, c5, c6, c7, cr
+    return acc, c01, c23, c45, c67, cr
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -504,13 +516,14 @@ def mla_decode_gluon_regs_kernel(
     s_qb, s_qrb, s_ccb, s_csb, s_rcb, s_rsb,
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr, WR_L: gl.constexpr,
-    XL: gl.constexpr,
+    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr, WP_L: gl.constexpr,
+    WR_L: gl.constexpr, XL: gl.constexpr,
 ):
     """Grid, splits, inputs and outputs of `mla_decode_gluon_scaled_kernel` (one program per split, block of BM
     rows and batch row; the last `ND` splits attend one copied tile each); one warpgroup. `WC_L`, `WR_L`: the
     content and RoPE word layouts (`_words_layout`), `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`: score
-    units whose `wgmma`s may be in flight while the next is unpacked (1 or 2)."""
+    units whose `wgmma`s may be in flight while the next is unpacked (1 or 2), `WP_L`: the layout of two consecutive
+    content units' words loaded together (`_words_layout(2 * WU)`)."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -570,21 +583,15 @@ def mla_decode_gluon_regs_kernel(
     RWR: gl.constexpr = 2 * R_BITS
 
     # tile 0's words and metadata (each later tile's are loaded while the one before is attended)
-    c0 = _load_unit(p_cc, base, lo_valid, hi, 0, RWC, C_BITS, GC, WC_L)
-    c1 = _load_unit(p_cc, base, lo_valid, hi, 1, RWC, C_BITS, GC, WC_L)
-    c2 = _load_unit(p_cc, base, lo_valid, hi, 2, RWC, C_BITS, GC, WC_L)
-    c3 = _load_unit(p_cc, base, lo_valid, hi, 3, RWC, C_BITS, GC, WC_L)
+    c01 = _load_unit(p_cc, base, lo_valid, hi, 0, RWC, C_BITS, GC, WP_L, 2)
+    c23 = _load_unit(p_cc, base, lo_valid, hi, 2, RWC, C_BITS, GC, WP_L, 2)
     if GC == 8:
-        c4 = _load_unit(p_cc, base, lo_valid, hi, 4, RWC, C_BITS, GC, WC_L)
-        c5 = _load_unit(p_cc, base, lo_valid, hi, 5, RWC, C_BITS, GC, WC_L)
-        c6 = _load_unit(p_cc, base, lo_valid, hi, 6, RWC, C_BITS, GC, WC_L)
-        c7 = _load_unit(p_cc, base, lo_valid, hi, 7, RWC, C_BITS, GC, WC_L)
+        c45 = _load_unit(p_cc, base, lo_valid, hi, 4, RWC, C_BITS, GC, WP_L, 2)
+        c67 = _load_unit(p_cc, base, lo_valid, hi, 6, RWC, C_BITS, GC, WP_L, 2)
         s1, z1 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 1, GC, ml)
     else:
-        c4 = c0
-        c5 = c0
-        c6 = c0
-        c7 = c0
+        c45 = c01
+        c67 = c01
     cr = _load_unit(p_rc, base, lo_valid, hi, GC, RWR, R_BITS, GC, WR_L)
     s0, z0 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 0, GC, ml)
     if GC != 8:
@@ -606,9 +613,9 @@ def mla_decode_gluon_regs_kernel(
             s1, z1 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, 1, GC, ml)
         sr, zr = _load_meta(p_rs, p_rz, tn, lo_valid, hi, 0, 0, ml)
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
-        acc, c0, c1, c2, c3, c4, c5, c6, c7, cr = _packed_scores(
-            c0, c1, c2, c3, c4, c5, c6, c7, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
-            lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WR_L, acc_l, dot_a)
+        acc, c01, c23, c45, c67, cr = _packed_scores(
+            c01, c23, c45, c67, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo_valid, hi,
+            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
@@ -708,5 +715,6 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
         R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=int(inflight), WC_L=_words_layout(fmt.content.bits // 2),
-        WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(), num_warps=4,
+        WP_L=_words_layout(fmt.content.bits), WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(),
+        num_warps=4,
     )

@@ -44,7 +44,8 @@ COMPILE = textwrap.dedent(
                    rcr_ptr="*bf16", lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
         rb = 8 if cb == 8 else 4
         const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=1,
-                     WC_L=mr._words_layout(cb // 2), WR_L=mr._words_layout(rb // 2), XL=mr.dense_layout())
+                     WC_L=mr._words_layout(cb // 2), WP_L=mr._words_layout(cb), WR_L=mr._words_layout(rb // 2),
+                     XL=mr.dense_layout())
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}

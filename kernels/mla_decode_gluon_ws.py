@@ -1,0 +1,441 @@
+"""Hopper (sm_90) packed MLA decode in Gluon: the register-operand kernel split over two warpgroups that each own half
+of every tile (issue #11).
+
+Same function, splits, copy programs, partial outputs and combine as `mla_decode_gluon_regs.py` (reference
+`mla_decode_ref.py`); launched by `mla_decode_fast.mla_decode_static(..., backend="gluon", regs=True, ws=True)` and by
+default where `mla_decode_fast.gluon_ws_measured_faster` says the H200 timed it faster. Why: the register-operand
+kernel is latency-bound (Nsight Compute: schedulers issue 43% of the cycles with two warps each, 0.58 eligible) and
+its 255 registers per thread (the 8 value accumulators alone take 64) allow two 4-warp programs per SM. Here a
+program is two warpgroups (`gl.warp_specialize`: the default partition, the *leader*, and one 4-warp worker), each
+with half the state, launched at 128 registers per thread (leader `LEADER_REGS`, worker `WORKER_REGS` after
+`setmaxnreg`), so two programs, 16 warps, share an SM:
+
+* the leader unpacks content units 0-3 (groups `q`) and the RoPE unit, the worker content units 4-7 (groups `q +
+  4`), each in the unit layout and with the asm of `mla_decode_gluon_regs.py`, into the register A operands of their
+  own score `wgmma`s, and stores its content keys to its half of `kbuf`;
+* the worker stores its partial scores `[64, BM]` fp32 to `sbuf` and arrives on `s_bar`; the leader adds them to its
+  own, runs the online softmax (lazy rescaling, as the register kernel), stores P (fp16, `pbuf`) and the rescale
+  factors (`abuf`, 1 where a row's reference did not move), and arrives on `p_bar`;
+* each warpgroup then runs the value `wgmma`s of its own four content units (`o_u^T += kbuf[u]^T P`), rescaling its
+  accumulators first when a factor is not 1; the leader's row sums give `1 / l` (`ibuf`) for the worker's outputs.
+
+Ordering (one arrival per phase, both barriers count 1; phase `j & 1` for the j-th tile of the program, copied tiles
+included): the worker writes `sbuf` for tile j + 1 only after waiting for `p_bar` of tile j, which the leader arrives
+on after reading `sbuf`; the leader writes `pbuf`/`abuf` for tile j + 1 only after `s_bar` of tile j + 1, which the
+worker arrives on after its value `wgmma`s of tile j have finished (they read `pbuf`) and it has read `abuf`. Each
+warpgroup's `kbuf` half is written and read only by itself (its named barrier orders its warps).
+
+Shared memory (C4R4, 16 rows, bf16 queries): content tiles 64 KB + queries 18 KB + P 2 KB + partial scores 4 KB +
+factors: ~89 KB, two programs per SM. Handles what the register kernel handles at 2 and 4 bits with 8 content groups
+(`ws_handles`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla_hf.format import CacheFormat
+
+from . import mla_decode_gluon_regs as regs
+from . import mla_decode_gluon_scaled as scaled
+from .mla_decode_gluon import BLOCK_T, HAVE_GLUON, SMEM_LIMIT, _jit
+
+if HAVE_GLUON:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
+
+    from .mla_decode_gluon import _cta_barrier
+    from .mla_decode_gluon_regs import (_load_dense, _load_meta, _load_unit, _pair_s, _pair_z, _pv, _score_unit,
+                                        _stage_queries, _store_o, _unit_pair, _unpack_unit)
+    from .mla_decode_gluon_scaled import _copy_ranges, _finish, _split_range
+
+BLOCK_M = 16  # query rows per program (the register kernel's)
+LAUNCH_REGS = 128  # registers per thread at launch: 2 programs of 8 warps per SM
+WORKER_REGS = 104  # the worker's after setmaxnreg; the leader gets 2 * LAUNCH_REGS - WORKER_REGS (ptxas, Triton 3.6:
+# 44 bytes of spills and no serialised wgmma at 104 with INFLIGHT 0; 96 serialises the wgmmas, 128 spills 180 bytes)
+INFLIGHT = 0  # score units in flight while the next is unpacked (1 serialises the wgmmas for lack of registers)
+
+if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_specialize's argument tuples)
+    _WORDS_1 = gl.constexpr(regs._words_layout(1))  # 2-bit words
+    _WORDS_2 = gl.constexpr(regs._words_layout(2))  # 4-bit words, 2-bit unit pairs
+    _WORDS_4 = gl.constexpr(regs._words_layout(4))  # 4-bit unit pairs
+    _DENSE = gl.constexpr(regs.dense_layout())  # model-dtype copies
+
+
+# --------------------------------------------------------------------------------------------- one half tile
+@_jit
+def _half_packed_scores(ca, cb, cr, zz, ss, zzr, ssr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo, hi,
+                        U0: gl.constexpr, ROPE: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
+                        Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
+                        wc_l: gl.constexpr, wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr,
+                        dot_a: gl.constexpr):
+    """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (words `ca`: units U0, U0 + 1, `cb`: U0 +
+    2, U0 + 3, as `_unit_pair` takes them; fp16x2 metadata `zz, ss`) and, with `ROPE`, the RoPE unit (`cr`, `zzr,
+    ssr`) of one packed tile; the content keys stored to `kbuf[U0 .. U0 + 3]`; the words replaced by those of the
+    tile at `tn`. Returns `(acc, ca, cb, cr)`."""
+    RWR: gl.constexpr = 2 * R_BITS
+    acc = gl.zeros([64, BM], gl.float32, acc_l)
+    pend = acc
+    p1 = acc
+    p2 = acc
+    acc, pend, p1, p2, ca = _unit_pair(ca, U0, zz, ss, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
+                                       Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0)
+    acc, pend, p1, p2, cb = _unit_pair(cb, U0 + 2, zz, ss, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
+                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0)
+    if ROPE:
+        x5, xlo = _unpack_unit(cr, zzr, ssr, R_BITS, wr_l)
+        cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
+        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
+                                        INFLIGHT, dot_a, U0)
+    acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
+    return acc, ca, cb, cr
+
+
+@_jit
+def _half_dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0: gl.constexpr, ROPE: gl.constexpr,
+                       GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
+                       R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, xl: gl.constexpr, acc_l: gl.constexpr,
+                       dot_a: gl.constexpr):
+    """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (and with `ROPE` the RoPE unit) of 64
+    model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys stored to `kbuf`."""
+    acc = gl.zeros([64, BM], gl.float32, acc_l)
+    x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, U0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
+    acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, False, INFLIGHT,
+                                    dot_a, U0)
+    for u in gl.static_range(U0 + 1, U0 + 4):
+        x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
+        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False,
+                                        INFLIGHT, dot_a, U0)
+    if ROPE:
+        x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
+        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
+                                        INFLIGHT, dot_a, U0)
+    acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
+    return acc
+
+
+@_jit
+def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f, m_valid, m_i, l_p, oa, ob, oc, od, kz,
+                 LEAD: gl.constexpr, U0: gl.constexpr, acc_l: gl.constexpr):
+    """One tile's softmax step and value `wgmma`s for this warpgroup. `acc`: its partial scores `[64, BM]`; `ph`:
+    the tile's barrier phase. Leader (`LEAD`): waits for the worker's partial, adds it, updates `m_i` and the row
+    sums `l_p`, stores P and the rescale factors, arrives on `p_bar`. Worker: stores its partial, arrives on
+    `s_bar`, waits for `p_bar`, reads the factors. Both: rescale their accumulators `oa..od` where a factor moved,
+    then `o_u^T += kbuf[u]^T P` for `u = U0 .. U0 + 3` (waited). Returns `(m_i, l_p, oa, ob, oc, od)`."""
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    if LEAD:
+        mbarrier.wait(s_bar, ph)
+        acc = acc + sbuf.load(acc_l)
+        b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
+        m_tile = gl.max(b_s, axis=0)
+        move = m_tile > m_i + 8.0  # the register kernel's RESCALE_LOG2
+        m_new = gl.where(move, m_tile, m_i)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(b_s - m_use[None, :])
+        alpha = gl.where(move, gl.exp2(m_i - m_use), 1.0)
+        rescale = gl.max(move.to(gl.int32), axis=0) > 0
+        if rescale:
+            l_p = l_p * alpha[None, :]
+        l_p = l_p + p
+        pbuf.index(kz).store(p.to(gl.float16))
+        abuf.store(alpha)
+        fence_async_shared()  # P (and this warpgroup's kbuf half) visible to the wgmmas
+        _cta_barrier()
+        mbarrier.arrive(p_bar, count=1)
+        m_i = m_new
+    else:
+        sbuf.store(acc)
+        fence_async_shared()  # this warpgroup's kbuf half visible to its wgmmas
+        _cta_barrier()
+        mbarrier.arrive(s_bar, count=1)
+        mbarrier.wait(p_bar, ph)
+        alpha = abuf.load(col_l)
+        rescale = gl.max((alpha != 1.0).to(gl.int32), axis=0) > 0
+    if rescale:
+        oa = oa * alpha[None, :]
+        ob = ob * alpha[None, :]
+        oc = oc * alpha[None, :]
+        od = od * alpha[None, :]
+    oa = _pv(kbuf, pbuf, oa, U0, kz)
+    ob = _pv(kbuf, pbuf, ob, U0 + 1, kz)
+    oc = _pv(kbuf, pbuf, oc, U0 + 2, kz)
+    od = _pv(kbuf, pbuf, od, U0 + 3, kz)
+    oa, ob, oc, od = warpgroup_mma_wait(0, deps=[oa, ob, oc, od])
+    return m_i, l_p, oa, ob, oc, od
+
+
+# --------------------------------------------------------------------------------------------- one warpgroup
+@_jit
+def _half_program(LEAD: gl.constexpr, f, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar,
+                  cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+                  len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
+                  s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
+                  GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
+                  BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr,
+                  WP_L: gl.constexpr):
+    """The leader's (`LEAD`: content units 0-3, the RoPE unit, the softmax, outputs 0-3 and the LSE) or the worker's
+    (content units 4-7, outputs 4-7) share of every tile of the program (its split, row block and batch row);
+    `WC_L`, `WP_L`: the layouts of one and two content units' words (`_words_layout(C_BITS // 2)`, `(C_BITS)`; RoPE
+    words are 4-bit)."""
+    BT: gl.constexpr = 64
+    D_C: gl.constexpr = GC * 64
+    U0: gl.constexpr = 0 if LEAD else 4
+    WR_L: gl.constexpr = _WORDS_2
+    XL: gl.constexpr = _DENSE
+    HF: gl.constexpr = 0 if LEAD else 1
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    ml: gl.constexpr = gl.SliceLayout(2, WC_L)
+    HALF_C: gl.constexpr = 1 << (C_BITS - 1)
+    HALF_R: gl.constexpr = 1 << (R_BITS - 1)
+
+    i_s = gl.program_id(0).to(gl.int64)
+    i_hb = gl.program_id(1)
+    i_b = gl.program_id(2).to(gl.int64)
+    length = gl.load(len_ptr).to(gl.int64)
+    lp = gl.load(lp_ptr + i_b).to(gl.int64)
+    o_m = i_hb * BM + gl.arange(0, BM, layout=col_l)
+    m_m = o_m < M
+    lim_m = length - Tq + (o_m % Tq) + 1
+
+    m_i = gl.full([BM], float("-inf"), gl.float32, col_l)
+    l_p = gl.zeros([BT, BM], gl.float32, acc_l)
+    oa = gl.zeros([64, BM], gl.float32, acc_l)
+    ob = gl.zeros([64, BM], gl.float32, acc_l)
+    oc = gl.zeros([64, BM], gl.float32, acc_l)
+    od = gl.zeros([64, BM], gl.float32, acc_l)
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT)
+    p_cc = cc_ptr + i_b * s_ccb
+    p_rc = rc_ptr + i_b * s_rcb
+    p_cs = cs_ptr + i_b * s_csb
+    p_cz = cz_ptr + i_b * s_csb
+    p_rs = rs_ptr + i_b * s_rsb
+    p_rz = rz_ptr + i_b * s_rsb
+    RWC: gl.constexpr = GC * 2 * C_BITS
+    RWR: gl.constexpr = 2 * R_BITS
+
+    ca = _load_unit(p_cc, base, lo_valid, hi, U0, RWC, C_BITS, GC, WP_L, 2)
+    cb = _load_unit(p_cc, base, lo_valid, hi, U0 + 2, RWC, C_BITS, GC, WP_L, 2)
+    s0, z0 = _load_meta(p_cs, p_cz, base, lo_valid, hi, HF, GC, ml)
+    if LEAD:
+        cr = _load_unit(p_rc, base, lo_valid, hi, GC, RWR, R_BITS, GC, WR_L)
+        sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
+    else:
+        cr = ca
+        sr = s0
+        zr = z0
+    o_bt = gl.arange(0, BT, layout=row_l).to(gl.int64)
+    ph = 0
+    for it in range(n_tiles):
+        t0 = base + it * BT
+        tn = t0 + BT
+        zz = _pair_z(z0, HALF_C)
+        ss = _pair_s(s0)
+        zzr = _pair_z(zr, HALF_R)
+        ssr = _pair_s(sr)
+        s0, z0 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, HF, GC, ml)
+        if LEAD:
+            sr, zr = _load_meta(p_rs, p_rz, tn, lo_valid, hi, 0, 0, ml)
+        kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
+        acc, ca, cb, cr = _half_packed_scores(
+            ca, cb, cr, zz, ss, zzr, ssr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo_valid, hi, U0, LEAD, GC, BM,
+            Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a)
+        o_t = t0 + o_bt
+        m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
+        m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f, m_valid, m_i, l_p,
+                                                oa, ob, oc, od, kz, LEAD, U0, acc_l)
+        ph = ph ^ 1
+
+    o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
+    s_lo, s_hi, r_lo, r_hi = _copy_ranges(i_s, num_splits, length, S, R, BT)
+    p_snc = snc_ptr + i_b * s_sncb
+    p_snr = snr_ptr + i_b * s_snrb
+    for start in range(s_lo, s_hi, BT):
+        kz = (start.to(gl.int64) >> 40).to(gl.int32)
+        o_j = start + o_dt
+        acc = _half_dense_scores(p_snc, p_snr, o_j, (o_j < S) & (lp + o_j < length), s_snct, s_snrt, qbuf, qlo, kbuf,
+                                 kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
+        o_jr = start + o_bt
+        o_t = lp + o_jr
+        m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
+        m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f, m_valid, m_i, l_p,
+                                                oa, ob, oc, od, kz, LEAD, U0, acc_l)
+        ph = ph ^ 1
+    lo_dense = lp + S
+    p_rcc = rcc_ptr + i_b * s_rccb
+    p_rcr = rcr_ptr + i_b * s_rcrb
+    for start in range(r_lo, r_hi, BT):
+        kz = (start.to(gl.int64) >> 40).to(gl.int32)
+        o_p = start + o_dt
+        acc = _half_dense_scores(p_rcc, p_rcr, o_p % R, (o_p < r_hi) & (o_p >= lo_dense), s_rcct, s_rcrt, qbuf, qlo,
+                                 kbuf, kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
+        o_t = start + o_bt
+        m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
+        m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f, m_valid, m_i, l_p,
+                                                oa, ob, oc, od, kz, LEAD, U0, acc_l)
+        ph = ph ^ 1
+
+    o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
+    if LEAD:
+        inv_l, b_lse = _finish(l_p, m_i)
+        ibuf.store(inv_l)
+        _cta_barrier()
+        mbarrier.arrive(p_bar, count=1)
+        gl.store(lse_ptr + o_row, b_lse, mask=m_m)
+    else:
+        mbarrier.wait(p_bar, ph)
+        inv_l = ibuf.load(col_l)
+    _store_o(o_ptr, o_row, m_m, oa, inv_l, U0, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, ob, inv_l, U0 + 1, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, oc, inv_l, U0 + 2, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, od, inv_l, U0 + 3, GC, D_C, C_BITS, acc_l)
+
+
+@_jit
+def _leader(f, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
+            snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
+            s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
+            GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
+            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
+    """The default partition: `_half_program(LEAD=True, ...)`."""
+    if C_BITS == 4:
+        _half_program(True, f, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
+                      rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
+                      split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4)
+    else:
+        _half_program(True, f, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
+                      rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
+                      split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2)
+
+
+@_jit
+def _worker(f, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
+            snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
+            s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
+            GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
+            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
+    """The worker partition (4 warps): `_half_program(LEAD=False, ...)` (`f` unused)."""
+    if C_BITS == 4:
+        _half_program(False, f, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
+                      rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
+                      split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4)
+    else:
+        _half_program(False, f, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
+                      rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
+                      split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2)
+
+
+# --------------------------------------------------------------------------------------------- the kernel
+@scaled._jit_dynamic
+def mla_decode_gluon_ws_kernel(
+    q_ptr, qr_ptr,
+    cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
+    snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr,
+    o_ptr, lse_ptr,
+    M, Tq, split_target, num_splits, qk_scale,
+    s_qb, s_qrb, s_ccb, s_csb, s_rcb, s_rsb,
+    s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
+    GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
+    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, W_REGS: gl.constexpr,
+):
+    """Grid, splits, inputs and outputs of `mla_decode_gluon_regs_kernel`; the queries are staged by the default
+    warps, then the leader (4 warps) and the worker (4 warps, `W_REGS` registers) attend each tile together."""
+    BT: gl.constexpr = 64
+    D_C: gl.constexpr = GC * 64
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
+                                              rank=2)
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    i_hb = gl.program_id(1)
+    i_b = gl.program_id(2).to(gl.int64)
+    kbuf = gl.allocate_shared_memory(gl.float16, [GC, BT, 64], k_sl)
+    qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
+    if Q_SPLIT:
+        qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
+    else:
+        qlo = qbuf
+    pbuf = gl.allocate_shared_memory(gl.float16, [1, BT, BM], p_sl)
+    sbuf = gl.allocate_shared_memory(gl.float32, [BT, BM], plain2)
+    abuf = gl.allocate_shared_memory(gl.float32, [BM], plain1)
+    ibuf = gl.allocate_shared_memory(gl.float32, [BM], plain1)
+    s_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(s_bar, count=1)
+    mbarrier.init(p_bar, count=1)
+
+    f = _stage_queries(qbuf, qlo, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, Q_SPLIT,
+                       C_BITS, R_BITS, q_l)
+    f = gl.convert_layout(f, col_l) * qk_scale
+    fence_async_shared()
+    _cta_barrier()
+
+    # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
+    gl.warp_specialize([
+        (_leader, (f, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
+                   rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
+                   num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
+                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
+        (_worker, (f, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
+                   rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
+                   num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
+                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
+    ], [4], [W_REGS])
+
+
+# --------------------------------------------------------------------------------------------- host side
+def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
+    """Shared memory of one program: the register kernel's plus the worker's partial scores `[64, 16]` fp32, the
+    rescale factors and `1 / l` (`[16]` fp32 each) and two mbarriers."""
+    return regs.smem_bytes(fmt, q_split) + BLOCK_T * BLOCK_M * 4 + 2 * BLOCK_M * 4 + 16
+
+
+def ws_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
+    """Whether this kernel computes the case: what the register kernel handles with 8 content groups (the two
+    warpgroups take four each), 2- or 4-bit content and 4-bit RoPE (C4R4, C2R4)."""
+    if not regs.regs_handles(fmt, q_dtype, device, copy_dtype):
+        return False
+    return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits == 4
+
+
+def launch_ws(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
+              split_target, NS, qk_scale, inflight=INFLIGHT, worker_regs=WORKER_REGS):
+    """Launch `mla_decode_gluon_ws_kernel` on the register kernel's grid `(NS + copy_programs(fmt), cdiv(M, 16), B)`:
+    8 warps per program at `LAUNCH_REGS` registers, the worker at `worker_regs` after `setmaxnreg`."""
+    if inflight not in (0, 1, 2):
+        raise ValueError(f"inflight must be 0, 1 or 2, got {inflight}")
+    if worker_regs % 8 or not 24 <= worker_regs <= 2 * LAUNCH_REGS - 24:
+        raise ValueError(f"worker_regs must be a multiple of 8 in [24, {2 * LAUNCH_REGS - 24}], got {worker_regs}")
+    if not (fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits == 4):
+        raise ValueError(f"the two-warpgroup Gluon decode kernel takes 2/4-bit content with 8 groups and 4-bit RoPE, "
+                         f"got {fmt.name}: use the register-operand kernel (ws=False)")
+    B = q.shape[0]
+    q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
+    need = smem_bytes(fmt, q_split)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"the two-warpgroup Gluon decode kernel needs {need} bytes of shared memory for {fmt.name}, "
+                         f"more than {SMEM_LIMIT}")
+    cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
+    grid = (NS + scaled.copy_programs(fmt), -(-M // BLOCK_M), B)
+    mla_decode_gluon_ws_kernel[grid](
+        q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
+        sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
+        M, Tq, split_target, NS, qk_scale,
+        q.stride(0), qr.stride(0), cw.stride(0), cp["scale"].stride(0), rw.stride(0), rp["scale"].stride(0),
+        sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
+        recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
+        GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
+        R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=int(inflight), W_REGS=int(worker_regs),
+        num_warps=4, maxnreg=LAUNCH_REGS,
+    )
