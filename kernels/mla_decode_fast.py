@@ -663,6 +663,12 @@ def gluon_ws_measured_faster(content_bits: int, rope_bits: int, rows: int, batch
     return False
 
 
+def gluon_vreg_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: int | None = None) -> bool:
+    """Whether the register kernel with the values' keys in registers (`mla_decode_gluon_vregs.py`, `vreg=True`) was
+    measured faster than with them in shared memory: not yet (H200 timings pending)."""
+    return False
+
+
 def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
     """Whether the strided-plane kernel (`mla_decode_strided.py`) was measured faster than every other kernel for
     this format and number of query rows: nowhere so far (docs/BENCHMARKS.md "Strided-plane kernel", same process,
@@ -764,7 +770,7 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
         raise ValueError(f"the scaled-tile Gluon kernel does not handle {fmt.name} (2- or 4-bit content and RoPE, "
                          "4 or 8 content groups): pass scaled=False for the exact-integer Gluon kernel")
     cfg = gluon_default_launch(M, scaled)
-    cfg.update({k: v for k, v in launch.items() if v is not None and k not in ("scaled", "regs", "ws")})
+    cfg.update({k: v for k, v in launch.items() if v is not None and k not in ("scaled", "regs", "ws", "vreg")})
     block_m = int(cfg["block_m"])
     q_split = q_lat.dtype == torch.float32 or q_rot.dtype == torch.float32
     if scaled and "block_m" not in launch:
@@ -830,9 +836,12 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
                             ws_kernel.INFLIGHT if inflight is None else inflight,
                             launch.get("worker_regs") or ws_kernel.WORKER_REGS)
     else:
+        vreg = launch.get("vreg")
+        if vreg is None:
+            vreg = gluon_vreg_measured_faster(fmt.content.bits, fmt.rope.bits, M, B) and regs_kernel.vreg_handles(fmt)
         regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp,
                                 length, o_part, lse_part, M, Tq, target, NS, scaling * LOG2E,
-                                1 if inflight is None else inflight)
+                                1 if inflight is None else inflight, bool(vreg))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 

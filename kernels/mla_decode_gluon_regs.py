@@ -45,6 +45,7 @@ from quantmla_hf.format import CacheFormat
 
 from . import mla_decode_gluon as exact
 from . import mla_decode_gluon_scaled as scaled
+from . import mla_decode_gluon_vregs as vregs
 from .mla_decode_gluon import BLOCK_T, GROUP, HAVE_GLUON, SMEM_LIMIT, _jit
 
 if HAVE_GLUON:
@@ -301,11 +302,12 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
 @_jit
 def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
                 Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
-                FIRST: gl.constexpr = 0):
+                FIRST: gl.constexpr = 0, VREG: gl.constexpr = False):
     """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
     until at most `INFLIGHT` (0, 1 or 2) units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two
     units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
     tile's first unit in this warpgroup (it starts the accumulator and waits for the previous tile's value reads).
+    `VREG`: the values take their keys from registers (`mla_decode_gluon_vregs.py`): nothing is stored.
 
     `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
     accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
@@ -325,8 +327,9 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
             acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
     if u < GC:
         if u == FIRST:
-            _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
-        kbuf.index(u + kz).store(_v_view(x5))
+            _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf and P
+        if not VREG:
+            kbuf.index(u + kz).store(_v_view(x5))
     PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
     if LO:
         if u > 0:
@@ -352,10 +355,10 @@ def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
 
 
 @_jit
-def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr):
-    """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0) and the values of every
-    content unit (`o_u^T[64, BM] += kbuf[u]^T @ P`). Returns `(m_i, l_p, o0..o7)`; `l_p: [64, BM]` holds the row
-    sums per token lane (reduced once, at the end).
+def _softmax_p(acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr):
+    """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0): P stored to `pbuf` and
+    visible to every warp's `wgmma`s. Returns `(m_i, l_p, o0..o7)` (the accumulators rescaled where needed); `l_p:
+    [64, BM]` holds the row sums per token lane (reduced once, at the end).
 
     Lazy rescaling: a row's reference maximum `m_i` moves only when the tile's maximum passes it by more than
     `RESCALE_LOG2` (so the probabilities, `2 ** (s - m_i)`, stay below 2**8: exact in fp16 to its relative 2**-11,
@@ -384,6 +387,15 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o
     pbuf.index(kz).store(p.to(gl.float16))
     fence_async_shared()  # kbuf (stored by the score units) and P, visible to the wgmma
     _cta_barrier()
+    return m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@_jit
+def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr):
+    """`_softmax_p`, then the values of every content unit (`o_u^T[64, BM] += kbuf[u]^T @ P`, waited). Returns
+    `(m_i, l_p, o0..o7)`."""
+    m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_p(acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4,
+                                                            o5, o6, o7, kz, GC)
     o0 = _pv(kbuf, pbuf, o0, 0, kz)
     o1 = _pv(kbuf, pbuf, o1, 1, kz)
     o2 = _pv(kbuf, pbuf, o2, 2, kz)
@@ -402,21 +414,21 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o
 @_jit
 def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, GC: gl.constexpr, BM: gl.constexpr,
                   Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
-                  xl: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
+                  xl: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, VREG: gl.constexpr = False):
     """Scores `[64, BM]` (waited) of 64 model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys
-    stored to `kbuf`."""
+    stored to `kbuf` (not with `VREG`)."""
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     # the unpacked units' element order: offset w * E + (E / 2) * e + k at [t, q, w, e, k]
     x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, 0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
     acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5,
-                                    qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a)
+                                    qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0, VREG)
     for u in gl.static_range(1, GC):
         x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
-                                        qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a)
+                                        qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0, VREG)
     x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
     acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
-                                    qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a)
+                                    qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0, VREG)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc
 
@@ -433,7 +445,7 @@ def _split_units(w, WU: gl.constexpr, wl: gl.constexpr):
 def _unit_pair(cp, u: gl.constexpr, zz, ss, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
                GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
                wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
-               FIRST: gl.constexpr = 0):
+               FIRST: gl.constexpr = 0, VREG: gl.constexpr = False):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does;
     `cp` replaced by the words of the tile at `tn` once both are unpacked. 8-bit keys: the accumulator chain that
     starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. `FIRST`: as in
@@ -442,7 +454,7 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, acc, pend, p1, p2, qbuf, qlo, kbuf, 
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5, xlo = _unpack_unit(c0, zz, ss, C_BITS, wc_l)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a, FIRST)
+                                    dot_a, FIRST, VREG)
     if LO:
         if u == 2:
             pend = acc
@@ -450,7 +462,7 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, acc, pend, p1, p2, qbuf, qlo, kbuf, 
     x5, xlo = _unpack_unit(c1, zz, ss, C_BITS, wc_l)
     cp = _load_unit(p_cc, tn, lo, hi, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, LO,
-                                    INFLIGHT, dot_a, FIRST)
+                                    INFLIGHT, dot_a, FIRST, VREG)
     return acc, pend, p1, p2, cp
 
 
@@ -458,7 +470,8 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, acc, pend, p1, p2, qbuf, qlo, kbuf, 
 def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz,
                    p_cc, p_rc, tn, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr,
                    C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr,
-                   wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
+                   wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr,
+                   VREG: gl.constexpr = False):
     """Scores `[64, BM]` (waited) of one packed tile from its code words `c01 .. c67` (content units in pairs, `[64,
     4, 2 WU]`: a thread's 32 consecutive channels of group q, units 0-3, or q + 4, units 4-7), `cr` (RoPE) and fp16x2
     metadata (`zz0, ss0`: groups q, `zz1, ss1`: groups q + 4, `zzr, ssr`: RoPE); its content keys stored to `kbuf`.
@@ -473,21 +486,21 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, q
     p1 = acc
     p2 = acc
     acc, pend, p1, p2, c01 = _unit_pair(c01, 0, zz0, ss0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
-                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, VREG)
     acc, pend, p1, p2, c23 = _unit_pair(c23, 2, zz0, ss0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
-                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, VREG)
     if GC == 8:
         acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, VREG)
         if LO:  # the third chain starts at unit 6
             pend2 = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
         acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, VREG)
     x5, xlo = _unpack_unit(cr, zzr, ssr, R_BITS, wr_l)
     cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a)
+                                    dot_a, 0, VREG)
     if LO:
         acc, pend, pend2, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, pend2, p1, p2])
         acc = acc + pend + pend2
@@ -517,13 +530,16 @@ def mla_decode_gluon_regs_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr, WP_L: gl.constexpr,
-    WR_L: gl.constexpr, XL: gl.constexpr,
+    WR_L: gl.constexpr, XL: gl.constexpr, VREG: gl.constexpr = False, VWL: gl.constexpr = None,
+    VKL: gl.constexpr = None,
 ):
     """Grid, splits, inputs and outputs of `mla_decode_gluon_scaled_kernel` (one program per split, block of BM
     rows and batch row; the last `ND` splits attend one copied tile each); one warpgroup. `WC_L`, `WR_L`: the
     content and RoPE word layouts (`_words_layout`), `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`: score
     units whose `wgmma`s may be in flight while the next is unpacked (1 or 2), `WP_L`: the layout of two consecutive
-    content units' words loaded together (`_words_layout(2 * WU)`)."""
+    content units' words loaded together (`_words_layout(2 * WU)`). `VREG`: the values' keys unpacked a second time,
+    into registers (`mla_decode_gluon_vregs.py`; 8 content groups), with its layouts `VWL` (value words) and `VKL`
+    (value keys); no content tiles in shared memory."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -547,8 +563,11 @@ def mla_decode_gluon_regs_kernel(
     m_m = o_m < M
     lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
 
-    kbuf = gl.allocate_shared_memory(gl.float16, [GC, BT, 64], k_sl)
     qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
+    if VREG:
+        kbuf = qbuf  # not stored to: the values take their keys from registers
+    else:
+        kbuf = gl.allocate_shared_memory(gl.float16, [GC, BT, 64], k_sl)
     if Q_SPLIT:
         qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
     else:
@@ -599,6 +618,7 @@ def mla_decode_gluon_regs_kernel(
         z1 = z0
     sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
     o_bt = gl.arange(0, BT, layout=row_l).to(gl.int64)
+    o_vt = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, VKL))).to(gl.int64)  # a k-step's tokens
     for it in range(n_tiles):
         t0 = base + it * BT
         tn = t0 + BT
@@ -615,11 +635,18 @@ def mla_decode_gluon_regs_kernel(
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, c01, c23, c45, c67, cr = _packed_scores(
             c01, c23, c45, c67, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo_valid, hi,
-            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a)
+            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, VREG)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
-        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+        if VREG:
+            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_p(
+                acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+            o0, o1, o2, o3, o4, o5, o6, o7 = vregs.value_tile(
+                True, p_cc, p_cs, p_cz, t0, lo_valid, hi, o_vt, o_vt, o_vt, o_vt, o_vt, o_vt, o_vt, o_vt, 0, pbuf,
+                o0, o1, o2, o3, o4, o5, o6, o7, kz, RWC, GC, C_BITS, HALF_C, VWL, VKL, dot_a)
+        else:
+            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
 
     # The copied tiles: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
@@ -630,12 +657,24 @@ def mla_decode_gluon_regs_kernel(
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_j = start + o_dt
         acc = _dense_scores(p_snc, p_snr, o_j, (o_j < S) & (lp + o_j < length), s_snct, s_snrt, qbuf, qlo, kbuf, kz,
-                            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
+                            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a, VREG)
         o_jr = start + o_bt
         o_t = lp + o_jr
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
-        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+        if VREG:
+            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_p(
+                acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+            j0 = start + o_vt
+            j1 = j0 + 16
+            j2 = j0 + 32
+            j3 = j0 + 48
+            o0, o1, o2, o3, o4, o5, o6, o7 = vregs.value_tile(
+                False, p_snc, p_cs, p_cz, 0, 0, 0, j0, j1, j2, j3, (j0 < S) & (lp + j0 < length),
+                (j1 < S) & (lp + j1 < length), (j2 < S) & (lp + j2 < length), (j3 < S) & (lp + j3 < length), s_snct,
+                pbuf, o0, o1, o2, o3, o4, o5, o6, o7, kz, RWC, GC, C_BITS, HALF_C, VWL, VKL, dot_a)
+        else:
+            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
     lo_dense = lp + S
     p_rcc = rcc_ptr + i_b * s_rccb
     p_rcr = rcr_ptr + i_b * s_rcrb
@@ -643,22 +682,44 @@ def mla_decode_gluon_regs_kernel(
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_p = start + o_dt
         acc = _dense_scores(p_rcc, p_rcr, o_p % R, (o_p < r_hi) & (o_p >= lo_dense), s_rcct, s_rcrt, qbuf, qlo,
-                            kbuf, kz, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
+                            kbuf, kz, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a, VREG)
         o_t = start + o_bt
         m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
-        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+        if VREG:
+            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_p(
+                acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+            j0 = start + o_vt
+            j1 = j0 + 16
+            j2 = j0 + 32
+            j3 = j0 + 48
+            o0, o1, o2, o3, o4, o5, o6, o7 = vregs.value_tile(
+                False, p_rcc, p_cs, p_cz, 0, 0, 0, j0 % R, j1 % R, j2 % R, j3 % R, (j0 < r_hi) & (j0 >= lo_dense),
+                (j1 < r_hi) & (j1 >= lo_dense), (j2 < r_hi) & (j2 >= lo_dense), (j3 < r_hi) & (j3 >= lo_dense), s_rcct,
+                pbuf, o0, o1, o2, o3, o4, o5, o6, o7, kz, RWC, GC, C_BITS, HALF_C, VWL, VKL, dot_a)
+        else:
+            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
 
     inv_l, b_lse = _finish(l_p, m_i)
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
-    _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o2, inv_l, 2, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o3, inv_l, 3, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o4, inv_l, 4, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o5, inv_l, 5, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o6, inv_l, 6, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o7, inv_l, 7, GC, D_C, C_BITS, acc_l)
+    if VREG:
+        vregs.store_o_v(o_ptr, o_row, m_m, o0, inv_l, 0, D_C, acc_l)
+        vregs.store_o_v(o_ptr, o_row, m_m, o1, inv_l, 1, D_C, acc_l)
+        vregs.store_o_v(o_ptr, o_row, m_m, o2, inv_l, 2, D_C, acc_l)
+        vregs.store_o_v(o_ptr, o_row, m_m, o3, inv_l, 3, D_C, acc_l)
+        vregs.store_o_v(o_ptr, o_row, m_m, o4, inv_l, 4, D_C, acc_l)
+        vregs.store_o_v(o_ptr, o_row, m_m, o5, inv_l, 5, D_C, acc_l)
+        vregs.store_o_v(o_ptr, o_row, m_m, o6, inv_l, 6, D_C, acc_l)
+        vregs.store_o_v(o_ptr, o_row, m_m, o7, inv_l, 7, D_C, acc_l)
+    else:
+        _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
+        _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
+        _store_o(o_ptr, o_row, m_m, o2, inv_l, 2, GC, D_C, C_BITS, acc_l)
+        _store_o(o_ptr, o_row, m_m, o3, inv_l, 3, GC, D_C, C_BITS, acc_l)
+        _store_o(o_ptr, o_row, m_m, o4, inv_l, 4, GC, D_C, C_BITS, acc_l)
+        _store_o(o_ptr, o_row, m_m, o5, inv_l, 5, GC, D_C, C_BITS, acc_l)
+        _store_o(o_ptr, o_row, m_m, o6, inv_l, 6, GC, D_C, C_BITS, acc_l)
+        _store_o(o_ptr, o_row, m_m, o7, inv_l, 7, GC, D_C, C_BITS, acc_l)
     gl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
@@ -671,12 +732,12 @@ def dense_layout():
         warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
 
 
-def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
-    """Shared memory of one program: content tiles, queries (twice for fp32), one P tile, plus 1 KB for the
-    compiler's scratch."""
+def smem_bytes(fmt: CacheFormat, q_split: bool, vreg: bool = False) -> int:
+    """Shared memory of one program: content tiles (not with `vreg`), queries (twice for fp32), one P tile, plus 1
+    KB for the compiler's scratch."""
     gc = fmt.content.n_groups
-    return gc * BLOCK_T * GROUP * 2 + (gc + 1) * BLOCK_M * GROUP * 2 * (2 if q_split else 1) + BLOCK_T * BLOCK_M * 2 \
-        + 1024
+    tiles = 0 if vreg else gc * BLOCK_T * GROUP * 2
+    return tiles + (gc + 1) * BLOCK_M * GROUP * 2 * (2 if q_split else 1) + BLOCK_T * BLOCK_M * 2 + 1024
 
 
 def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
@@ -689,18 +750,28 @@ def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: tor
     return fmt.content.n_groups in (4, 8) and ((c in (2, 4) and r in (2, 4)) or (c == 8 and r == 8))
 
 
+def vreg_handles(fmt: CacheFormat) -> bool:
+    """Whether the values can take their keys from registers (`mla_decode_gluon_vregs.py`): 8 content groups (the
+    value fragments give each of the 32 (warp, lane / 4) slots 16 of the 512 channels)."""
+    return fmt.content.n_groups == 8
+
+
 def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale, inflight=1):
+                split_target, NS, qk_scale, inflight=1, vreg=False):
     """Launch `mla_decode_gluon_regs_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, 16), B)`, one
     warpgroup per program (the partials hold `NS + copy_programs(fmt)` slots); `inflight`: 1 or 2 score units'
-    `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1)."""
+    `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1); `vreg`:
+    the values' keys unpacked into registers (`vreg_handles`) instead of read from shared memory."""
+    if vreg and not vreg_handles(fmt):
+        raise ValueError(f"register value operands need 8 content groups (d_c = 512), got {fmt.content.n_groups}: "
+                         "pass vreg=False")
     if inflight not in (0, 1, 2):
         raise ValueError(f"inflight must be 0, 1 or 2, got {inflight}")
     if fmt.content.bits == 8 and inflight != 1:
         raise ValueError(f"8-bit keys run with inflight=1 (one unit's high and low wgmmas in flight), got {inflight}")
     B = q.shape[0]
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
-    need = smem_bytes(fmt, q_split)
+    need = smem_bytes(fmt, q_split, vreg)
     if need > SMEM_LIMIT:
         raise ValueError(f"the register-operand Gluon decode kernel needs {need} bytes of shared memory for "
                          f"{fmt.name}, more than {SMEM_LIMIT}")
@@ -716,5 +787,5 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
         R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=int(inflight), WC_L=_words_layout(fmt.content.bits // 2),
         WP_L=_words_layout(fmt.content.bits), WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(),
-        num_warps=4,
+        VREG=bool(vreg), VWL=vregs.vwords_layout(fmt.content.bits // 2), VKL=vregs.vkeys_layout(), num_warps=4,
     )
