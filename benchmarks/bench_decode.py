@@ -25,8 +25,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels.mla_decode import mla_decode
-from quantmla_hf.kernels import (mla_decode_gluon, mla_decode_gluon_regs, mla_decode_gluon_scaled, mla_decode_gluon_ws,
-                                 mla_decode_strided)
+from quantmla_hf.kernels import mla_decode_gluon, mla_decode_gluon_regs, mla_decode_gluon_scaled, mla_decode_strided
 from quantmla_hf.kernels.mla_decode_fast import fast_handles, mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
@@ -57,12 +56,6 @@ def make_cache(name, B, N, S=4, R=128, dtype=torch.bfloat16, device=None, seed=0
     return fmt, planes(fmt.content), planes(fmt.rope), dense(S, D_C), dense(S, D_R), dense(R, D_C), dense(R, D_R)
 
 
-def vreg_handles(fmt, q_dtype, device, copy_dtype=None):
-    """The register kernel with register value operands: its cases with 8 content groups."""
-    return mla_decode_gluon_regs.regs_handles(fmt, q_dtype, device, copy_dtype) and \
-        mla_decode_gluon_regs.vreg_handles(fmt)
-
-
 def cache_bytes(fmt, B, N):
     S, R = fmt.sink_tokens, fmt.recent_tokens
     packed = max(0, N - S - R)
@@ -73,15 +66,11 @@ def decode_fn(kernel, fmt, N, capacity=None, **launch):
     """`(args) -> (o, lse)` for one kernel: "fast" = `mla_decode_static` through the Triton fast kernel, "gluon" =
     the same through the Gluon (sm_90) kernel, "strided" = through the strided-plane kernel, all three with a device-side length and the planes' capacity (`capacity`,
     default N); "old" = the fallback `mla_decode` with a host length."""
-    if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "gluon-ws", "gluon-vreg", "strided"):
+    if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "strided"):
         if kernel == "gluon-scaled":
             launch = dict(launch, backend="gluon", scaled=True)
         elif kernel == "gluon-regs":
-            launch = dict(launch, backend="gluon", regs=True, ws=False)
-        elif kernel == "gluon-ws":
-            launch = dict(launch, backend="gluon", regs=True, ws=True)
-        elif kernel == "gluon-vreg":
-            launch = dict(launch, backend="gluon", regs=True, ws=False, vreg=True)
+            launch = dict(launch, backend="gluon", regs=True)
         else:
             launch = dict(launch, backend={"fast": "triton"}.get(kernel, kernel))
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
@@ -115,16 +104,14 @@ def run_check(out_lines, cases=None, R=128, kernel="old", launch=None):
     ]
     worst_o, worst_lse, all_ok = 0.0, 0.0, True
     for name, H, B, N, Tq, qdt in cases:
-        spare = 67 if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "gluon-ws", "gluon-vreg", "strided") \
-            else 0
+        spare = 67 if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "strided") else 0
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + spare, R=R, seed=B + N)
         if kernel == "gluon" and not mla_decode_gluon.gluon_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the Gluon kernel, skipped")
             print(out_lines[-1], flush=True)
             continue
-        handles = {"gluon-regs": mla_decode_gluon_regs.regs_handles, "gluon-ws": mla_decode_gluon_ws.ws_handles,
-                   "gluon-vreg": vreg_handles}.get(kernel, mla_decode_gluon_scaled.scaled_handles)
-        if kernel in ("gluon-scaled", "gluon-regs", "gluon-ws", "gluon-vreg") and not handles(
+        handles = mla_decode_gluon_regs.regs_handles if kernel == "gluon-regs" else mla_decode_gluon_scaled.scaled_handles
+        if kernel in ("gluon-scaled", "gluon-regs") and not handles(
                 fmt, torch.float32 if qdt == "fp32" else torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the scaled Gluon kernel, skipped")
             print(out_lines[-1], flush=True)
@@ -194,8 +181,7 @@ def check_capacity_invariance(out_lines, kernel, cases=None):
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, 4 * N, seed=B + N)
         handles = {"gluon": mla_decode_gluon.gluon_handles,
                    "gluon-scaled": mla_decode_gluon_scaled.scaled_handles,
-                   "gluon-regs": mla_decode_gluon_regs.regs_handles,
-                   "gluon-ws": mla_decode_gluon_ws.ws_handles, "gluon-vreg": vreg_handles}.get(kernel, fast_handles)
+                   "gluon-regs": mla_decode_gluon_regs.regs_handles}.get(kernel, fast_handles)
         if not handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             continue
         g = torch.Generator(device=DEVICE).manual_seed(N)
@@ -470,16 +456,6 @@ SWEEP_GLUON_REGS = {
     ("C8R8", 16): [dict(), dict(waves=6)],
     ("C4R4", 128): [dict()],
 }
-SWEEP_GLUON_WS = {
-    ("C4R4", 16): [dict(), dict(worker_regs=112), dict(worker_regs=120), dict(inflight=1), dict(waves=4),
-                   dict(waves=12)],
-    ("C2R4", 16): [dict(), dict(waves=4)],
-}
-SWEEP_GLUON_VREG = {
-    ("C4R4", 16): [dict(), dict(inflight=0), dict(inflight=2), dict(waves=4), dict(waves=12)],
-    ("C2R4", 16): [dict(), dict(inflight=0)],
-    ("C8R8", 16): [dict()],
-}
 SWEEP_GLUON_SCALED = {
     ("C4R4", 16): [dict(), dict(waves=4), dict(waves=16), dict(num_warps=8), dict(num_warps=8, maxnreg=128),
                    dict(num_warps=8, maxnreg=128, waves=16), dict(stages=2), dict(stages=2, waves=4)],
@@ -501,7 +477,7 @@ def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32
     """Launch sweep of the fast (or Gluon) kernel around its defaults at the target points (B 32, 32K), each
     variant replayed from a CUDA graph."""
     sweep = {"gluon": SWEEP_GLUON, "gluon-scaled": SWEEP_GLUON_SCALED, "gluon-regs": SWEEP_GLUON_REGS,
-             "gluon-ws": SWEEP_GLUON_WS, "gluon-vreg": SWEEP_GLUON_VREG, "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
+             "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
     res = []
     for name, H, B, N in points:
         if (name, H) in sweep:  # a kernel's sweep names the formats it handles
@@ -594,7 +570,7 @@ def main():
                                             launch=gluon_launch if k == "gluon" else None)
                                   for k in a.check_kernels.split(",") if k])
         result["capacity_ok"] = all([check_capacity_invariance(lines, k) for k in a.check_kernels.split(",")
-                                     if k in ("fast", "gluon", "gluon-scaled", "gluon-regs", "gluon-ws", "gluon-vreg")])
+                                     if k in ("fast", "gluon", "gluon-scaled", "gluon-regs")])
     launch = {("gluon", name, H): dict(gluon_launch) for name in CONFIGS for H in (16, 128)} if gluon_launch else {}
     if a.variants:
         result["variants"] = []

@@ -184,11 +184,13 @@ def run_one(model, method, B, N, steps, recent):
 
 
 def kernel_family(name: str) -> str:
+    """The profile table's row for a kernel name (the split combine before the decode kernels: its name holds
+    `mla_decode_fast` too)."""
     n = name.lower()
-    if "mla_decode_fwd" in n or "mla_decode_static" in n or "fast" in n and "mla" in n:
-        return "attention: packed decode kernel"
     if "combine" in n:
         return "attention: split combine"
+    if n.startswith("mla_decode") or "mla_decode_static" in n:  # fallback, fast, strided and Gluon kernels
+        return "attention: decode kernel"
     if "quant_pack" in n:
         return "cache write: quantize + pack"
     if "gemm" in n or "gemv" in n or "matmul" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "splitk" in n:

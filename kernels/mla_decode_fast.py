@@ -51,7 +51,6 @@ from quantmla_hf.format import CacheFormat
 from . import mla_decode_gluon as gluon_kernel
 from . import mla_decode_gluon_regs as regs_kernel
 from . import mla_decode_gluon_scaled as scaled_kernel
-from . import mla_decode_gluon_ws as ws_kernel
 from . import mla_decode_strided as strided_kernel
 
 LOG2E = 1.4426950408889634
@@ -492,8 +491,7 @@ def mla_decode_static(
             overrides (benchmarks), and
             `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
             `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, inflight`: `regs` picks the
-            register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits, inflight`, and `ws` for its
-            two-warpgroup form in `mla_decode_gluon_ws.py`, key `worker_regs`), `scaled` the
+            register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits, inflight`), `scaled` the
             scaled-tile kernel of `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys
             `block_m, block_t, num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
 
@@ -639,34 +637,26 @@ def gluon_scaled_measured_faster(content_bits: int, rope_bits: int, rows: int, b
 def gluon_regs_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: int | None = None) -> bool:
     """Whether the register-operand Gluon kernel (`mla_decode_gluon_regs.py`, 16-row blocks) was measured faster
     than every other kernel for this format, number of query rows (`H * Tq`) and batch size (H200, same process,
-    CUDA-graph replay, do_bench medians; docs/BENCHMARKS.md "Gluon kernel with register operands"):
+    CUDA-graph replay, do_bench medians; docs/BENCHMARKS.md "Gluon kernel with register operands" and "Unit-pair
+    loads"):
 
-    - C4R4, 16 heads: B32 32K 0.274-0.279 ms (scaled-tile kernel 0.321-0.322), B8 128K 0.259-0.267 (0.307-0.309),
-      B64 32K 0.517-0.531 (0.642-0.646).
-    - C2R4, 16 heads: B32 32K 0.279-0.281 (scaled 0.333), B8 128K 0.265-0.268 (0.323), B64 32K 0.510 (0.652).
-    - C8R8, 16 heads: B32 32K 0.495 (exact-integer Gluon kernel 0.649), B8 128K 0.486 (0.640), B64 32K 0.998
-      (1.269).
-    - Batch 1, 4K: a tie within the run-to-run spread (C4R4 0.0219 and 0.0223 against the scaled kernel's 0.0223
-      and 0.0212 in two runs; C2R4 0.0228 against 0.0216); C8R8 not timed there: the other kernels stay below
-      batch 8 (batches 2-7 were not timed).
-    - Above 16 rows (128 heads: 1.85-1.87 ms against the scaled kernel's 1.50, each token unpacked once per 16
-      heads) the scaled kernel stays."""
-    if rows > 16 or batch is None or batch < 8:
+    - C4R4, 16 heads: B32 32K 0.266-0.267 ms (scaled-tile kernel 0.321), B8 128K 0.254-0.255 (0.306), B64 32K
+      0.493-0.494 (0.639).
+    - C2R4, 16 heads: B32 32K 0.270, B8 128K 0.256, B64 32K 0.492 (scaled 0.333 / 0.323 / 0.652 last session).
+    - C8R8, 16 heads: B32 32K 0.460 (exact-integer Gluon kernel 0.649), B8 128K 0.450 (0.640), B64 32K 0.929
+      (1.269), and batch 1, 4K 0.0251 against the exact kernel's 0.0301: the default at every batch (batches 2-7
+      not timed; faster at both ends).
+    - C4R4 and C2R4 at batch 1, 4K: a tie with the scaled kernel (0.0219 against 0.0214 today; 0.0219-0.0223
+      against 0.0212-0.0223 last session), which stays the default below batch 8 (batches 2-7 not timed).
+    - Above 16 rows (128 heads: 1.75 ms against the scaled kernel's 1.48, each token unpacked once per 16 heads)
+      the scaled kernel stays."""
+    if rows > 16:
         return False
-    return (content_bits, rope_bits) in ((4, 4), (2, 4), (8, 8))
-
-
-def gluon_ws_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: int | None = None) -> bool:
-    """Whether the two-warpgroup register kernel (`mla_decode_gluon_ws.py`) was measured faster than the
-    one-warpgroup register kernel for this format, number of query rows and batch size: not yet (H200 timings
-    pending), so it runs only when asked for (`ws=True`)."""
-    return False
-
-
-def gluon_vreg_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: int | None = None) -> bool:
-    """Whether the register kernel with the values' keys in registers (`mla_decode_gluon_vregs.py`, `vreg=True`) was
-    measured faster than with them in shared memory: not yet (H200 timings pending)."""
-    return False
+    if (content_bits, rope_bits) == (8, 8):
+        return True
+    if batch is None or batch < 8:
+        return False
+    return (content_bits, rope_bits) in ((4, 4), (2, 4))
 
 
 def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
@@ -770,7 +760,7 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
         raise ValueError(f"the scaled-tile Gluon kernel does not handle {fmt.name} (2- or 4-bit content and RoPE, "
                          "4 or 8 content groups): pass scaled=False for the exact-integer Gluon kernel")
     cfg = gluon_default_launch(M, scaled)
-    cfg.update({k: v for k, v in launch.items() if v is not None and k not in ("scaled", "regs", "ws", "vreg")})
+    cfg.update({k: v for k, v in launch.items() if v is not None and k not in ("scaled", "regs")})
     block_m = int(cfg["block_m"])
     q_split = q_lat.dtype == torch.float32 or q_rot.dtype == torch.float32
     if scaled and "block_m" not in launch:
@@ -812,13 +802,6 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
     if not regs_kernel.regs_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
         raise ValueError(f"the register-operand Gluon kernel does not handle {fmt.name} with {q_lat.dtype} queries "
                          "(2- or 4-bit or 8-bit content and RoPE, 4 or 8 content groups, sm_90): pass regs=False")
-    ws = launch.get("ws")
-    if ws is None:
-        ws = (gluon_ws_measured_faster(fmt.content.bits, fmt.rope.bits, M, B)
-              and ws_kernel.ws_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype))
-    if ws and not ws_kernel.ws_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
-        raise ValueError(f"the two-warpgroup Gluon kernel does not handle {fmt.name} (2- or 4-bit content in 8 groups, "
-                         "4-bit RoPE): pass ws=False for the one-warpgroup register kernel")
     head_blocks = triton.cdiv(M, regs_kernel.BLOCK_M)
     sms = _num_sms(q_lat.device.index or 0)
     target, NS = split_plan(B, head_blocks, capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, launch.get("waves") or 8,
@@ -829,19 +812,9 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
-    inflight = launch.get("inflight")
-    if ws:
-        ws_kernel.launch_ws(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
-                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E,
-                            ws_kernel.INFLIGHT if inflight is None else inflight,
-                            launch.get("worker_regs") or ws_kernel.WORKER_REGS)
-    else:
-        vreg = launch.get("vreg")
-        if vreg is None:
-            vreg = gluon_vreg_measured_faster(fmt.content.bits, fmt.rope.bits, M, B) and regs_kernel.vreg_handles(fmt)
-        regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp,
-                                length, o_part, lse_part, M, Tq, target, NS, scaling * LOG2E,
-                                1 if inflight is None else inflight, bool(vreg))
+    inflight = launch.get("inflight")  # 0 is a value (each unit's wgmmas waited for at once), None the default
+    regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
+                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, 1 if inflight is None else inflight)
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 

@@ -8,8 +8,9 @@ scaled-tile kernel (docs/KERNELS.md "Gluon kernel with register operands"), from
 shared-memory pipe was the busiest unit: 65% of the cycles, L1 78%):
 
 * No cp.async ring and no shared staging of the codes: every thread loads the code words it unpacks straight from
-  global memory into registers, one tile ahead (the words of unit u of tile i + 1 are loaded as soon as unit u of
-  tile i has been unpacked).
+  global memory into registers, one tile ahead (the words of units u, u + 1 of tile i + 1 are loaded as soon as
+  both have been unpacked for tile i: a thread's two units are 32 contiguous channels of its group, one 8-, 16- or
+  32-byte load per token; one load per unit was 4-7% slower on the H200).
 * The unpacked fp16 keys `(code - z) * s` are the *register* A operand of the score `wgmma`s: the scores no
   longer read 2 KB of shared memory per `m64n16k16`, and the RoPE keys never touch shared memory.
 * The content keys are still stored once to shared memory (`kbuf`), for the value `wgmma`s (`O^T = V^T P`: each
@@ -17,7 +18,7 @@ shared-memory pipe was the busiest unit: 65% of the cycles, L1 78%):
 
 Unit layout (one of `GC` content units, then the RoPE unit, per 64-token tile): in unit u, thread `q = lane % 4`
 of each quad owns the 16 contiguous channels `[unit_base(u, q), + 16)` of two tokens (rows `lane / 4` and `+ 8`
-of its warp's 16), i.e. 1 (2-bit) or 2 (4-bit) code words per token, loaded as one 4- or 8-byte word vector. The
+of its warp's 16), i.e. 1 (2-bit), 2 (4-bit) or 4 (8-bit) code words per token (loaded with the next unit's). The
 asm (`half_asm`) turns a word into its fp16 elements in word order; the same registers are then *viewed* two
 ways, both free relabellings checked at compile time (`convert_layout(..., assert_trivial=True)`):
   - the A fragment of `m64n16k16` (row = token, column `16 kc + 8 h + 2 q + e`, holding the element `E w + k +
@@ -45,7 +46,6 @@ from quantmla_hf.format import CacheFormat
 
 from . import mla_decode_gluon as exact
 from . import mla_decode_gluon_scaled as scaled
-from . import mla_decode_gluon_vregs as vregs
 from .mla_decode_gluon import BLOCK_T, GROUP, HAVE_GLUON, SMEM_LIMIT, _jit
 
 if HAVE_GLUON:
@@ -93,25 +93,45 @@ def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
 def half_asm(bits: int, split: bool = False) -> str:
     """PTX that turns one 32-bit code word into its `E = 32 / bits` fp16 elements `(code - z) * s`, in word order.
 
-    Operands: outputs `$0 .. $(E-1)` (16-bit; with `split` also `$E .. $(2E-1)`), then the word, fp16x2 `(1024 +
-    z, 1024 + z)` and fp16x2 `(s, s)`. Elements k and k + E/2 (bits `[bits*k, bits*(k+1))` and 16 higher) are put
-    under the fp16 magic number `0x6400` in the two halves of one register by one `lop3` (after a shift), then one
-    `sub.f16x2` (exact) and one `mul.f16x2` (one rounding); the halves are the outputs (a free register split).
-    `split` (8-bit codes, whose keys of up to 255 steps would round too coarsely for the scores): also the
-    remainder `lo = (code - z) * s - hi` by one `fma.rn.f16x2` (exact up to fp16 subnormals), outputs `E + j`."""
+    Elements k and k + E/2 (bits `[bits*k, bits*(k+1))` and 16 higher) are put under the fp16 magic number `0x6400`
+    in the two halves of one register by one `lop3`, then made `code - z` exactly, then one `mul.f16x2` by `(s, s)`
+    (one rounding); the halves are the outputs (a free register split).
+
+    2 and 4 bits: operands: outputs `$0 .. $(E-1)` (16-bit), then the word, fp16x2 `(1024 + z, 1024 + z)`, fp16x2
+    `(s, s)`, fp16x2 `-(1024 / 2**bits + z)` and fp16x2 `(2**-bits, 2**-bits)`. Elements come in shift groups of
+    two (one `shr` by `2 bits` per group after the first): the even one masked in place (`1024 + code`, then
+    `sub.f16x2` of `1024 + z`), the odd one masked one field higher (`1024 + code * 2**bits`, then `fma.rn.f16x2` by
+    `2**-bits` plus `-(1024 / 2**bits + z)`); both exact. Half the shifts of masking every element at bit 0.
+
+    8 bits (`split`: keys of up to 255 steps would round too coarsely for the scores): operands: outputs `$0 ..
+    $(2E-1)`, the word, `(1024 + z)` and `(s, s)`; every element shifted to bit 0 (`code << 8` does not fit the
+    fp16 mantissa), `sub.f16x2`, `mul.f16x2`, and the remainder `lo = (code - z) * s - hi` by one `fma.rn.f16x2`
+    (exact up to fp16 subnormals), outputs `E + j`."""
     n = 16 // bits
     e = 2 * n
     o = 2 * e if split else e  # first input operand
     mask = (1 << bits) - 1
-    mask2 = mask | (mask << 16)
-    lines = ["{", ".reg .b32 t, h, hn;"]
+    lines = ["{", ".reg .b32 x, t, h, hn;"]
     for k in range(n):
-        src = f"${o}"
-        if k:
-            lines.append(f"shr.u32 t, ${o}, {bits * k};")
-            src = "t"
-        lines.append(f"lop3.b32 t, {src}, {mask2:#010x}, 0x64006400, 0xEA;")
-        lines.append(f"sub.f16x2 t, t, ${o + 1};")
+        if bits == 8:
+            src = f"${o}"
+            if k:
+                lines.append(f"shr.u32 t, ${o}, {bits * k};")
+                src = "t"
+            lines.append(f"lop3.b32 t, {src}, {mask * 0x10001:#010x}, 0x64006400, 0xEA;")
+            lines.append(f"sub.f16x2 t, t, ${o + 1};")
+        else:
+            grp, odd = divmod(k, 2)
+            src = f"${o}"
+            if grp:
+                if not odd:
+                    lines.append(f"shr.u32 x, ${o}, {2 * bits * grp};")
+                src = "x"
+            lines.append(f"lop3.b32 t, {src}, {(mask << (bits * odd)) * 0x10001:#010x}, 0x64006400, 0xEA;")
+            if odd:
+                lines.append(f"fma.rn.f16x2 t, t, ${o + 4}, ${o + 3};")
+            else:
+                lines.append(f"sub.f16x2 t, t, ${o + 1};")
         lines.append(f"mul.f16x2 h, t, ${o + 2};")
         lines.append(f"mov.b32 {{${k}, ${k + n}}}, h;")
         if split:
@@ -157,6 +177,14 @@ def _pair_z(z, HALF: gl.constexpr):
 
 
 @_jit
+def _pair_zh(z, HALF: gl.constexpr, BITS: gl.constexpr):
+    """Stored zero points `z` int8 -> int32 fp16x2 `-(1024 / 2**BITS + z)` (both halves; exact integers): the
+    offset of the odd elements of `half_asm` at 2 and 4 bits (unused at 8)."""
+    v = (-(z.to(gl.int32) + (HALF + (1024 >> BITS)))).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return v | (v << 16)
+
+
+@_jit
 def _pair_s(s):
     """fp16 steps `s` -> int32 fp16x2 `(s, s)`."""
     v = s.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
@@ -164,13 +192,16 @@ def _pair_s(s):
 
 
 @_jit
-def _unpack_unit(w, zz, ss, BITS: gl.constexpr, wl: gl.constexpr):
-    """Words `w: [64, 4, WU]` int32 (thread q's words of each token), `zz`, `ss: [64, 4]` int32 fp16x2 pairs ->
+def _unpack_unit(w, zz, ss, zh, BITS: gl.constexpr, wl: gl.constexpr):
+    """Words `w: [64, 4, WU]` int32 (thread q's words of each token), `zz`, `ss`, `zh: [64, 4]` int32 fp16x2 pairs ->
     `(hi, lo)`: `[64, 4, WU, 2, E / 2]` fp16 `(code - z) * s`, element `(E / 2) * e + k` of word `w` at `[t, q, w,
     e, k]`, and at 8 bits its remainder `lo` (below 8 bits `lo` is `hi`, unused)."""
     ml: gl.constexpr = gl.SliceLayout(2, wl)
     zz, w = gl.broadcast(gl.convert_layout(zz, ml, assert_trivial=True)[:, :, None], w)
     ss, w = gl.broadcast(gl.convert_layout(ss, ml, assert_trivial=True)[:, :, None], w)
+    if BITS != 8:
+        zh, w = gl.broadcast(gl.convert_layout(zh, ml, assert_trivial=True)[:, :, None], w)
+        step = gl.full(w.shape, 0x2C002C00 if BITS == 4 else 0x34003400, gl.int32, w.type.layout)  # 2**-BITS x2
     if BITS == 8:
         y0, y1, y2, y3, l0, l1, l2, l3 = gl.inline_asm_elementwise(
             _HALF_ASM_8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss], dtype=[gl.float16] * 8, is_pure=True, pack=1)
@@ -178,12 +209,13 @@ def _unpack_unit(w, zz, ss, BITS: gl.constexpr, wl: gl.constexpr):
         return hi, gl.reshape(_order4(l0, l1, l2, l3), [64, 4, w.shape[2], 2, 2])
     elif BITS == 4:
         y0, y1, y2, y3, y4, y5, y6, y7 = gl.inline_asm_elementwise(
-            _HALF_ASM_4, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss], dtype=[gl.float16] * 8, is_pure=True, pack=1)
+            _HALF_ASM_4, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, zz, ss, zh, step], dtype=[gl.float16] * 8,
+            is_pure=True, pack=1)
         x = gl.reshape(_order8(y0, y1, y2, y3, y4, y5, y6, y7), [64, 4, w.shape[2], 2, 4])
         return x, x
     else:
         y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = gl.inline_asm_elementwise(
-            _HALF_ASM_2, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss],
+            _HALF_ASM_2, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, zz, ss, zh, step],
             dtype=[gl.float16] * 16, is_pure=True, pack=1)
         x = _order16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
         x = gl.reshape(x, [64, 4, w.shape[2], 2, 8])
@@ -301,13 +333,10 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
 # --------------------------------------------------------------------------------------------- one tile
 @_jit
 def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
-                Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
-                FIRST: gl.constexpr = 0, VREG: gl.constexpr = False):
+                Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr):
     """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
     until at most `INFLIGHT` (0, 1 or 2) units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two
-    units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
-    tile's first unit in this warpgroup (it starts the accumulator and waits for the previous tile's value reads).
-    `VREG`: the values take their keys from registers (`mla_decode_gluon_vregs.py`): nothing is stored.
+    units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit.
 
     `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
     accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
@@ -322,14 +351,13 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
         if Q_SPLIT:
             acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
     else:
-        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
+        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > 0, is_async=True)
         if Q_SPLIT:
             acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
     if u < GC:
-        if u == FIRST:
-            _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf and P
-        if not VREG:
-            kbuf.index(u + kz).store(_v_view(x5))
+        if u == 0:
+            _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
+        kbuf.index(u + kz).store(_v_view(x5))
     PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
     if LO:
         if u > 0:
@@ -339,11 +367,11 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
         acc, a = warpgroup_mma_wait(0, deps=[acc, a])
         return acc, pend, a, p2
     elif INFLIGHT == 1:
-        if u > FIRST:
+        if u > 0:
             p1 = warpgroup_mma_wait(PER, deps=[p1])
         return acc, pend, a, p2
     else:
-        if u > FIRST + 1:
+        if u > 1:
             p2 = warpgroup_mma_wait(2 * PER, deps=[p2])
         return acc, pend, a, p1
 
@@ -355,10 +383,10 @@ def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
 
 
 @_jit
-def _softmax_p(acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr):
-    """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0): P stored to `pbuf` and
-    visible to every warp's `wgmma`s. Returns `(m_i, l_p, o0..o7)` (the accumulators rescaled where needed); `l_p:
-    [64, BM]` holds the row sums per token lane (reduced once, at the end).
+def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr):
+    """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0) and the values of every
+    content unit (`o_u^T[64, BM] += kbuf[u]^T @ P`). Returns `(m_i, l_p, o0..o7)`; `l_p: [64, BM]` holds the row
+    sums per token lane (reduced once, at the end).
 
     Lazy rescaling: a row's reference maximum `m_i` moves only when the tile's maximum passes it by more than
     `RESCALE_LOG2` (so the probabilities, `2 ** (s - m_i)`, stay below 2**8: exact in fp16 to its relative 2**-11,
@@ -387,15 +415,6 @@ def _softmax_p(acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, 
     pbuf.index(kz).store(p.to(gl.float16))
     fence_async_shared()  # kbuf (stored by the score units) and P, visible to the wgmma
     _cta_barrier()
-    return m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7
-
-
-@_jit
-def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr):
-    """`_softmax_p`, then the values of every content unit (`o_u^T[64, BM] += kbuf[u]^T @ P`, waited). Returns
-    `(m_i, l_p, o0..o7)`."""
-    m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_p(acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4,
-                                                            o5, o6, o7, kz, GC)
     o0 = _pv(kbuf, pbuf, o0, 0, kz)
     o1 = _pv(kbuf, pbuf, o1, 1, kz)
     o2 = _pv(kbuf, pbuf, o2, 2, kz)
@@ -414,21 +433,21 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o
 @_jit
 def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, GC: gl.constexpr, BM: gl.constexpr,
                   Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
-                  xl: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, VREG: gl.constexpr = False):
+                  xl: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
     """Scores `[64, BM]` (waited) of 64 model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys
-    stored to `kbuf` (not with `VREG`)."""
+    stored to `kbuf`."""
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     # the unpacked units' element order: offset w * E + (E / 2) * e + k at [t, q, w, e, k]
     x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, 0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
     acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5,
-                                    qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0, VREG)
+                                    qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a)
     for u in gl.static_range(1, GC):
         x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
-                                        qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0, VREG)
+                                        qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a)
     x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
     acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
-                                    qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0, VREG)
+                                    qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc
 
@@ -442,39 +461,38 @@ def _split_units(w, WU: gl.constexpr, wl: gl.constexpr):
 
 
 @_jit
-def _unit_pair(cp, u: gl.constexpr, zz, ss, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
+def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
                GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
-               wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
-               FIRST: gl.constexpr = 0, VREG: gl.constexpr = False):
+               wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does;
     `cp` replaced by the words of the tile at `tn` once both are unpacked. 8-bit keys: the accumulator chain that
-    starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. `FIRST`: as in
-    `_score_unit`. Returns `(acc, pend, p1, p2, cp)`."""
+    starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. Returns `(acc,
+    pend, p1, p2, cp)`."""
     LO: gl.constexpr = C_BITS == 8
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
-    x5, xlo = _unpack_unit(c0, zz, ss, C_BITS, wc_l)
+    x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a, FIRST, VREG)
+                                    dot_a)
     if LO:
         if u == 2:
             pend = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
-    x5, xlo = _unpack_unit(c1, zz, ss, C_BITS, wc_l)
+    x5, xlo = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
     cp = _load_unit(p_cc, tn, lo, hi, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, LO,
-                                    INFLIGHT, dot_a, FIRST, VREG)
+                                    INFLIGHT, dot_a)
     return acc, pend, p1, p2, cp
 
 
 @_jit
-def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz,
+def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz,
                    p_cc, p_rc, tn, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr,
                    C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr,
-                   wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr,
-                   VREG: gl.constexpr = False):
+                   wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
     """Scores `[64, BM]` (waited) of one packed tile from its code words `c01 .. c67` (content units in pairs, `[64,
     4, 2 WU]`: a thread's 32 consecutive channels of group q, units 0-3, or q + 4, units 4-7), `cr` (RoPE) and fp16x2
-    metadata (`zz0, ss0`: groups q, `zz1, ss1`: groups q + 4, `zzr, ssr`: RoPE); its content keys stored to `kbuf`.
+    metadata (`zz0, ss0, zh0`: groups q, `zz1, ss1, zh1`: groups q + 4, `zzr, ssr, zhr`: RoPE; `half_asm`); its
+    content keys stored to `kbuf`.
     A pair's words are replaced by those of the tile at `tn` once both units are unpacked (one 8-, 16- or 32-byte
     load per token and thread instead of two of half the width: half the L1 sector requests). Returns `(acc, c01,
     c23, c45, c67, cr)`."""
@@ -485,22 +503,22 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, q
     pend2 = acc
     p1 = acc
     p2 = acc
-    acc, pend, p1, p2, c01 = _unit_pair(c01, 0, zz0, ss0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
-                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, VREG)
-    acc, pend, p1, p2, c23 = _unit_pair(c23, 2, zz0, ss0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
-                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, VREG)
+    acc, pend, p1, p2, c01 = _unit_pair(c01, 0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
+                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+    acc, pend, p1, p2, c23 = _unit_pair(c23, 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
+                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
     if GC == 8:
-        acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, VREG)
+        acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
+                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
         if LO:  # the third chain starts at unit 6
             pend2 = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
-        acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, VREG)
-    x5, xlo = _unpack_unit(cr, zzr, ssr, R_BITS, wr_l)
+        acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
+                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+    x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
     cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a, 0, VREG)
+                                    dot_a)
     if LO:
         acc, pend, pend2, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, pend2, p1, p2])
         acc = acc + pend + pend2
@@ -530,16 +548,13 @@ def mla_decode_gluon_regs_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr, WP_L: gl.constexpr,
-    WR_L: gl.constexpr, XL: gl.constexpr, VREG: gl.constexpr = False, VWL: gl.constexpr = None,
-    VKL: gl.constexpr = None,
+    WR_L: gl.constexpr, XL: gl.constexpr,
 ):
     """Grid, splits, inputs and outputs of `mla_decode_gluon_scaled_kernel` (one program per split, block of BM
     rows and batch row; the last `ND` splits attend one copied tile each); one warpgroup. `WC_L`, `WR_L`: the
     content and RoPE word layouts (`_words_layout`), `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`: score
     units whose `wgmma`s may be in flight while the next is unpacked (1 or 2), `WP_L`: the layout of two consecutive
-    content units' words loaded together (`_words_layout(2 * WU)`). `VREG`: the values' keys unpacked a second time,
-    into registers (`mla_decode_gluon_vregs.py`; 8 content groups), with its layouts `VWL` (value words) and `VKL`
-    (value keys); no content tiles in shared memory."""
+    content units' words loaded together (`_words_layout(2 * WU)`)."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -563,11 +578,8 @@ def mla_decode_gluon_regs_kernel(
     m_m = o_m < M
     lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
 
+    kbuf = gl.allocate_shared_memory(gl.float16, [GC, BT, 64], k_sl)
     qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
-    if VREG:
-        kbuf = qbuf  # not stored to: the values take their keys from registers
-    else:
-        kbuf = gl.allocate_shared_memory(gl.float16, [GC, BT, 64], k_sl)
     if Q_SPLIT:
         qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
     else:
@@ -618,7 +630,6 @@ def mla_decode_gluon_regs_kernel(
         z1 = z0
     sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
     o_bt = gl.arange(0, BT, layout=row_l).to(gl.int64)
-    o_vt = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, VKL))).to(gl.int64)  # a k-step's tokens
     for it in range(n_tiles):
         t0 = base + it * BT
         tn = t0 + BT
@@ -628,25 +639,21 @@ def mla_decode_gluon_regs_kernel(
         ss1 = _pair_s(s1)
         zzr = _pair_z(zr, HALF_R)
         ssr = _pair_s(sr)
+        zh0 = _pair_zh(z0, HALF_C, C_BITS)
+        zh1 = _pair_zh(z1, HALF_C, C_BITS)
+        zhr = _pair_zh(zr, HALF_R, R_BITS)
         s0, z0 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, 0, GC, ml)
         if GC == 8:
             s1, z1 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, 1, GC, ml)
         sr, zr = _load_meta(p_rs, p_rz, tn, lo_valid, hi, 0, 0, ml)
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, c01, c23, c45, c67, cr = _packed_scores(
-            c01, c23, c45, c67, cr, zz0, ss0, zz1, ss1, zzr, ssr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo_valid, hi,
-            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, VREG)
+            c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
+            lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
-        if VREG:
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_p(
-                acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
-            o0, o1, o2, o3, o4, o5, o6, o7 = vregs.value_tile(
-                True, p_cc, p_cs, p_cz, t0, lo_valid, hi, o_vt, o_vt, o_vt, o_vt, o_vt, o_vt, o_vt, o_vt, 0, pbuf,
-                o0, o1, o2, o3, o4, o5, o6, o7, kz, RWC, GC, C_BITS, HALF_C, VWL, VKL, dot_a)
-        else:
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
 
     # The copied tiles: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
@@ -657,24 +664,12 @@ def mla_decode_gluon_regs_kernel(
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_j = start + o_dt
         acc = _dense_scores(p_snc, p_snr, o_j, (o_j < S) & (lp + o_j < length), s_snct, s_snrt, qbuf, qlo, kbuf, kz,
-                            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a, VREG)
+                            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
         o_jr = start + o_bt
         o_t = lp + o_jr
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
-        if VREG:
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_p(
-                acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
-            j0 = start + o_vt
-            j1 = j0 + 16
-            j2 = j0 + 32
-            j3 = j0 + 48
-            o0, o1, o2, o3, o4, o5, o6, o7 = vregs.value_tile(
-                False, p_snc, p_cs, p_cz, 0, 0, 0, j0, j1, j2, j3, (j0 < S) & (lp + j0 < length),
-                (j1 < S) & (lp + j1 < length), (j2 < S) & (lp + j2 < length), (j3 < S) & (lp + j3 < length), s_snct,
-                pbuf, o0, o1, o2, o3, o4, o5, o6, o7, kz, RWC, GC, C_BITS, HALF_C, VWL, VKL, dot_a)
-        else:
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
     lo_dense = lp + S
     p_rcc = rcc_ptr + i_b * s_rccb
     p_rcr = rcr_ptr + i_b * s_rcrb
@@ -682,44 +677,22 @@ def mla_decode_gluon_regs_kernel(
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_p = start + o_dt
         acc = _dense_scores(p_rcc, p_rcr, o_p % R, (o_p < r_hi) & (o_p >= lo_dense), s_rcct, s_rcrt, qbuf, qlo,
-                            kbuf, kz, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a, VREG)
+                            kbuf, kz, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
         o_t = start + o_bt
         m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
-        if VREG:
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_p(
-                acc, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
-            j0 = start + o_vt
-            j1 = j0 + 16
-            j2 = j0 + 32
-            j3 = j0 + 48
-            o0, o1, o2, o3, o4, o5, o6, o7 = vregs.value_tile(
-                False, p_rcc, p_cs, p_cz, 0, 0, 0, j0 % R, j1 % R, j2 % R, j3 % R, (j0 < r_hi) & (j0 >= lo_dense),
-                (j1 < r_hi) & (j1 >= lo_dense), (j2 < r_hi) & (j2 >= lo_dense), (j3 < r_hi) & (j3 >= lo_dense), s_rcct,
-                pbuf, o0, o1, o2, o3, o4, o5, o6, o7, kz, RWC, GC, C_BITS, HALF_C, VWL, VKL, dot_a)
-        else:
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
 
     inv_l, b_lse = _finish(l_p, m_i)
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
-    if VREG:
-        vregs.store_o_v(o_ptr, o_row, m_m, o0, inv_l, 0, D_C, acc_l)
-        vregs.store_o_v(o_ptr, o_row, m_m, o1, inv_l, 1, D_C, acc_l)
-        vregs.store_o_v(o_ptr, o_row, m_m, o2, inv_l, 2, D_C, acc_l)
-        vregs.store_o_v(o_ptr, o_row, m_m, o3, inv_l, 3, D_C, acc_l)
-        vregs.store_o_v(o_ptr, o_row, m_m, o4, inv_l, 4, D_C, acc_l)
-        vregs.store_o_v(o_ptr, o_row, m_m, o5, inv_l, 5, D_C, acc_l)
-        vregs.store_o_v(o_ptr, o_row, m_m, o6, inv_l, 6, D_C, acc_l)
-        vregs.store_o_v(o_ptr, o_row, m_m, o7, inv_l, 7, D_C, acc_l)
-    else:
-        _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
-        _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
-        _store_o(o_ptr, o_row, m_m, o2, inv_l, 2, GC, D_C, C_BITS, acc_l)
-        _store_o(o_ptr, o_row, m_m, o3, inv_l, 3, GC, D_C, C_BITS, acc_l)
-        _store_o(o_ptr, o_row, m_m, o4, inv_l, 4, GC, D_C, C_BITS, acc_l)
-        _store_o(o_ptr, o_row, m_m, o5, inv_l, 5, GC, D_C, C_BITS, acc_l)
-        _store_o(o_ptr, o_row, m_m, o6, inv_l, 6, GC, D_C, C_BITS, acc_l)
-        _store_o(o_ptr, o_row, m_m, o7, inv_l, 7, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o2, inv_l, 2, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o3, inv_l, 3, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o4, inv_l, 4, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o5, inv_l, 5, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o6, inv_l, 6, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o7, inv_l, 7, GC, D_C, C_BITS, acc_l)
     gl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
@@ -732,12 +705,12 @@ def dense_layout():
         warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
 
 
-def smem_bytes(fmt: CacheFormat, q_split: bool, vreg: bool = False) -> int:
-    """Shared memory of one program: content tiles (not with `vreg`), queries (twice for fp32), one P tile, plus 1
-    KB for the compiler's scratch."""
+def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
+    """Shared memory of one program: content tiles, queries (twice for fp32), one P tile, plus 1 KB for the
+    compiler's scratch."""
     gc = fmt.content.n_groups
-    tiles = 0 if vreg else gc * BLOCK_T * GROUP * 2
-    return tiles + (gc + 1) * BLOCK_M * GROUP * 2 * (2 if q_split else 1) + BLOCK_T * BLOCK_M * 2 + 1024
+    return gc * BLOCK_T * GROUP * 2 + (gc + 1) * BLOCK_M * GROUP * 2 * (2 if q_split else 1) + BLOCK_T * BLOCK_M * 2 \
+        + 1024
 
 
 def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
@@ -750,28 +723,18 @@ def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: tor
     return fmt.content.n_groups in (4, 8) and ((c in (2, 4) and r in (2, 4)) or (c == 8 and r == 8))
 
 
-def vreg_handles(fmt: CacheFormat) -> bool:
-    """Whether the values can take their keys from registers (`mla_decode_gluon_vregs.py`): 8 content groups (the
-    value fragments give each of the 32 (warp, lane / 4) slots 16 of the 512 channels)."""
-    return fmt.content.n_groups == 8
-
-
 def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale, inflight=1, vreg=False):
+                split_target, NS, qk_scale, inflight=1):
     """Launch `mla_decode_gluon_regs_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, 16), B)`, one
     warpgroup per program (the partials hold `NS + copy_programs(fmt)` slots); `inflight`: 1 or 2 score units'
-    `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1); `vreg`:
-    the values' keys unpacked into registers (`vreg_handles`) instead of read from shared memory."""
-    if vreg and not vreg_handles(fmt):
-        raise ValueError(f"register value operands need 8 content groups (d_c = 512), got {fmt.content.n_groups}: "
-                         "pass vreg=False")
+    `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1)."""
     if inflight not in (0, 1, 2):
         raise ValueError(f"inflight must be 0, 1 or 2, got {inflight}")
     if fmt.content.bits == 8 and inflight != 1:
         raise ValueError(f"8-bit keys run with inflight=1 (one unit's high and low wgmmas in flight), got {inflight}")
     B = q.shape[0]
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
-    need = smem_bytes(fmt, q_split, vreg)
+    need = smem_bytes(fmt, q_split)
     if need > SMEM_LIMIT:
         raise ValueError(f"the register-operand Gluon decode kernel needs {need} bytes of shared memory for "
                          f"{fmt.name}, more than {SMEM_LIMIT}")
@@ -787,5 +750,5 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
         R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=int(inflight), WC_L=_words_layout(fmt.content.bits // 2),
         WP_L=_words_layout(fmt.content.bits), WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(),
-        VREG=bool(vreg), VWL=vregs.vwords_layout(fmt.content.bits // 2), VKL=vregs.vkeys_layout(), num_warps=4,
+        num_warps=4,
     )

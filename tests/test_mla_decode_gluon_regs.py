@@ -66,9 +66,14 @@ COMPILE = textwrap.dedent(
         # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
         assert len(re.findall(mma + r"%rd", ptx)) == 3 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
         assert "cp.async" not in ptx  # the code words go straight to registers
-        # one lop3 + sub.f16x2 + mul.f16x2 per pair: 9 units x 2 tokens x 8 pairs per thread and tile
-        for op in ("0x64006400", "sub.f16x2", "mul.f16x2") + (("fma.rn.f16x2",) if cb == 8 else ()):
-            assert len(re.findall(re.escape(op), ptx)) == 9 * 2 * 8, (cb, op, len(re.findall(re.escape(op), ptx)))
+        # one lop3 + mul.f16x2 per pair: 9 units x 2 tokens x 8 pairs per thread and tile; at 2 and 4 bits half the
+        # pairs made code - z by sub.f16x2, half by fma.rn.f16x2 (`half_asm`), at 8 bits every pair by sub.f16x2 and
+        # its remainder by fma.rn.f16x2
+        per = 9 * 2 * 8
+        want = {"0x64006400": per, "mul.f16x2": per, "sub.f16x2": per if cb == 8 else per // 2,
+                "fma.rn.f16x2": per if cb == 8 else per // 2}
+        for op, n_op in want.items():
+            assert len(re.findall(re.escape(op), ptx)) == n_op, (cb, op, len(re.findall(re.escape(op), ptx)))
     print("compiled")
     """
 )
@@ -85,15 +90,25 @@ def test_regs_kernel_compiles_for_sm90_register_operands():
 def _emulate_half_asm(words: torch.Tensor, zf: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
     """What `half_asm(bits)` computes, instruction by instruction, on `words: [...]` int32 with fp16 `zf = 1024 + z`
     and `s` broadcast against them: `[..., 2, 16 / bits]` fp16, element `(16 / bits) * e + k` of each word at
-    `[..., e, k]` (output k + n * e: half e of the k-th register)."""
+    `[..., e, k]` (output k + n * e: half e of the k-th register). At 2 and 4 bits the odd elements of a shift group
+    are masked one field higher and brought back by `fma.rn.f16x2` with `2**-bits` and `zh = -(1024 / 2**bits + z)`
+    (the kernel's `_pair_zh`, derived here from `zf`)."""
     n = 16 // bits
-    mask2 = ((1 << bits) - 1) * 0x10001
+    mask = (1 << bits) - 1
     w = words.to(torch.int64) & 0xFFFFFFFF
+    zh = -(zf.float() - 1024 + 1024 / 2**bits)  # exact integers
     outs = []
     for k in range(n):
-        t = ((w >> (bits * k)) & mask2) | 0x64006400  # shr, then lop3 (a & b) | c
+        grp, odd = divmod(k, 2) if bits < 8 else (k, 0)
+        shift, field = (2 * bits * grp, bits * odd) if bits < 8 else (bits * k, 0)
+        t = (((w >> shift) & ((mask << field) * 0x10001)) | 0x64006400)  # shr, then lop3 (a & b) | c
         halves = torch.stack([t & 0xFFFF, t >> 16], dim=-1).to(torch.int16).view(torch.float16)  # mov {lo, hi}
-        outs.append((halves - zf[..., None]) * s[..., None])  # sub.f16x2 (exact), mul.f16x2 (one rounding)
+        if odd:  # fma.rn.f16x2: exact (a power-of-two scaling plus an integer, to an integer)
+            code_z = (halves.float() * 2.0**-bits + zh[..., None]).half()
+            assert torch.equal(code_z.float(), halves.float() * 2.0**-bits + zh[..., None])
+        else:
+            code_z = halves - zf[..., None]  # sub.f16x2 (exact)
+        outs.append(code_z * s[..., None])  # mul.f16x2 (one rounding)
     return torch.stack(outs, dim=-1)  # [..., e, k]
 
 
@@ -149,18 +164,23 @@ def test_half_asm_operands():
         asm = mr.half_asm(bits)
         outs = [int(x) for pair in re.findall(r"mov\.b32 \{\$(\d+), \$(\d+)\}", asm) for x in pair]
         assert sorted(outs) == list(range(2 * n))  # every fp16 output written once
-        assert f"${2 * n + 2}" in asm and f"${2 * n + 3}" not in asm  # word, 1024 + z, s
+        assert f"${2 * n + 4}" in asm and f"${2 * n + 5}" not in asm  # word, 1024 + z, s, zh, 2**-bits
         assert len(re.findall(r"lop3\.b32", asm)) == len(re.findall(r"mul\.f16x2", asm)) == n
+        # one shift per group of two elements after the first: half of masking every element at bit 0
+        assert len(re.findall(r"shr\.u32", asm)) == n // 2 - 1
+        assert len(re.findall(r"sub\.f16x2", asm)) == len(re.findall(r"fma\.rn\.f16x2", asm)) == n // 2
 
 
 def test_regs_dispatch_rules():
     fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
-    # measured faster on the H200 (docs/BENCHMARKS.md "Gluon kernel with register operands"): C4R4, C2R4 and C8R8
-    # at 16 heads and batch >= 8; batch 1 was a tie (the scaled kernel stays), 128 heads slower
+    # measured faster on the H200 (docs/BENCHMARKS.md "Gluon kernel with register operands", "Unit-pair loads"):
+    # C4R4, C2R4 and C8R8 at 16 heads and batch >= 8, C8R8 also at batch 1; C4R4 at batch 1 was a tie (the scaled
+    # kernel stays), 128 heads slower
     assert gluon_regs_measured_faster(4, 4, 16, 8) and gluon_regs_measured_faster(4, 4, 16, 64)
     assert gluon_regs_measured_faster(2, 4, 16, 32) and gluon_regs_measured_faster(8, 8, 16, 32)
     assert not gluon_regs_measured_faster(4, 4, 16, 1) and not gluon_regs_measured_faster(4, 4, 16)
-    assert not gluon_regs_measured_faster(8, 8, 16, 1)
+    assert gluon_regs_measured_faster(8, 8, 16, 1) and gluon_regs_measured_faster(8, 8, 16)
+    assert not gluon_regs_measured_faster(8, 8, 128, 1)
     assert not gluon_regs_measured_faster(4, 4, 128, 32) and not gluon_regs_measured_faster(4, 4, 32, 32)
     assert not gluon_regs_measured_faster(8, 4, 16, 32) and not gluon_regs_measured_faster(16, 16, 16, 32)
     assert not mr.regs_handles(fmt, torch.bfloat16, "cpu")  # sm_90 only
@@ -175,3 +195,15 @@ def test_regs_dispatch_rules():
         mr.launch_regs(q, q, {"codes": torch.zeros(1, 1, 4, dtype=torch.uint8)},
                        {"codes": torch.zeros(1, 1, 4, dtype=torch.uint8)}, fmt, q, q, q, q, None, None, None, None,
                        16, 1, 8, 8, 1.0, inflight=3)
+
+
+@pytest.mark.parametrize("n_groups", [8, 4])
+def test_unit_pairs_are_contiguous_in_a_group(n_groups):
+    """The kernel loads units u and u + 1 (u even) of a thread with one vector load from `unit_base(u, q)`: that is
+    only right if unit u + 1's 16 channels follow unit u's, in the same quantization group (one step and zero point
+    for both)."""
+    for q in range(4):
+        for u in range(0, n_groups, 2):
+            lo, hi = mr.unit_base(u, q, n_groups), mr.unit_base(u + 1, q, n_groups)
+            assert hi == lo + 16, (q, u, lo, hi)
+            assert lo // 64 == (hi + 15) // 64, (q, u, lo, hi)
