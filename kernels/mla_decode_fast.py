@@ -25,8 +25,9 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
   (`lse = -inf`, `o = 0`) that the combine skips.
 
 The Gluon kernels (sm_90) sit behind the same launcher (`backend="gluon"`): `mla_decode_gluon_regs.py` (keys
-unpacked into the registers of the score `wgmma`; `regs=True`) is the default for C4R4, C2R4 and C8R8 at up to 16
-query rows and batch >= 8 (`gluon_regs_measured_faster`), `mla_decode_gluon_scaled.py` (fp16 `(code - z) * s` tiles, two
+unpacked into the registers of the score `wgmma`; `regs=True`) is the default at up to 16 query rows for C4R4 and
+C2R4 at batch >= 8 and for C8R8 at every batch (`gluon_regs_measured_faster`), `mla_decode_gluon_scaled.py` (fp16
+`(code - z) * s` tiles, two
 programs per SM; `scaled=True`) for the other C4R4 cases and for C2R4 above 16 rows
 (`gluon_scaled_measured_faster`), `mla_decode_gluon.py` (exact-integer tiles) for the other 8-bit
 cases (`gluon_measured_faster`). The strided-plane kernel of `mla_decode_strided.py` is a third backend

@@ -503,18 +503,22 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     pend2 = acc
     p1 = acc
     p2 = acc
-    acc, pend, p1, p2, c01 = _unit_pair(c01, 0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
-                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
-    acc, pend, p1, p2, c23 = _unit_pair(c23, 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC,
-                                        Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+    acc, pend, p1, p2, c01 = _unit_pair(
+        c01, 0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
+        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+    acc, pend, p1, p2, c23 = _unit_pair(
+        c23, 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
+        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
     if GC == 8:
-        acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+        acc, pend, p1, p2, c45 = _unit_pair(
+            c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
+            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
         if LO:  # the third chain starts at unit 6
             pend2 = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
-        acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                            GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
+        acc, pend, p1, p2, c67 = _unit_pair(
+            c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
+            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM)
     x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
     cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO, INFLIGHT,
@@ -748,7 +752,7 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
-        R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=int(inflight), WC_L=_words_layout(fmt.content.bits // 2),
-        WP_L=_words_layout(fmt.content.bits), WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(),
+        R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=int(inflight),
+        WC_L=_words_layout(fmt.content.bits // 2), WP_L=_words_layout(fmt.content.bits), WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(),
         num_warps=4,
     )
