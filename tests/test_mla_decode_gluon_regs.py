@@ -207,3 +207,20 @@ def test_unit_pairs_are_contiguous_in_a_group(n_groups):
             lo, hi = mr.unit_base(u, q, n_groups), mr.unit_base(u + 1, q, n_groups)
             assert hi == lo + 16, (q, u, lo, hi)
             assert lo // 64 == (hi + 15) // 64, (q, u, lo, hi)
+
+
+@pytest.mark.skipif(not mg.HAVE_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon, Triton >= 3.5)")
+def test_sass_script_counts_the_packed_loop():
+    """`benchmarks/sass_decode.py` (the command behind the SASS figures of docs/KERNELS.md) finds the packed-tile loop
+    of the compiled kernel: one unpacking multiply per pair of elements (9 units x 2 tokens x 8 pairs per thread) and
+    the 68 `wgmma`s of a tile (36 score, 32 value)."""
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no bundled cuobjdump")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
+    out = subprocess.run([sys.executable, script, "C4R4"], env=dict(os.environ, TRITON_INTERPRET="0"),
+                         capture_output=True, text=True, timeout=900, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(144 unpacking multiplies" in out.stdout, out.stdout
+    assert re.search(r"^HGMMA\.64x16x16\s+68$", out.stdout, re.M), out.stdout

@@ -1,0 +1,108 @@
+"""Instruction mix of the register-operand Gluon decode kernel (`kernels/mla_decode_gluon_regs.py`), compiled for
+sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp and 64-token tile, counted by
+opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "Gluon kernel with register
+operands").
+
+    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N]
+
+It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
+in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+
+from quantmla_hf.kernels import mla_decode_gluon_regs as mr
+
+FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}
+UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
+
+
+def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1):
+    """The kernel compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent tokens, 16 rows)."""
+    fn = mr.mla_decode_gluon_regs_kernel
+    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=inflight,
+                 WC_L=mr._words_layout(content_bits // 2), WP_L=mr._words_layout(content_bits),
+                 WR_L=mr._words_layout(rope_bits // 2), XL=mr.dense_layout())
+    qd = "*fp32" if q_split else "*bf16"
+    ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32", rs_ptr="*fp16",
+               rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16", lp_ptr="*i64",
+               len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
+    strides = [n for n in fn.arg_names if n.startswith("s_")]  # multiples of 16 at DeepSeek widths
+    sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
+    src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                                        attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def cuobjdump() -> str:
+    """The `cuobjdump` bundled with this Triton (raises FileNotFoundError where there is none)."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no cuobjdump at {path}: this Triton has no bundled CUDA tools")
+    return path
+
+
+def disassemble(cubin: bytes, *flags: str) -> str:
+    """`cuobjdump FLAGS` of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([cuobjdump(), *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def packed_loop(sass: str) -> list[str]:
+    """The instructions of the packed-tile loop: of the loops (a backward branch to an earlier address), the one with
+    the most unpacking multiplies (`HMUL2`)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (_, text) in enumerate(ins):
+        m = re.search(r"BRA .*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) in index and index[int(m.group(1), 16)] < i:
+            loops.append((index[int(m.group(1), 16)], i))
+    if not loops:
+        raise ValueError("no loop found in the SASS")
+    start, end = max(loops, key=lambda se: sum(t.split()[0].startswith(UNPACK_MUL) for _, t in ins[se[0]:se[1] + 1]))
+    return [t for _, t in ins[start:end + 1]]
+
+
+def opcode_counts(instructions: list[str]) -> collections.Counter:
+    """Opcodes (predicate dropped, first modifier kept: `IMAD.MOV`, `LOP3.LUT`) of a list of SASS instructions."""
+    ops = (re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in instructions)
+    return collections.Counter(".".join(op.split(".")[:2]) for op in ops)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("format", nargs="?", default="C4R4", choices=sorted(FORMATS))
+    ap.add_argument("--fp32-queries", action="store_true")
+    ap.add_argument("--inflight", type=int, default=1)
+    a = ap.parse_args()
+    kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight)
+    usage = disassemble(kernel.asm["cubin"], "-res-usage")
+    loop = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
+    counts = opcode_counts(loop)
+    print(f"triton {triton.__version__} | {a.format} | {'fp32' if a.fp32_queries else 'bf16'} queries | "
+          f"inflight {a.inflight} | shared memory {kernel.metadata.shared} B")
+    print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
+    print(f"packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
+          f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements)")
+    for op, n in counts.most_common():
+        print(f"{op:28s} {n:5d}")
+
+
+if __name__ == "__main__":
+    main()
