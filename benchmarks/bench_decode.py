@@ -25,7 +25,8 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels.mla_decode import mla_decode
-from quantmla_hf.kernels import mla_decode_gluon, mla_decode_gluon_regs, mla_decode_gluon_scaled, mla_decode_strided
+from quantmla_hf.kernels import (mla_decode_gluon, mla_decode_gluon_regs, mla_decode_gluon_scaled,
+                                 mla_decode_gluon_wide, mla_decode_strided)
 from quantmla_hf.kernels.mla_decode_fast import fast_handles, mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
@@ -66,11 +67,13 @@ def decode_fn(kernel, fmt, N, capacity=None, **launch):
     """`(args) -> (o, lse)` for one kernel: "fast" = `mla_decode_static` through the Triton fast kernel, "gluon" =
     the same through the Gluon (sm_90) kernel, "strided" = through the strided-plane kernel, all three with a device-side length and the planes' capacity (`capacity`,
     default N); "old" = the fallback `mla_decode` with a host length."""
-    if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "strided"):
+    if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "gluon-wide", "strided"):
         if kernel == "gluon-scaled":
             launch = dict(launch, backend="gluon", scaled=True)
         elif kernel == "gluon-regs":
             launch = dict(launch, backend="gluon", regs=True)
+        elif kernel == "gluon-wide":
+            launch = dict(launch, backend="gluon", wide=True)
         else:
             launch = dict(launch, backend={"fast": "triton"}.get(kernel, kernel))
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
@@ -104,14 +107,15 @@ def run_check(out_lines, cases=None, R=128, kernel="old", launch=None):
     ]
     worst_o, worst_lse, all_ok = 0.0, 0.0, True
     for name, H, B, N, Tq, qdt in cases:
-        spare = 67 if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "strided") else 0
+        spare = 67 if kernel in ("fast", "gluon", "gluon-scaled", "gluon-regs", "gluon-wide", "strided") else 0
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + spare, R=R, seed=B + N)
         if kernel == "gluon" and not mla_decode_gluon.gluon_handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the Gluon kernel, skipped")
             print(out_lines[-1], flush=True)
             continue
-        handles = mla_decode_gluon_regs.regs_handles if kernel == "gluon-regs" else mla_decode_gluon_scaled.scaled_handles
-        if kernel in ("gluon-scaled", "gluon-regs") and not handles(
+        handles = {"gluon-regs": mla_decode_gluon_regs.regs_handles,
+                   "gluon-wide": mla_decode_gluon_wide.wide_handles}.get(kernel, mla_decode_gluon_scaled.scaled_handles)
+        if kernel in ("gluon-scaled", "gluon-regs", "gluon-wide") and not handles(
                 fmt, torch.float32 if qdt == "fp32" else torch.bfloat16, DEVICE, sc.dtype):
             out_lines.append(f"check {name} H={H} B={B} N={N}: not handled by the scaled Gluon kernel, skipped")
             print(out_lines[-1], flush=True)
@@ -181,7 +185,8 @@ def check_capacity_invariance(out_lines, kernel, cases=None):
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, 4 * N, seed=B + N)
         handles = {"gluon": mla_decode_gluon.gluon_handles,
                    "gluon-scaled": mla_decode_gluon_scaled.scaled_handles,
-                   "gluon-regs": mla_decode_gluon_regs.regs_handles}.get(kernel, fast_handles)
+                   "gluon-regs": mla_decode_gluon_regs.regs_handles,
+                   "gluon-wide": mla_decode_gluon_wide.wide_handles}.get(kernel, fast_handles)
         if not handles(fmt, torch.bfloat16, DEVICE, sc.dtype):
             continue
         g = torch.Generator(device=DEVICE).manual_seed(N)
@@ -456,6 +461,10 @@ SWEEP_GLUON_REGS = {
     ("C8R8", 16): [dict(), dict(waves=6)],
     ("C4R4", 128): [dict()],
 }
+SWEEP_GLUON_WIDE = {
+    ("C4R4", 128): [dict(), dict(inflight=0), dict(inflight=2), dict(waves=2), dict(waves=8), dict(block_m=64),
+                    dict(block_m=64, inflight=0)],
+}
 SWEEP_GLUON_SCALED = {
     ("C4R4", 16): [dict(), dict(waves=4), dict(waves=16), dict(num_warps=8), dict(num_warps=8, maxnreg=128),
                    dict(num_warps=8, maxnreg=128, waves=16), dict(stages=2), dict(stages=2, waves=4)],
@@ -477,7 +486,7 @@ def run_variants(out_lines, points=(("C4R4", 16, 32, 32768), ("C2R4", 16, 32, 32
     """Launch sweep of the fast (or Gluon) kernel around its defaults at the target points (B 32, 32K), each
     variant replayed from a CUDA graph."""
     sweep = {"gluon": SWEEP_GLUON, "gluon-scaled": SWEEP_GLUON_SCALED, "gluon-regs": SWEEP_GLUON_REGS,
-             "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
+             "gluon-wide": SWEEP_GLUON_WIDE, "strided": SWEEP_STRIDED}.get(kernel, SWEEP)
     res = []
     for name, H, B, N in points:
         if (name, H) in sweep:  # a kernel's sweep names the formats it handles
@@ -567,10 +576,10 @@ def main():
     if a.check:
         cases = [(f, *(int(x) for x in rest)) for f, *rest in (c.split(":") for c in a.check_cases.split(",") if c)]
         result["check_ok"] = all([run_check(lines, cases=cases or None, kernel=k,
-                                            launch=gluon_launch if k == "gluon" else None)
+                                            launch=gluon_launch if k.startswith("gluon") else None)
                                   for k in a.check_kernels.split(",") if k])
         result["capacity_ok"] = all([check_capacity_invariance(lines, k) for k in a.check_kernels.split(",")
-                                     if k in ("fast", "gluon", "gluon-scaled", "gluon-regs")])
+                                     if k in ("fast", "gluon", "gluon-scaled", "gluon-regs", "gluon-wide")])
     launch = {("gluon", name, H): dict(gluon_launch) for name in CONFIGS for H in (16, 128)} if gluon_launch else {}
     if a.variants:
         result["variants"] = []

@@ -2,8 +2,8 @@
 
     python benchmarks/profile_decode.py C4R4 16 32 32768 ['{"num_warps": 8}'] [fast|old]
 
-`fast` (default) runs `mla_decode_fast.mla_decode_static` (device-side length), `gluon`, `gluon-scaled` and
-`gluon-regs` the same through a Gluon kernel (`-k regex:mla_decode_gluon_regs` etc. under ncu), `old` the fallback
+`fast` (default) runs `mla_decode_fast.mla_decode_static` (device-side length), `gluon`, `gluon-scaled`,
+`gluon-regs` and `gluon-wide` the same through a Gluon kernel (`-k regex:mla_decode_gluon_regs` etc. under ncu), `old` the fallback
 `mla_decode`. The Nsight Compute profiles of docs/BENCHMARKS.md "Gluon kernel with register operands" came from
 `ncu --clock-control none -k regex:KERNEL -s 2 -c 1 --set full --import-source yes -o FILE python3
 benchmarks/profile_decode.py C4R4 16 32 32768 '{}' gluon-regs`.

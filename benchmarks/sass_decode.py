@@ -1,9 +1,10 @@
 """Instruction mix of the register-operand Gluon decode kernel (`kernels/mla_decode_gluon_regs.py`), compiled for
 sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp and 64-token tile, counted by
 opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "Gluon kernel with register
-operands").
+operands"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4/C2R4): one
+packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
-    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N]
+    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--wide [--block-m 32|64]]
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -23,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
+from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 
 FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
@@ -30,10 +32,22 @@ UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (t
 
 def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1):
     """The kernel compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent tokens, 16 rows)."""
-    fn = mr.mla_decode_gluon_regs_kernel
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=inflight,
                  WC_L=mr._words_layout(content_bits // 2), WP_L=mr._words_layout(content_bits),
                  WR_L=mr._words_layout(rope_bits // 2), XL=mr.dense_layout())
+    return _compile(mr.mla_decode_gluon_regs_kernel, const, q_split, {"num_warps": 4})
+
+
+def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT,
+                 block_m: int = mw.BLOCK_M):
+    """The two-warpgroup kernel compiled for sm_90 at DeepSeek widths with its default registers per block size."""
+    fn = mw.mla_decode_gluon_wide_kernel
+    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=block_m, Q_SPLIT=q_split,
+                 INFLIGHT=inflight, W_REGS=mw.WORKER_REGS[block_m])
+    return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.LAUNCH_REGS[block_m]})
+
+
+def _compile(fn, const: dict, q_split: bool, options: dict):
     qd = "*fp32" if q_split else "*bf16"
     ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32", rs_ptr="*fp16",
                rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16", lp_ptr="*i64",
@@ -43,7 +57,7 @@ def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, infli
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
     src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                                         attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def cuobjdump() -> str:
@@ -62,9 +76,9 @@ def disassemble(cubin: bytes, *flags: str) -> str:
         return subprocess.run([cuobjdump(), *flags, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def packed_loop(sass: str) -> list[str]:
-    """The instructions of the packed-tile loop: of the loops (a backward branch to an earlier address), the one with
-    the most unpacking multiplies (`HMUL2`)."""
+def _instructions_and_loops(sass: str):
+    """`(instructions, loops)`: the SASS instruction texts in address order and the loops as `(first, last)` index
+    pairs (a backward branch to an earlier address)."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
     index = {a: i for i, (a, _) in enumerate(ins)}
@@ -75,8 +89,27 @@ def packed_loop(sass: str) -> list[str]:
             loops.append((index[int(m.group(1), 16)], i))
     if not loops:
         raise ValueError("no loop found in the SASS")
-    start, end = max(loops, key=lambda se: sum(t.split()[0].startswith(UNPACK_MUL) for _, t in ins[se[0]:se[1] + 1]))
-    return [t for _, t in ins[start:end + 1]]
+    return [t for _, t in ins], loops
+
+
+def _unpacks(body: list[str]) -> int:
+    return sum(re.sub(r"^@!?U?P\w+\s+", "", t).startswith(UNPACK_MUL) for t in body)
+
+
+def packed_loop(sass: str) -> list[str]:
+    """The instructions of the packed-tile loop: of the loops, the one with the most unpacking multiplies
+    (`HMUL2`)."""
+    ins, loops = _instructions_and_loops(sass)
+    start, end = max(loops, key=lambda se: _unpacks(ins[se[0]:se[1] + 1]))
+    return ins[start:end + 1]
+
+
+def packed_loops(sass: str) -> list[list[str]]:
+    """The innermost loops that unpack (one per warpgroup in the two-warpgroup kernel), in address order."""
+    ins, loops = _instructions_and_loops(sass)
+    unpacking = [(s, e) for s, e in loops if _unpacks(ins[s:e + 1])]
+    inner = [(s, e) for s, e in unpacking if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in unpacking)]
+    return [ins[s:e + 1] for s, e in sorted(inner)]
 
 
 def opcode_counts(instructions: list[str]) -> collections.Counter:
@@ -89,8 +122,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("format", nargs="?", default="C4R4", choices=sorted(FORMATS))
     ap.add_argument("--fp32-queries", action="store_true")
-    ap.add_argument("--inflight", type=int, default=1)
+    ap.add_argument("--inflight", type=int, default=None, help="default: the kernel's (1)")
+    ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel (C4R4, C2R4)")
+    ap.add_argument("--block-m", type=int, default=mw.BLOCK_M, choices=sorted(mw.LAUNCH_REGS))
     a = ap.parse_args()
+    if a.wide:
+        main_wide(a)
+        return
+    a.inflight = 1 if a.inflight is None else a.inflight
     kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     loop = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
@@ -102,6 +141,25 @@ def main():
           f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements)")
     for op, n in counts.most_common():
         print(f"{op:28s} {n:5d}")
+
+
+def main_wide(a):
+    if a.format not in ("C4R4", "C2R4"):
+        raise SystemExit(f"--wide takes C4R4 or C2R4, got {a.format}")
+    inflight = mw.INFLIGHT if a.inflight is None else a.inflight
+    kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight, block_m=a.block_m)
+    usage = disassemble(kernel.asm["cubin"], "-res-usage")
+    sass = disassemble(kernel.asm["cubin"], "-sass")
+    print(f"triton {triton.__version__} | {a.format} two warpgroups | {a.block_m} rows | "
+          f"{'fp32' if a.fp32_queries else 'bf16'} queries | inflight {inflight} | shared memory "
+          f"{kernel.metadata.shared} B")
+    print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
+    loops = sorted(packed_loops(sass), key=lambda body: -opcode_counts(body)[UNPACK_MUL])
+    for name, loop in zip(("leader", "worker"), loops):
+        counts = opcode_counts(loop)
+        print(f"{name} packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
+              f"({counts[UNPACK_MUL]} unpacking multiplies)")
+        print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16)))
 
 
 if __name__ == "__main__":

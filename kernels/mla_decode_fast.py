@@ -26,10 +26,10 @@ What differs from the fallback kernel (details: docs/KERNELS.md "Fast kernel"):
 
 The Gluon kernels (sm_90) sit behind the same launcher (`backend="gluon"`): `mla_decode_gluon_regs.py` (keys
 unpacked into the registers of the score `wgmma`; `regs=True`) is the default at up to 16 query rows for C4R4 and
-C2R4 at batch >= 8 and for C8R8 at every batch (`gluon_regs_measured_faster`), `mla_decode_gluon_scaled.py` (fp16
-`(code - z) * s` tiles, two
-programs per SM; `scaled=True`) for the other C4R4 cases and for C2R4 above 16 rows
-(`gluon_scaled_measured_faster`), `mla_decode_gluon.py` (exact-integer tiles) for the other 8-bit
+C2R4 at batch >= 8 and for C8R8 at every batch (`gluon_regs_measured_faster`), its two-warpgroup form
+`mla_decode_gluon_wide.py` (32 rows per program; `wide=True`) at 128 or more rows (128 heads) from batch 16
+(`gluon_wide_measured_faster`), `mla_decode_gluon_scaled.py` (fp16 `(code - z) * s` tiles, two programs per SM;
+`scaled=True`) for the other C4R4 and C2R4 cases (`gluon_scaled_measured_faster`), `mla_decode_gluon.py` (exact-integer tiles) for the other 8-bit
 cases (`gluon_measured_faster`). The strided-plane kernel of `mla_decode_strided.py` is a third backend
 (`backend="strided"`), measured slower everywhere so far.
 
@@ -52,6 +52,7 @@ from quantmla_hf.format import CacheFormat
 from . import mla_decode_gluon as gluon_kernel
 from . import mla_decode_gluon_regs as regs_kernel
 from . import mla_decode_gluon_scaled as scaled_kernel
+from . import mla_decode_gluon_wide as wide_kernel
 from . import mla_decode_strided as strided_kernel
 
 LOG2E = 1.4426950408889634
@@ -491,9 +492,10 @@ def mla_decode_static(
         launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` (the split target of `split_plan`)
             overrides (benchmarks), and
             `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
-            `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, inflight`: `regs` picks the
-            register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits, inflight`), `scaled` the
-            scaled-tile kernel of `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys
+            `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, wide, inflight`: `regs` picks the
+            register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits, inflight`), `wide` its
+            two-warpgroup form of `mla_decode_gluon_wide.py` (keys `block_m` 32 or 64, `waves, num_splits, inflight,
+            launch_regs, worker_regs`), `scaled` the scaled-tile kernel of `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys
             `block_m, block_t, num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
 
     Returns:
@@ -660,6 +662,22 @@ def gluon_regs_measured_faster(content_bits: int, rope_bits: int, rows: int, bat
     return (content_bits, rope_bits) in ((4, 4), (2, 4))
 
 
+def gluon_wide_measured_faster(content_bits: int, rope_bits: int, rows: int, batch: int | None = None) -> bool:
+    """Whether the two-warpgroup register kernel (`mla_decode_gluon_wide.py`, 32-row blocks) was measured faster
+    than the scaled-tile kernel for this format, number of query rows (`H * Tq`) and batch size (H200, same process,
+    CUDA-graph replay, do_bench medians; docs/BENCHMARKS.md "Two-warpgroup register kernel for many heads"):
+
+    - 128 heads, C4R4: B16 32K 0.785 ms (scaled-tile kernel 0.824), B32 32K 1.349 (1.499), B64 32K 2.629 (2.685);
+      C2R4 0.795 (0.839), 1.367 (1.515), 2.675 (2.711).
+    - 128 heads, B8 32K: 0.417-0.447 against 0.409-0.411 (C4R4): the scaled kernel stays below batch 16 (batches
+      9-15 not timed).
+    - Up to 32 rows (16 heads) the one-warpgroup register kernel stays (16 heads B32 32K: 0.401 ms with 32-row
+      blocks against 0.263); between 33 and 127 rows nothing was timed, so the scaled kernel stays there."""
+    if rows < 128 or batch is None or batch < 16:
+        return False
+    return (content_bits, rope_bits) in ((4, 4), (2, 4))
+
+
 def strided_measured_faster(content_bits: int, rope_bits: int, rows: int) -> bool:
     """Whether the strided-plane kernel (`mla_decode_strided.py`) was measured faster than every other kernel for
     this format and number of query rows: nowhere so far (docs/BENCHMARKS.md "Strided-plane kernel", same process,
@@ -745,6 +763,14 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     if not gluon_kernel.planes_contiguous(fmt, content_planes, rope_planes):
         raise ValueError("the Gluon decode kernel needs plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
                          "use backend='triton' for strided planes")
+    wide = launch.get("wide")
+    if wide is None:
+        wide = (launch.get("scaled") is None and launch.get("regs") is None
+                and gluon_wide_measured_faster(fmt.content.bits, fmt.rope.bits, M, B)
+                and wide_kernel.wide_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype))
+    if wide:
+        return _gluon_wide_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
+                                  left_padding, length, capacity, scaling, out, **launch)
     regs = launch.get("regs")
     if regs is None:
         regs = (launch.get("scaled") is None and gluon_regs_measured_faster(fmt.content.bits, fmt.rope.bits, M, B)
@@ -761,7 +787,7 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
         raise ValueError(f"the scaled-tile Gluon kernel does not handle {fmt.name} (2- or 4-bit content and RoPE, "
                          "4 or 8 content groups): pass scaled=False for the exact-integer Gluon kernel")
     cfg = gluon_default_launch(M, scaled)
-    cfg.update({k: v for k, v in launch.items() if v is not None and k not in ("scaled", "regs")})
+    cfg.update({k: v for k, v in launch.items() if v is not None and k not in ("scaled", "regs", "wide")})
     block_m = int(cfg["block_m"])
     q_split = q_lat.dtype == torch.float32 or q_rot.dtype == torch.float32
     if scaled and "block_m" not in launch:
@@ -793,26 +819,59 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 
+def _register_kernel_inputs(q_lat, q_rot, fmt, left_padding, capacity, block_m, waves, num_splits):
+    """What the register kernels (one- and two-warpgroup) take besides the planes: `(q [B, M, d_c], qr [B, M, d_R],
+    o_part [B, M, NSP, d_c] fp32, lse_part [B, M, NSP] fp32, lp int64, split_target, NS, NSP)` for `block_m`-row
+    blocks and about `waves` programs per multiprocessor (`split_plan`)."""
+    B, H, Tq, D_C = q_lat.shape
+    M = H * Tq
+    sms = _num_sms(q_lat.device.index or 0)
+    target, NS = split_plan(B, triton.cdiv(M, block_m), capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, waves,
+                            num_splits)
+    NSP = NS + scaled_kernel.copy_programs(fmt)
+    q = q_lat.reshape(B, M, D_C).contiguous()
+    qr = q_rot.reshape(B, M, q_rot.shape[-1]).contiguous()
+    o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
+    lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
+    return q, qr, o_part, lse_part, lp, target, NS, NSP
+
+
+def _gluon_wide_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
+                       left_padding, length, capacity, scaling, out, **launch):
+    """`mla_decode_static` through the two-warpgroup register kernel (`mla_decode_gluon_wide.py`: 32- or 64-row
+    blocks; launch keys `block_m`, `waves`, `num_splits`, `inflight`, `launch_regs`, `worker_regs`), same partials
+    and combine as the other Gluon kernels."""
+    B, H, Tq, D_C = q_lat.shape
+    M = H * Tq
+    if not wide_kernel.wide_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
+        raise ValueError(f"the two-warpgroup Gluon kernel does not handle {fmt.name} with {q_lat.dtype} queries (2- or "
+                         "4-bit content in 8 groups, 4-bit RoPE, sm_90): pass wide=False")
+    q_split = q_lat.dtype == torch.float32 or q_rot.dtype == torch.float32
+    block_m = int(launch.get("block_m") or wide_kernel.default_block_m(fmt, q_split))
+    q, qr, o_part, lse_part, lp, target, NS, NSP = _register_kernel_inputs(
+        q_lat, q_rot, fmt, left_padding, capacity, block_m, launch.get("waves") or wide_kernel.WAVES,
+        launch.get("num_splits"))
+    inflight = launch.get("inflight")
+    wide_kernel.launch_wide(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
+                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m,
+                            wide_kernel.INFLIGHT if inflight is None else inflight, launch.get("launch_regs"),
+                            launch.get("worker_regs"))
+    return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
+
+
 def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
                        left_padding, length, capacity, scaling, out, **launch):
     """`mla_decode_static` through the register-operand Gluon kernel (`mla_decode_gluon_regs.py`: 16-row blocks, one
     warpgroup; launch keys `waves`, `num_splits`, `inflight`), same partials and combine as the scaled-tile kernel."""
     B, H, Tq, D_C = q_lat.shape
-    D_R = q_rot.shape[-1]
     M = H * Tq
     if not regs_kernel.regs_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
         raise ValueError(f"the register-operand Gluon kernel does not handle {fmt.name} with {q_lat.dtype} queries "
                          "(2- or 4-bit or 8-bit content and RoPE, 4 or 8 content groups, sm_90): pass regs=False")
-    head_blocks = triton.cdiv(M, regs_kernel.BLOCK_M)
-    sms = _num_sms(q_lat.device.index or 0)
-    target, NS = split_plan(B, head_blocks, capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, launch.get("waves") or 8,
-                            launch.get("num_splits"))
-    NSP = NS + scaled_kernel.copy_programs(fmt)
-    q = q_lat.reshape(B, M, D_C).contiguous()
-    qr = q_rot.reshape(B, M, D_R).contiguous()
-    o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
-    lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
+    q, qr, o_part, lse_part, lp, target, NS, NSP = _register_kernel_inputs(
+        q_lat, q_rot, fmt, left_padding, capacity, regs_kernel.BLOCK_M, launch.get("waves") or 8,
+        launch.get("num_splits"))
     inflight = launch.get("inflight")  # 0 is a value (each unit's wgmmas waited for at once), None the default
     regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
                             o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, 1 if inflight is None else inflight)

@@ -333,10 +333,13 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
 # --------------------------------------------------------------------------------------------- one tile
 @_jit
 def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
-                Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr):
+                Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
+                FIRST: gl.constexpr = 0):
     """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
     until at most `INFLIGHT` (0, 1 or 2) units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two
-    units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit.
+    units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
+    tile's first unit in this warpgroup (it starts the accumulator and waits for the previous tile's value reads;
+    0 here, the second warpgroup's first unit in `mla_decode_gluon_wide.py`).
 
     `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
     accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
@@ -351,11 +354,11 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
         if Q_SPLIT:
             acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
     else:
-        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > 0, is_async=True)
+        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
         if Q_SPLIT:
             acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
     if u < GC:
-        if u == 0:
+        if u == FIRST:
             _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
         kbuf.index(u + kz).store(_v_view(x5))
     PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
@@ -463,16 +466,17 @@ def _split_units(w, WU: gl.constexpr, wl: gl.constexpr):
 @_jit
 def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
                GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
-               wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr):
+               wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
+               FIRST: gl.constexpr = 0):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does;
     `cp` replaced by the words of the tile at `tn` once both are unpacked. 8-bit keys: the accumulator chain that
-    starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. Returns `(acc,
-    pend, p1, p2, cp)`."""
+    starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. `FIRST`: as in
+    `_score_unit`. Returns `(acc, pend, p1, p2, cp)`."""
     LO: gl.constexpr = C_BITS == 8
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a)
+                                    dot_a, FIRST)
     if LO:
         if u == 2:
             pend = acc
@@ -480,7 +484,7 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
     x5, xlo = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
     cp = _load_unit(p_cc, tn, lo, hi, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, LO,
-                                    INFLIGHT, dot_a)
+                                    INFLIGHT, dot_a, FIRST)
     return acc, pend, p1, p2, cp
 
 
