@@ -455,10 +455,10 @@ SWEEP_GLUON = {
 
 
 SWEEP_GLUON_REGS = {
-    ("C4R4", 16): [dict(), dict(waves=4), dict(waves=6), dict(waves=12), dict(waves=16), dict(inflight=2),
-                   dict(inflight=2, waves=4)],
-    ("C2R4", 16): [dict(), dict(waves=4), dict(inflight=2)],
-    ("C8R8", 16): [dict(), dict(waves=6)],
+    ("C4R4", 16): [dict(), dict(store_a=1), dict(waves=4), dict(waves=6), dict(waves=12), dict(waves=16),
+                   dict(inflight=2), dict(inflight=2, waves=4)],
+    ("C2R4", 16): [dict(), dict(store_a=1), dict(waves=4), dict(inflight=2)],
+    ("C8R8", 16): [dict(), dict(store_a=1), dict(waves=6)],
     ("C4R4", 128): [dict()],
 }
 SWEEP_GLUON_WIDE = {

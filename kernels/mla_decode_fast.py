@@ -29,8 +29,8 @@ unpacked into the registers of the score `wgmma`; `regs=True`) is the default at
 C2R4 at batch >= 8 and for C8R8 at every batch (`gluon_regs_measured_faster`), its two-warpgroup form
 `mla_decode_gluon_wide.py` (32 rows per program; `wide=True`) at 128 or more rows (128 heads) from batch 16
 (`gluon_wide_measured_faster`), `mla_decode_gluon_scaled.py` (fp16 `(code - z) * s` tiles, two programs per SM;
-`scaled=True`) for the other C4R4 and C2R4 cases (`gluon_scaled_measured_faster`), `mla_decode_gluon.py` (exact-integer tiles) for the other 8-bit
-cases (`gluon_measured_faster`). The strided-plane kernel of `mla_decode_strided.py` is a third backend
+`scaled=True`) for the other C4R4 and C2R4 cases (`gluon_scaled_measured_faster`), `mla_decode_gluon.py`
+(exact-integer tiles) for the other 8-bit cases (`gluon_measured_faster`). The strided-plane kernel of `mla_decode_strided.py` is a third backend
 (`backend="strided"`), measured slower everywhere so far.
 
 `fast_handles` says which cases the kernel computes; `fast_supported` (what the decode op dispatches on) also
@@ -492,11 +492,12 @@ def mla_decode_static(
         launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` (the split target of `split_plan`)
             overrides (benchmarks), and
             `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
-            `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, wide, inflight`: `regs` picks the
-            register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits, inflight`), `wide` its
-            two-warpgroup form of `mla_decode_gluon_wide.py` (keys `block_m` 32 or 64, `waves, num_splits, inflight,
-            launch_regs, worker_regs`), `scaled` the scaled-tile kernel of `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys
-            `block_m, block_t, num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
+            `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, wide, inflight, store_a`:
+            `regs` picks the register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits,
+            inflight, store_a`), `wide` its two-warpgroup form of `mla_decode_gluon_wide.py` (keys `block_m` 32 or
+            64, `waves, num_splits, inflight, launch_regs, worker_regs, store_a`), `scaled` the scaled-tile kernel of
+            `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys `block_m, block_t,
+            num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
 
     Returns:
         `o_lat: [B, H, Tq, d_c]` fp32 and `lse: [B, H, Tq]` fp32 (natural log; zeros and -inf for a row with no
@@ -840,8 +841,8 @@ def _register_kernel_inputs(q_lat, q_rot, fmt, left_padding, capacity, block_m, 
 def _gluon_wide_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
                        left_padding, length, capacity, scaling, out, **launch):
     """`mla_decode_static` through the two-warpgroup register kernel (`mla_decode_gluon_wide.py`: 32- or 64-row
-    blocks; launch keys `block_m`, `waves`, `num_splits`, `inflight`, `launch_regs`, `worker_regs`), same partials
-    and combine as the other Gluon kernels."""
+    blocks; launch keys `block_m`, `waves`, `num_splits`, `inflight`, `launch_regs`, `worker_regs`, `store_a`), same
+    partials and combine as the other Gluon kernels."""
     B, H, Tq, D_C = q_lat.shape
     M = H * Tq
     if not wide_kernel.wide_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
@@ -856,7 +857,7 @@ def _gluon_wide_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
     wide_kernel.launch_wide(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
                             o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m,
                             wide_kernel.INFLIGHT if inflight is None else inflight, launch.get("launch_regs"),
-                            launch.get("worker_regs"))
+                            launch.get("worker_regs"), bool(launch.get("store_a")))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 
@@ -874,7 +875,8 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
         launch.get("num_splits"))
     inflight = launch.get("inflight")  # 0 is a value (each unit's wgmmas waited for at once), None the default
     regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
-                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, 1 if inflight is None else inflight)
+                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, 1 if inflight is None else inflight,
+                            bool(launch.get("store_a")))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 

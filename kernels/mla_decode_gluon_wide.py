@@ -77,7 +77,7 @@ def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, 
                         U0: gl.constexpr, ROPE: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
                         Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
                         wc_l: gl.constexpr, wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr,
-                        dot_a: gl.constexpr):
+                        dot_a: gl.constexpr, STORE_A: gl.constexpr = False):
     """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (words `ca`: units U0, U0 + 1, `cb`: U0 +
     2, U0 + 3, as `_unit_pair` takes them; fp16x2 metadata `zz, ss, zh`) and, with `ROPE`, the RoPE unit (`cr`, `zzr,
     ssr, zhr`) of one packed tile; the content keys stored to `kbuf[U0 .. U0 + 3]`; the words replaced by those of the
@@ -88,9 +88,9 @@ def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, 
     p1 = acc
     p2 = acc
     acc, pend, p1, p2, ca = _unit_pair(ca, U0, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0)
+                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, STORE_A)
     acc, pend, p1, p2, cb = _unit_pair(cb, U0 + 2, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0)
+                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, STORE_A)
     if ROPE:
         x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
         cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
@@ -104,17 +104,17 @@ def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, 
 def _half_dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0: gl.constexpr, ROPE: gl.constexpr,
                        GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
                        R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, xl: gl.constexpr, acc_l: gl.constexpr,
-                       dot_a: gl.constexpr):
+                       dot_a: gl.constexpr, STORE_A: gl.constexpr = False):
     """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (and with `ROPE` the RoPE unit) of 64
     model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys stored to `kbuf`."""
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, U0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
     acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, False, INFLIGHT,
-                                    dot_a, U0)
+                                    dot_a, U0, STORE_A)
     for u in gl.static_range(U0 + 1, U0 + 4):
         x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False,
-                                        INFLIGHT, dot_a, U0)
+                                        INFLIGHT, dot_a, U0, STORE_A)
     if ROPE:
         x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
@@ -218,7 +218,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
                   s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
                   GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
                   BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr,
-                  WP_L: gl.constexpr):
+                  WP_L: gl.constexpr, STORE_A: gl.constexpr = False):
     """The leader's (`LEAD`: content units 0-3, the RoPE unit, the softmax of rows `[0, BM/2)`, outputs 0-3) or the
     worker's (content units 4-7, the softmax of rows `[BM/2, BM)`, outputs 4-7) share of every tile of the program
     (its split, row block and batch row); each stores the LSE of its rows. `fbuf: [BM]` the rows' score factors
@@ -298,7 +298,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, ca, cb, cr = _half_packed_scores(
             ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo_valid, hi, U0, LEAD, GC, BM,
-            Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a)
+            Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, STORE_A)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_mh[None, :]
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
@@ -313,7 +313,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_j = start + o_dt
         acc = _half_dense_scores(p_snc, p_snr, o_j, (o_j < S) & (lp + o_j < length), s_snct, s_snrt, qbuf, qlo, kbuf,
-                                 kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
+                                 kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a,
+                                 STORE_A)
         o_jr = start + o_bt
         o_t = lp + o_jr
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_mh[None, :] & (o_t[:, None] < lim_mh[None, :])
@@ -327,7 +328,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_p = start + o_dt
         acc = _half_dense_scores(p_rcc, p_rcr, o_p % R, (o_p < r_hi) & (o_p >= lo_dense), s_rcct, s_rcrt, qbuf, qlo,
-                                 kbuf, kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
+                                 kbuf, kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a,
+                                 STORE_A)
         o_t = start + o_bt
         m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_mh[None, :] & (o_t[:, None] < lim_mh[None, :])
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
@@ -342,10 +344,10 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     mbarrier.arrive(p_bar.index(HF), count=1)
     mbarrier.wait(p_bar.index(1 - HF), ph)
     inv_l = ibuf.load(col_l)
-    _store_o(o_ptr, o_row, m_m, oa, inv_l, U0, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, ob, inv_l, U0 + 1, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, oc, inv_l, U0 + 2, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, od, inv_l, U0 + 3, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, oa, inv_l, U0, GC, D_C, C_BITS, acc_l, STORE_A)
+    _store_o(o_ptr, o_row, m_m, ob, inv_l, U0 + 1, GC, D_C, C_BITS, acc_l, STORE_A)
+    _store_o(o_ptr, o_row, m_m, oc, inv_l, U0 + 2, GC, D_C, C_BITS, acc_l, STORE_A)
+    _store_o(o_ptr, o_row, m_m, od, inv_l, U0 + 3, GC, D_C, C_BITS, acc_l, STORE_A)
 
 
 @_jit
@@ -353,18 +355,20 @@ def _leader(fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr,
             snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
             s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
             GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
+            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, STORE_A: gl.constexpr):
     """The default partition: `_half_program(LEAD=True, ...)`."""
     if C_BITS == 4:
         _half_program(True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
                       rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
                       split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4)
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4,
+                      STORE_A)
     else:
         _half_program(True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
                       rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
                       split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2)
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2,
+                      STORE_A)
 
 
 @_jit
@@ -372,18 +376,20 @@ def _worker(fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr,
             snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
             s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
             GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
+            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, STORE_A: gl.constexpr):
     """The worker partition (4 warps): `_half_program(LEAD=False, ...)`."""
     if C_BITS == 4:
         _half_program(False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr,
                       rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M,
                       Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4)
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4,
+                      STORE_A)
     else:
         _half_program(False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr,
                       rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M,
                       Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2)
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2,
+                      STORE_A)
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -397,7 +403,7 @@ def mla_decode_gluon_wide_kernel(
     s_qb, s_qrb, s_ccb, s_csb, s_rcb, s_rsb,
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, W_REGS: gl.constexpr,
+    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, W_REGS: gl.constexpr, STORE_A: gl.constexpr,
 ):
     """Grid, splits, inputs and outputs of `mla_decode_gluon_regs_kernel` with BM-row blocks; the queries (and the
     rows' score factors, `fbuf`) are staged by the default warps, then the leader (4 warps) and the worker (4 warps,
@@ -443,11 +449,11 @@ def mla_decode_gluon_wide_kernel(
         (_leader, (fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
                    rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
                    num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
+                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, STORE_A)),
         (_worker, (fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
                    rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
                    num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
+                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, STORE_A)),
     ], [4], [W_REGS])
 
 
@@ -476,10 +482,12 @@ def wide_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: tor
 
 
 def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale, block_m=BLOCK_M, inflight=INFLIGHT, launch_regs=None, worker_regs=None):
+                split_target, NS, qk_scale, block_m=BLOCK_M, inflight=INFLIGHT, launch_regs=None, worker_regs=None,
+                store_a=False):
     """Launch `mla_decode_gluon_wide_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, block_m), B)`: 8 warps
     per program at `launch_regs` registers (default `LAUNCH_REGS[block_m]`), the worker at `worker_regs` after
-    `setmaxnreg` (default `WORKER_REGS[block_m]`; the leader gets `2 * launch_regs - worker_regs`)."""
+    `setmaxnreg` (default `WORKER_REGS[block_m]`; the leader gets `2 * launch_regs - worker_regs`); `store_a`: as
+    in `mla_decode_gluon_regs.launch_regs` (not yet checked or timed on the H200, so off by default)."""
     if block_m not in LAUNCH_REGS:
         raise ValueError(f"block_m must be one of {sorted(LAUNCH_REGS)} for the two-warpgroup kernel, got {block_m}")
     if inflight not in (0, 1, 2):
@@ -512,5 +520,6 @@ def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
         R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q_split, INFLIGHT=int(inflight), W_REGS=worker_regs,
+        STORE_A=bool(store_a),
         num_warps=4, maxnreg=launch_regs,
     )

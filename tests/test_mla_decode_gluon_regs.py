@@ -37,7 +37,8 @@ COMPILE = textwrap.dedent(
 
     fn = mr.mla_decode_gluon_regs_kernel
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
-    for cb, q_split in ((4, False), (2, False), (4, True), (8, False)):
+    for cb, q_split, store_a in ((4, False, False), (2, False, False), (4, True, False), (8, False, False),
+                                 (4, False, True)):
         qd = "*fp32" if q_split else "*bf16"
         ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
                    rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
@@ -45,7 +46,7 @@ COMPILE = textwrap.dedent(
         rb = 8 if cb == 8 else 4
         const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=1,
                      WC_L=mr._words_layout(cb // 2), WP_L=mr._words_layout(cb), WR_L=mr._words_layout(rb // 2),
-                     XL=mr.dense_layout())
+                     XL=mr.dense_layout(), STORE_A=store_a)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
@@ -66,6 +67,11 @@ COMPILE = textwrap.dedent(
         # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
         assert len(re.findall(mma + r"%rd", ptx)) == 3 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
         assert "cp.async" not in ptx  # the code words go straight to registers
+        # the P tile goes to shared memory by one stmatrix.x4 per loop; with store_a the content keys too, from the
+        # A registers (8 units x 4 k-steps per loop: an A fragment's four registers are one x4), otherwise by
+        # plain stores
+        n_stm = len(re.findall(r"stmatrix", ptx))
+        assert n_stm == 3 * (1 + (8 * 4 if store_a else 0)), (cb, store_a, n_stm)
         # one lop3 + mul.f16x2 per pair: 9 units x 2 tokens x 8 pairs per thread and tile; at 2 and 4 bits half the
         # pairs made code - z by sub.f16x2, half by fma.rn.f16x2 (`half_asm`), at 8 bits every pair by sub.f16x2 and
         # its remainder by fma.rn.f16x2
