@@ -18,7 +18,7 @@ each, one program per SM) and each token is unpacked once per 32 rows:
   `s_bar[h]`, waits for `s_bar[1 - h]`, adds the other's partial of its own rows, updates their reference maxima
   (lazy rescaling, as the register kernel) and row sums, stores its columns of P (fp16, `pbuf`) and its rows'
   rescale factors (`abuf`), arrives on `p_bar[h]` and waits for `p_bar[1 - h]` (the first form, where the leader
-  ran the whole softmax, issued 2.2x the worker's instructions per tile and was 2-6% slower);
+  ran the whole softmax while the worker waited for P, was 2-6% slower on the H200);
 * each warpgroup runs the value `wgmma`s of its own four content units over all rows (`o_u^T += kbuf[u]^T P`),
   rescaling its accumulators first where a factor is not 1; at the end the two halves' `1 / l` go through `ibuf`.
 
