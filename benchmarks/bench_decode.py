@@ -455,15 +455,13 @@ SWEEP_GLUON = {
 
 
 SWEEP_GLUON_REGS = {
-    ("C4R4", 16): [dict(), dict(store_a=1), dict(waves=4), dict(waves=6), dict(waves=12), dict(waves=16),
-                   dict(inflight=2), dict(inflight=2, waves=4)],
-    ("C2R4", 16): [dict(), dict(store_a=1), dict(waves=4), dict(inflight=2)],
-    ("C8R8", 16): [dict(), dict(store_a=1), dict(waves=6)],
+    ("C4R4", 16): [dict(), dict(vote=0), dict(overlap=1), dict(num_splits=16), dict(waves=8), dict(store_a=1)],
+    ("C2R4", 16): [dict(), dict(vote=0), dict(overlap=1)],
+    ("C8R8", 16): [dict(), dict(vote=0), dict(store_a=1)],
     ("C4R4", 128): [dict()],
 }
 SWEEP_GLUON_WIDE = {
-    ("C4R4", 128): [dict(), dict(inflight=0), dict(inflight=2), dict(waves=2), dict(waves=8), dict(block_m=64),
-                    dict(block_m=64, inflight=0)],
+    ("C4R4", 128): [dict(), dict(store_a=1), dict(inflight=0), dict(waves=4), dict(waves=8), dict(block_m=64)],
 }
 SWEEP_GLUON_SCALED = {
     ("C4R4", 16): [dict(), dict(waves=4), dict(waves=16), dict(num_warps=8), dict(num_warps=8, maxnreg=128),

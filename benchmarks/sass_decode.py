@@ -4,8 +4,8 @@ opcode, plus the registers and spills of the kernel (the compile facts of docs/K
 operands"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4/C2R4): one
 packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
-    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--store-a]
-                                     [--wide [--block-m 32|64]]
+    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--store-a] [--no-vote]
+                                     [--overlap] [--wide [--block-m 32|64]]
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -31,11 +31,13 @@ FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
 
 
-def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, store_a: bool = False):
+def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, store_a: bool = False,
+                 vote: bool = True, overlap: bool = False):
     """The kernel compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent tokens, 16 rows)."""
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=inflight,
                  WC_L=mr._words_layout(content_bits // 2), WP_L=mr._words_layout(content_bits),
-                 WR_L=mr._words_layout(rope_bits // 2), XL=mr.dense_layout(), STORE_A=store_a)
+                 WR_L=mr._words_layout(rope_bits // 2), XL=mr.dense_layout(), STORE_A=store_a, VOTE=vote,
+                 OVERLAP=overlap)
     return _compile(mr.mla_decode_gluon_regs_kernel, const, q_split, {"num_warps": 4})
 
 
@@ -126,6 +128,8 @@ def main():
     ap.add_argument("--fp32-queries", action="store_true")
     ap.add_argument("--inflight", type=int, default=None, help="default: the kernel's (1)")
     ap.add_argument("--store-a", action="store_true", help="keys stored in the score operand's order (`store_a`)")
+    ap.add_argument("--no-vote", action="store_true", help="the softmax's cross-warp maximum every tile (`vote=0`)")
+    ap.add_argument("--overlap", action="store_true", help="value wgmmas overlapped with the next tile (`overlap`)")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel (C4R4, C2R4)")
     ap.add_argument("--block-m", type=int, default=mw.BLOCK_M, choices=sorted(mw.LAUNCH_REGS))
     a = ap.parse_args()
@@ -133,12 +137,14 @@ def main():
         main_wide(a)
         return
     a.inflight = 1 if a.inflight is None else a.inflight
-    kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, store_a=a.store_a)
+    kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, store_a=a.store_a,
+                          vote=not a.no_vote, overlap=a.overlap)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     loop = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
     counts = opcode_counts(loop)
     print(f"triton {triton.__version__} | {a.format} | {'fp32' if a.fp32_queries else 'bf16'} queries | "
-          f"inflight {a.inflight}{' | store_a' if a.store_a else ''} | shared memory {kernel.metadata.shared} B")
+          f"inflight {a.inflight}{' | store_a' if a.store_a else ''}{' | no vote' if a.no_vote else ''}"
+          f"{' | overlap' if a.overlap else ''} | shared memory {kernel.metadata.shared} B")
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
     print(f"packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
           f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements)")

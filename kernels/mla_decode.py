@@ -553,11 +553,11 @@ def combine_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: tuple | 
         lse = torch.empty((B, M), dtype=torch.float32, device=o_part.device)
     else:
         o, lse = out[0].view(B, M, D_C), out[1].view(B, M)
-    BLOCK_D = min(triton.next_power_of_2(D_C), 128)
+    from .mla_decode_fast import COMBINE_BLOCK_D, COMBINE_CHUNK, mla_decode_fast_combine_kernel
+
+    BLOCK_D = min(triton.next_power_of_2(D_C), COMBINE_BLOCK_D)
     # The fast module's combine: fixed-size chunks over the splits, empty ones skipped, so the sum (and its bits)
     # does not depend on the grid (a host-length launch and a capacity-sized one agree exactly).
-    from .mla_decode_fast import COMBINE_CHUNK, mla_decode_fast_combine_kernel
-
     mla_decode_fast_combine_kernel[(B * M, triton.cdiv(D_C, BLOCK_D))](
         o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=COMBINE_CHUNK, BLOCK_D=BLOCK_D,
     )

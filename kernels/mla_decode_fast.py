@@ -56,7 +56,8 @@ from . import mla_decode_gluon_wide as wide_kernel
 from . import mla_decode_strided as strided_kernel
 
 LOG2E = 1.4426950408889634
-COMBINE_CHUNK = 64  # packed splits merged per step of the combine (fixed: the summation order must not follow the grid)
+COMBINE_CHUNK = 8  # packed splits merged per step of the combine (fixed: the summation order must not follow the grid)
+COMBINE_BLOCK_D = 512  # latent columns per combine program
 
 
 @triton.jit
@@ -590,7 +591,7 @@ def _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, n_tail=1):
         if o.shape != (B, H, Tq, D_C) or lse.shape != (B, H, Tq) or not (o.is_contiguous() and lse.is_contiguous()):
             raise ValueError(f"out must be contiguous ([B, H, Tq, d_c], [B, H, Tq]) = ({(B, H, Tq, D_C)}, "
                              f"{(B, H, Tq)}), got {tuple(o.shape)} and {tuple(lse.shape)}")
-    BLOCK_D = min(triton.next_power_of_2(D_C), 128)
+    BLOCK_D = min(triton.next_power_of_2(D_C), COMBINE_BLOCK_D)
     # BLOCK_S is fixed (not derived from NSP): the chunks, hence the summation order, are the same for any grid.
     mla_decode_fast_combine_kernel[(B * M, triton.cdiv(D_C, BLOCK_D))](
         o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=COMBINE_CHUNK, BLOCK_D=BLOCK_D, N_TAIL=n_tail,
@@ -820,14 +821,28 @@ def _gluon_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 
-def _register_kernel_inputs(q_lat, q_rot, fmt, left_padding, capacity, block_m, waves, num_splits):
+def fill_splits(B: int, head_blocks: int, sms: int, programs_per_sm: int) -> int:
+    """Packed splits per (batch row, head block) for about `programs_per_sm` programs per multiprocessor in all
+    (the register kernel: its two resident program slots, filled once): `programs_per_sm * sms // (B *
+    head_blocks)`, at least 1. Each program then runs about one slot's share of
+    the tiles from start to end: no second, partly filled round of programs and no per-program set-up repeated
+    for short splits (H200, register kernel, 16 heads: B32 32K 0.2517 ms with 8 splits against 0.2631 with the
+    33 of about 8 programs per multiprocessor; B8 128K 0.2228 with 33 against 0.2497 with 132;
+    docs/BENCHMARKS.md "Split count")."""
+    return max(1, (programs_per_sm * sms) // max(1, B * head_blocks))
+
+
+def _register_kernel_inputs(q_lat, q_rot, fmt, left_padding, capacity, block_m, waves, num_splits, fill_per_sm):
     """What the register kernels (one- and two-warpgroup) take besides the planes: `(q [B, M, d_c], qr [B, M, d_R],
     o_part [B, M, NSP, d_c] fp32, lse_part [B, M, NSP] fp32, lp int64, split_target, NS, NSP)` for `block_m`-row
-    blocks and about `waves` programs per multiprocessor (`split_plan`)."""
+    blocks: `num_splits` splits, or about `waves` programs per multiprocessor (`split_plan`), or by default
+    `fill_splits(..., fill_per_sm)`."""
     B, H, Tq, D_C = q_lat.shape
     M = H * Tq
     sms = _num_sms(q_lat.device.index or 0)
-    target, NS = split_plan(B, triton.cdiv(M, block_m), capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, waves,
+    if num_splits is None and waves is None:
+        num_splits = fill_splits(B, triton.cdiv(M, block_m), sms, fill_per_sm)
+    target, NS = split_plan(B, triton.cdiv(M, block_m), capacity, 0, fmt, sms, gluon_kernel.BLOCK_T, waves or 1,
                             num_splits)
     NSP = NS + scaled_kernel.copy_programs(fmt)
     q = q_lat.reshape(B, M, D_C).contiguous()
@@ -851,8 +866,8 @@ def _gluon_wide_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
     q_split = q_lat.dtype == torch.float32 or q_rot.dtype == torch.float32
     block_m = int(launch.get("block_m") or wide_kernel.default_block_m(fmt, q_split))
     q, qr, o_part, lse_part, lp, target, NS, NSP = _register_kernel_inputs(
-        q_lat, q_rot, fmt, left_padding, capacity, block_m, launch.get("waves") or wide_kernel.WAVES,
-        launch.get("num_splits"))
+        q_lat, q_rot, fmt, left_padding, capacity, block_m, launch.get("waves"), launch.get("num_splits"),
+        wide_kernel.FILL_PER_SM)
     inflight = launch.get("inflight")
     wide_kernel.launch_wide(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
                             o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m,
@@ -871,12 +886,12 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
         raise ValueError(f"the register-operand Gluon kernel does not handle {fmt.name} with {q_lat.dtype} queries "
                          "(2- or 4-bit or 8-bit content and RoPE, 4 or 8 content groups, sm_90): pass regs=False")
     q, qr, o_part, lse_part, lp, target, NS, NSP = _register_kernel_inputs(
-        q_lat, q_rot, fmt, left_padding, capacity, regs_kernel.BLOCK_M, launch.get("waves") or 8,
-        launch.get("num_splits"))
+        q_lat, q_rot, fmt, left_padding, capacity, regs_kernel.BLOCK_M, launch.get("waves"), launch.get("num_splits"),
+        regs_kernel.FILL_PER_SM)
     inflight = launch.get("inflight")  # 0 is a value (each unit's wgmmas waited for at once), None the default
     regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
                             o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, 1 if inflight is None else inflight,
-                            bool(launch.get("store_a")))
+                            bool(launch.get("store_a")), bool(launch.get("vote", True)), bool(launch.get("overlap")))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 

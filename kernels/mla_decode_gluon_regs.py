@@ -13,8 +13,14 @@ shared-memory pipe was the busiest unit: 65% of the cycles, L1 78%):
   32-byte load per token; one load per unit was 4-7% slower on the H200).
 * The unpacked fp16 keys `(code - z) * s` are the *register* A operand of the score `wgmma`s: the scores no
   longer read 2 KB of shared memory per `m64n16k16`, and the RoPE keys never touch shared memory.
-* The content keys are still stored once to shared memory (`kbuf`), for the value `wgmma`s (`O^T = V^T P`: each
-  warp needs every token of 16 channels, so the tile crosses warps there).
+* The content keys are still stored once to shared memory, for the value `wgmma`s (`O^T = V^T P`: each warp needs
+  every token of 16 channels, so the tile crosses warps there), one buffer per unit (`_alloc_kbuf`): with one
+  buffer indexed per unit the compiler's barrier analysis could not tell the units' stores apart and put a CTA
+  barrier before each (11 per tile, now 4-5; the time did not change measurably).
+* The softmax's lazy-rescaling test is voted (`vote`, default): P is computed against the rows' present
+  references and stored, each warp's "some score passed its reference by more than 8" is one `REDUX` into shared
+  memory, read back after the barrier that publishes P; only a tile where it is set (the first, and rare jumps)
+  reduces the maximum across warps and stores P again.
 
 Unit layout (one of `GC` content units, then the RoPE unit, per 64-token tile): in unit u, thread `q = lane % 4`
 of each quad owns the 16 contiguous channels `[unit_base(u, q), + 16)` of two tokens (rows `lane / 4` and `+ 8`
@@ -57,6 +63,8 @@ if HAVE_GLUON:
     from .mla_decode_gluon_scaled import _copy_ranges, _finish, _split_range
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
+FILL_PER_SM = 2  # programs per multiprocessor the default split count provides (`fill_splits`): the two resident
+# ones (255 registers x 128 threads and at most ~104 KB of shared memory each)
 
 
 # --------------------------------------------------------------------------------------------- channel maps
@@ -338,14 +346,15 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
 @_jit
 def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
                 Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
-                FIRST: gl.constexpr = 0, STORE_A: gl.constexpr = False):
+                FIRST: gl.constexpr = 0, STORE_A: gl.constexpr = False, PV_PENDING: gl.constexpr = False):
     """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
     until at most `INFLIGHT` (0, 1 or 2) units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two
     units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
     tile's first unit in this warpgroup (it starts the accumulator and waits for the previous tile's value reads;
     0 here, the second warpgroup's first unit in `mla_decode_gluon_wide.py`). `STORE_A`: the content keys are stored
     from the A operand's registers in its column order (`score_channel`; `stmatrix`, no register moves) instead of
-    the `_v_view` order.
+    the `_v_view` order. `PV_PENDING`: the previous tile's value `wgmma`s may still be in flight (`overlap`): the
+    first unit waits for them (they are older than its own) before it stores to `kbuf`.
 
     `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
     accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
@@ -363,14 +372,16 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
         acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
         if Q_SPLIT:
             acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
+    PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
     if u < GC:
         if u == FIRST:
+            if PV_PENDING:
+                p1 = warpgroup_mma_wait(PER, deps=[p1])  # every group older than this unit's: the value wgmmas
             _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
         if STORE_A:
-            kbuf.index(u + kz).store(a)
+            kbuf[u].index(0).store(a)
         else:
-            kbuf.index(u + kz).store(_v_view(x5))
-    PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
+            kbuf[u].index(0).store(_v_view(x5))
     if LO:
         if u > 0:
             p1, p2 = warpgroup_mma_wait(PER, deps=[p1, p2])
@@ -391,11 +402,12 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
 @_jit
 def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
     """`o^T[64, BM] + kbuf[u]^T[64, BT] @ P[BT, BM]`, issued without waiting."""
-    return warpgroup_mma(kbuf.index(u + kz).permute((1, 0)), pbuf.index(kz), o, is_async=True)
+    return warpgroup_mma(kbuf[u].index(kz).permute((1, 0)), pbuf.index(kz), o, is_async=True)
 
 
 @_jit
-def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr):
+def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr,
+                VOTE: gl.constexpr = False, vbuf=None, WAIT: gl.constexpr = True):
     """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0) and the values of every
     content unit (`o_u^T[64, BM] += kbuf[u]^T @ P`). Returns `(m_i, l_p, o0..o7)`; `l_p: [64, BM]` holds the row
     sums per token lane (reduced once, at the end).
@@ -404,29 +416,67 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o
     `RESCALE_LOG2` (so the probabilities, `2 ** (s - m_i)`, stay below 2**8: exact in fp16 to its relative 2**-11,
     and the fp32 sums have room), and the accumulators are rescaled only in a tile where some row moved (one
     branch, the same in every thread): after the first tiles the 64 multiplies per thread of a rescale are
-    skipped. The result is the same softmax (the LSE is `m_i + log2(l)` for whatever reference `m_i` holds)."""
+    skipped. The result is the same softmax (the LSE is `m_i + log2(l)` for whatever reference `m_i` holds).
+
+    `VOTE` (`vbuf: [4]` int32 in shared memory): the test is voted per warp instead of reducing the tile's maximum
+    across warps first (see the module docstring); the same references and probabilities. `WAIT` (default): the
+    value accumulators are returned waited for; otherwise still in flight (`overlap`: the caller waits)."""
     b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
-    m_tile = gl.max(b_s, axis=0)
-    move = m_tile > m_i + 8.0  # RESCALE_LOG2 (true for every row's first finite scores: m_i = -inf)
-    m_new = gl.where(move, m_tile, m_i)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(b_s - m_use[None, :])
-    if gl.max(move.to(gl.int32), axis=0) > 0:
-        alpha = gl.exp2(m_i - m_use)
-        l_p = l_p * alpha[None, :]
-        o0 = o0 * alpha[None, :]
-        o1 = o1 * alpha[None, :]
-        o2 = o2 * alpha[None, :]
-        o3 = o3 * alpha[None, :]
-        if GC == 8:
-            o4 = o4 * alpha[None, :]
-            o5 = o5 * alpha[None, :]
-            o6 = o6 * alpha[None, :]
-            o7 = o7 * alpha[None, :]
-    l_p = l_p + p
-    pbuf.index(kz).store(p.to(gl.float16))
-    fence_async_shared()  # kbuf (stored by the score units) and P, visible to the wgmma
-    _cta_barrier()
+    if VOTE:
+        # P against the rows' present references, stored at once; whether any score passed its reference by more
+        # than RESCALE_LOG2 is voted per warp (no cross-warp reduction) and read back after the barrier that
+        # publishes P; only then (rare) is the tile's maximum reduced across warps and P stored again
+        m_new = m_i
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        p = gl.exp2(b_s - m_use[None, :])
+        up = (b_s > (m_i + 8.0)[None, :]).to(gl.int32)
+        vbuf.store(gl.max(gl.reshape(up, [4, up.shape[0] * up.shape[1] // 4]), axis=1))  # tokens 16 w.. of warp w
+        pbuf.index(kz).store(p.to(gl.float16))
+        fence_async_shared()
+        _cta_barrier()
+        if gl.max(vbuf.load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
+            m_tile = gl.max(b_s, axis=0)
+            move = m_tile > m_i + 8.0
+            m_new = gl.where(move, m_tile, m_i)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(b_s - m_use[None, :])
+            alpha = gl.exp2(m_i - m_use)
+            l_p = l_p * alpha[None, :]
+            o0 = o0 * alpha[None, :]
+            o1 = o1 * alpha[None, :]
+            o2 = o2 * alpha[None, :]
+            o3 = o3 * alpha[None, :]
+            if GC == 8:
+                o4 = o4 * alpha[None, :]
+                o5 = o5 * alpha[None, :]
+                o6 = o6 * alpha[None, :]
+                o7 = o7 * alpha[None, :]
+            pbuf.index(kz).store(p.to(gl.float16))
+            fence_async_shared()
+            _cta_barrier()
+        l_p = l_p + p
+    else:
+        m_tile = gl.max(b_s, axis=0)
+        move = m_tile > m_i + 8.0  # RESCALE_LOG2 (true for every row's first finite scores: m_i = -inf)
+        m_new = gl.where(move, m_tile, m_i)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(b_s - m_use[None, :])
+        if gl.max(move.to(gl.int32), axis=0) > 0:
+            alpha = gl.exp2(m_i - m_use)
+            l_p = l_p * alpha[None, :]
+            o0 = o0 * alpha[None, :]
+            o1 = o1 * alpha[None, :]
+            o2 = o2 * alpha[None, :]
+            o3 = o3 * alpha[None, :]
+            if GC == 8:
+                o4 = o4 * alpha[None, :]
+                o5 = o5 * alpha[None, :]
+                o6 = o6 * alpha[None, :]
+                o7 = o7 * alpha[None, :]
+        l_p = l_p + p
+        pbuf.index(kz).store(p.to(gl.float16))
+        fence_async_shared()  # kbuf (stored by the score units) and P, visible to the wgmma
+        _cta_barrier()
     o0 = _pv(kbuf, pbuf, o0, 0, kz)
     o1 = _pv(kbuf, pbuf, o1, 1, kz)
     o2 = _pv(kbuf, pbuf, o2, 2, kz)
@@ -436,10 +486,19 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o
         o5 = _pv(kbuf, pbuf, o5, 5, kz)
         o6 = _pv(kbuf, pbuf, o6, 6, kz)
         o7 = _pv(kbuf, pbuf, o7, 7, kz)
+    if WAIT:
+        o0, o1, o2, o3, o4, o5, o6, o7 = _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC)
+    return m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@_jit
+def _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC: gl.constexpr):
+    """The value accumulators, waited for (`wgmma.wait_group 0`)."""
+    if GC == 8:
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
     else:  # 4 content units (MiniCPM3's d_c = 256); o4..o7 unused
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
-    return m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7
+    return o0, o1, o2, o3, o4, o5, o6, o7
 
 
 @_jit
@@ -476,7 +535,7 @@ def _split_units(w, WU: gl.constexpr, wl: gl.constexpr):
 def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
                GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
                wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
-               FIRST: gl.constexpr = 0, STORE_A: gl.constexpr = False):
+               FIRST: gl.constexpr = 0, STORE_A: gl.constexpr = False, PV_PENDING: gl.constexpr = False):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does;
     `cp` replaced by the words of the tile at `tn` once both are unpacked. 8-bit keys: the accumulator chain that
     starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. `FIRST`: as in
@@ -485,7 +544,7 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a, FIRST, STORE_A)
+                                    dot_a, FIRST, STORE_A, PV_PENDING)
     if LO:
         if u == 2:
             pend = acc
@@ -502,7 +561,7 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
                    p_cc, p_rc, tn, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr,
                    C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr,
                    wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr,
-                   STORE_A: gl.constexpr = False):
+                   STORE_A: gl.constexpr = False, PV_PENDING: gl.constexpr = False):
     """Scores `[64, BM]` (waited) of one packed tile from its code words `c01 .. c67` (content units in pairs, `[64,
     4, 2 WU]`: a thread's 32 consecutive channels of group q, units 0-3, or q + 4, units 4-7), `cr` (RoPE) and fp16x2
     metadata (`zz0, ss0, zh0`: groups q, `zz1, ss1, zh1`: groups q + 4, `zzr, ssr, zhr`: RoPE; `half_asm`); its
@@ -519,7 +578,7 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     p2 = acc
     acc, pend, p1, p2, c01 = _unit_pair(
         c01, 0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, STORE_A)
+        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, STORE_A, PV_PENDING)
     acc, pend, p1, p2, c23 = _unit_pair(
         c23, 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
         INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, STORE_A)
@@ -545,7 +604,57 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     return acc, c01, c23, c45, c67, cr
 
 
+@_jit
+def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, kz, p_cc,
+                 p_rc, t0, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
+                 R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
+                 wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ml: gl.constexpr,
+                 STORE_A: gl.constexpr, PV_PENDING: gl.constexpr):
+    """Scores of the packed tile at `t0` from its words `c01 .. cr` and metadata (steps `s0, s1, sr`, zero points
+    `z0, z1, zr`: `_load_meta`), loading the next tile's (`t0 + 64`). Returns `(acc, c01, c23, c45, c67, cr, s0, z0,
+    s1, z1, sr, zr)` with the next tile's words and metadata."""
+    HALF_C: gl.constexpr = 1 << (C_BITS - 1)
+    HALF_R: gl.constexpr = 1 << (R_BITS - 1)
+    tn = t0 + 64
+    zz0 = _pair_z(z0, HALF_C)
+    ss0 = _pair_s(s0)
+    zz1 = _pair_z(z1, HALF_C)
+    ss1 = _pair_s(s1)
+    zzr = _pair_z(zr, HALF_R)
+    ssr = _pair_s(sr)
+    zh0 = _pair_zh(z0, HALF_C, C_BITS)
+    zh1 = _pair_zh(z1, HALF_C, C_BITS)
+    zhr = _pair_zh(zr, HALF_R, R_BITS)
+    s0, z0 = _load_meta(p_cs, p_cz, tn, lo, hi, 0, GC, ml)
+    if GC == 8:
+        s1, z1 = _load_meta(p_cs, p_cz, tn, lo, hi, 1, GC, ml)
+    sr, zr = _load_meta(p_rs, p_rz, tn, lo, hi, 0, 0, ml)
+    acc, c01, c23, c45, c67, cr = _packed_scores(
+        c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
+        lo, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, STORE_A, PV_PENDING)
+    return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr
+
+
 # --------------------------------------------------------------------------------------------- the kernel
+@_jit
+def _alloc_kbuf(GC: gl.constexpr, BT: gl.constexpr, k_sl: gl.constexpr):
+    """The content keys of a tile for the value `wgmma`s: a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit
+    (separate allocations, so the barrier analysis sees the units' stores as disjoint; `[u].index(kz)` keeps the
+    value `wgmma` descriptors computed in the loop)."""
+    k0 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
+    k1 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
+    k2 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
+    k3 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
+    if GC == 8:
+        k4 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
+        k5 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
+        k6 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
+        k7 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
+        return (k0, k1, k2, k3, k4, k5, k6, k7)
+    else:
+        return (k0, k1, k2, k3)
+
+
 def _words_layout(wu: int):
     """`[64, 4, wu]` words: lane `4 r + q` of warp w holds token `16 w + r` (and `+ 8`, a register) and quad slot
     q, its `wu` words in registers (the rows and quad slots of the `m64n16k16` A fragments)."""
@@ -566,7 +675,8 @@ def mla_decode_gluon_regs_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr, WP_L: gl.constexpr,
-    WR_L: gl.constexpr, XL: gl.constexpr, STORE_A: gl.constexpr,
+    WR_L: gl.constexpr, XL: gl.constexpr, STORE_A: gl.constexpr, VOTE: gl.constexpr = False,
+    OVERLAP: gl.constexpr = False,
 ):
     """Grid, splits, inputs and outputs of `mla_decode_gluon_scaled_kernel` (one program per split, block of BM
     rows and batch row; the last `ND` splits attend one copied tile each); one warpgroup. `WC_L`, `WR_L`: the
@@ -597,13 +707,14 @@ def mla_decode_gluon_regs_kernel(
     m_m = o_m < M
     lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
 
-    kbuf = gl.allocate_shared_memory(gl.float16, [GC, BT, 64], k_sl)
+    kbuf = _alloc_kbuf(GC, BT, k_sl)
     qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
     if Q_SPLIT:
         qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
     else:
         qlo = qbuf
     pbuf = gl.allocate_shared_memory(gl.float16, [1, BT, BM], p_sl)
+    vbuf = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     f = _stage_queries(qbuf, qlo, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, Q_SPLIT,
                        C_BITS, R_BITS, q_l)
@@ -649,30 +760,37 @@ def mla_decode_gluon_regs_kernel(
         z1 = z0
     sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
     o_bt = gl.arange(0, BT, layout=row_l).to(gl.int64)
-    for it in range(n_tiles):
-        t0 = base + it * BT
-        tn = t0 + BT
-        zz0 = _pair_z(z0, HALF_C)
-        ss0 = _pair_s(s0)
-        zz1 = _pair_z(z1, HALF_C)
-        ss1 = _pair_s(s1)
-        zzr = _pair_z(zr, HALF_R)
-        ssr = _pair_s(sr)
-        zh0 = _pair_zh(z0, HALF_C, C_BITS)
-        zh1 = _pair_zh(z1, HALF_C, C_BITS)
-        zhr = _pair_zh(zr, HALF_R, R_BITS)
-        s0, z0 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, 0, GC, ml)
-        if GC == 8:
-            s1, z1 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, 1, GC, ml)
-        sr, zr = _load_meta(p_rs, p_rz, tn, lo_valid, hi, 0, 0, ml)
-        kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
-        acc, c01, c23, c45, c67, cr = _packed_scores(
-            c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
-            lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, STORE_A)
-        o_t = t0 + o_bt
-        m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
-        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+    if OVERLAP:
+        # rotated: tile i's value wgmmas run while tile i + 1 is unpacked (its first unit waits for them)
+        acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
+            c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, 0, p_cc, p_rc,
+            base, lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ml,
+            STORE_A, False)
+        for it in range(n_tiles):
+            t0 = base + it * BT
+            kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
+            o_t = t0 + o_bt
+            m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
+            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, VOTE, vbuf, False)
+            if it + 1 < n_tiles:
+                acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
+                    c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, kz, p_cc,
+                    p_rc, t0 + BT, lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l,
+                    dot_a, ml, STORE_A, True)
+            o0, o1, o2, o3, o4, o5, o6, o7 = _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC)
+    else:
+        for it in range(n_tiles):
+            t0 = base + it * BT
+            kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
+            acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
+                c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, kz, p_cc,
+                p_rc, t0, lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ml,
+                STORE_A, False)
+            o_t = t0 + o_bt
+            m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
+            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, VOTE, vbuf)
 
     # The copied tiles: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
@@ -688,7 +806,7 @@ def mla_decode_gluon_regs_kernel(
         o_t = lp + o_jr
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, VOTE, vbuf)
     lo_dense = lp + S
     p_rcc = rcc_ptr + i_b * s_rccb
     p_rcr = rcr_ptr + i_b * s_rcrb
@@ -700,7 +818,7 @@ def mla_decode_gluon_regs_kernel(
         o_t = start + o_bt
         m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC)
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, VOTE, vbuf)
 
     inv_l, b_lse = _finish(l_p, m_i)
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
@@ -743,13 +861,17 @@ def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: tor
 
 
 def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale, inflight=1, store_a=False):
+                split_target, NS, qk_scale, inflight=1, store_a=False, vote=True, overlap=False):
     """Launch `mla_decode_gluon_regs_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, 16), B)`, one
     warpgroup per program (the partials hold `NS + copy_programs(fmt)` slots); `inflight`: 1 or 2 score units'
     `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1);
     `store_a`: the content keys stored in the score operand's column order (`stmatrix` from the A registers, no
-    register moves: 7% fewer SASS instructions per tile at C4R4; not yet checked or timed on the H200, so off by
-    default)."""
+    register moves: 7% fewer SASS instructions per tile at C4R4, correct on the H200 but 5% slower at 16 heads, so
+    off by default); `vote` (default): the softmax's lazy-rescaling test voted per warp and read back after the
+    barrier that publishes P, the cross-warp maximum only in a tile where a reference moves (`_softmax_pv`; H200, 16
+    heads B32 32K: C8R8 0.3755 against 0.4066 ms, C2R4 0.2254 against 0.2338, C4R4 0.2300 against 0.2341);
+    `overlap`: a tile's value `wgmma`s left in flight while the next tile's first unit is unpacked (a rotated loop;
+    correct, timed within 1% of the default, so off)."""
     if inflight not in (0, 1, 2):
         raise ValueError(f"inflight must be 0, 1 or 2, got {inflight}")
     if fmt.content.bits == 8 and inflight != 1:
@@ -772,6 +894,7 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
         R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=int(inflight),
         WC_L=_words_layout(fmt.content.bits // 2), WP_L=_words_layout(fmt.content.bits),
-        WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(), STORE_A=bool(store_a),
+        WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(), STORE_A=bool(store_a), VOTE=bool(vote),
+        OVERLAP=bool(overlap),
         num_warps=4,
     )

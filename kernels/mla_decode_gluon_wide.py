@@ -52,8 +52,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
     from .mla_decode_gluon import _cta_barrier
-    from .mla_decode_gluon_regs import (_load_dense, _load_meta, _load_unit, _pair_s, _pair_z, _pair_zh, _pv,
-                                        _score_unit, _stage_queries, _store_o, _unit_pair, _unpack_unit)
+    from .mla_decode_gluon_regs import (_alloc_kbuf, _load_dense, _load_meta, _load_unit, _pair_s, _pair_z,
+                                        _pair_zh, _pv, _score_unit, _stage_queries, _store_o, _unit_pair,
+                                        _unpack_unit)
     from .mla_decode_gluon_scaled import _copy_ranges, _split_range
 
 BLOCK_M = 32  # query rows per program by default (each token unpacked once per 32 rows)
@@ -62,7 +63,8 @@ LAUNCH_REGS = {32: 240, 64: 248}  # registers per thread at launch: one program 
 # are not offered)
 WORKER_REGS = {32: 240, 64: 240}  # the worker's after setmaxnreg; the leader gets 2 * launch - worker
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
-WAVES = 2  # about this many programs per multiprocessor in the split count (H200: 2 and 4 within 1% at B32 128 heads)
+FILL_PER_SM = 2  # programs per multiprocessor the default split count provides (`fill_splits`): one is resident
+# (8 warps at 240 registers), so two rounds (H200, 128 heads B32 32K: 1.329 ms with 2 splits against 1.374 with 1)
 
 if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_specialize's argument tuples)
     _WORDS_1 = gl.constexpr(regs._words_layout(1))  # 2-bit words
@@ -421,7 +423,7 @@ def mla_decode_gluon_wide_kernel(
 
     i_hb = gl.program_id(1)
     i_b = gl.program_id(2).to(gl.int64)
-    kbuf = gl.allocate_shared_memory(gl.float16, [GC, BT, 64], k_sl)
+    kbuf = _alloc_kbuf(GC, BT, k_sl)
     qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
     if Q_SPLIT:
         qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)

@@ -216,6 +216,18 @@ def test_split_plan_keeps_the_measured_split_counts():
     assert active(1, 4096, 32768)[:2] == (62, 64)  # a larger static cache: same splits, larger grid
 
 
+def test_fill_splits_fill_the_resident_slots_once():
+    """The register kernels' default split count (H200: 132 SMs; the one-warpgroup kernel keeps 2 programs per SM,
+    the two-warpgroup one fills its 1 twice): B * head_blocks * splits at most the slots, and the largest such."""
+    from quantmla_hf.kernels.mla_decode_fast import fill_splits
+
+    assert [fill_splits(B, 1, 132, 2) for B in (1, 8, 16, 32, 64, 264, 1000)] == [264, 33, 16, 8, 4, 1, 1]
+    assert fill_splits(32, 4, 132, 2) == 2  # 128 heads in 32-row blocks (the two-warpgroup kernel)
+    for B, hb, sms, per in ((32, 1, 132, 2), (7, 3, 114, 2), (5, 8, 78, 1)):
+        n = fill_splits(B, hb, sms, per)
+        assert B * hb * n <= per * sms < B * hb * (n + 1)
+
+
 @pytest.mark.parametrize("n_tail", [1, 3])
 def test_combine_tail_slots_and_trailing_empty_splits(n_tail):
     """The combine merges packed splits in fixed chunks and then the `n_tail` copy slots at the end (3 for the

@@ -37,8 +37,10 @@ COMPILE = textwrap.dedent(
 
     fn = mr.mla_decode_gluon_regs_kernel
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
-    for cb, q_split, store_a in ((4, False, False), (2, False, False), (4, True, False), (8, False, False),
-                                 (4, False, True)):
+    # (content bits, fp32 queries, store_a, vote, overlap): the default launch (vote) per format, and the options
+    for cb, q_split, store_a, vote, overlap in ((4, False, False, True, False), (2, False, False, True, False),
+                                                (4, True, False, True, False), (8, False, False, True, False),
+                                                (4, False, True, False, False), (4, False, False, False, True)):
         qd = "*fp32" if q_split else "*bf16"
         ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
                    rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
@@ -46,7 +48,7 @@ COMPILE = textwrap.dedent(
         rb = 8 if cb == 8 else 4
         const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=1,
                      WC_L=mr._words_layout(cb // 2), WP_L=mr._words_layout(cb), WR_L=mr._words_layout(rb // 2),
-                     XL=mr.dense_layout(), STORE_A=store_a)
+                     XL=mr.dense_layout(), STORE_A=store_a, VOTE=vote, OVERLAP=overlap)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
@@ -61,21 +63,25 @@ COMPILE = textwrap.dedent(
         mma = r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 \\{[^}]*\\}, "
         per = 2 if q_split else 1
         # scores: 9 units x 4 k-steps with the A operand in registers, in the packed loop and the two copy loops
-        # (8-bit keys: the packed loop also on the remainders)
-        n_reg = 3 * 9 * 4 * per + (9 * 4 if cb == 8 else 0)
+        # (8-bit keys: the packed loop also on the remainders); with overlap the packed tile's code is there twice
+        # (the first tile's scores before the rotated loop)
+        n_reg = (3 + overlap) * 9 * 4 * per + (9 * 4 if cb == 8 else 0)
         assert len(re.findall(mma + r"\\{", ptx)) == n_reg, (cb, len(re.findall(mma + r"\\{", ptx)))
         # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
         assert len(re.findall(mma + r"%rd", ptx)) == 3 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
         assert "cp.async" not in ptx  # the code words go straight to registers
-        # the P tile goes to shared memory by one stmatrix.x4 per loop; with store_a the content keys too, from the
-        # A registers (8 units x 4 k-steps per loop: an A fragment's four registers are one x4), otherwise by
-        # plain stores
+        # the P tile goes to shared memory by one stmatrix.x4 per loop (with vote twice: at once, and again in the
+        # branch where a row's reference moves); with store_a the content keys too, from the A registers (8 units
+        # x 4 k-steps per loop: an A fragment's four registers are one x4), otherwise by plain stores
         n_stm = len(re.findall(r"stmatrix", ptx))
-        assert n_stm == 3 * (1 + (8 * 4 if store_a else 0)), (cb, store_a, n_stm)
+        assert n_stm == 3 * ((2 if vote else 1) + (8 * 4 if store_a else 0)), (cb, store_a, vote, n_stm)
+        # the content keys go to eight separate buffers: no barrier between the units' stores (one buffer indexed
+        # per unit took one before each store, 46 in all with Triton 3.6)
+        assert ptx.count("bar.sync") <= 27, (cb, ptx.count("bar.sync"))
         # one lop3 + mul.f16x2 per pair: 9 units x 2 tokens x 8 pairs per thread and tile; at 2 and 4 bits half the
         # pairs made code - z by sub.f16x2, half by fma.rn.f16x2 (`half_asm`), at 8 bits every pair by sub.f16x2 and
         # its remainder by fma.rn.f16x2
-        per = 9 * 2 * 8
+        per = 9 * 2 * 8 * (2 if overlap else 1)
         want = {"0x64006400": per, "mul.f16x2": per, "sub.f16x2": per if cb == 8 else per // 2,
                 "fma.rn.f16x2": per if cb == 8 else per // 2}
         for op, n_op in want.items():
@@ -230,3 +236,7 @@ def test_sass_script_counts_the_packed_loop():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "(144 unpacking multiplies" in out.stdout, out.stdout
     assert re.search(r"^HGMMA\.64x16x16\s+68$", out.stdout, re.M), out.stdout
+    # barriers per tile: the first unit's (the previous tile's value reads), P's, the vote's read-back and its rare
+    # branch; none between the units' key stores (11 per tile with one key buffer indexed per unit, Triton 3.6)
+    bars = re.search(r"^BAR\.SYNC\s+(\d+)$", out.stdout, re.M)
+    assert bars and int(bars.group(1)) <= 5, out.stdout
