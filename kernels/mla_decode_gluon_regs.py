@@ -435,44 +435,18 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o
         fence_async_shared()
         _cta_barrier()
         if gl.max(vbuf.load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
-            m_tile = gl.max(b_s, axis=0)
-            move = m_tile > m_i + 8.0
-            m_new = gl.where(move, m_tile, m_i)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(b_s - m_use[None, :])
-            alpha = gl.exp2(m_i - m_use)
-            l_p = l_p * alpha[None, :]
-            o0 = o0 * alpha[None, :]
-            o1 = o1 * alpha[None, :]
-            o2 = o2 * alpha[None, :]
-            o3 = o3 * alpha[None, :]
-            if GC == 8:
-                o4 = o4 * alpha[None, :]
-                o5 = o5 * alpha[None, :]
-                o6 = o6 * alpha[None, :]
-                o7 = o7 * alpha[None, :]
+            move, m_new, m_use, p = _references(b_s, m_i)
+            l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _rescale(gl.exp2(m_i - m_use), l_p, o0, o1, o2, o3, o4, o5, o6, o7,
+                                                           GC)
             pbuf.index(kz).store(p.to(gl.float16))
             fence_async_shared()
             _cta_barrier()
         l_p = l_p + p
     else:
-        m_tile = gl.max(b_s, axis=0)
-        move = m_tile > m_i + 8.0  # RESCALE_LOG2 (true for every row's first finite scores: m_i = -inf)
-        m_new = gl.where(move, m_tile, m_i)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(b_s - m_use[None, :])
+        move, m_new, m_use, p = _references(b_s, m_i)
         if gl.max(move.to(gl.int32), axis=0) > 0:
-            alpha = gl.exp2(m_i - m_use)
-            l_p = l_p * alpha[None, :]
-            o0 = o0 * alpha[None, :]
-            o1 = o1 * alpha[None, :]
-            o2 = o2 * alpha[None, :]
-            o3 = o3 * alpha[None, :]
-            if GC == 8:
-                o4 = o4 * alpha[None, :]
-                o5 = o5 * alpha[None, :]
-                o6 = o6 * alpha[None, :]
-                o7 = o7 * alpha[None, :]
+            l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _rescale(gl.exp2(m_i - m_use), l_p, o0, o1, o2, o3, o4, o5, o6, o7,
+                                                           GC)
         l_p = l_p + p
         pbuf.index(kz).store(p.to(gl.float16))
         fence_async_shared()  # kbuf (stored by the score units) and P, visible to the wgmma
@@ -489,6 +463,34 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o
     if WAIT:
         o0, o1, o2, o3, o4, o5, o6, o7 = _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC)
     return m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@_jit
+def _references(b_s, m_i):
+    """Lazy rescaling of scores `b_s: [64, BM]` (base 2) against references `m_i: [BM]`: `(move, m_new, m_use, p)`,
+    a row's reference moved to the tile's maximum where that passes it by more than 8 (RESCALE_LOG2; true for every
+    row's first finite scores, `m_i = -inf`), `m_use` the reference with -inf as 0, `p = 2**(b_s - m_use)`."""
+    m_tile = gl.max(b_s, axis=0)
+    move = m_tile > m_i + 8.0
+    m_new = gl.where(move, m_tile, m_i)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return move, m_new, m_use, gl.exp2(b_s - m_use[None, :])
+
+
+@_jit
+def _rescale(alpha, l_p, o0, o1, o2, o3, o4, o5, o6, o7, GC: gl.constexpr):
+    """The row sums and value accumulators times `alpha: [BM]` (per row); o4..o7 only with 8 content units."""
+    l_p = l_p * alpha[None, :]
+    o0 = o0 * alpha[None, :]
+    o1 = o1 * alpha[None, :]
+    o2 = o2 * alpha[None, :]
+    o3 = o3 * alpha[None, :]
+    if GC == 8:
+        o4 = o4 * alpha[None, :]
+        o5 = o5 * alpha[None, :]
+        o6 = o6 * alpha[None, :]
+        o7 = o7 * alpha[None, :]
+    return l_p, o0, o1, o2, o3, o4, o5, o6, o7
 
 
 @_jit
