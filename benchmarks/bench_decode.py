@@ -461,7 +461,7 @@ SWEEP_GLUON_REGS = {
     ("C4R4", 128): [dict()],
 }
 SWEEP_GLUON_WIDE = {
-    ("C4R4", 128): [dict(), dict(store_a=1), dict(inflight=0), dict(waves=4), dict(waves=8), dict(block_m=64)],
+    ("C4R4", 128): [dict(), dict(vote=0), dict(num_splits=1), dict(num_splits=4)],
 }
 SWEEP_GLUON_SCALED = {
     ("C4R4", 16): [dict(), dict(waves=4), dict(waves=16), dict(num_warps=8), dict(num_warps=8, maxnreg=128),

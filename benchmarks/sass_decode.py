@@ -42,11 +42,12 @@ def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, infli
 
 
 def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT,
-                 block_m: int = mw.BLOCK_M, store_a: bool = False):
+                 block_m: int = mw.BLOCK_M, store_a: bool = False, vote: bool = True):
     """The two-warpgroup kernel compiled for sm_90 at DeepSeek widths with its default registers per block size."""
     fn = mw.mla_decode_gluon_wide_kernel
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=block_m, Q_SPLIT=q_split,
-                 INFLIGHT=inflight, W_REGS=mw.WORKER_REGS[block_m], STORE_A=store_a)
+                 INFLIGHT=inflight, W_REGS=mw.WORKER_REGS[block_m], STORE_A=store_a,
+                 VOTE=vote)
     return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.LAUNCH_REGS[block_m]})
 
 
@@ -157,13 +158,12 @@ def main_wide(a):
         raise SystemExit(f"--wide takes C4R4 or C2R4, got {a.format}")
     inflight = mw.INFLIGHT if a.inflight is None else a.inflight
     kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight, block_m=a.block_m,
-                          store_a=a.store_a)
+                          store_a=a.store_a, vote=not a.no_vote)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     sass = disassemble(kernel.asm["cubin"], "-sass")
     print(f"triton {triton.__version__} | {a.format} two warpgroups | {a.block_m} rows | "
-          f"{'fp32' if a.fp32_queries else 'bf16'} queries | inflight {inflight}{' | store_a' if a.store_a else ''} | "
-          f"shared memory "
-          f"{kernel.metadata.shared} B")
+          f"{'fp32' if a.fp32_queries else 'bf16'} queries | inflight {inflight}{' | store_a' if a.store_a else ''}"
+          f"{' | no vote' if a.no_vote else ''} | shared memory {kernel.metadata.shared} B")
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
     loops = sorted(packed_loops(sass), key=lambda body: -opcode_counts(body)[UNPACK_MUL])
     for name, loop in zip(("leader", "worker"), loops):

@@ -872,7 +872,8 @@ def _gluon_wide_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
     wide_kernel.launch_wide(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
                             o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, block_m,
                             wide_kernel.INFLIGHT if inflight is None else inflight, launch.get("launch_regs"),
-                            launch.get("worker_regs"), bool(launch.get("store_a")))
+                            launch.get("worker_regs"), bool(launch.get("store_a")),
+                            bool(launch.get("vote", True)))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 

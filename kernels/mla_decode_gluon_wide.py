@@ -53,7 +53,7 @@ if HAVE_GLUON:
 
     from .mla_decode_gluon import _cta_barrier
     from .mla_decode_gluon_regs import (_alloc_kbuf, _load_dense, _load_meta, _load_unit, _pair_s, _pair_z,
-                                        _pair_zh, _pv, _score_unit, _stage_queries, _store_o, _unit_pair,
+                                        _pair_zh, _pv, _references, _score_unit, _stage_queries, _store_o, _unit_pair,
                                         _unpack_unit)
     from .mla_decode_gluon_scaled import _copy_ranges, _split_range
 
@@ -154,7 +154,8 @@ def _row_halves(x, acc_h: gl.constexpr):
 
 @_jit
 def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i, l_p, oa, ob, oc, od, kz,
-                 HF: gl.constexpr, U0: gl.constexpr, acc_l: gl.constexpr, acc_h: gl.constexpr):
+                 HF: gl.constexpr, U0: gl.constexpr, acc_l: gl.constexpr, acc_h: gl.constexpr,
+                 VOTE: gl.constexpr = False, ibuf=None):
     """One tile's softmax step and value `wgmma`s for warpgroup `HF` (0: leader, 1: worker). `acc`: its partial
     scores `[64, BM]` (its units over all rows); `ph`: the tile's barrier phase. Each warpgroup runs the online
     softmax of its own half of the rows (`[HF * BM/2, + BM/2)`; `f_h`, `m_valid: [64, BM/2]`, `m_i`, `l_p` are that
@@ -167,6 +168,9 @@ def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_
        `p_bar[HF]` and waits for `p_bar[1 - HF]`;
     3. rescales its value accumulators `oa..od` (all rows) where a factor is not 1, then `o_u^T += kbuf[u]^T P` for
        `u = U0 .. U0 + 3` (waited).
+    `VOTE`: step 2 as the register kernel's voted test (`_softmax_pv`): P against the present references and
+    factors of 1 stored at once, each warp's vote in `ibuf[HF * BM/2 + w]` (unused until the final `1 / l`
+    exchange), read back after the warpgroup's barrier; the cross-warp maximum only where a vote is set.
     Returns `(m_i, l_p, oa, ob, oc, od)`."""
     BM: gl.constexpr = acc.shape[1]
     HM: gl.constexpr = BM // 2
@@ -183,19 +187,34 @@ def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_
     mbarrier.wait(s_bar.index(1 - HF), ph)
     mine = mine + sbuf.index(1 - HF).load(acc_h)
     b_s = gl.where(m_valid, mine * f_h[None, :], float("-inf"))
-    m_tile = gl.max(b_s, axis=0)
-    move = m_tile > m_i + 8.0  # the register kernel's RESCALE_LOG2
-    m_new = gl.where(move, m_tile, m_i)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(b_s - m_use[None, :])
-    alpha_h = gl.where(move, gl.exp2(m_i - m_use), 1.0)
-    if gl.max(move.to(gl.int32), axis=0) > 0:
-        l_p = l_p * gl.convert_layout(alpha_h, gl.SliceLayout(0, gl.SliceLayout(1, l_p.type.layout)))[None, None, :]
-    l_p = l_p + _lane_sums(p)
-    pbuf.index(kz).slice(HF * HM, HM, dim=1).store(p.to(gl.float16))
-    abuf.slice(HF * HM, HM).store(alpha_h)
-    fence_async_shared()  # P (and this warpgroup's kbuf half) visible to the wgmmas
-    _cta_barrier()
+    if VOTE:
+        m_new = m_i
+        p = gl.exp2(b_s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+        up = (b_s > (m_i + 8.0)[None, :]).to(gl.int32)  # an integer maximum per warp is one REDUX
+        ibuf.slice(HF * HM, 4).store(gl.max(gl.reshape(up, [4, 16 * HM]), axis=1).to(gl.float32))  # warp w: 16 w..
+        pbuf.index(kz).slice(HF * HM, HM, dim=1).store(p.to(gl.float16))
+        abuf.slice(HF * HM, HM).store(gl.full([HM], 1.0, gl.float32, m_i.type.layout))
+        fence_async_shared()  # P (and this warpgroup's kbuf half) visible to the wgmmas
+        _cta_barrier()
+        if gl.max(ibuf.slice(HF * HM, 4).load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
+            move, m_new, m_use, p = _references(b_s, m_i)
+            alpha_h = gl.where(move, gl.exp2(m_i - m_use), 1.0)
+            l_p = l_p * gl.convert_layout(alpha_h, gl.SliceLayout(0, gl.SliceLayout(1, l_p.type.layout)))[None, None, :]
+            pbuf.index(kz).slice(HF * HM, HM, dim=1).store(p.to(gl.float16))
+            abuf.slice(HF * HM, HM).store(alpha_h)
+            fence_async_shared()
+            _cta_barrier()
+        l_p = l_p + _lane_sums(p)
+    else:
+        move, m_new, m_use, p = _references(b_s, m_i)  # the register kernel's RESCALE_LOG2
+        alpha_h = gl.where(move, gl.exp2(m_i - m_use), 1.0)
+        if gl.max(move.to(gl.int32), axis=0) > 0:
+            l_p = l_p * gl.convert_layout(alpha_h, gl.SliceLayout(0, gl.SliceLayout(1, l_p.type.layout)))[None, None, :]
+        l_p = l_p + _lane_sums(p)
+        pbuf.index(kz).slice(HF * HM, HM, dim=1).store(p.to(gl.float16))
+        abuf.slice(HF * HM, HM).store(alpha_h)
+        fence_async_shared()  # P (and this warpgroup's kbuf half) visible to the wgmmas
+        _cta_barrier()
     mbarrier.arrive(p_bar.index(HF), count=1)
     mbarrier.wait(p_bar.index(1 - HF), ph)
     alpha = abuf.load(col_l)
@@ -220,7 +239,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
                   s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
                   GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
                   BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr,
-                  WP_L: gl.constexpr, STORE_A: gl.constexpr = False):
+                  WP_L: gl.constexpr, STORE_A: gl.constexpr = False, VOTE: gl.constexpr = False):
     """The leader's (`LEAD`: content units 0-3, the RoPE unit, the softmax of rows `[0, BM/2)`, outputs 0-3) or the
     worker's (content units 4-7, the softmax of rows `[BM/2, BM)`, outputs 4-7) share of every tile of the program
     (its split, row block and batch row); each stores the LSE of its rows. `fbuf: [BM]` the rows' score factors
@@ -304,7 +323,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_mh[None, :]
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
-                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h)
+                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, VOTE, ibuf)
         ph = ph ^ 1
 
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
@@ -321,7 +340,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         o_t = lp + o_jr
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_mh[None, :] & (o_t[:, None] < lim_mh[None, :])
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
-                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h)
+                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, VOTE, ibuf)
         ph = ph ^ 1
     lo_dense = lp + S
     p_rcc = rcc_ptr + i_b * s_rccb
@@ -335,7 +354,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         o_t = start + o_bt
         m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_mh[None, :] & (o_t[:, None] < lim_mh[None, :])
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
-                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h)
+                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, VOTE, ibuf)
         ph = ph ^ 1
 
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
@@ -357,20 +376,21 @@ def _leader(fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr,
             snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
             s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
             GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, STORE_A: gl.constexpr):
+            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, STORE_A: gl.constexpr,
+            VOTE: gl.constexpr):
     """The default partition: `_half_program(LEAD=True, ...)`."""
     if C_BITS == 4:
         _half_program(True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
                       rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
                       split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                       s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4,
-                      STORE_A)
+                      STORE_A, VOTE)
     else:
         _half_program(True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
                       rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
                       split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                       s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2,
-                      STORE_A)
+                      STORE_A, VOTE)
 
 
 @_jit
@@ -378,20 +398,21 @@ def _worker(fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr,
             snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
             s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
             GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, STORE_A: gl.constexpr):
+            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, STORE_A: gl.constexpr,
+            VOTE: gl.constexpr):
     """The worker partition (4 warps): `_half_program(LEAD=False, ...)`."""
     if C_BITS == 4:
         _half_program(False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr,
                       rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M,
                       Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                       s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4,
-                      STORE_A)
+                      STORE_A, VOTE)
     else:
         _half_program(False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr,
                       rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M,
                       Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                       s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2,
-                      STORE_A)
+                      STORE_A, VOTE)
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -406,6 +427,7 @@ def mla_decode_gluon_wide_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, W_REGS: gl.constexpr, STORE_A: gl.constexpr,
+    VOTE: gl.constexpr = False,
 ):
     """Grid, splits, inputs and outputs of `mla_decode_gluon_regs_kernel` with BM-row blocks; the queries (and the
     rows' score factors, `fbuf`) are staged by the default warps, then the leader (4 warps) and the worker (4 warps,
@@ -451,11 +473,11 @@ def mla_decode_gluon_wide_kernel(
         (_leader, (fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
                    rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
                    num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, STORE_A)),
+                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, STORE_A, VOTE)),
         (_worker, (fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
                    rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
                    num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, STORE_A)),
+                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, STORE_A, VOTE)),
     ], [4], [W_REGS])
 
 
@@ -485,11 +507,13 @@ def wide_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: tor
 
 def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
                 split_target, NS, qk_scale, block_m=BLOCK_M, inflight=INFLIGHT, launch_regs=None, worker_regs=None,
-                store_a=False):
+                store_a=False, vote=True):
     """Launch `mla_decode_gluon_wide_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, block_m), B)`: 8 warps
     per program at `launch_regs` registers (default `LAUNCH_REGS[block_m]`), the worker at `worker_regs` after
     `setmaxnreg` (default `WORKER_REGS[block_m]`; the leader gets `2 * launch_regs - worker_regs`); `store_a`: as
-    in `mla_decode_gluon_regs.launch_regs` (not yet checked or timed on the H200, so off by default)."""
+    in `mla_decode_gluon_regs.launch_regs` (correct on the H200, no consistent gain: off); `vote` (default): each
+    warpgroup's rescaling test voted per warp (`_exchange_pv`; H200, 128 heads B32 32K: 1.2849 and 1.2838 ms
+    against 1.3179 and 1.3205 without, B64 2.5231 against 2.6039)."""
     if block_m not in LAUNCH_REGS:
         raise ValueError(f"block_m must be one of {sorted(LAUNCH_REGS)} for the two-warpgroup kernel, got {block_m}")
     if inflight not in (0, 1, 2):
@@ -522,6 +546,6 @@ def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
         R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q_split, INFLIGHT=int(inflight), W_REGS=worker_regs,
-        STORE_A=bool(store_a),
+        STORE_A=bool(store_a), VOTE=bool(vote),
         num_warps=4, maxnreg=launch_regs,
     )

@@ -35,14 +35,16 @@ COMPILE = textwrap.dedent(
     fn = mw.mla_decode_gluon_wide_kernel
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    for cb, bm, q_split, store_a in ((4, 32, False, False), (2, 32, True, False), (4, 64, False, False),
-                                     (4, 32, False, True)):
+    # (content bits, rows, fp32 queries, store_a, vote): the default launch (vote) and the options
+    for cb, bm, q_split, store_a, vote in ((4, 32, False, False, True), (2, 32, True, False, True),
+                                           (4, 64, False, False, True), (4, 32, False, True, False),
+                                           (4, 32, False, False, False)):
         qd = "*fp32" if q_split else "*bf16"
         ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
                    rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
                    rcr_ptr="*bf16", lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
         const = dict(GC=8, C_BITS=cb, R_BITS=4, S=4, R=128, BM=bm, Q_SPLIT=q_split, INFLIGHT=mw.INFLIGHT,
-                     W_REGS=mw.WORKER_REGS[bm], STORE_A=store_a)
+                     W_REGS=mw.WORKER_REGS[bm], STORE_A=store_a, VOTE=vote)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
