@@ -493,10 +493,11 @@ def mla_decode_static(
         launch: `block_m, block_t, num_warps, num_stages, waves, num_splits` (the split target of `split_plan`)
             overrides (benchmarks), and
             `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
-            `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, wide, inflight, store_a`:
-            `regs` picks the register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves, num_splits,
-            inflight, store_a`), `wide` its two-warpgroup form of `mla_decode_gluon_wide.py` (keys `block_m` 32 or
-            64, `waves, num_splits, inflight, launch_regs, worker_regs, store_a`), `scaled` the scaled-tile kernel of
+            `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, wide, inflight, store_a,
+            vote, overlap`: `regs` picks the register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves,
+            num_splits, inflight, store_a, vote, overlap`; without `waves` or `num_splits` the splits are
+            `fill_splits`), `wide` its two-warpgroup form of `mla_decode_gluon_wide.py` (keys `block_m` 32 or 64,
+            `waves, num_splits, inflight, launch_regs, worker_regs, store_a, vote`), `scaled` the scaled-tile kernel of
             `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys `block_m, block_t,
             num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
 
@@ -856,8 +857,8 @@ def _register_kernel_inputs(q_lat, q_rot, fmt, left_padding, capacity, block_m, 
 def _gluon_wide_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
                        left_padding, length, capacity, scaling, out, **launch):
     """`mla_decode_static` through the two-warpgroup register kernel (`mla_decode_gluon_wide.py`: 32- or 64-row
-    blocks; launch keys `block_m`, `waves`, `num_splits`, `inflight`, `launch_regs`, `worker_regs`, `store_a`), same
-    partials and combine as the other Gluon kernels."""
+    blocks; launch keys `block_m`, `waves`, `num_splits`, `inflight`, `launch_regs`, `worker_regs`, `store_a`,
+    `vote` (default on)), same partials and combine as the other Gluon kernels."""
     B, H, Tq, D_C = q_lat.shape
     M = H * Tq
     if not wide_kernel.wide_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
@@ -880,7 +881,8 @@ def _gluon_wide_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
 def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
                        left_padding, length, capacity, scaling, out, **launch):
     """`mla_decode_static` through the register-operand Gluon kernel (`mla_decode_gluon_regs.py`: 16-row blocks, one
-    warpgroup; launch keys `waves`, `num_splits`, `inflight`), same partials and combine as the scaled-tile kernel."""
+    warpgroup; launch keys `waves`, `num_splits`, `inflight`, `store_a`, `vote` (default on), `overlap`), same
+    partials and combine as the scaled-tile kernel."""
     B, H, Tq, D_C = q_lat.shape
     M = H * Tq
     if not regs_kernel.regs_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
