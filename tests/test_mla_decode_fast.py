@@ -228,6 +228,25 @@ def test_fill_splits_fill_the_resident_slots_once():
         assert B * hb * n <= per * sms < B * hb * (n + 1)
 
 
+def test_register_kernels_default_to_fill_splits(monkeypatch):
+    """Without `waves` or `num_splits` the register kernels' launch takes `fill_splits` (132 SMs: 8 splits at 16
+    heads B32, 2 at 128 heads in 32-row blocks); an explicit `waves` keeps `split_plan`'s count, `num_splits` wins."""
+    from quantmla_hf.kernels import mla_decode_fast as mf
+
+    monkeypatch.setattr(mf, "_num_sms", lambda index: 132)
+    fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
+    lp = torch.zeros(32, dtype=torch.int64)
+
+    def splits(H, block_m, fill, waves=None, num_splits=None):
+        q, qr = torch.zeros(32, H, 1, 512), torch.zeros(32, H, 1, 64)
+        return mf._register_kernel_inputs(q, qr, fmt, lp, 32768, block_m, waves, num_splits, fill)[6]
+
+    assert splits(16, 16, 2) == 8
+    assert splits(128, 32, 2) == 2
+    assert splits(16, 16, 2, waves=8) == 33  # about 8 programs per SM, as before
+    assert splits(16, 16, 2, num_splits=5) == 5
+
+
 @pytest.mark.parametrize("n_tail", [1, 3])
 def test_combine_tail_slots_and_trailing_empty_splits(n_tail):
     """The combine merges packed splits in fixed chunks and then the `n_tail` copy slots at the end (3 for the
