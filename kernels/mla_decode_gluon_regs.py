@@ -60,7 +60,7 @@ if HAVE_GLUON:
                                                                    warpgroup_mma_wait)
 
     from .mla_decode_gluon import _cta_barrier, _order4, _order8
-    from .mla_decode_gluon_scaled import _copy_ranges, _finish, _split_range
+    from .mla_decode_gluon_scaled import _copy_ranges, _finish, _program_coords, _split_range
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
 FILL_PER_SM = 2  # programs per multiprocessor the default split count provides (`fill_splits`): the two resident
@@ -700,9 +700,8 @@ def mla_decode_gluon_regs_kernel(
     HALF_C: gl.constexpr = 1 << (C_BITS - 1)
     HALF_R: gl.constexpr = 1 << (R_BITS - 1)
 
-    i_s = gl.program_id(0).to(gl.int64)
-    i_hb = gl.program_id(1)
-    i_b = gl.program_id(2).to(gl.int64)
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
+    i_s, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
     length = gl.load(len_ptr).to(gl.int64)
     lp = gl.load(lp_ptr + i_b).to(gl.int64)
     o_m = i_hb * BM + gl.arange(0, BM, layout=col_l)
@@ -734,7 +733,6 @@ def mla_decode_gluon_regs_kernel(
     o5 = gl.zeros([64, BM], gl.float32, acc_l)
     o6 = gl.zeros([64, BM], gl.float32, acc_l)
     o7 = gl.zeros([64, BM], gl.float32, acc_l)
-    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
     base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT)
     p_cc = cc_ptr + i_b * s_ccb
     p_rc = rc_ptr + i_b * s_rcb
@@ -864,16 +862,16 @@ def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: tor
 
 def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
                 split_target, NS, qk_scale, inflight=1, store_a=False, vote=True, overlap=False):
-    """Launch `mla_decode_gluon_regs_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, 16), B)`, one
-    warpgroup per program (the partials hold `NS + copy_programs(fmt)` slots); `inflight`: 1 or 2 score units'
-    `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1);
-    `store_a`: the content keys stored in the score operand's column order (`stmatrix` from the A registers, no
-    register moves: 7% fewer SASS instructions per tile at C4R4, correct on the H200 but 5% slower at 16 heads, so
-    off by default); `vote` (default): the softmax's lazy-rescaling test voted per warp and read back after the
-    barrier that publishes P, the cross-warp maximum only in a tile where a reference moves (`_softmax_pv`; H200, 16
-    heads B32 32K: C8R8 0.3755 against 0.4066 ms, C2R4 0.2254 against 0.2338, C4R4 0.2300 against 0.2341);
-    `overlap`: a tile's value `wgmma`s left in flight while the next tile's first unit is unpacked (a rotated loop;
-    correct, timed within 1% of the default, so off)."""
+    """Launch `mla_decode_gluon_regs_kernel` on `scaled.flat_grid` (`B * cdiv(M, 16) * (NS + copy_programs(fmt))`
+    programs), one warpgroup per program (the partials hold `NS + copy_programs(fmt)` slots); `inflight`: 1 or 2 score
+    units' `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1);
+    `store_a`: the content keys stored in the score operand's column order (`stmatrix` from the A registers, no register
+    moves: 7% fewer SASS instructions per tile at C4R4, correct on the H200 but 5% slower at 16 heads, so off by
+    default); `vote` (default): the softmax's lazy-rescaling test voted per warp and read back after the barrier that
+    publishes P, the cross-warp maximum only in a tile where a reference moves (`_softmax_pv`; H200, 16 heads B32 32K:
+    C8R8 0.3755 against 0.4066 ms, C2R4 0.2254 against 0.2338, C4R4 0.2300 against 0.2341); `overlap`: a tile's value
+    `wgmma`s left in flight while the next tile's first unit is unpacked (a rotated loop; correct, timed within 1% of
+    the default, so off)."""
     if inflight not in (0, 1, 2):
         raise ValueError(f"inflight must be 0, 1 or 2, got {inflight}")
     if fmt.content.bits == 8 and inflight != 1:
@@ -885,7 +883,7 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         raise ValueError(f"the register-operand Gluon decode kernel needs {need} bytes of shared memory for "
                          f"{fmt.name}, more than {SMEM_LIMIT}")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
-    grid = (NS + scaled.copy_programs(fmt), -(-M // BLOCK_M), B)
+    grid = scaled.flat_grid(NS, fmt, M, BLOCK_M, B)
     mla_decode_gluon_regs_kernel[grid](
         q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,

@@ -306,6 +306,23 @@ def _attend(kbuf, qbuf, qlo, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5,
 
 # --------------------------------------------------------------------------------------------- split arithmetic
 @_jit
+def _program_coords(num_splits, M, BM: gl.constexpr, ND: gl.constexpr):
+    """`(i_s, i_hb, i_b)` of this program in the flat grid of `B * cdiv(M, BM) * (num_splits + ND)` programs: first
+    the packed splits of every (batch row, head block) (split fastest, then head block, then row), then the one-tile
+    copy programs in the same order (`program_order`). The hardware starts programs in id order, so every packed
+    program starts in the first wave and the copies fill the slots left over (interleaved per batch row, the copies of
+    the first rows took slots the packed programs of the last rows then waited for)."""
+    pid = gl.program_id(0)
+    n_hb = (M + BM - 1) // BM
+    n_long = gl.num_programs(0) // (num_splits + ND) * num_splits
+    is_long = pid < n_long
+    pc = pid - n_long
+    i_s = gl.where(is_long, pid % num_splits, num_splits + pc % ND)
+    r = gl.where(is_long, pid // num_splits, pc // ND)
+    return i_s.to(gl.int64), r % n_hb, (r // n_hb).to(gl.int64)
+
+
+@_jit
 def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
     """The packed positions of split `i_s` (`mla_decode_fast.split_plan`: sized from the device-side length, not the
     capacity, tile-aligned from 0): `(base, lo_valid, hi, n_tiles)`: tiles start at `base`, positions `[lo_valid,
@@ -398,9 +415,8 @@ def mla_decode_gluon_scaled_kernel(
     HALF_C: gl.constexpr = 1 << (C_BITS - 1)
     HALF_R: gl.constexpr = 1 << (R_BITS - 1)
 
-    i_s = gl.program_id(0).to(gl.int64)
-    i_hb = gl.program_id(1)
-    i_b = gl.program_id(2).to(gl.int64)
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
+    i_s, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
     length = gl.load(len_ptr).to(gl.int64)
     lp = gl.load(lp_ptr + i_b).to(gl.int64)
     o_m = i_hb * BM + gl.arange(0, BM, layout=col_l)
@@ -434,7 +450,6 @@ def mla_decode_gluon_scaled_kernel(
     o5 = gl.zeros([64, BM], gl.float32, acc_l)
     o6 = gl.zeros([64, BM], gl.float32, acc_l)
     o7 = gl.zeros([64, BM], gl.float32, acc_l)
-    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
     base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT)
     p_cc = cc_ptr + i_b * s_ccb
     p_rc = rc_ptr + i_b * s_rcb
@@ -547,6 +562,24 @@ def copy_programs(fmt: CacheFormat) -> int:
     return -(-fmt.sink_tokens // BLOCK_T) + -(-fmt.recent_tokens // BLOCK_T)
 
 
+def flat_grid(NS: int, fmt: CacheFormat, M: int, block_m: int, B: int) -> tuple[int]:
+    """The one-dimensional grid of the Gluon kernels: `B * cdiv(M, block_m) * (NS + copy_programs(fmt))` programs,
+    numbered as `program_coords` (and the kernels' `_program_coords`) says."""
+    return (B * -(-M // block_m) * (NS + copy_programs(fmt)),)
+
+
+def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tuple[int, int, int]:
+    """`(split, head block, batch row)` of program `pid` of a flat grid of `n_programs` (`flat_grid`): the packed
+    splits `0 .. NS - 1` of every (row, head block) first, split fastest, then the `nd` copy programs (splits `NS ..
+    NS + nd - 1`) in the same order. The host's statement of the kernels' `_program_coords` (tested on the CPU)."""
+    n_long = n_programs // (NS + nd) * NS
+    if pid < n_long:
+        s, r = pid % NS, pid // NS
+    else:
+        s, r = NS + (pid - n_long) % nd, (pid - n_long) // nd
+    return s, r % n_hb, r // n_hb
+
+
 def scaled_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
     """Whether this kernel computes the case: what the exact Gluon kernel handles (`gluon_handles`), with 2- or
     4-bit content and RoPE (at 8 bits the fp16 rounding of the scaled keys would move the LSE past 1e-4) and 4 or 8
@@ -558,7 +591,7 @@ def scaled_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: t
 
 def launch_scaled(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
                   split_target, NS, qk_scale, block_m, num_warps, stages, maxnreg=None):
-    """Launch `mla_decode_gluon_scaled_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, block_m), B)` (the
+    """Launch `mla_decode_gluon_scaled_kernel` on `flat_grid` (`B * cdiv(M, block_m) * (NS + copy_programs(fmt))`; the
     kernel sizes the splits from the device-side length; `NS` must cover them, `mla_decode_fast.split_plan`; the
     partials `o_part`, `lse_part` hold `NS + copy_programs(fmt)` slots). `maxnreg` caps the registers per thread
     (two 8-warp programs per SM need at most 128)."""
@@ -571,7 +604,7 @@ def launch_scaled(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
                          f"smaller block_m")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
     wpg_c, wpg_r = 2 * fmt.content.bits, 2 * fmt.rope.bits
-    grid = (NS + copy_programs(fmt), -(-M // block_m), B)
+    grid = flat_grid(NS, fmt, M, block_m, B)
     mla_decode_gluon_scaled_kernel[grid](
         q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,

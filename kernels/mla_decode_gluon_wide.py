@@ -55,7 +55,7 @@ if HAVE_GLUON:
     from .mla_decode_gluon_regs import (_alloc_kbuf, _load_dense, _load_meta, _load_unit, _pair_s, _pair_z,
                                         _pair_zh, _pv, _references, _score_unit, _stage_queries, _store_o, _unit_pair,
                                         _unpack_unit)
-    from .mla_decode_gluon_scaled import _copy_ranges, _split_range
+    from .mla_decode_gluon_scaled import _copy_ranges, _program_coords, _split_range
 
 BLOCK_M = 32  # query rows per program by default (each token unpacked once per 32 rows)
 LAUNCH_REGS = {32: 240, 64: 248}  # registers per thread at launch: one program of 8 warps per SM (ptxas, Triton
@@ -63,8 +63,10 @@ LAUNCH_REGS = {32: 240, 64: 248}  # registers per thread at launch: one program 
 # are not offered)
 WORKER_REGS = {32: 240, 64: 240}  # the worker's after setmaxnreg; the leader gets 2 * launch - worker
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
-FILL_PER_SM = 2  # programs per multiprocessor the default split count provides (`fill_splits`): one is resident
-# (8 warps at 240 registers), so two rounds (H200, 128 heads B32 32K: 1.329 ms with 2 splits against 1.374 with 1)
+FILL_PER_SM = 1  # programs per multiprocessor the default split count provides (`fill_splits`): the one resident
+# (8 warps at 240 registers), one round. H200, 128 heads B32 32K, packed programs first (`flat_grid`): 1 split 1.154
+# ms against 1.197 and 1.190 with 2 (two rounds; they were faster, 1.329 against 1.374, while the copy programs were
+# interleaved with the packed ones)
 
 if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_specialize's argument tuples)
     _WORDS_1 = gl.constexpr(regs._words_layout(1))  # 2-bit words
@@ -263,9 +265,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     HALF_C: gl.constexpr = 1 << (C_BITS - 1)
     HALF_R: gl.constexpr = 1 << (R_BITS - 1)
 
-    i_s = gl.program_id(0).to(gl.int64)
-    i_hb = gl.program_id(1)
-    i_b = gl.program_id(2).to(gl.int64)
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
+    i_s, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
     length = gl.load(len_ptr).to(gl.int64)
     lp = gl.load(lp_ptr + i_b).to(gl.int64)
     o_m = i_hb * BM + gl.arange(0, BM, layout=col_l)
@@ -281,7 +282,6 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     ob = gl.zeros([64, BM], gl.float32, acc_l)
     oc = gl.zeros([64, BM], gl.float32, acc_l)
     od = gl.zeros([64, BM], gl.float32, acc_l)
-    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
     base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT)
     p_cc = cc_ptr + i_b * s_ccb
     p_rc = rc_ptr + i_b * s_rcb
@@ -443,8 +443,7 @@ def mla_decode_gluon_wide_kernel(
     plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
-    i_hb = gl.program_id(1)
-    i_b = gl.program_id(2).to(gl.int64)
+    _, i_hb, i_b = _program_coords(num_splits, M, BM, (S + BT - 1) // BT + (R + BT - 1) // BT)
     kbuf = _alloc_kbuf(GC, BT, k_sl)
     qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
     if Q_SPLIT:
@@ -508,12 +507,12 @@ def wide_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: tor
 def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
                 split_target, NS, qk_scale, block_m=BLOCK_M, inflight=INFLIGHT, launch_regs=None, worker_regs=None,
                 store_a=False, vote=True):
-    """Launch `mla_decode_gluon_wide_kernel` on the grid `(NS + copy_programs(fmt), cdiv(M, block_m), B)`: 8 warps
-    per program at `launch_regs` registers (default `LAUNCH_REGS[block_m]`), the worker at `worker_regs` after
-    `setmaxnreg` (default `WORKER_REGS[block_m]`; the leader gets `2 * launch_regs - worker_regs`); `store_a`: as
-    in `mla_decode_gluon_regs.launch_regs` (correct on the H200, no consistent gain: off); `vote` (default): each
-    warpgroup's rescaling test voted per warp (`_exchange_pv`; H200, 128 heads B32 32K: 1.2849 and 1.2838 ms
-    against 1.3179 and 1.3205 without, B64 2.5231 against 2.6039)."""
+    """Launch `mla_decode_gluon_wide_kernel` on `scaled.flat_grid` (`B * cdiv(M, block_m) * (NS + copy_programs(fmt))`
+    programs): 8 warps per program at `launch_regs` registers (default `LAUNCH_REGS[block_m]`), the worker at
+    `worker_regs` after `setmaxnreg` (default `WORKER_REGS[block_m]`; the leader gets `2 * launch_regs - worker_regs`);
+    `store_a`: as in `mla_decode_gluon_regs.launch_regs` (correct on the H200, no consistent gain: off); `vote`
+    (default): each warpgroup's rescaling test voted per warp (`_exchange_pv`; H200, 128 heads B32 32K: 1.2849 and
+    1.2838 ms against 1.3179 and 1.3205 without, B64 2.5231 against 2.6039)."""
     if block_m not in LAUNCH_REGS:
         raise ValueError(f"block_m must be one of {sorted(LAUNCH_REGS)} for the two-warpgroup kernel, got {block_m}")
     if inflight not in (0, 1, 2):
@@ -536,7 +535,7 @@ def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
                          f"with block_m={block_m}{' and fp32 queries' if q_split else ''}, more than {SMEM_LIMIT}: "
                          "pass block_m=32")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
-    grid = (NS + scaled.copy_programs(fmt), -(-M // block_m), B)
+    grid = scaled.flat_grid(NS, fmt, M, block_m, B)
     mla_decode_gluon_wide_kernel[grid](
         q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,

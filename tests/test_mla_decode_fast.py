@@ -228,9 +228,29 @@ def test_fill_splits_fill_the_resident_slots_once():
         assert B * hb * n <= per * sms < B * hb * (n + 1)
 
 
+def test_flat_grid_numbers_every_program_once_packed_splits_first():
+    """The Gluon kernels' one-dimensional grid (`flat_grid`, numbered by `program_coords` as the kernels'
+    `_program_coords`): every (split, head block, batch row) exactly once, and every packed split before any copy
+    program, so the long programs all start in the first wave."""
+    from quantmla_hf.kernels.mla_decode_gluon_scaled import copy_programs, flat_grid, program_coords
+
+    fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
+    nd = copy_programs(fmt)
+    for NS, M, block_m, B in ((8, 16, 16, 32), (2, 128, 32, 3), (1, 33, 16, 2), (5, 4, 16, 1)):
+        n_hb = -(-M // block_m)
+        (n,) = flat_grid(NS, fmt, M, block_m, B)
+        assert n == B * n_hb * (NS + nd)
+        coords = [program_coords(pid, NS, nd, n_hb, n) for pid in range(n)]
+        assert sorted(coords) == sorted((s, h, b) for s in range(NS + nd) for h in range(n_hb) for b in range(B))
+        splits = [s for s, _, _ in coords]
+        assert all(s < NS for s in splits[:B * n_hb * NS]) and all(s >= NS for s in splits[B * n_hb * NS:])
+        assert coords[:NS] == [(s, 0, 0) for s in range(NS)]  # split fastest
+
+
 def test_register_kernels_default_to_fill_splits(monkeypatch):
     """Without `waves` or `num_splits` the register kernels' launch takes `fill_splits` (132 SMs: 8 splits at 16
-    heads B32, 2 at 128 heads in 32-row blocks); an explicit `waves` keeps `split_plan`'s count, `num_splits` wins."""
+    heads B32 at 2 programs per SM, 1 at 128 heads in 32-row blocks at 1 per SM); an explicit `waves` keeps
+    `split_plan`'s count, `num_splits` wins."""
     from quantmla_hf.kernels import mla_decode_fast as mf
 
     monkeypatch.setattr(mf, "_num_sms", lambda index: 132)
@@ -243,6 +263,7 @@ def test_register_kernels_default_to_fill_splits(monkeypatch):
 
     assert splits(16, 16, 2) == 8
     assert splits(128, 32, 2) == 2
+    assert splits(128, 32, 1) == 1  # the two-warpgroup kernel's one round
     assert splits(16, 16, 2, waves=8) == 33  # about 8 programs per SM, as before
     assert splits(16, 16, 2, num_splits=5) == 5
 

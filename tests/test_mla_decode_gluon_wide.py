@@ -66,7 +66,9 @@ COMPILE = textwrap.dedent(
         # values, A (the stored keys) from shared memory: 4 units per warpgroup, 4 k-steps, three loops
         n_smem = len(re.findall(mma + r"%rd", ptx))
         assert n_smem == 3 * 8 * 4, (cb, bm, n_smem)
-        if bm == mw.BLOCK_M and os.path.exists(cuobjdump):  # the default block size: no local memory
+        # the default launch (32 rows, vote): no local memory (Triton 3.9 keeps one 8-byte value of the option
+        # without the vote in local memory)
+        if bm == mw.BLOCK_M and vote and os.path.exists(cuobjdump):
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(kernel.asm["cubin"])
                 f.flush()
