@@ -32,12 +32,12 @@ UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (t
 
 
 def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, store_a: bool = False,
-                 vote: bool = True, overlap: bool = False):
+                 vote: bool = True, overlap: bool = False, row_ptrs: bool = True):
     """The kernel compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent tokens, 16 rows)."""
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=inflight,
                  WC_L=mr._words_layout(content_bits // 2), WP_L=mr._words_layout(content_bits),
                  WR_L=mr._words_layout(rope_bits // 2), XL=mr.dense_layout(), STORE_A=store_a, VOTE=vote,
-                 OVERLAP=overlap)
+                 OVERLAP=overlap, ROW_PTRS=row_ptrs)
     return _compile(mr.mla_decode_gluon_regs_kernel, const, q_split, {"num_warps": 4})
 
 
@@ -127,19 +127,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("format", nargs="?", default="C4R4", choices=sorted(FORMATS))
     ap.add_argument("--fp32-queries", action="store_true")
-    ap.add_argument("--inflight", type=int, default=None, help="default: the kernel's (1)")
+    ap.add_argument("--inflight", type=int, default=None, help="default: the kernel's (`INFLIGHT`)")
     ap.add_argument("--store-a", action="store_true", help="keys stored in the score operand's order (`store_a`)")
     ap.add_argument("--no-vote", action="store_true", help="the softmax's cross-warp maximum every tile (`vote=0`)")
     ap.add_argument("--overlap", action="store_true", help="value wgmmas overlapped with the next tile (`overlap`)")
+    ap.add_argument("--no-row-ptrs", action="store_true", help="the packed loop's loads masked per unit (`row_ptrs=0`)")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel (C4R4, C2R4)")
     ap.add_argument("--block-m", type=int, default=mw.BLOCK_M, choices=sorted(mw.LAUNCH_REGS))
     a = ap.parse_args()
     if a.wide:
         main_wide(a)
         return
-    a.inflight = 1 if a.inflight is None else a.inflight
+    a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
     kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, store_a=a.store_a,
-                          vote=not a.no_vote, overlap=a.overlap)
+                          vote=not a.no_vote, overlap=a.overlap, row_ptrs=not a.no_row_ptrs)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     loop = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
     counts = opcode_counts(loop)

@@ -881,8 +881,8 @@ def _gluon_wide_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
 def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
                        left_padding, length, capacity, scaling, out, **launch):
     """`mla_decode_static` through the register-operand Gluon kernel (`mla_decode_gluon_regs.py`: 16-row blocks, one
-    warpgroup; launch keys `waves`, `num_splits`, `inflight`, `store_a`, `vote` (default on), `overlap`), same
-    partials and combine as the scaled-tile kernel."""
+    warpgroup; launch keys `waves`, `num_splits`, `inflight` (default `INFLIGHT` of the content width), `store_a`,
+    `vote` (default on), `overlap`, `row_ptrs` (default on)), same partials and combine as the scaled-tile kernel."""
     B, H, Tq, D_C = q_lat.shape
     M = H * Tq
     if not regs_kernel.regs_handles(fmt, q_lat.dtype, q_lat.device, sink_c.dtype):
@@ -893,8 +893,10 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
         regs_kernel.FILL_PER_SM)
     inflight = launch.get("inflight")  # 0 is a value (each unit's wgmmas waited for at once), None the default
     regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
-                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, 1 if inflight is None else inflight,
-                            bool(launch.get("store_a")), bool(launch.get("vote", True)), bool(launch.get("overlap")))
+                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E,
+                            regs_kernel.INFLIGHT[fmt.content.bits] if inflight is None else inflight,
+                            bool(launch.get("store_a")), bool(launch.get("vote", True)), bool(launch.get("overlap")),
+                            bool(launch.get("row_ptrs", True)))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)
 
 

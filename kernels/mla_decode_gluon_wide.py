@@ -52,9 +52,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
     from .mla_decode_gluon import _cta_barrier
-    from .mla_decode_gluon_regs import (_alloc_kbuf, _load_dense, _load_meta, _load_unit, _pair_s, _pair_z,
-                                        _pair_zh, _pv, _references, _score_unit, _stage_queries, _store_o, _unit_pair,
-                                        _unpack_unit)
+    from .mla_decode_gluon_regs import (_alloc_kbuf, _load_dense, _load_meta, _load_unit, _pair_meta, _pv,
+                                        _references, _score_unit, _stage_queries, _store_o, _unit_pair, _unpack_unit)
     from .mla_decode_gluon_scaled import _copy_ranges, _program_coords, _split_range
 
 BLOCK_M = 32  # query rows per program by default (each token unpacked once per 32 rows)
@@ -262,8 +261,6 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     col_h: gl.constexpr = gl.SliceLayout(0, acc_h)
     row_h: gl.constexpr = gl.SliceLayout(1, acc_h)
     ml: gl.constexpr = gl.SliceLayout(2, WC_L)
-    HALF_C: gl.constexpr = 1 << (C_BITS - 1)
-    HALF_R: gl.constexpr = 1 << (R_BITS - 1)
 
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
     i_s, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
@@ -307,12 +304,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     for it in range(n_tiles):
         t0 = base + it * BT
         tn = t0 + BT
-        zz = _pair_z(z0, HALF_C)
-        ss = _pair_s(s0)
-        zh = _pair_zh(z0, HALF_C, C_BITS)
-        zzr = _pair_z(zr, HALF_R)
-        ssr = _pair_s(sr)
-        zhr = _pair_zh(zr, HALF_R, R_BITS)
+        zz, ss, zh = _pair_meta(s0, z0, C_BITS)
+        zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
         s0, z0 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, HF, GC, ml)
         if LEAD:
             sr, zr = _load_meta(p_rs, p_rz, tn, lo_valid, hi, 0, 0, ml)

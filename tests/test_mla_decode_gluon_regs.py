@@ -37,18 +37,23 @@ COMPILE = textwrap.dedent(
 
     fn = mr.mla_decode_gluon_regs_kernel
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
-    # (content bits, fp32 queries, store_a, vote, overlap): the default launch (vote) per format, and the options
-    for cb, q_split, store_a, vote, overlap in ((4, False, False, True, False), (2, False, False, True, False),
-                                                (4, True, False, True, False), (8, False, False, True, False),
-                                                (4, False, True, False, False), (4, False, False, False, True)):
+    # (content bits, fp32 queries, store_a, vote, overlap, row_ptrs): the default launch (vote, row pointers) per
+    # format, and the options
+    for cb, q_split, store_a, vote, overlap, rows in ((4, False, False, True, False, True),
+                                                      (2, False, False, True, False, True),
+                                                      (4, True, False, True, False, True),
+                                                      (8, False, False, True, False, True),
+                                                      (4, False, False, True, False, False),
+                                                      (4, False, True, False, False, True),
+                                                      (4, False, False, False, True, False)):
         qd = "*fp32" if q_split else "*bf16"
         ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
                    rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
                    rcr_ptr="*bf16", lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
         rb = 8 if cb == 8 else 4
-        const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=1,
+        const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=mr.INFLIGHT[cb],
                      WC_L=mr._words_layout(cb // 2), WP_L=mr._words_layout(cb), WR_L=mr._words_layout(rb // 2),
-                     XL=mr.dense_layout(), STORE_A=store_a, VOTE=vote, OVERLAP=overlap)
+                     XL=mr.dense_layout(), STORE_A=store_a, VOTE=vote, OVERLAP=overlap, ROW_PTRS=rows)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
@@ -70,6 +75,10 @@ COMPILE = textwrap.dedent(
         # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
         assert len(re.findall(mma + r"%rd", ptx)) == 3 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
         assert "cp.async" not in ptx  # the code words go straight to registers
+        # the metadata's fp16x2 pairs by `meta_asm`: one per step, i.e. per thread and tile groups q, q + 4 and RoPE
+        # of its two tokens, in the packed loop (with overlap also before it)
+        n_meta = len(re.findall(r"xor\.b32 [^;]*0x64806480", ptx))
+        assert n_meta == 3 * 2 * (2 if overlap else 1), (cb, n_meta)
         # the P tile goes to shared memory by one stmatrix.x4 per loop (with vote twice: at once, and again in the
         # branch where a row's reference moves); with store_a the content keys too, from the A registers (8 units
         # x 4 k-steps per loop: an A fragment's four registers are one x4), otherwise by plain stores
@@ -104,7 +113,7 @@ def _emulate_half_asm(words: torch.Tensor, zf: torch.Tensor, s: torch.Tensor, bi
     and `s` broadcast against them: `[..., 2, 16 / bits]` fp16, element `(16 / bits) * e + k` of each word at
     `[..., e, k]` (output k + n * e: half e of the k-th register). At 2 and 4 bits the odd elements of a shift group
     are masked one field higher and brought back by `fma.rn.f16x2` with `2**-bits` and `zh = -(1024 / 2**bits + z)`
-    (the kernel's `_pair_zh`, derived here from `zf`)."""
+    (`meta_asm`'s `zh`, derived here from `zf`)."""
     n = 16 // bits
     mask = (1 << bits) - 1
     w = words.to(torch.int64) & 0xFFFFFFFF
@@ -145,7 +154,7 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         word_idx = (mr.unit_base(u, q, n_groups) * bits // 32)[:, None] + torch.arange(wu)  # [4, WU]
         w = words[:, word_idx]  # [T, 4, WU]
         grp = torch.zeros(4, dtype=torch.long) if rope else q + 4 * (u // 4)
-        zf = (zero[:, grp].to(torch.int32) + 1024 + (1 << (bits - 1))).to(torch.float16)  # `_pair_z`, [T, 4]
+        zf = (zero[:, grp].to(torch.int32) + 1024 + (1 << (bits - 1))).to(torch.float16)  # `meta_asm`'s zz, [T, 4]
         x5 = _emulate_half_asm(w, zf[:, :, None], scale[:, grp][:, :, None], bits)  # [T, 4, WU, 2, n]
         # `_a_view`
         a = x5.permute(0, 1, 2, 4, 3).reshape(T, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(T, 64)
@@ -168,6 +177,39 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         assert sorted(content.tolist()) == list(range(64 * n_groups))
         assert sorted(values.tolist()) == list(range(64 * n_groups))
         assert sorted(mr.score_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
+
+
+def _emulate_meta_asm(z: torch.Tensor, s: torch.Tensor, bits: int):
+    """What `meta_asm(bits)` computes, instruction by instruction, from stored zero points `z` int8 and steps `s`
+    fp16: `(zz, ss, zh)` as `[..., 2]` fp16 halves."""
+    asm = mr.meta_asm(bits)
+    c1, c2 = (int(x, 16) for x in re.findall(r"mov\.b32 c, (0x[0-9a-f]+);", asm))
+    b = z.to(torch.int32) & 0xFF  # the byte, zero-extended (the kernel's uint8 -> int32)
+    x = (b | (b << 16)) ^ 0x64806480  # prmt 0x4040 with 0, then xor
+
+    def halves(v):
+        v = torch.as_tensor(v, dtype=torch.int64) & 0xFFFFFFFF
+        return torch.stack([v & 0xFFFF, v >> 16], dim=-1).to(torch.int32).to(torch.int16).view(torch.float16)
+
+    zz = (halves(x).float() + halves(c1).float()).half()  # add.rn.f16x2
+    zh = (halves(c2).float() - zz.float()).half()  # sub.rn.f16x2
+    ss = torch.stack([s, s], dim=-1)  # mov.b32 {s, s}
+    return zz, ss, zh
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_meta_asm_gives_the_pairs_of_the_unpacking(bits):
+    """Every stored zero point (all 256 int8 values, also those outside the code range) and a spread of steps: the
+    pairs are exactly `(1024 + z, 1024 + z)`, `(s, s)` and `-(1024 / 2**bits + z)` with `z = stored + 2**(bits - 1)`,
+    the operands `half_asm` expects, all exact fp16 integers."""
+    z = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    s = (torch.rand(256, generator=torch.Generator().manual_seed(bits)) * 4 + 1e-3).half()
+    zz, ss, zh = _emulate_meta_asm(z, s, bits)
+    true_z = z.double() + (1 << (bits - 1))
+    assert torch.equal(zz.double(), torch.stack([1024 + true_z] * 2, dim=-1))
+    assert torch.equal(zh.double(), torch.stack([-(1024 / 2**bits + true_z)] * 2, dim=-1))
+    assert torch.equal(ss, torch.stack([s, s], dim=-1))
+    assert len(re.findall(r"^(prmt|xor|add|sub|mov)", mr.meta_asm(bits), flags=re.M)) == 7  # 5 + 2 constants
 
 
 def test_half_asm_operands():
