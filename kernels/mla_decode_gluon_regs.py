@@ -19,9 +19,10 @@ shared-memory pipe was the busiest unit: 65% of the cycles, L1 78%):
   barrier before each (11 per tile, now 4-5; the time did not change measurably).
 * The loads of the packed loop (`row_ptrs`, default) use int32 rows relative to the split's first tile and, per
   token, one row pointer with the units at immediate offsets (`_row_ptrs`); rows past the split's last valid one are
-  not read and no zero fill is made: their steps are zeroed instead (`_load_meta_rows`, which reads the metadata
-  unmasked from rows clamped to the last valid one), so their keys are exactly 0 whatever the registers hold. The
-  metadata's fp16x2 pairs come from one short asm (`meta_asm`). 1418 -> 1324 SASS instructions per C4R4 tile.
+  not read, and the correctness does not rest on their registers: their steps are zeroed (`_load_meta_rows`, which
+  reads the metadata unmasked from rows clamped to the last valid one), so their keys are exactly 0 whatever the
+  registers hold. The metadata's fp16x2 pairs come from one short asm (`meta_asm`). 1418 -> 1322 SASS instructions
+  per C4R4 tile.
 * The softmax's lazy-rescaling test is voted (`vote`, default): P is computed against the rows' present
   references and stored, each warp's "some score passed its reference by more than 8" is one `REDUX` into shared
   memory, read back after the barrier that publishes P; only a tile where it is set (the first, and rare jumps)
@@ -296,8 +297,8 @@ def _load_unit(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: 
 
     `ROWS`: `p_c` is the tile's `[64, 4]` row pointers (`_row_ptrs`: token row and quad slot applied; `lo` unused),
     `t0` and `hi` int32 rows: one base register pair per token and an immediate offset per unit, rows past `hi` not
-    read and left undefined (no zero fill: their steps are zero, `_load_meta_rows`, so their keys are 0 whatever
-    the registers hold)."""
+    read (Triton zero-fills them; nothing depends on it: their steps are zero, `_load_meta_rows`, so their keys are
+    0 whatever the registers hold)."""
     WU: gl.constexpr = BITS // 2 * NU
     ml: gl.constexpr = gl.SliceLayout(2, wl)
     o_w = gl.arange(0, WU, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
