@@ -5,7 +5,7 @@ operands"). `--wide` does the same for its two-warpgroup form (`kernels/mla_deco
 packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--store-a] [--no-vote]
-                                     [--overlap] [--wide [--block-m 32|64]]
+                                     [--overlap] [--no-row-ptrs] [--wide [--block-m 32|64]]
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).

@@ -776,9 +776,11 @@ def mla_decode_gluon_regs_kernel(
     """Grid, splits, inputs and outputs of `mla_decode_gluon_scaled_kernel` (one program per split, block of BM
     rows and batch row; the last `ND` splits attend one copied tile each); one warpgroup. `WC_L`, `WR_L`: the
     content and RoPE word layouts (`_words_layout`), `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`: score
-    units whose `wgmma`s may be in flight while the next is unpacked (1 or 2), `WP_L`: the layout of two consecutive
-    content units' words loaded together (`_words_layout(2 * WU)`), `STORE_A`: the content keys stored from the
-    score A operand's registers in its column order (`_score_unit`)."""
+    units whose `wgmma`s may be in flight while the next is unpacked (0, 1 or 2), `WP_L`: the layout of two
+    consecutive content units' words loaded together (`_words_layout(2 * WU)`), `STORE_A`: the content keys stored
+    from the score A operand's registers in its column order (`_score_unit`), `VOTE`, `OVERLAP`: `launch_regs`,
+    `ROW_PTRS`: the packed loop's loads from one row pointer per token (`_row_ptrs`, `_load_meta_rows`; `OVERLAP`
+    takes the masked loads)."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
