@@ -494,9 +494,9 @@ def mla_decode_static(
             overrides (benchmarks), and
             `backend`: "triton" (this module's kernel), "gluon" (`mla_decode_gluon.py`, sm_90; its launch keys are
             `block_m, num_warps, stages, waves, num_splits, async_mma, scaled, regs, wide, inflight, store_a,
-            vote, overlap`: `regs` picks the register-operand kernel of `mla_decode_gluon_regs.py` (keys `waves,
-            num_splits, inflight, store_a, vote, overlap`; without `waves` or `num_splits` the splits are
-            `fill_splits`), `wide` its two-warpgroup form of `mla_decode_gluon_wide.py` (keys `block_m` 32 or 64,
+            vote, overlap, row_ptrs`: `regs` picks the register-operand kernel of `mla_decode_gluon_regs.py` (keys
+            `waves, num_splits, inflight, store_a, vote, overlap, row_ptrs`; without `waves` or `num_splits` the
+            splits are `fill_splits`), `wide` its two-warpgroup form of `mla_decode_gluon_wide.py` (keys `block_m` 32 or 64,
             `waves, num_splits, inflight, launch_regs, worker_regs, store_a, vote`), `scaled` the scaled-tile kernel of
             `mla_decode_gluon_scaled.py`) or "strided" (`mla_decode_strided.py`; keys `block_m, block_t,
             num_warps, num_stages, waves, num_splits`); default `default_backend(...)`.
