@@ -38,12 +38,11 @@ COMPILE = textwrap.dedent(
     fn = mr.mla_decode_gluon_regs_kernel
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
     # (content bits, fp32 queries, store_a, vote, overlap, row_ptrs): the default launch (vote, row pointers) per
-    # format, and the options
+    # format, and the options (overlap takes the masked loads of `row_ptrs=0`)
     for cb, q_split, store_a, vote, overlap, rows in ((4, False, False, True, False, True),
                                                       (2, False, False, True, False, True),
                                                       (4, True, False, True, False, True),
                                                       (8, False, False, True, False, True),
-                                                      (4, False, False, True, False, False),
                                                       (4, False, True, False, False, True),
                                                       (4, False, False, False, True, False)):
         qd = "*fp32" if q_split else "*bf16"
