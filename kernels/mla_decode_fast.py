@@ -891,10 +891,9 @@ def _gluon_regs_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, s
     q, qr, o_part, lse_part, lp, target, NS, NSP = _register_kernel_inputs(
         q_lat, q_rot, fmt, left_padding, capacity, regs_kernel.BLOCK_M, launch.get("waves"), launch.get("num_splits"),
         regs_kernel.FILL_PER_SM)
-    inflight = launch.get("inflight")  # 0 is a value (each unit's wgmmas waited for at once), None the default
+    # inflight: 0 is a value (each unit's wgmmas waited for at once), None the kernel's default for the format
     regs_kernel.launch_regs(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length,
-                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E,
-                            regs_kernel.INFLIGHT[fmt.content.bits] if inflight is None else inflight,
+                            o_part, lse_part, M, Tq, target, NS, scaling * LOG2E, launch.get("inflight"),
                             bool(launch.get("store_a")), bool(launch.get("vote", True)), bool(launch.get("overlap")),
                             bool(launch.get("row_ptrs", True)))
     return _combine(o_part, lse_part, B, H, Tq, D_C, NSP, out, NSP - NS)

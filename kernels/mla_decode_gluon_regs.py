@@ -979,7 +979,7 @@ def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: tor
 
 
 def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale, inflight=1, store_a=False, vote=True, overlap=False, row_ptrs=True):
+                split_target, NS, qk_scale, inflight=None, store_a=False, vote=True, overlap=False, row_ptrs=True):
     """Launch `mla_decode_gluon_regs_kernel` on `scaled.flat_grid` (`B * cdiv(M, 16) * (NS + copy_programs(fmt))`
     programs), one warpgroup per program (the partials hold `NS + copy_programs(fmt)` slots); `inflight`: 1 or 2 score
     units' `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1);
@@ -990,10 +990,13 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
     C8R8 0.3755 against 0.4066 ms, C2R4 0.2254 against 0.2338, C4R4 0.2300 against 0.2341); `overlap`: a tile's value
     `wgmma`s left in flight while the next tile's first unit is unpacked (a rotated loop; correct, timed within 1% of
     the default, so off; it takes the masked loads); `row_ptrs` (default): the packed loop's loads from one row pointer
-    per token and int32 rows relative to the split (`_row_ptrs`, `_load_meta_rows`: unit offsets immediate, no zero
-    fill, the metadata unmasked with the steps zeroed outside the valid rows; H200, 16 heads B32 32K, same process:
-    C4R4 0.2040 against 0.2045 ms with `inflight` 1, C2R4 0.1952 against 0.1983, C8R8 0.3500 against 0.3770;
-    1418 -> 1324 SASS instructions per tile at C4R4)."""
+    per token and int32 rows relative to the split (`_row_ptrs`, `_load_meta_rows`: unit offsets immediate, the
+    metadata unmasked with the steps zeroed outside the valid rows; H200, 16 heads B32 32K, same process: C4R4 0.2041
+    against 0.2045 ms with `inflight` 1, C2R4 0.1960 against 0.1992, C8R8 0.3507 against 0.3781; with `meta_asm` and
+    `inflight` 0 at C4R4, 1418 -> 1322 SASS instructions per tile). `inflight` None: `INFLIGHT` of the content
+    width."""
+    if inflight is None:
+        inflight = INFLIGHT[fmt.content.bits]
     if inflight not in (0, 1, 2):
         raise ValueError(f"inflight must be 0, 1 or 2, got {inflight}")
     if fmt.content.bits == 8 and inflight != 1:
