@@ -7,6 +7,8 @@ transformers step (`--stock`). DeepSeek-V2-Lite dims.
     python benchmarks/bench_decode.py --check                # kernels vs fp64 reference at real sizes (GPU)
     python benchmarks/bench_decode.py --variants             # launch sweep of the fast kernel at the target points
     python benchmarks/bench_decode.py --bench --out DIR      # timing table + copy-bandwidth ceiling
+    python benchmarks/bench_decode.py --bench --graph --repeat 10 --points H:B:N --ours KERNEL:FMT,... [--target-ms T]
+                                                             # methods in turns, 95% intervals of times and ratios
 
 Times are `triton.testing.do_bench` medians (L2 flushed between runs). "bytes" are the cache bytes the method must
 read once (packed tokens + BF16 sink/recent copies for ours, the BF16 latent for the others).
@@ -437,6 +439,73 @@ def run_bench(out_lines, points=None, budget_s=240, launch=None, bf16_kernel=Non
     return ceiling, rows
 
 
+def summarize_rounds(times: dict, target: float | None = None) -> tuple[list[dict], str | None]:
+    """Per-round replay times `{method: [ms per round]}` (the methods timed in turns, the first the reference) ->
+    per method `{method, ms, ratio}`: the mean time with its Student-t 95% interval, and the mean of the per-round
+    ratios to the first method with its interval (an interval holding 1 is a tie); and, given `target` (ms), where
+    the first method stands: "met" (its interval below the target), "missed" (above), or a tie (it holds it)."""
+    from quantmla_hf.intervals import t_interval
+
+    names = list(times)
+    ref = torch.tensor(times[names[0]], dtype=torch.float64)
+    rows = []
+    for k in names:
+        ms = torch.tensor(times[k], dtype=torch.float64)
+        if ms.shape != ref.shape:
+            raise ValueError(f"every method needs one time per round: {k} has {ms.numel()}, {names[0]} {ref.numel()}")
+        rows.append(dict(method=k, ms=t_interval(ms), ratio=t_interval(ms / ref)))
+    if target is None:
+        return rows, None
+    m = rows[0]["ms"]
+    return rows, "met" if m.high < target else ("missed" if m.low > target else "tie (the interval holds it)")
+
+
+def run_repeats(out_lines, points, ours, bf16_kernel=None, rounds=10, target=None):
+    """Every method of each point captured once in a CUDA graph and its replay timed `rounds` times, the methods
+    taking turns (the order rotated each round), in one process; reported by `summarize_rounds` (the first of `ours`
+    is the reference of the ratios and the method `target` is about)."""
+    out = []
+    for H, B, N in points:
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        q_lat = torch.randn(B, H, 1, D_C, device=DEVICE, generator=g).bfloat16()
+        q_rot = torch.randn(B, H, 1, D_R, device=DEVICE, generator=g).bfloat16()
+        lp = torch.zeros(B, dtype=torch.long, device=DEVICE)
+        replays, keep = {}, []
+        for kernel, name in ours:
+            fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
+            args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+            fn = decode_fn(kernel, fmt, N)
+            keep.append((fn, args))  # a graph reads the tensors it was captured with (the device-side length in fn)
+            replays[f"{name}-{kernel}"] = graphed(lambda fn=fn, args=args: fn(*args))
+        kv = torch.randn(B, N, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
+        q = torch.randn(B, H, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
+        replays["torch-bmm-bf16"] = graphed(lambda: torch_absorbed(q, kv, SCALING))
+        if bf16_kernel is not None and B * N * (D_C + D_R) < 2**31:
+            keep.append(bf16_kernel_fn(bf16_kernel, B, H, N, kv))  # and its buffers
+            replays["vllm-triton-bf16"] = graphed(keep[-1])
+        names = list(replays)
+        times = {k: [] for k in names}
+        for r in range(rounds):
+            for k in names[r % len(names):] + names[: r % len(names)]:
+                times[k].append(bench(replays[k]))
+        rows, verdict = summarize_rounds(times, target)
+        for row in rows:
+            line = (f"repeat H={H:3d} B={B:2d} N={N:6d} {row['method']:20s} {row['ms'].fmt(4)} ms  "
+                    f"x{row['ratio'].fmt(3)} of {names[0]}  ({rounds} rounds: "
+                    f"{', '.join(f'{t:.4f}' for t in times[row['method']])})")
+            print(line, flush=True)
+            out_lines.append(line)
+            out.append(dict(method=row["method"], H=H, B=B, N=N, ms=row["ms"].to_dict(),
+                            ratio_to_first=row["ratio"].to_dict(), times=times[row["method"]]))
+        if verdict is not None:
+            line = f"repeat H={H:3d} B={B:2d} N={N:6d} {names[0]} against {target} ms: {rows[0]['ms'].fmt(4)}: {verdict}"
+            print(line, flush=True)
+            out_lines.append(line)
+        del replays, keep, kv
+        torch.cuda.empty_cache()
+    return out
+
+
 SWEEP = {
     ("C4R4", 16): [dict(), dict(block_t=64), dict(block_t=16), dict(num_warps=8), dict(num_warps=8, block_t=64),
                    dict(num_stages=1), dict(num_stages=3), dict(waves=4), dict(waves=16)],
@@ -551,6 +620,11 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240, help="time budget of the --bench grid")
     ap.add_argument("--gluon-launch", default="", help="KEY=INT,... launch overrides of the Gluon kernel for --check "
                     "and --bench (e.g. async_mma=1,num_warps=8): check a variant before timing it")
+    ap.add_argument("--repeat", type=int, default=0, help="--bench --graph: instead of the table, every method of "
+                    "each point replayed ROUNDS times in turn, with 95%% intervals of its time and of its ratio to the "
+                    "first of --ours")
+    ap.add_argument("--target-ms", type=float, default=None, help="--repeat: where the first of --ours stands "
+                    "against this time")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the script itself (interpreter, tiny sizes)")
     a = ap.parse_args()
     lines = []
@@ -591,9 +665,14 @@ def main():
         lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")
         points = [tuple(int(x) for x in p.split(":")) for p in a.points.split(",") if p] or None
         ours = [tuple(x.split(":")) for x in a.ours.split(",") if x] or None
-        result["ceiling_GBps"], result["rows"] = run_bench(lines, points=points, budget_s=a.budget_s, bf16_kernel=bf16,
-                                                           stock=a.stock, launch=launch, ours=ours,
-                                                           graph=a.graph)
+        if a.repeat:
+            if not a.graph or not points or not ours:
+                raise SystemExit("--repeat takes --graph, --points and --ours")
+            result["repeats"] = run_repeats(lines, points, ours, bf16, a.repeat, a.target_ms)
+        else:
+            result["ceiling_GBps"], result["rows"] = run_bench(lines, points=points, budget_s=a.budget_s,
+                                                               bf16_kernel=bf16, stock=a.stock, launch=launch,
+                                                               ours=ours, graph=a.graph)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -28,6 +28,24 @@ def test_decode_check_passes_at_tiny_sizes(bench_decode):
     assert lines[-1].startswith("check worst")
 
 
+def test_repeated_rounds_give_intervals_ratios_and_a_verdict(bench_decode):
+    """`--repeat`'s summary: a method's mean with its t interval, its per-round ratio to the reference, and whether
+    the reference's interval lies below, above or across a target."""
+    times = {"ours": [0.1990, 0.1992, 0.1989, 0.1991], "bf16": [0.4970, 0.4964, 0.4958, 0.4966]}
+    rows, verdict = bench_decode.summarize_rounds(times, target=0.20)
+    assert [r["method"] for r in rows] == ["ours", "bf16"]
+    assert rows[0]["ms"].value == pytest.approx(0.19905) and rows[0]["ms"].high < 0.20 and verdict == "met"
+    assert rows[0]["ratio"].value == pytest.approx(1.0) and rows[0]["ratio"].high - rows[0]["ratio"].low < 1e-12
+    ratios = [b / a for a, b in zip(times["ours"], times["bf16"])]
+    assert rows[1]["ratio"].value == pytest.approx(sum(ratios) / 4)
+    assert rows[1]["ratio"].low < rows[1]["ratio"].value < rows[1]["ratio"].high
+    assert bench_decode.summarize_rounds(times, target=0.1991)[1].startswith("tie")
+    assert bench_decode.summarize_rounds(times, target=0.19)[1] == "missed"
+    assert bench_decode.summarize_rounds(times)[1] is None
+    with pytest.raises(ValueError, match="one time per round"):
+        bench_decode.summarize_rounds({"ours": [0.2, 0.2], "bf16": [0.5]})
+
+
 def test_generate_benchmark_runs_and_fits_a_largest_batch(tmp_path):
     cmd = [sys.executable, os.path.join(BENCH, "bench_generate.py"), "--tiny", "--out", str(tmp_path),
            "--methods", "dynamic-bf16,C4R4,C4R4-static", "--skip", "C4R4-static@3x40"]
