@@ -1,0 +1,374 @@
+"""`PagedQuantMLACache`: the QuantMLA latent cache in fixed-size pages shared by many requests.
+
+Storage, per cache layer (one tensor per plane, pages along the first dimension):
+
+    content planes   codes uint8 [P, page_size, d_c * bits / 8], scale fp16 [P, page_size, G], zero int8 [P, page_size, G]
+                     (16 bits: values [P, page_size, d_c] in the model dtype)
+    rope planes      the same for the RoPE key, `d_R` wide
+    sink copies      [max_requests, S, d_c] and [max_requests, S, d_R] in the model dtype (quantized formats only)
+    recent rings     [max_requests, R, d_c] and [max_requests, R, d_R] in the model dtype (position p in slot p % R)
+
+A page is `page_size` consecutive tokens of one request; the bytes of one token inside a page are exactly those of
+the contiguous cache (`quantmla_hf/format.py`: a page plane `[page_size, width]` is one row of the contiguous
+`[B, capacity, width]` plane), so a page holds what `QuantMLACache` holds for those positions, bit for bit.
+Token `p` of a request lives at page `page_table[p // page_size]`, slot `p % page_size`, i.e. at the flat index
+`page * page_size + slot` of a plane viewed as `[P * page_size, width]`. Each running request also owns one row of
+the sink/recent copies; at 16 bits (C16R16, the BF16-latent baseline) the pages already hold the model-dtype values
+and no row is kept.
+
+A forward over several requests goes through one `PagedStep`: `begin_step` reserves the pages of every request's
+new tokens (all or nothing, `CacheBudgetExceeded` otherwise), `write` stores one layer's new latents, `history`
+returns what stock attention reads, `end_step` advances the lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import QuantMLAConfig
+from ..format import SCALE_DTYPE, ZERO_DTYPE, CacheFormat, PathFormat
+from ..kernels.quant_pack_ref import dequantize_ref, quantize_ref
+from ..mla import mla_dims
+from .allocator import CacheBudgetExceeded, PageAllocator, page_bytes, pages_for_budget, protected_bytes_per_request
+
+
+@dataclass
+class PagedRequest:
+    """One request's place in the cache: its pages in order, its sink/recent row and its cached length."""
+
+    request_id: str
+    row: int
+    pages: list[int]
+    length: int = 0
+
+
+@dataclass
+class PagedStep:
+    """Index tensors of one forward over `n` requests with `N` new tokens in all (varlen, no padding).
+
+    Attributes:
+        request_ids: the requests, in batch order.
+        past_lens, query_lens: tokens cached before the step and new tokens, per request.
+        cu_seqlens_q: int32 `[n + 1]`, start of each request's new tokens in the flat `[N, ...]` inputs.
+        cu_seqlens_k: int32 `[n + 1]`, start of each request's whole history (past + new) in `history` outputs.
+        seq_lens: int32 `[n]`, past + new tokens per request.
+        page_table: int32 `[n, max_pages]`, each request's pages (unused entries 0).
+        rows: int32 `[n]`, each request's sink/recent row.
+        token_request: int32 `[N]`, the request (batch index) of each new token.
+        slots: int64 `[N]`, flat page slot of each new token (`page * page_size + p % page_size`).
+        positions: int64 `[N]`, position of each new token in its request.
+    """
+
+    request_ids: list[str]
+    past_lens: list[int]
+    query_lens: list[int]
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seq_lens: torch.Tensor
+    page_table: torch.Tensor
+    rows: torch.Tensor
+    token_request: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    # History gather (positions [0, past) of every request, in batch order) and where each row goes in the output.
+    hist_slots: torch.Tensor
+    hist_positions: torch.Tensor
+    hist_rows: torch.Tensor
+    hist_total: torch.Tensor
+    hist_dst: torch.Tensor
+    new_dst: torch.Tensor
+
+
+class PagedQuantMLACache:
+    """Paged QuantMLA latent cache of one model, shared by up to `max_requests` running requests.
+
+    Args:
+        config: the model's `PretrainedConfig` (any supported MLA family).
+        quantization_config: a `QuantMLAConfig` (format, group size, sink and recent sizes, kernel choice).
+        page_size: tokens per page.
+        max_requests: requests that can hold a sink/recent row at once.
+        num_pages: pages to allocate; or give `budget_bytes` and the pages that fit are computed
+            (`allocator.pages_for_budget`: the sink/recent rows are paid first).
+        dtype: the model's compute dtype. device: where the cache lives.
+    """
+
+    def __init__(
+        self,
+        config,
+        quantization_config: QuantMLAConfig | None = None,
+        page_size: int = 64,
+        max_requests: int = 64,
+        num_pages: int | None = None,
+        budget_bytes: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ):
+        qc = quantization_config or getattr(config, "quantization_config", None) or QuantMLAConfig()
+        if isinstance(qc, dict):
+            qc = QuantMLAConfig.from_dict(qc)
+        if qc.transform == "hadamard":
+            raise ValueError(
+                "the paged cache does not apply the online RoPE rotation of transform='hadamard'; serve a model "
+                "quantized with transform='learned' or 'none'"
+            )
+        if page_size < 1 or max_requests < 1:
+            raise ValueError(f"page_size and max_requests must be >= 1, got {page_size} and {max_requests}")
+        self.quantization_config = qc
+        self.dims = mla_dims(config)
+        self.format = CacheFormat.from_config(self.dims.kv_lora_rank, self.dims.rope_dim, qc)
+        self.num_layers = self.dims.num_cache_layers
+        self.page_size, self.max_requests = page_size, max_requests
+        self.dtype, self.device = dtype, torch.device(device)
+        self.kernel = qc.kernel
+        if (num_pages is None) == (budget_bytes is None):
+            raise ValueError("give exactly one of num_pages and budget_bytes")
+        if num_pages is None:
+            num_pages = pages_for_budget(budget_bytes, self.format, self.num_layers, page_size, max_requests, dtype)
+        self.num_pages = num_pages
+        self.allocator = PageAllocator(num_pages)
+        self.protected = self.format.content.quantized or self.format.rope.quantized
+        self.content = [self._planes(self.format.content) for _ in range(self.num_layers)]
+        self.rope = [self._planes(self.format.rope) for _ in range(self.num_layers)]
+        S, R = (self.format.sink_tokens, self.format.recent_tokens) if self.protected else (0, 0)
+        self.sink_tokens, self.recent_tokens = S, R
+
+        def dense(n: int, d: int) -> list[torch.Tensor]:
+            return [torch.zeros((max_requests if n else 0, n, d), dtype=dtype, device=self.device)
+                    for _ in range(self.num_layers)]
+
+        self.sink_content, self.sink_rope = dense(S, self.format.content.dim), dense(S, self.format.rope.dim)
+        self.recent_content, self.recent_rope = dense(R, self.format.content.dim), dense(R, self.format.rope.dim)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+        self.requests: dict[str, PagedRequest] = {}
+
+    def _planes(self, fmt: PathFormat) -> dict[str, torch.Tensor]:
+        shape = (self.num_pages, self.page_size)
+        if not fmt.quantized:
+            return {"values": torch.zeros((*shape, fmt.dim), dtype=self.dtype, device=self.device)}
+        return {
+            "codes": torch.zeros((*shape, fmt.code_bytes), dtype=torch.uint8, device=self.device),
+            "scale": torch.ones((*shape, fmt.n_groups), dtype=SCALE_DTYPE, device=self.device),
+            "zero": torch.zeros((*shape, fmt.n_groups), dtype=ZERO_DTYPE, device=self.device),
+        }
+
+    # ---- budget -----------------------------------------------------------------------------------------------
+    @property
+    def bytes_per_page(self) -> int:
+        return page_bytes(self.format, self.num_layers, self.page_size, self.dtype)
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds: every page plane and every sink/recent row."""
+        tensors = [t for layer in self.content + self.rope for t in layer.values()]
+        tensors += self.sink_content + self.sink_rope + self.recent_content + self.recent_rope
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def capacity_tokens(self) -> int:
+        """Tokens the pages hold in all (over every request)."""
+        return self.num_pages * self.page_size
+
+    def pages_needed(self, request_id: str | None, new_tokens: int) -> int:
+        """Pages a request (None: a new one) must add to cache `new_tokens` more tokens."""
+        req = self.requests.get(request_id) if request_id is not None else None
+        length, held = (req.length, len(req.pages)) if req is not None else (0, 0)
+        return max(0, -(-(length + new_tokens) // self.page_size) - held)
+
+    def can_admit(self, request_id: str, new_tokens: int) -> bool:
+        """True when `new_tokens` more tokens of the request (new or running) fit right now."""
+        new_row = request_id not in self.requests
+        if new_row and not self._free_rows:
+            return False
+        return self.allocator.can_allocate(self.pages_needed(request_id, new_tokens))
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str) -> PagedRequest:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already in the cache")
+        if not self._free_rows:
+            raise CacheBudgetExceeded(
+                f"all {self.max_requests} request rows are taken: finish a request first or build the cache with a "
+                "larger max_requests"
+            )
+        req = PagedRequest(request_id, self._free_rows.pop(), [])
+        self.requests[request_id] = req
+        return req
+
+    def free_request(self, request_id: str) -> None:
+        """Return a request's pages and row (finished, cancelled or preempted)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is not in the cache")
+        self.allocator.free(req.pages)
+        self._free_rows.append(req.row)
+
+    def get_seq_length(self, request_id: str) -> int:
+        return self.requests[request_id].length
+
+    # ---- one forward ------------------------------------------------------------------------------------------
+    def begin_step(self, request_ids: list[str], query_lens: list[int]) -> PagedStep:
+        """Reserve pages for `query_lens[i]` new tokens of each request (added if new); build the step's indices.
+
+        All or nothing: raises `CacheBudgetExceeded` with nothing allocated when the pages or rows do not fit.
+        """
+        if len(request_ids) != len(query_lens) or len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must be distinct and as many as query_lens")
+        if any(q < 1 for q in query_lens):
+            raise ValueError(f"every request needs at least one new token, got {query_lens}")
+        new_rows = sum(rid not in self.requests for rid in request_ids)
+        need = sum(self.pages_needed(rid, q) for rid, q in zip(request_ids, query_lens))
+        if new_rows > len(self._free_rows) or not self.allocator.can_allocate(need):
+            raise CacheBudgetExceeded(
+                f"this step needs {need} pages and {new_rows} request rows; {self.allocator.num_free} pages and "
+                f"{len(self._free_rows)} rows are free: run fewer requests at once or free some"
+            )
+        reqs = []
+        for rid, q in zip(request_ids, query_lens):
+            req = self.requests.get(rid) or self.add_request(rid)
+            req.pages += self.allocator.allocate(self.pages_needed(rid, q))
+            reqs.append(req)
+        return self._build_step(reqs, query_lens)
+
+    def _build_step(self, reqs: list[PagedRequest], query_lens: list[int]) -> PagedStep:
+        ps, dev = self.page_size, self.device
+        past = [r.length for r in reqs]
+        seq = [p + q for p, q in zip(past, query_lens)]
+        max_pages = max(len(r.pages) for r in reqs)
+        table = torch.zeros((len(reqs), max_pages), dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        pages = table.long()
+        cu_q = torch.tensor([0] + query_lens).cumsum(0)
+        cu_k = torch.tensor([0] + seq).cumsum(0)
+        token_request = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(query_lens))
+        positions = torch.cat([torch.arange(p, s) for p, s in zip(past, seq)])
+        slots = pages[token_request, positions // ps] * ps + positions % ps
+        hist_req = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(past))
+        hist_pos = torch.cat([torch.arange(p) for p in past]) if sum(past) else torch.zeros(0, dtype=torch.long)
+        hist_slots = pages[hist_req, hist_pos // ps] * ps + hist_pos % ps
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.long)
+        offsets = cu_k[:-1]
+        return PagedStep(
+            request_ids=[r.request_id for r in reqs], past_lens=past, query_lens=list(query_lens),
+            cu_seqlens_q=cu_q.to(torch.int32).to(dev), cu_seqlens_k=cu_k.to(torch.int32).to(dev),
+            seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), page_table=table.to(dev),
+            rows=rows.to(torch.int32).to(dev), token_request=token_request.to(torch.int32).to(dev),
+            slots=slots.to(dev), positions=positions.to(dev),
+            hist_slots=hist_slots.to(dev), hist_positions=hist_pos.to(dev), hist_rows=rows[hist_req].to(dev),
+            hist_total=torch.tensor(seq)[hist_req].to(dev), hist_dst=(offsets[hist_req] + hist_pos).to(dev),
+            new_dst=(offsets[token_request] + query_offsets(query_lens) + torch.tensor(past)[token_request]).to(dev),
+        )
+
+    def end_step(self, step: PagedStep) -> None:
+        """Count the step's tokens as cached (after every layer was written)."""
+        for rid, q in zip(step.request_ids, step.query_lens):
+            self.requests[rid].length += q
+
+    def _use_triton(self) -> bool:
+        return self.kernel == "triton" or (self.kernel == "auto" and self.device.type == "cuda")
+
+    def _write_path(self, planes: dict[str, torch.Tensor], fmt: PathFormat, x: torch.Tensor, slots: torch.Tensor):
+        flat = {k: v.view(-1, v.shape[-1]) for k, v in planes.items()}
+        if not fmt.quantized:
+            flat["values"].index_copy_(0, slots, x.to(self.dtype))
+            return
+        if self._use_triton():
+            from ..kernels.quant_pack import quantize_pack
+
+            N = x.shape[0]
+            codes = torch.empty((1, N, fmt.code_bytes), dtype=torch.uint8, device=x.device)
+            scale = torch.empty((1, N, fmt.n_groups), dtype=SCALE_DTYPE, device=x.device)
+            zero = torch.empty((1, N, fmt.n_groups), dtype=ZERO_DTYPE, device=x.device)
+            quantize_pack(x.unsqueeze(0).contiguous(), codes, scale, zero, 0, fmt)
+            codes, scale, zero = codes[0], scale[0], zero[0]
+        else:
+            codes, scale, zero = quantize_ref(x, fmt)
+        flat["codes"].index_copy_(0, slots, codes)
+        flat["scale"].index_copy_(0, slots, scale)
+        flat["zero"].index_copy_(0, slots, zero)
+
+    def write(self, layer_idx: int, step: PagedStep, latent: torch.Tensor, k_rot: torch.Tensor) -> None:
+        """Store one layer's new tokens: `latent: [N, d_c]`, `k_rot: [N, d_R]` in the step's token order."""
+        if latent.shape != (step.slots.shape[0], self.format.content.dim) or k_rot.shape != (
+            step.slots.shape[0], self.format.rope.dim
+        ):
+            raise ValueError(
+                f"expected latent [{step.slots.shape[0]}, {self.format.content.dim}] and k_rot "
+                f"[{step.slots.shape[0]}, {self.format.rope.dim}], got {tuple(latent.shape)} and {tuple(k_rot.shape)}"
+            )
+        self._write_path(self.content[layer_idx], self.format.content, latent, step.slots)
+        self._write_path(self.rope[layer_idx], self.format.rope, k_rot, step.slots)
+        S, R = self.sink_tokens, self.recent_tokens
+        rows = step.rows.long()[step.token_request.long()]
+        if S:
+            sel = step.positions < S
+            self.sink_content[layer_idx][rows[sel], step.positions[sel]] = latent[sel].to(self.dtype)
+            self.sink_rope[layer_idx][rows[sel], step.positions[sel]] = k_rot[sel].to(self.dtype)
+        if R:
+            # Only the last R tokens of a chunk enter the ring (earlier ones would be overwritten within the chunk).
+            end = step.seq_lens.long()[step.token_request.long()]
+            sel = step.positions >= end - R
+            slot = step.positions[sel] % R
+            self.recent_content[layer_idx][rows[sel], slot] = latent[sel].to(self.dtype)
+            self.recent_rope[layer_idx][rows[sel], slot] = k_rot[sel].to(self.dtype)
+
+    def _read_path(self, planes: dict[str, torch.Tensor], fmt: PathFormat, slots: torch.Tensor) -> torch.Tensor:
+        flat = {k: v.view(-1, v.shape[-1]) for k, v in planes.items()}
+        if not fmt.quantized:
+            return flat["values"][slots]
+        return dequantize_ref(flat["codes"][slots], flat["scale"][slots], flat["zero"][slots], fmt, self.dtype)
+
+    def _past(self, layer_idx: int, step: PagedStep, planes, fmt, sink, recent) -> torch.Tensor:
+        """Positions `[0, past)` of every request as attention sees them after the step: `[sum(past), dim]`."""
+        x = self._read_path(planes[layer_idx], fmt, step.hist_slots)
+        pos, rows = step.hist_positions, step.hist_rows.long()
+        S, R = self.sink_tokens, self.recent_tokens
+        if S:
+            sel = pos < S
+            x[sel] = sink[layer_idx][rows[sel], pos[sel]]
+        if R:
+            sel = pos >= step.hist_total - R
+            x[sel] = recent[layer_idx][rows[sel], pos[sel] % R]
+        return x
+
+    def history(
+        self, layer_idx: int, step: PagedStep, latent: torch.Tensor, k_rot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What stock attention reads after `write`: `[sum(seq_lens), d_c]`, `[sum(seq_lens), d_R]`, request by
+        request (offsets `cu_seqlens_k`), the step's own tokens exactly as given (`latent`, `k_rot`), older sink and
+        recent positions from their model-dtype copies and the rest dequantized from the pages."""
+        total = int(step.cu_seqlens_k[-1])
+        out = []
+        for planes, fmt, sink, recent, new in (
+            (self.content, self.format.content, self.sink_content, self.recent_content, latent),
+            (self.rope, self.format.rope, self.sink_rope, self.recent_rope, k_rot),
+        ):
+            x = torch.empty((total, fmt.dim), dtype=new.dtype, device=new.device)
+            x[step.hist_dst] = self._past(layer_idx, step, planes, fmt, sink, recent).to(new.dtype)
+            x[step.new_dst] = new
+            out.append(x)
+        return out[0], out[1]
+
+    def request_planes(self, layer_idx: int, request_id: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One request's packed planes gathered into the contiguous layout, `[1, length, width]` each (for checks
+        against `QuantMLACache` and for debugging; attention reads the pages in place)."""
+        req = self.requests[request_id]
+        pos = torch.arange(req.length, device=self.device)
+        pages = torch.tensor(req.pages, dtype=torch.long, device=self.device)
+        slots = pages[pos // self.page_size] * self.page_size + pos % self.page_size
+        return tuple(
+            {k: v.view(-1, v.shape[-1])[slots].unsqueeze(0) for k, v in planes[layer_idx].items()}
+            for planes in (self.content, self.rope)
+        )
+
+    def __repr__(self) -> str:
+        return (f"PagedQuantMLACache({self.format.name}, {self.num_layers} layers, {self.num_pages} pages x "
+                f"{self.page_size} tokens, {self.allocator.num_used} used, {len(self.requests)} requests)")
+
+
+def query_offsets(query_lens: list[int]) -> torch.Tensor:
+    """Index of each new token within its request's chunk, `[sum(query_lens)]`."""
+    return torch.cat([torch.arange(q) for q in query_lens])
+
+
+__all__ = ["CacheBudgetExceeded", "PagedQuantMLACache", "PagedRequest", "PagedStep", "protected_bytes_per_request"]

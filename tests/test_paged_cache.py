@@ -1,0 +1,146 @@
+"""Paged QuantMLA cache: the page allocator, the budget arithmetic, and paged writes/reads against QuantMLACache."""
+
+import pytest
+import torch
+
+from quantmla_hf import QuantMLACache, QuantMLAConfig
+from quantmla_hf.format import CacheFormat, PathFormat
+from quantmla_hf.paged import (
+    CacheBudgetExceeded,
+    PageAllocator,
+    PagedQuantMLACache,
+    pages_for_budget,
+    protected_bytes_per_request,
+)
+from quantmla_hf.tiny_models import tiny_config
+
+
+def test_allocator_alloc_free_reuse():
+    a = PageAllocator(5)
+    first = a.allocate(3)
+    assert sorted(first) == [0, 1, 2] and a.num_free == 2 and a.num_used == 3
+    a.free([first[1]])
+    assert a.allocate(1) == [first[1]]  # a freed page is given again first
+    with pytest.raises(CacheBudgetExceeded, match="3 pages asked for but 2 of 5 are free"):
+        a.allocate(3)
+    assert a.num_free == 2  # the failed call allocated nothing
+    assert a.peak_used == 3
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free([4])
+    a.free(first)
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(first[:1])
+    assert a.num_free == 5
+
+
+def test_budget_holds_more_c4r4_tokens_than_bf16_latent():
+    """The same bytes hold ~3.6x more C4R4 tokens than C16R16 (BF16 latent) tokens at DeepSeek widths."""
+    L, page, requests = 27, 64, 8
+    budget = 16 * 2**30
+    c4 = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
+    c16 = CacheFormat(PathFormat(512, 16, 64), PathFormat(64, 16, 64))
+    assert protected_bytes_per_request(c16, L, torch.bfloat16) == 0
+    assert protected_bytes_per_request(c4, L, torch.bfloat16) == 132 * 1152 * L
+    n4 = pages_for_budget(budget, c4, L, page, requests, torch.bfloat16)
+    n16 = pages_for_budget(budget, c16, L, page, requests, torch.bfloat16)
+    assert n16 == budget // (page * 1152 * L)
+    assert n4 == (budget - requests * 132 * 1152 * L) // (page * 315 * L)
+    assert 3.6 < n4 / n16 < 1152 / 315
+    with pytest.raises(ValueError, match="raise the budget"):
+        pages_for_budget(10_000, c4, L, page, requests, torch.bfloat16)
+
+
+def _cache(bits, page_size=4, num_pages=40, max_requests=4, sink=2, recent=5, model="deepseek_v3"):
+    qc = QuantMLAConfig(content_bits=bits, rope_bits=max(bits, 4), sink_tokens=sink, recent_tokens=recent, kernel="torch")
+    config = tiny_config(model)
+    paged = PagedQuantMLACache(config, qc, page_size=page_size, max_requests=max_requests, num_pages=num_pages,
+                               dtype=torch.float32)
+    return config, qc, paged
+
+
+def test_out_of_budget_is_all_or_nothing():
+    _, _, paged = _cache(4, page_size=4, num_pages=3, max_requests=2)
+    paged.end_step(paged.begin_step(["a"], [5]))  # 2 pages
+    with pytest.raises(CacheBudgetExceeded, match="needs 2 pages"):
+        paged.begin_step(["a", "b"], [4, 1])  # a: 9 tokens -> 1 more page, b: 1 page
+    assert paged.allocator.num_free == 1 and "b" not in paged.requests and paged.get_seq_length("a") == 5
+    assert paged.can_admit("a", 7) and not paged.can_admit("a", 8)  # 12 tokens fit 3 pages, 13 do not
+    paged.end_step(paged.begin_step(["b"], [4]))
+    assert not paged.can_admit("c", 1)  # no page left
+    paged.free_request("a")
+    assert paged.allocator.num_free == 2 and paged.can_admit("c", 8)
+    with pytest.raises(CacheBudgetExceeded, match="request rows"):
+        paged.begin_step(["c", "d"], [1, 1])  # two rows asked, one free (b holds the other)
+
+
+@pytest.mark.parametrize("bits", [4, 2, 16])  # C4R4, C2R4, C16R16
+def test_paged_writes_and_reads_match_contiguous_cache(bits):
+    """Requests of different lengths arriving at different steps, chunked prefills mixed with decode steps: every
+    request's packed bytes and every history the cache returns equal QuantMLACache's on that request alone."""
+    config, qc, paged = _cache(bits)
+    L = paged.num_layers
+    torch.manual_seed(0)
+    lengths = {"a": 23, "b": 9, "c": 14}
+    latents = {rid: (torch.randn(L, n, 64) * 3, torch.randn(L, n, 16)) for rid, n in lengths.items()}
+    ref = {rid: QuantMLACache(config=config, quantization_config=qc) for rid in lengths}
+    # (request, new tokens) per step: a prefills in chunks of 7, b arrives at step 1, c at step 2, then decode.
+    schedule = [
+        [("a", 7)],
+        [("a", 7), ("b", 6)],
+        [("a", 7), ("b", 1), ("c", 11)],
+        [("a", 1), ("b", 1), ("c", 1)],
+        [("a", 1), ("b", 1), ("c", 1)],
+        [("c", 1)],
+    ]
+    done = dict.fromkeys(lengths, 0)
+    for plan in schedule:
+        rids, qs = [r for r, _ in plan], [q for _, q in plan]
+        step = paged.begin_step(rids, qs)
+        for layer in range(L):
+            c = torch.cat([latents[r][0][layer, done[r] : done[r] + q] for r, q in plan])
+            k = torch.cat([latents[r][1][layer, done[r] : done[r] + q] for r, q in plan])
+            paged.write(layer, step, c, k)
+            hist_c, hist_k = paged.history(layer, step, c, k)
+            for i, (r, q) in enumerate(plan):
+                exp_c, exp_k = ref[r].update(
+                    latents[r][0][layer, None, None, done[r] : done[r] + q],
+                    latents[r][1][layer, None, None, done[r] : done[r] + q], layer,
+                )
+                lo, hi = int(step.cu_seqlens_k[i]), int(step.cu_seqlens_k[i + 1])
+                assert torch.equal(hist_c[lo:hi], exp_c[0, 0]) and torch.equal(hist_k[lo:hi], exp_k[0, 0])
+        paged.end_step(step)
+        for r, q in plan:
+            done[r] += q
+    for r, n in lengths.items():
+        assert paged.get_seq_length(r) == n
+        for layer in range(L):
+            got_c, got_r = paged.request_planes(layer, r)
+            ref_layer = ref[r].layers[layer]
+            for got, store in ((got_c, ref_layer.content), (got_r, ref_layer.rope)):
+                for name, plane in got.items():
+                    assert torch.equal(plane, store.planes[name][:, :n]), (r, layer, name)
+    pages_held = sum(len(req.pages) for req in paged.requests.values())
+    assert pages_held == sum(-(-n // paged.page_size) for n in lengths.values()) == paged.allocator.num_used
+    paged.free_request("b")
+    assert paged.allocator.num_used == pages_held - 3
+
+
+def test_c16r16_keeps_no_protected_rows():
+    _, _, c16 = _cache(16)
+    _, _, c4 = _cache(4)
+    assert c16.sink_tokens == c16.recent_tokens == 0 and c16.sink_content[0].numel() == 0
+    assert c4.sink_content[0].shape == (4, 2, 64) and c4.recent_rope[0].shape == (4, 5, 16)
+
+
+def test_bad_inputs_are_refused_clearly():
+    config = tiny_config("deepseek_v3")
+    with pytest.raises(ValueError, match="exactly one of num_pages and budget_bytes"):
+        PagedQuantMLACache(config, QuantMLAConfig(), num_pages=4, budget_bytes=10**6)
+    with pytest.raises(ValueError, match="transform='hadamard'"):
+        PagedQuantMLACache(config, QuantMLAConfig(transform="hadamard"), num_pages=4)
+    _, _, paged = _cache(4)
+    step = paged.begin_step(["a"], [3])
+    with pytest.raises(ValueError, match=r"expected latent \[3, 64\]"):
+        paged.write(0, step, torch.zeros(2, 64), torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="at least one new token"):
+        paged.begin_step(["b"], [0])
