@@ -1,0 +1,130 @@
+"""Paged MLA decode: the Triton kernel against its PyTorch reference, and the reference against the contiguous one.
+
+Fresh random pages in a shuffled order, requests of odd and unequal lengths in one launch (varlen), lengths on page
+boundaries and on the sink/recent boundaries, decode steps and chunks of several query tokens. On CPU the kernel runs
+in the Triton interpreter, so sizes stay small.
+"""
+
+import math
+
+import pytest
+import torch
+
+from quantmla_hf.format import CacheFormat, PathFormat
+from quantmla_hf.kernels.mla_decode_paged import mla_decode_paged
+from quantmla_hf.kernels.mla_decode_paged_ref import mla_decode_paged_ref
+from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
+from quantmla_hf.kernels.quant_pack_ref import quantize_ref
+
+from helpers import assert_close
+
+D_C, D_R, PAGE = 64, 16, 8
+
+
+def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float32, seed=0):
+    """Pages filled with random data, each request's pages drawn from a shuffled pool (unused pages included)."""
+    g = torch.Generator().manual_seed(seed)
+    fmt = CacheFormat(PathFormat(D_C, cb, 64), PathFormat(D_R, rb, 64), S, R)
+    n_pages = [-(-n // PAGE) for n in lengths]
+    P = sum(n_pages) + 3
+    order = torch.randperm(P, generator=g)
+    table = torch.zeros(len(lengths), max(n_pages), dtype=torch.int32)
+    used = 0
+    for i, k in enumerate(n_pages):
+        table[i, :k] = order[used : used + k]
+        used += k
+
+    def planes(f, d):
+        x = torch.randn(P, PAGE, d, generator=g) * 2 + 0.3
+        if f.quantized:
+            codes, scale, zero = quantize_ref(x, f)
+            return {"codes": codes, "scale": scale, "zero": zero}
+        return {"values": x.to(dtype)}
+
+    protected = cb < 16 or rb < 16
+    n_rows = len(lengths) + 2
+    rows = torch.randperm(n_rows, generator=g)[: len(lengths)].to(torch.int32)
+
+    def dense(n, d):
+        return torch.randn(n_rows, n if protected else 0, d, generator=g).to(dtype)
+
+    Nq = sum(query_lens)
+    q_lat = torch.randn(Nq, H, D_C, generator=g)
+    q_rot = torch.randn(Nq, H, D_R, generator=g)
+    cu = torch.tensor([0] + list(query_lens)).cumsum(0).to(torch.int32)
+    return (q_lat, q_rot, planes(fmt.content, D_C), planes(fmt.rope, D_R), fmt, dense(S, D_C), dense(S, D_R),
+            dense(R, D_C), dense(R, D_R), table, rows, cu, torch.tensor(lengths, dtype=torch.int32),
+            1 / math.sqrt(D_C + D_R))
+
+
+def check(args, **kw):
+    out, lse = mla_decode_paged(*args, **kw)
+    ref_out, ref_lse = mla_decode_paged_ref(*args, dtype=torch.float64)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert_close("o_lat", ref_out, out, 2e-5)
+    assert (lse - ref_lse).abs().max().item() < 1e-4
+    return out, lse
+
+
+@pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (8, 8), (16, 16), (2, 16)])
+def test_unequal_requests_in_one_launch(cb, rb):
+    # decode (1 token), a chunk of 3 and one of 9, lengths odd, on a page boundary and inside the sink window
+    check(paged_case([17, 16, 9, 1, 40], [1, 1, 3, 1, 9], cb=cb, rb=rb))
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 6, 7, 8, 9, 33])
+def test_lengths_around_sink_recent_and_page_edges(length):
+    # S = 2, R = 5, page 8: below, on and past the sink, recent and page boundaries, with a 32-token block edge
+    check(paged_case([length, length + 8], [1, min(length, 4)], seed=length))
+
+
+def test_many_heads_take_several_head_blocks():
+    check(paged_case([13, 21], [2, 1], H=70))
+
+
+def test_bf16_copies_and_pages():
+    check(paged_case([19, 12], [1, 2], cb=4, rb=16, dtype=torch.bfloat16))
+
+
+def test_block_size_does_not_change_the_result():
+    args = paged_case([45, 7], [3, 1])
+    a, _ = mla_decode_paged(*args, block_n=16)
+    b, _ = mla_decode_paged(*args, block_n=64)
+    assert_close("o_lat", a, b, 1e-6)
+
+
+def _contiguous(planes, table_row, length):
+    pos = torch.arange(length)
+    slots = table_row.long()[pos // PAGE] * PAGE + pos % PAGE
+    return {k: v.reshape(-1, v.shape[-1])[slots].unsqueeze(0) for k, v in planes.items()}
+
+
+@pytest.mark.parametrize("cb, rb", [(4, 4), (16, 16)])
+def test_reference_equals_the_contiguous_reference(cb, rb):
+    """Each request's pages, gathered into the contiguous layout, give the contiguous reference's result exactly."""
+    lengths, qlens = [17, 6, 30], [1, 2, 4]
+    q_lat, q_rot, content, rope, fmt, sc, sr, rc, rr, table, rows, cu, lens, scaling = paged_case(
+        lengths, qlens, cb=cb, rb=rb)
+    out, lse = mla_decode_paged_ref(q_lat, q_rot, content, rope, fmt, sc, sr, rc, rr, table, rows, cu, lens, scaling)
+    for i, n in enumerate(lengths):
+        q0, q1, row = int(cu[i]), int(cu[i + 1]), int(rows[i])
+        S, R = sc.shape[1], rc.shape[1]
+        fmt_i = CacheFormat(fmt.content, fmt.rope, S, R)
+        exp, exp_lse = mla_decode_ref(
+            q_lat[q0:q1].transpose(0, 1)[None], q_rot[q0:q1].transpose(0, 1)[None],
+            _contiguous(content, table[i], n), _contiguous(rope, table[i], n), fmt_i,
+            sc[row : row + 1], sr[row : row + 1], rc[row : row + 1], rr[row : row + 1],
+            torch.zeros(1, dtype=torch.long), n, scaling,
+        )
+        assert torch.equal(out[q0:q1], exp[0].transpose(0, 1)) and torch.equal(lse[q0:q1], exp_lse[0].transpose(0, 1))
+
+
+def test_bad_shapes_are_refused():
+    args = list(paged_case([5], [1]))
+    args[11] = torch.tensor([0, 1, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be"):
+        mla_decode_paged(*args)
+    args = list(paged_case([5], [1]))
+    args[1] = args[1][..., :8]
+    with pytest.raises(ValueError, match="expected q_lat"):
+        mla_decode_paged(*args)
