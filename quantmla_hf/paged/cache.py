@@ -259,6 +259,11 @@ class PagedQuantMLACache:
             new_dst=(offsets[token_request] + query_offsets(query_lens) + torch.tensor(past)[token_request]).to(dev),
         )
 
+    def sub_step(self, step: PagedStep, indices: list[int]) -> PagedStep:
+        """The step restricted to the requests at `indices` (batch order), before `end_step`."""
+        reqs = [self.requests[step.request_ids[i]] for i in indices]
+        return self._build_step(reqs, [step.query_lens[i] for i in indices])
+
     def end_step(self, step: PagedStep) -> None:
         """Count the step's tokens as cached (after every layer was written)."""
         for rid, q in zip(step.request_ids, step.query_lens):

@@ -1,0 +1,237 @@
+"""Continuous batching of greedy generation on the paged QuantMLA cache.
+
+Every step runs one forward of the stock transformers model over the new tokens of several requests packed in one
+row (`[1, N]`, positions per token): decode steps of running requests and prefill chunks of new ones, of different
+lengths, without padding. The policy is the one of transformers' own continuous batching (FIFO) and vLLM's:
+
+- running requests first, one token each (or their next prefill chunk), then waiting requests in arrival order,
+  admitted while the step's token budget (`max_batch_tokens`) and the cache's pages allow, prefill chunked to fit;
+- when the running requests' next tokens do not fit the pages left, the most recently admitted request is preempted:
+  its pages are freed and it waits again at the head of the queue, to be recomputed from its prompt and the tokens
+  it already generated (`preemptions` counts these);
+- a request that does not fit an empty cache on its own is refused with `CacheBudgetExceeded`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from packaging import version
+
+from ..hooks import mla_attention_modules
+from .allocator import CacheBudgetExceeded
+from .attention import PAGED_ATTN_IMPLEMENTATION, PagedForward, native_request, register_paged_attention
+from .cache import PagedQuantMLACache
+
+# transformers 5.17 names the model's cache argument `past_key_values`; later releases call it `cache`.
+CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__).release < (5, 18) else "cache"
+
+
+@dataclass
+class GenerationRequest:
+    """One request: its prompt, what it generated, and how much of `prompt + generated` the cache holds."""
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_step: int = 0
+    generated: list[int] = field(default_factory=list)
+    cached: int = 0
+    preemptions: int = 0
+    finished: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+@dataclass
+class BatchingStats:
+    """What a run did: forwards, tokens computed (prefill, recomputation and decode), preemptions."""
+
+    steps: int = 0
+    forward_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    peak_pages: int = 0
+
+
+class ContinuousBatcher:
+    """Greedy continuous batching of a transformers MLA model on a `PagedQuantMLACache`.
+
+    Args:
+        model: a transformers MLA causal LM (QuantMLA-prepared or not; the cache decides the format).
+        cache: the paged cache (its `QuantMLAConfig` gives the format; C16R16 is the BF16-latent baseline).
+        max_batch_tokens: most tokens in one forward (decode tokens and prefill chunks together).
+        eos_token_id: a token id (or ids) that ends a request, or None.
+    """
+
+    def __init__(self, model, cache: PagedQuantMLACache, max_batch_tokens: int = 512, eos_token_id=None):
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.model, self.cache, self.max_batch_tokens = model, cache, max_batch_tokens
+        eos = eos_token_id if eos_token_id is not None else []
+        self.eos = set([eos] if isinstance(eos, int) else eos)
+        self.waiting: deque[GenerationRequest] = deque()
+        self.running: list[GenerationRequest] = []
+        self.finished: dict[str, GenerationRequest] = {}
+        self.stats = BatchingStats()
+        self.modules = mla_attention_modules(model)
+        if not self.modules:
+            raise ValueError("continuous batching on the paged QuantMLA cache needs an MLA model")
+        register_paged_attention()
+
+    def add_request(self, request_id: str, input_ids: list[int], max_new_tokens: int, arrival_step: int = 0) -> None:
+        """Queue a request; it may be admitted from step `arrival_step` on."""
+        if not input_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        known = {r.request_id for r in self.waiting} | {r.request_id for r in self.running} | set(self.finished)
+        if request_id in known:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.waiting.append(GenerationRequest(request_id, list(input_ids), max_new_tokens, arrival_step))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling -------------------------------------------------------------------------------------------
+    def _pages(self, plan: list[tuple[GenerationRequest, int]]) -> int:
+        return sum(self.cache.pages_needed(r.request_id if r.request_id in self.cache.requests else None, q)
+                   for r, q in plan)
+
+    def _preempt(self, req: GenerationRequest) -> None:
+        self.running.remove(req)
+        if req.request_id in self.cache.requests:
+            self.cache.free_request(req.request_id)
+        req.cached = 0
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _schedule(self) -> list[tuple[GenerationRequest, int]]:
+        budget = self.max_batch_tokens
+        plan: list[tuple[GenerationRequest, int]] = []
+        for req in list(self.running):
+            if budget == 0:
+                break
+            plan.append((req, min(len(req.tokens) - req.cached, budget)))
+            budget -= plan[-1][1]
+        # Running requests that no longer fit: preempt the most recently admitted until the others do.
+        while plan and self._pages(plan) > self.cache.allocator.num_free:
+            victim = self.running[-1]
+            budget += sum(q for r, q in plan if r is victim)
+            plan = [(r, q) for r, q in plan if r is not victim]
+            self._preempt(victim)
+        rows_free = len(self.cache._free_rows)
+        while self.waiting and budget > 0 and rows_free > 0 and self.waiting[0].arrival_step <= self.stats.steps:
+            req = self.waiting[0]
+            q = min(len(req.tokens), budget)
+            if self._pages(plan + [(req, q)]) > self.cache.allocator.num_free:
+                if not plan and not self.running:
+                    raise CacheBudgetExceeded(
+                        f"request {req.request_id!r} ({len(req.tokens)} tokens) does not fit the empty cache "
+                        f"({self.cache.num_pages} pages of {self.cache.page_size} tokens); build the cache with a "
+                        "larger budget or shorten the request"
+                    )
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            plan.append((req, q))
+            budget -= q
+            rows_free -= 1
+        return plan
+
+    # ---- one forward ------------------------------------------------------------------------------------------
+    @contextmanager
+    def _paged_attention(self, ctx: PagedForward):
+        previous = self.model.config._attn_implementation
+        if previous != PAGED_ATTN_IMPLEMENTATION:
+            self.model.set_attn_implementation(PAGED_ATTN_IMPLEMENTATION)
+        for m in self.modules:
+            m._quantmla_paged = ctx
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m._quantmla_paged = None
+            if previous != PAGED_ATTN_IMPLEMENTATION:
+                self.model.set_attn_implementation(previous)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[str, int]]:
+        """Run one forward; return the `(request_id, token)` pairs generated by it."""
+        plan = self._schedule()
+        if not plan:
+            if self.waiting:  # nothing admitted yet (arrival in the future): let time pass
+                self.stats.steps += 1
+            return []
+        cache, device = self.cache, self.cache.device
+        step = cache.begin_step([r.request_id for r, _ in plan], [q for _, q in plan])
+        ids = [t for r, q in plan for t in r.tokens[r.cached : r.cached + q]]
+        positions = [p for r, q in plan for p in range(r.cached, r.cached + q)]
+        native = [i for i, (_, q) in enumerate(plan) if native_request(cache, q)]
+        dense = [i for i in range(len(plan)) if i not in native]
+        cu = step.cu_seqlens_q.tolist()
+        ctx = PagedForward(cache, step, native, dense)
+        if native:
+            ctx.native_step = cache.sub_step(step, native)
+            ctx.native_tokens = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in native]).to(device)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+        with self._paged_attention(ctx):
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                                **{CACHE_KWARG: ctx}).logits[0]
+        cache.end_step(step)
+        self.stats.steps += 1
+        self.stats.forward_tokens += len(ids)
+        self.stats.peak_running = max(self.stats.peak_running, len(plan))
+        self.stats.peak_pages = max(self.stats.peak_pages, cache.allocator.num_used)
+        out = []
+        for i, (req, q) in enumerate(plan):
+            req.cached += q
+            if req.cached < len(req.tokens):
+                continue  # prefill (or recomputation) not done yet
+            token = int(logits[cu[i + 1] - 1].float().argmax())
+            req.generated.append(token)
+            self.stats.generated_tokens += 1
+            out.append((req.request_id, token))
+            if len(req.generated) >= req.max_new_tokens or token in self.eos:
+                req.finished = True
+                self.running.remove(req)
+                cache.free_request(req.request_id)
+                self.finished[req.request_id] = req
+        return out
+
+    def run(self) -> dict[str, list[int]]:
+        """Step until every request finished; return each request's generated tokens."""
+        while self.has_work():
+            self.step()
+        return {rid: req.generated for rid, req in self.finished.items()}
+
+
+def generate_batch(
+    model, prompts: list[list[int]], max_new_tokens: int = 32, cache: PagedQuantMLACache | None = None,
+    arrival_steps: list[int] | None = None, max_batch_tokens: int = 512, eos_token_id=None, **cache_kwargs,
+) -> tuple[list[list[int]], BatchingStats]:
+    """Greedy continuous batching of `prompts` (token id lists); returns each prompt's new tokens and the stats.
+
+    Without `cache`, a `PagedQuantMLACache` is built from the model's `quantization_config` with `cache_kwargs`
+    (`num_pages` or `budget_bytes`, `page_size`, `max_requests`).
+    """
+    if cache is None:
+        cache_kwargs.setdefault("max_requests", max(1, len(prompts)))
+        if "num_pages" not in cache_kwargs and "budget_bytes" not in cache_kwargs:
+            page = cache_kwargs.setdefault("page_size", 64)
+            cache_kwargs["num_pages"] = sum(-(-(len(p) + max_new_tokens) // page) for p in prompts)
+        cache = PagedQuantMLACache(model.config, dtype=model.dtype, device=model.device, **cache_kwargs)
+    batcher = ContinuousBatcher(model, cache, max_batch_tokens, eos_token_id)
+    for i, p in enumerate(prompts):
+        batcher.add_request(str(i), p, max_new_tokens, arrival_steps[i] if arrival_steps else 0)
+    results = batcher.run()
+    return [results[str(i)] for i in range(len(prompts))], batcher.stats
