@@ -5,7 +5,11 @@ row (`[1, N]`, positions per token): decode steps of running requests and prefil
 lengths, without padding. The policy is the one of transformers' own continuous batching (FIFO) and vLLM's:
 
 - running requests first, one token each (or their next prefill chunk), then waiting requests in arrival order,
-  admitted while the step's token budget (`max_batch_tokens`) and the cache's pages allow, prefill chunked to fit;
+  admitted while the step's token budget (`max_batch_tokens`) and the cache's pages allow. A prompt that fits one
+  forward is prefilled whole (it waits for a step with room), so its tokens attend to exact latents as in
+  `generate`; only a prompt longer than `max_batch_tokens` is chunked, and then, in a quantized format, a chunk
+  reads the earlier chunks from the cache (dequantized outside the sink and recent window), which a one-shot
+  `generate` prefill does not;
 - when the running requests' next tokens do not fit the pages left, the most recently admitted request is preempted:
   its pages are freed and it waits again at the head of the queue, to be recomputed from its prompt and the tokens
   it already generated (`preemptions` counts these);
@@ -131,6 +135,8 @@ class ContinuousBatcher:
         rows_free = len(self.cache._free_rows)
         while self.waiting and budget > 0 and rows_free > 0 and self.waiting[0].arrival_step <= self.stats.steps:
             req = self.waiting[0]
+            if budget < len(req.tokens) <= self.max_batch_tokens:
+                break  # a prompt that fits one forward is prefilled whole, in a later step
             q = min(len(req.tokens), budget)
             if self._pages(plan + [(req, q)]) > self.cache.allocator.num_free:
                 if not plan and not self.running:
