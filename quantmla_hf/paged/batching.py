@@ -43,6 +43,8 @@ class GenerationRequest:
     prompt: list[int]
     max_new_tokens: int
     arrival_step: int = 0
+    eos: frozenset = frozenset()
+    sampling: "Sampling | None" = None
     generated: list[int] = field(default_factory=list)
     cached: int = 0
     preemptions: int = 0
@@ -51,6 +53,36 @@ class GenerationRequest:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling of one request (greedy when `do_sample` is False): temperature, then top-k, then top-p."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @classmethod
+    def from_generation_config(cls, gen_config) -> "Sampling":
+        return cls(bool(getattr(gen_config, "do_sample", False)), float(getattr(gen_config, "temperature", None) or 1.0),
+                   getattr(gen_config, "top_k", None) or None, getattr(gen_config, "top_p", None))
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from `logits: [V]`."""
+        if not self.do_sample:
+            return int(logits.float().argmax())
+        scores = logits.float() / max(self.temperature, 1e-5)
+        if self.top_k:
+            kth = torch.topk(scores, min(self.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            drop = sorted_p.cumsum(0) - sorted_p > self.top_p
+            probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+        return int(torch.multinomial(probs / probs.sum(), 1))
 
 
 @dataclass
@@ -90,8 +122,10 @@ class ContinuousBatcher:
             raise ValueError("continuous batching on the paged QuantMLA cache needs an MLA model")
         register_paged_attention()
 
-    def add_request(self, request_id: str, input_ids: list[int], max_new_tokens: int, arrival_step: int = 0) -> None:
-        """Queue a request; it may be admitted from step `arrival_step` on."""
+    def add_request(self, request_id: str, input_ids: list[int], max_new_tokens: int, arrival_step: int = 0,
+                    eos_token_id=None, sampling: Sampling | None = None) -> None:
+        """Queue a request; it may be admitted from step `arrival_step` on. `eos_token_id` (an id or ids) adds to
+        the batcher's own end tokens; `sampling` defaults to greedy."""
         if not input_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         if max_new_tokens < 1:
@@ -99,7 +133,23 @@ class ContinuousBatcher:
         known = {r.request_id for r in self.waiting} | {r.request_id for r in self.running} | set(self.finished)
         if request_id in known:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.waiting.append(GenerationRequest(request_id, list(input_ids), max_new_tokens, arrival_step))
+        eos = set(self.eos)
+        if eos_token_id is not None:
+            eos |= {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        self.waiting.append(
+            GenerationRequest(request_id, list(input_ids), max_new_tokens, arrival_step, frozenset(eos), sampling)
+        )
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request (its pages return to the cache). False when it is not queued."""
+        for queue in (self.waiting, self.running):
+            for req in list(queue):
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    if request_id in self.cache.requests:
+                        self.cache.free_request(request_id)
+                    return True
+        return False
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -191,7 +241,9 @@ class ContinuousBatcher:
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         with self._paged_attention(ctx):
-            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+            # Only each request's last token can produce a new token: the LM head runs on those rows alone.
+            last = torch.tensor([cu[i + 1] - 1 for i in range(len(plan))], device=device)
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=last,
                                 **{CACHE_KWARG: ctx}).logits[0]
         cache.end_step(step)
         self.stats.steps += 1
@@ -203,11 +255,12 @@ class ContinuousBatcher:
             req.cached += q
             if req.cached < len(req.tokens):
                 continue  # prefill (or recomputation) not done yet
-            token = int(logits[cu[i + 1] - 1].float().argmax())
+            row = logits[i]
+            token = req.sampling.choose(row) if req.sampling is not None else int(row.float().argmax())
             req.generated.append(token)
             self.stats.generated_tokens += 1
             out.append((req.request_id, token))
-            if len(req.generated) >= req.max_new_tokens or token in self.eos:
+            if len(req.generated) >= req.max_new_tokens or token in req.eos:
                 req.finished = True
                 self.running.remove(req)
                 cache.free_request(req.request_id)
