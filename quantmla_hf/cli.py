@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Parsed by quantmla_hf.demo itself (`quantmla demo --help` lists its options); here only for the listing.
     sub.add_parser("demo", help="the embedded reference model end to end (`quantmla demo --help`)", add_help=False)
+    sub.add_parser("serve", help="OpenAI-compatible server, continuous batching on the paged packed cache "
+                                 "(`quantmla serve --help`)", add_help=False)
     return parser
 
 
@@ -390,16 +392,24 @@ def _hub_message(err: BaseException) -> str:
     return f"the Hub at {constants.ENDPOINT} {what}: {kind}: {detail} (HF_ENDPOINT sets the endpoint)"
 
 
+def cmd_serve(argv: list[str]) -> int:
+    from .paged.serving import serve_main
+
+    return serve_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"quantize": cmd_quantize, "generate": cmd_generate, "eval": cmd_eval, "analyze": cmd_analyze}
     if argv[:1] == ["demo"]:  # the demo parses its own options (`quantmla demo --help`)
         command, run = "demo", lambda: cmd_demo(argv[1:])
+    elif argv[:1] == ["serve"]:  # so does the server (`quantmla serve --help`)
+        command, run = "serve", lambda: cmd_serve(argv[1:])
     else:
         args = build_parser().parse_args(argv)
         command, run = args.command, lambda: commands[args.command](args)
     try:
-        if command != "demo" and getattr(args, "hub_timeout", None) is not None:
+        if command not in ("demo", "serve") and getattr(args, "hub_timeout", None) is not None:
             if not args.hub_timeout > 0:
                 raise CLIError(f"--hub-timeout must be a positive number of seconds, got {args.hub_timeout}")
             set_hub_timeout(args.hub_timeout)

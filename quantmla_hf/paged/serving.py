@@ -277,3 +277,31 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, options: CacheO
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         state.shutdown()
+
+
+def serve_main(argv: list[str]) -> int:
+    """`quantmla serve MODEL [options]`: parse the options and run the server."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="quantmla serve",
+        description="Serve a QuantMLA checkpoint with transformers' OpenAI-compatible server (chat completions, "
+                    "streaming) and continuous batching on the paged packed cache.",
+    )
+    p.add_argument("model", help="a QuantMLA checkpoint: Hub id or local folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    g = p.add_argument_group("paged cache")
+    g.add_argument("--cache-gib", type=float, default=None, help="cache memory budget in GiB (default 1)")
+    g.add_argument("--num-pages", type=int, default=None, help="pages instead of a budget")
+    g.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    g.add_argument("--max-requests", type=int, default=64, help="requests running at once")
+    g.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per forward")
+    args = p.parse_args(argv)
+    if args.cache_gib is not None and args.num_pages is not None:
+        raise ValueError("give --cache-gib or --num-pages, not both")
+    options = CacheOptions(args.cache_gib, args.num_pages, args.page_size, args.max_requests, args.max_batch_tokens)
+    serve(args.model, args.host, args.port, options, args.device, args.dtype)
+    return 0
