@@ -1,7 +1,7 @@
 """`quantmla serve`: transformers' OpenAI-compatible server, generating through continuous batching on the paged
 QuantMLA cache.
 
-transformers' server (`transformers serve`, transformers >= 5.20, `transformers.cli.serving`) builds its FastAPI app
+transformers' server (`transformers serve`, `transformers.cli.serving`, the same in 5.17 and 5.24) builds its FastAPI app
 from a model manager, request handlers and a `GenerationState` that hands each request to a generation manager.
 It offers no hook for an out-of-tree quantization method's cache: it never imports this package, and its continuous
 batching allows only "paged|eager", "sdpa" and flash attention on a K/V page layout MLA does not have. So this
@@ -13,6 +13,7 @@ thread. A model that is not a QuantMLA MLA checkpoint is refused, never served w
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue
 import threading
 from dataclasses import dataclass
@@ -28,9 +29,9 @@ from .cache import PagedQuantMLACache
 def _serving():
     try:
         from transformers.cli.serving import utils
-    except ImportError as e:  # transformers < 5.20 has no modular server; or fastapi/uvicorn are missing
+    except ImportError as e:  # fastapi, uvicorn or openai missing
         raise ImportError(
-            "quantmla serve needs transformers' server (transformers >= 5.20) and its dependencies: "
+            "quantmla serve needs transformers' server and its dependencies: "
             "pip install 'quantmla-hf[serve]' (fastapi, uvicorn, openai)"
         ) from e
     return utils
@@ -250,19 +251,23 @@ def build_app(model: str, options: CacheOptions | None = None, device: str = "au
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.response import ResponseHandler
     from transformers.cli.serving.server import build_server
-    from transformers.cli.serving.systemone import SystemOneHandler
     from transformers.cli.serving.transcription import TranscriptionHandler
 
     state = make_generation_state(options or CacheOptions())
-    manager = ModelManager(device=device, dtype=dtype, continuous_batching=True, force_model=model)
+    manager = ModelManager(device=device, dtype=dtype, force_model=model)
+    handlers = {}
+    if "systemone_handler" in inspect.signature(build_server).parameters:  # transformers >= 5.24
+        from transformers.cli.serving.systemone import SystemOneHandler
+
+        handlers["systemone_handler"] = SystemOneHandler(model_manager=manager, generation_state=state)
     app = build_server(
         manager,
         ChatCompletionHandler(model_manager=manager, generation_state=state),
         completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
         response_handler=ResponseHandler(model_manager=manager, generation_state=state),
         transcription_handler=TranscriptionHandler(manager, state),
-        systemone_handler=SystemOneHandler(model_manager=manager, generation_state=state),
         generation_state=state,
+        **handlers,
     )
     return app, state
 
