@@ -18,7 +18,8 @@ from hub_server import HubServer
 from test_hub import hub_env
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-SCRIPTS = ["quantize_and_generate.py", "pipeline.py", "save_and_reload.py", "push_to_hub.py", "calibrate_on_text_file.py"]
+SCRIPTS = ["quantize_and_generate.py", "pipeline.py", "save_and_reload.py", "push_to_hub.py", "calibrate_on_text_file.py",
+           "serve.py"]
 
 
 def test_examples_run(tmp_path):

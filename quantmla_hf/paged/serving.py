@@ -159,7 +159,7 @@ def make_generation_state(options: CacheOptions):
                                             device=model.device, **sizing)
             utils.logger.warning(
                 f"QuantMLA paged cache: {self.cache.format.name}, {self.cache.num_pages} pages x "
-                f"{self.cache.page_size} tokens ({self.cache.capacity_tokens()} tokens, {self.cache.nbytes() / 2**30:.2f} GiB)"
+                f"{self.cache.page_size} tokens ({self.cache.capacity_tokens()} tokens, {self.cache.nbytes() / 2**20:.1f} MiB)"
             )
             self.thread = BatcherThread(ContinuousBatcher(model, self.cache, options.max_batch_tokens))
 
