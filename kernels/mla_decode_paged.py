@@ -4,11 +4,13 @@ Same function and arguments as `mla_decode_paged_ref.mla_decode_paged_ref` (see 
 requests of different lengths in one launch, packed without padding (`cu_seqlens_q`), each token read by
 indirection (its page from the request's `page_table` row, its slot `p % page_size`).
 
-One program per (query token, block of heads) walks its request's visible positions in blocks of `BLOCK_N`:
+One program per (query token, block of heads, split of the history) walks its share of the request's visible
+positions in blocks of `BLOCK_N`:
 each position's page comes from the page table, its packed bytes, scale and zero point are loaded from that page and
 dequantized in fp32 as `quant_pack_ref.dequantize_ref` does (`(q - z) * s`), sink and recent positions are read from
 their model-dtype copies instead, and the scores and the weighted sum are fp32 IEEE dots with an online softmax.
-That is the reference's arithmetic in a streaming order (equal up to fp32 rounding of the softmax). Page planes must
+That is the reference's arithmetic in a streaming order (equal up to fp32 rounding of the softmax); the splits' partial
+results are merged by their log-sum-exp. Page planes must
 be contiguous `[P, page_size, width]`; offsets are int64.
 """
 
@@ -52,19 +54,20 @@ def _load_path(p0, p1, p2, slot, m_n, pos, row, p_sink, p_recent, S, R, length,
     return tl.where(is_sink[:, None], snk, x)
 
 
-@triton.jit(do_not_specialize=["S", "R", "max_pages", "scaling"])
+@triton.jit(do_not_specialize=["S", "R", "max_pages", "scaling", "split_len"])
 def mla_decode_paged_kernel(
     q_lat_ptr, q_rot_ptr, o_ptr, lse_ptr,
     c0, c1, c2, r0, r1, r2,
     sink_c_ptr, sink_r_ptr, recent_c_ptr, recent_r_ptr,
     page_table_ptr, rows_ptr, cu_q_ptr, seq_lens_ptr, token_request_ptr,
-    S, R, max_pages, scaling, H,
+    S, R, max_pages, scaling, H, Nq, split_len,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D_C: tl.constexpr, D_CP: tl.constexpr, BITS_C: tl.constexpr, GROUP_C: tl.constexpr, G_C: tl.constexpr,
     D_R: tl.constexpr, D_RP: tl.constexpr, BITS_R: tl.constexpr, GROUP_R: tl.constexpr, G_R: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
+    split = tl.program_id(2).to(tl.int64)
     i_req = tl.load(token_request_ptr + tok).to(tl.int64)
     q_start = tl.load(cu_q_ptr + i_req)
     q_len = tl.load(cu_q_ptr + i_req + 1) - q_start
@@ -85,9 +88,12 @@ def mla_decode_paged_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D_CP), tl.float32)
     qk_scale = scaling * 1.4426950408889634
-    for n0 in range(0, limit, BLOCK_N):
+    # This program's share of the positions: [split * split_len, (split + 1) * split_len) (a multiple of BLOCK_N).
+    lo = split * split_len
+    hi = tl.minimum(limit, lo + split_len)
+    for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        m_n = pos < limit
+        m_n = pos < hi
         page = tl.load(page_table_ptr + i_req * max_pages + pos // PAGE, mask=m_n, other=0).to(tl.int64)
         slot = page * PAGE + pos % PAGE
         b_c = _load_path(c0, c1, c2, slot, m_n, pos, row, sink_c_ptr, recent_c_ptr, S, R, length,
@@ -102,9 +108,12 @@ def mla_decode_paged_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, b_c, input_precision="ieee")
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + (tok * H + o_h)[:, None] * D_C + o_c[None, :], out, mask=m_h[:, None] & (o_c[None, :] < D_C))
-    tl.store(lse_ptr + tok * H + o_h, (m_i + tl.log2(l_i)) / 1.4426950408889634, mask=m_h)
+    # An empty split (past its token's limit) stores o = 0 and lse = -inf, which the combine weighs by zero.
+    out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    row = split * Nq * H + tok * H + o_h
+    tl.store(o_ptr + row[:, None] * D_C + o_c[None, :], out, mask=m_h[:, None] & (o_c[None, :] < D_C))
+    lse = tl.where(l_i > 0, (m_i + tl.log2(tl.maximum(l_i, 1e-30))) / 1.4426950408889634, float("-inf"))
+    tl.store(lse_ptr + row, lse, mask=m_h)
 
 
 def _path_args(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:
@@ -133,11 +142,16 @@ def mla_decode_paged(
     scaling: float,
     token_request: torch.Tensor | None = None,
     block_n: int = 32,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `mla_decode_paged_ref.mla_decode_paged_ref`; returns `o_lat: [Nq, H, d_c]`, `lse: [Nq, H]` (fp32).
 
     `token_request` (int32 `[Nq]`, each query token's request) is derived from `cu_seqlens_q` when not given (the
-    paged cache's `PagedStep.token_request` is that tensor).
+    paged cache's `PagedStep.token_request` is that tensor). Long histories are split: `num_splits` programs per
+    (token, head block) each take a contiguous share of the positions and their partial results are merged by
+    their log-sum-exp (default: enough splits for about 4 programs per SM, shares of at least 256 positions).
+    `max_seq_len` (the longest `seq_lens`) saves reading it back from the device.
     """
     Nq, H, d_c = q_lat.shape
     if q_rot.shape != (Nq, H, fmt.rope.dim) or d_c != fmt.content.dim:
@@ -156,13 +170,22 @@ def mla_decode_paged(
     if token_request is None:
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
-    o = torch.empty((Nq, H, d_c), dtype=torch.float32, device=q_lat.device)
-    lse = torch.empty((Nq, H), dtype=torch.float32, device=q_lat.device)
     if Nq == 0:
-        return o, lse
+        return (torch.empty((0, H, d_c), dtype=torch.float32, device=q_lat.device),
+                torch.empty((0, H), dtype=torch.float32, device=q_lat.device))
     page_size = next(iter(content.values())).shape[1]
     block_h = max(16, min(64, triton.next_power_of_2(H)))
-    grid = (Nq, triton.cdiv(H, block_h))
+    head_blocks = triton.cdiv(H, block_h)
+    longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    if num_splits is None:
+        programs = 4 * (torch.cuda.get_device_properties(q_lat.device).multi_processor_count
+                        if q_lat.is_cuda else 4)
+        num_splits = max(1, min(triton.cdiv(programs, Nq * head_blocks), triton.cdiv(longest, 256)))
+    split_len = triton.cdiv(triton.cdiv(max(longest, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(longest, 1), split_len)
+    o = torch.empty((num_splits, Nq, H, d_c), dtype=torch.float32, device=q_lat.device)
+    lse = torch.empty((num_splits, Nq, H), dtype=torch.float32, device=q_lat.device)
+    grid = (Nq, head_blocks, num_splits)
     S, R = sink_content.shape[1], recent_content.shape[1]
     # An empty copy tensor has no storage to point at: pass the queries (never read, the masks are all false).
     sinks = [t if t.numel() else q_lat for t in (sink_content, sink_rope, recent_content, recent_rope)]
@@ -173,11 +196,15 @@ def mla_decode_paged(
         page_table.to(torch.int32).contiguous(), rows.to(torch.int32).contiguous(),
         cu_seqlens_q.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
         token_request.to(torch.int32).contiguous(),
-        S, R, page_table.shape[1], float(scaling), H,
+        S, R, page_table.shape[1], float(scaling), H, Nq, split_len,
         PAGE=page_size, BLOCK_H=block_h, BLOCK_N=block_n,
         D_C=fmt.content.dim, D_CP=triton.next_power_of_2(fmt.content.dim), BITS_C=fmt.content.bits,
         GROUP_C=fmt.content.group, G_C=max(fmt.content.n_groups, 1),
         D_R=fmt.rope.dim, D_RP=triton.next_power_of_2(fmt.rope.dim), BITS_R=fmt.rope.bits,
         GROUP_R=fmt.rope.group, G_R=max(fmt.rope.n_groups, 1),
     )
-    return o, lse
+    if num_splits == 1:
+        return o[0], lse[0]
+    total = torch.logsumexp(lse, dim=0)  # [Nq, H]; every token sees position 0, so it is finite
+    weights = torch.exp(lse - total.unsqueeze(0)).nan_to_num(0.0)
+    return (weights.unsqueeze(-1) * o).sum(0), total

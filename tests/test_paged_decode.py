@@ -86,11 +86,18 @@ def test_bf16_copies_and_pages():
     check(paged_case([19, 12], [1, 2], cb=4, rb=16, dtype=torch.bfloat16))
 
 
-def test_block_size_does_not_change_the_result():
-    args = paged_case([45, 7], [3, 1])
-    a, _ = mla_decode_paged(*args, block_n=16)
-    b, _ = mla_decode_paged(*args, block_n=64)
-    assert_close("o_lat", a, b, 1e-6)
+def test_block_size_and_splits_do_not_change_the_result():
+    args = paged_case([45, 7, 100], [3, 1, 1])
+    a, la = mla_decode_paged(*args, block_n=16, num_splits=1)
+    for kw in (dict(block_n=64, num_splits=1), dict(block_n=16, num_splits=3), dict(block_n=16, num_splits=7)):
+        b, lb = mla_decode_paged(*args, **kw)
+        assert_close("o_lat", a, b, 1e-6)
+        assert (la - lb).abs().max() < 1e-5
+
+
+def test_split_history_matches_the_reference():
+    # 7 splits of 16 positions over lengths 100 and 5: the short request's later splits are empty
+    check(paged_case([100, 5, 33], [1, 2, 3]), block_n=16, num_splits=7)
 
 
 def _contiguous(planes, table_row, length):

@@ -44,6 +44,7 @@ class PagedForward:
     native_step: PagedStep | None = None
     native_tokens: torch.Tensor | None = None
     new_latents: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    dense_steps: dict[int, PagedStep] = field(default_factory=dict)  # per dense request, built once per forward
     is_compileable = False
     is_sliding = [False]
 
@@ -87,7 +88,7 @@ def _latent_attention(module, ctx: PagedForward, query: torch.Tensor, scaling: f
     if paged._use_triton():
         from ..kernels.mla_decode_paged import mla_decode_paged
 
-        o_lat, _ = mla_decode_paged(*args, token_request=step.token_request)
+        o_lat, _ = mla_decode_paged(*args, token_request=step.token_request, max_seq_len=step.max_seq_len)
     else:
         from ..kernels.mla_decode_paged_ref import mla_decode_paged_ref
 
@@ -123,7 +124,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     cu_q = step.cu_seqlens_q.tolist()
     for i in ctx.dense_requests:
         q0, q1 = cu_q[i], cu_q[i + 1]
-        sub = ctx.paged.sub_step(step, [i])
+        sub = ctx.dense_steps.get(i)
+        if sub is None:
+            sub = ctx.dense_steps[i] = ctx.paged.sub_step(step, [i])
         hist_c, hist_r = ctx.paged.history(layer, sub, c_all[q0:q1], r_all[q0:q1])
         k, v = _expand(module, hist_c, hist_r)
         n, q = hist_c.shape[0], q1 - q0

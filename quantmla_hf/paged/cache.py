@@ -72,13 +72,18 @@ class PagedStep:
     token_request: torch.Tensor
     slots: torch.Tensor
     positions: torch.Tensor
-    # History gather (positions [0, past) of every request, in batch order) and where each row goes in the output.
-    hist_slots: torch.Tensor
-    hist_positions: torch.Tensor
-    hist_rows: torch.Tensor
-    hist_total: torch.Tensor
-    hist_dst: torch.Tensor
-    new_dst: torch.Tensor
+    # History gather (positions [0, past) of every request, in batch order) and where each row goes in the output;
+    # built by `history` when first needed (decode steps read the pages through the page table instead).
+    hist_slots: torch.Tensor | None = None
+    hist_positions: torch.Tensor | None = None
+    hist_rows: torch.Tensor | None = None
+    hist_total: torch.Tensor | None = None
+    hist_dst: torch.Tensor | None = None
+    new_dst: torch.Tensor | None = None
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(p + q for p, q in zip(self.past_lens, self.query_lens))
 
 
 class PagedQuantMLACache:
@@ -243,21 +248,34 @@ class PagedQuantMLACache:
         token_request = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(query_lens))
         positions = torch.cat([torch.arange(p, s) for p, s in zip(past, seq)])
         slots = pages[token_request, positions // ps] * ps + positions % ps
-        hist_req = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(past))
-        hist_pos = torch.cat([torch.arange(p) for p in past]) if sum(past) else torch.zeros(0, dtype=torch.long)
-        hist_slots = pages[hist_req, hist_pos // ps] * ps + hist_pos % ps
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.long)
-        offsets = cu_k[:-1]
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int32)
         return PagedStep(
             request_ids=[r.request_id for r in reqs], past_lens=past, query_lens=list(query_lens),
             cu_seqlens_q=cu_q.to(torch.int32).to(dev), cu_seqlens_k=cu_k.to(torch.int32).to(dev),
             seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), page_table=table.to(dev),
-            rows=rows.to(torch.int32).to(dev), token_request=token_request.to(torch.int32).to(dev),
+            rows=rows.to(dev), token_request=token_request.to(torch.int32).to(dev),
             slots=slots.to(dev), positions=positions.to(dev),
-            hist_slots=hist_slots.to(dev), hist_positions=hist_pos.to(dev), hist_rows=rows[hist_req].to(dev),
-            hist_total=torch.tensor(seq)[hist_req].to(dev), hist_dst=(offsets[hist_req] + hist_pos).to(dev),
-            new_dst=(offsets[token_request] + query_offsets(query_lens) + torch.tensor(past)[token_request]).to(dev),
         )
+
+    def _ensure_history(self, step: PagedStep) -> None:
+        """Fill the step's history-gather indices (positions `[0, past)` of each request, in batch order)."""
+        if step.hist_slots is not None:
+            return
+        ps, dev, past = self.page_size, self.device, step.past_lens
+        n = len(past)
+        pages = step.page_table.long().cpu()
+        token_request = torch.repeat_interleave(torch.arange(n), torch.tensor(step.query_lens))
+        offsets = torch.tensor([0] + [p + q for p, q in zip(past, step.query_lens)]).cumsum(0)[:-1]
+        hist_req = torch.repeat_interleave(torch.arange(n), torch.tensor(past))
+        hist_pos = torch.cat([torch.arange(p) for p in past]) if sum(past) else torch.zeros(0, dtype=torch.long)
+        rows = step.rows.long().cpu()
+        step.hist_slots = (pages[hist_req, hist_pos // ps] * ps + hist_pos % ps).to(dev)
+        step.hist_positions = hist_pos.to(dev)
+        step.hist_rows = rows[hist_req].to(dev)
+        step.hist_total = torch.tensor([p + q for p, q in zip(past, step.query_lens)])[hist_req].to(dev)
+        step.hist_dst = (offsets[hist_req] + hist_pos).to(dev)
+        step.new_dst = (offsets[token_request] + query_offsets(step.query_lens)
+                        + torch.tensor(past)[token_request]).to(dev)
 
     def sub_step(self, step: PagedStep, indices: list[int]) -> PagedStep:
         """The step restricted to the requests at `indices` (batch order), before `end_step`."""
@@ -342,7 +360,8 @@ class PagedQuantMLACache:
         """What stock attention reads after `write`: `[sum(seq_lens), d_c]`, `[sum(seq_lens), d_R]`, request by
         request (offsets `cu_seqlens_k`), the step's own tokens exactly as given (`latent`, `k_rot`), older sink and
         recent positions from their model-dtype copies and the rest dequantized from the pages."""
-        total = int(step.cu_seqlens_k[-1])
+        self._ensure_history(step)
+        total = sum(step.past_lens) + sum(step.query_lens)
         out = []
         for planes, fmt, sink, recent, new in (
             (self.content, self.format.content, self.sink_content, self.recent_content, latent),
