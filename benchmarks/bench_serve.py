@@ -1,0 +1,230 @@
+"""Serving benchmark: continuous batching on the paged QuantMLA cache (C4R4 vs C16R16, the BF16-latent baseline
+through the same pages) under cache pressure, and against `generate` with static batches.
+
+    python benchmarks/bench_serve.py --out DIR [--layers 27] [--tiny] [--check]
+        [--pressure] [--pressure-requests 5] [--pressure-input 32768] [--pressure-output 1024] [--budget-gib G]
+        [--scale 64,256] [--scale-min 4096] [--scale-max 32768] [--scale-output 256] [--static-batch 8]
+        [--formats C16R16,C4R4] [--page-size 64] [--max-batch-tokens 8192]
+
+Model: the DeepSeek-V2-Lite attention shape (`bench_generate.v2_lite`: 16 heads, d_c 512, d_R 64, dense MLPs,
+random bf16 weights, `--layers` layers); `--tiny` swaps in a 4-head toy for a CPU smoke run. Prompts are random
+token ids; generation is greedy with no end token, so every request yields exactly its output length.
+
+- `--check`: six requests of mixed lengths arriving at different steps; each request's tokens from continuous
+  batching must equal `generate` on it alone with the contiguous `QuantMLACache` of the same format.
+- `--pressure`: a fixed cache budget (`--budget-gib`, default: what the C4R4 pages need for all requests at once,
+  plus 2%), `--pressure-requests` requests of `--pressure-input` prompt and `--pressure-output` new tokens, all
+  arriving at once. The same budget holds ~3.6x fewer C16R16 tokens, so C16R16 serves them a few at a time. Whole-
+  job output throughput (generated tokens / wall time from the first arrival to the last token) per format, their
+  ratio, preemptions and the peak number of running requests. Then the same without pressure (a budget C16R16 also
+  fits, C4R4 must be at least as fast).
+- `--scale N,M`: N (then M) concurrent requests, prompts uniform in `[--scale-min, --scale-max]`, `--scale-output`
+  new tokens: C4R4 continuous batching vs `generate` (C4R4 `QuantMLACache`, "quantmla" attention) over static
+  batches of `--static-batch` of the same requests, left-padded, one batch after another.
+
+Rows are printed as JSON lines as they finish and all of them written to `DIR/bench_serve.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_generate import DEVICE, v2_lite  # noqa: E402
+
+from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks  # noqa: E402
+from quantmla_hf.attention import ATTN_IMPLEMENTATION  # noqa: E402
+from quantmla_hf.paged import PagedQuantMLACache, page_bytes, protected_bytes_per_request  # noqa: E402
+from quantmla_hf.paged.batching import CACHE_KWARG, ContinuousBatcher  # noqa: E402
+
+ROWS: list[dict] = []
+
+
+def emit(out_dir: str, row: dict) -> None:
+    row = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **row}
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+    with open(os.path.join(out_dir, "bench_serve.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)
+
+
+def qconfig(name: str) -> QuantMLAConfig:
+    bits = {"C16R16": (16, 16), "C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}[name]
+    return QuantMLAConfig(content_bits=bits[0], rope_bits=bits[1], transform="none")
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (rng.randint(lo, hi),), generator=g).tolist() for _ in range(n)]
+
+
+def generate_alone(model, prompt: list[int], new_tokens: int, fmt: str) -> list[int]:
+    cache = QuantMLACache(config=model.config, quantization_config=qconfig(fmt))
+    ids = torch.tensor([prompt], device=DEVICE)
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **{CACHE_KWARG: cache})
+    return out[0, len(prompt):].tolist()
+
+
+def run_batcher(model, fmt: str, reqs: list[list[int]], new_tokens: int, args, budget_bytes=None, num_pages=None,
+                arrivals=None) -> tuple[dict, ContinuousBatcher]:
+    cache = PagedQuantMLACache(model.config, qconfig(fmt), page_size=args.page_size, max_requests=len(reqs),
+                               budget_bytes=budget_bytes, num_pages=num_pages, dtype=model.dtype, device=DEVICE)
+    batcher = ContinuousBatcher(model, cache, args.max_batch_tokens)
+    for i, p in enumerate(reqs):
+        batcher.add_request(str(i), p, new_tokens, arrivals[i] if arrivals else 0)
+    sync()
+    t0 = time.perf_counter()
+    results = batcher.run()
+    sync()
+    wall = time.perf_counter() - t0
+    s = batcher.stats
+    row = dict(format=fmt, requests=len(reqs), cache_tokens=cache.capacity_tokens(), cache_gib=cache.nbytes() / 2**30,
+               wall_s=wall, generated=s.generated_tokens, out_tok_s=s.generated_tokens / wall, steps=s.steps,
+               forward_tokens=s.forward_tokens, preemptions=s.preemptions, peak_running=s.peak_running,
+               peak_pages=s.peak_pages)
+    batcher.results = results
+    del cache
+    return row, batcher
+
+
+def check(model, args) -> bool:
+    ok = True
+    vocab = model.config.vocab_size
+    lo, hi = (5, 40) if args.tiny else (100, 2000)
+    reqs = prompts(6, lo, hi, vocab, seed=1)
+    arrivals = [0, 0, 1, 3, 5, 8]
+    for fmt in args.formats:
+        pages = sum(-(-(len(p) + args.check_tokens) // args.page_size) for p in reqs)
+        row, batcher = run_batcher(model, fmt, reqs, args.check_tokens, args, num_pages=pages, arrivals=arrivals)
+        want = [generate_alone(model, p, args.check_tokens, fmt) for p in reqs]
+        got = [batcher.results[str(i)] for i in range(len(reqs))]
+        equal = sum(a == b for a, b in zip(got, want))
+        ok &= equal == len(reqs)
+        emit(args.out, dict(bench="check", format=fmt, equal=f"{equal}/{len(reqs)}", new_tokens=args.check_tokens,
+                            prompt_lens=[len(p) for p in reqs], arrivals=arrivals, peak_running=row["peak_running"]))
+    return ok
+
+
+def pressure(model, args) -> None:
+    n, lin, lout = args.pressure_requests, args.pressure_input, args.pressure_output
+    reqs = prompts(n, lin, lin, model.config.vocab_size, seed=2)
+    layers = PagedQuantMLACache(model.config, qconfig("C4R4"), num_pages=1, dtype=model.dtype).num_layers
+    c4 = PagedQuantMLACache(model.config, qconfig("C4R4"), num_pages=1, max_requests=1, dtype=model.dtype)
+    pages_each = -(-(lin + lout) // args.page_size)
+    need = n * pages_each * page_bytes(c4.format, layers, args.page_size, model.dtype)
+    need += n * protected_bytes_per_request(c4.format, layers, model.dtype)
+    del c4
+    pressured = int(args.budget_gib * 2**30) if args.budget_gib else int(need * 1.02)
+    c16 = PagedQuantMLACache(model.config, qconfig("C16R16"), num_pages=1, max_requests=1, dtype=model.dtype)
+    relaxed = int(n * pages_each * page_bytes(c16.format, layers, args.page_size, model.dtype) * 1.02)
+    del c16
+    for label, budget in (("pressure", pressured), ("no-pressure", relaxed)):
+        rows = {}
+        for fmt in args.formats:
+            row, _ = run_batcher(model, fmt, reqs, lout, args, budget_bytes=budget)
+            rows[fmt] = row
+            emit(args.out, dict(bench=label, budget_gib=budget / 2**30, input=lin, output=lout, **row))
+        if "C4R4" in rows and "C16R16" in rows:
+            emit(args.out, dict(bench=label + "-ratio", budget_gib=budget / 2**30,
+                                c4r4_over_c16r16=rows["C4R4"]["out_tok_s"] / rows["C16R16"]["out_tok_s"],
+                                preemptions_c4r4=rows["C4R4"]["preemptions"],
+                                preemptions_c16r16=rows["C16R16"]["preemptions"]))
+
+
+def static_generate(model, reqs: list[list[int]], new_tokens: int, batch: int) -> float:
+    """Wall time of `generate` over static batches of `batch` requests (left-padded), one after another."""
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i : i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, p in enumerate(chunk):
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        cache = QuantMLACache(config=model.config, quantization_config=qconfig("C4R4"))
+        model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=new_tokens, do_sample=False,
+                       pad_token_id=0, **{CACHE_KWARG: cache})
+        del cache
+    sync()
+    return time.perf_counter() - t0
+
+
+def scale(model, args) -> None:
+    for n in args.scale:
+        reqs = prompts(n, args.scale_min, args.scale_max, model.config.vocab_size, seed=3 + n)
+        pages = sum(-(-(len(p) + args.scale_output) // args.page_size) for p in reqs)
+        budget = int(args.budget_gib * 2**30) if args.budget_gib else None
+        row, _ = run_batcher(model, "C4R4", reqs, args.scale_output, args, budget_bytes=budget,
+                             num_pages=None if budget else pages)
+        emit(args.out, dict(bench="scale-cb", **row))
+        wall = static_generate(model, reqs, args.scale_output, args.static_batch)
+        generated = n * args.scale_output
+        emit(args.out, dict(bench="scale-static", format="C4R4", requests=n, static_batch=args.static_batch,
+                            wall_s=wall, generated=generated, out_tok_s=generated / wall,
+                            cb_over_static=row["out_tok_s"] / (generated / wall)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--tiny", action="store_true", help="4-head toy model and short requests (CPU smoke run)")
+    ap.add_argument("--formats", default="C16R16,C4R4")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--pressure", action="store_true")
+    ap.add_argument("--pressure-requests", type=int, default=5)
+    ap.add_argument("--pressure-input", type=int, default=32768)
+    ap.add_argument("--pressure-output", type=int, default=1024)
+    ap.add_argument("--budget-gib", type=float, default=None)
+    ap.add_argument("--scale", default="", help="concurrent request counts, e.g. 64,256")
+    ap.add_argument("--scale-min", type=int, default=4096)
+    ap.add_argument("--scale-max", type=int, default=32768)
+    ap.add_argument("--scale-output", type=int, default=256)
+    ap.add_argument("--static-batch", type=int, default=8)
+    args = ap.parse_args()
+    args.formats = args.formats.split(",")
+    args.scale = [int(x) for x in args.scale.split(",") if x]
+    os.makedirs(args.out, exist_ok=True)
+    model = v2_lite(args.layers, tiny=args.tiny)
+    # No end token: every request yields exactly its output length (continuous batching stops on none either), and
+    # generate does not have to suppress one (min_new_tokens would change its greedy choice).
+    model.generation_config.eos_token_id = None
+    install_cache_hooks(model)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    emit(args.out, dict(bench="setup", device=gpu, torch=torch.__version__, transformers=transformers.__version__,
+                        layers=args.layers, tiny=args.tiny, argv=" ".join(sys.argv[1:])))
+    ok = True
+    if args.check:
+        ok = check(model, args)
+    if args.pressure:
+        pressure(model, args)
+    if args.scale:
+        scale(model, args)
+    print("check:", "outputs equal per-request generate" if ok else "MISMATCH", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
