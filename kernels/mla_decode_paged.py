@@ -141,7 +141,7 @@ def mla_decode_paged(
     seq_lens: torch.Tensor,
     scaling: float,
     token_request: torch.Tensor | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +174,9 @@ def mla_decode_paged(
         return (torch.empty((0, H, d_c), dtype=torch.float32, device=q_lat.device),
                 torch.empty((0, H), dtype=torch.float32, device=q_lat.device))
     page_size = next(iter(content.values())).shape[1]
+    wide = fmt.content.dim >= 256  # a [BLOCK_N, d_c] fp32 tile per step: keep it small at DeepSeek widths
+    if block_n is None:
+        block_n = 16 if wide else 32
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     head_blocks = triton.cdiv(H, block_h)
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
@@ -202,6 +205,7 @@ def mla_decode_paged(
         GROUP_C=fmt.content.group, G_C=max(fmt.content.n_groups, 1),
         D_R=fmt.rope.dim, D_RP=triton.next_power_of_2(fmt.rope.dim), BITS_R=fmt.rope.bits,
         GROUP_R=fmt.rope.group, G_R=max(fmt.rope.n_groups, 1),
+        num_warps=8 if wide else 4,
     )
     if num_splits == 1:
         return o[0], lse[0]

@@ -21,7 +21,7 @@ from helpers import assert_close
 D_C, D_R, PAGE = 64, 16, 8
 
 
-def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float32, seed=0):
+def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float32, seed=0, D_C=D_C, D_R=D_R):
     """Pages filled with random data, each request's pages drawn from a shuffled pool (unused pages included)."""
     g = torch.Generator().manual_seed(seed)
     fmt = CacheFormat(PathFormat(D_C, cb, 64), PathFormat(D_R, rb, 64), S, R)
@@ -76,6 +76,11 @@ def test_unequal_requests_in_one_launch(cb, rb):
 def test_lengths_around_sink_recent_and_page_edges(length):
     # S = 2, R = 5, page 8: below, on and past the sink, recent and page boundaries, with a 32-token block edge
     check(paged_case([length, length + 8], [1, min(length, 4)], seed=length))
+
+
+def test_deepseek_widths():
+    # d_c 512, d_R 64: the wide configuration (16-position blocks, 8 warps)
+    check(paged_case([21, 40], [1, 3], H=16, D_C=512, D_R=64))
 
 
 def test_many_heads_take_several_head_blocks():
