@@ -129,7 +129,7 @@ def pressure(model, args) -> None:
     del c4
     pressured = int(args.budget_gib * 2**30) if args.budget_gib else int(need * 1.02)
     c16 = PagedQuantMLACache(model.config, qconfig("C16R16"), num_pages=1, max_requests=1, dtype=model.dtype)
-    relaxed = int(n * pages_each * page_bytes(c16.format, layers, args.page_size, model.dtype) * 1.02)
+    relaxed = int(max(need, n * pages_each * page_bytes(c16.format, layers, args.page_size, model.dtype)) * 1.02)
     del c16
     for label, budget in (("pressure", pressured), ("no-pressure", relaxed)):
         rows = {}

@@ -1,0 +1,26 @@
+"""benchmarks/bench_serve.py runs and its check holds on the toy model (the real run is on a GPU)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_serve.py"
+
+
+def test_bench_serve_check_and_pressure_on_the_toy_model(tmp_path):
+    cmd = [sys.executable, str(BENCH), "--out", str(tmp_path), "--tiny", "--layers", "2", "--check",
+           "--check-tokens", "4", "--pressure", "--pressure-requests", "3", "--pressure-input", "400",
+           "--pressure-output", "6", "--page-size", "16", "--max-batch-tokens", "512"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_serve.json").read_text())
+    checks = [r for r in rows if r["bench"] == "check"]
+    assert [r["equal"] for r in checks] == ["6/6", "6/6"]
+    pressured = {r["format"]: r for r in rows if r["bench"] == "pressure"}
+    # the same budget holds more C4R4 tokens (the toy's 4 + 128 protected tokens per request weigh more than a
+    # real model's); C4R4 runs the three requests together, C16R16 cannot; every request completes in both formats
+    assert pressured["C4R4"]["cache_tokens"] > pressured["C16R16"]["cache_tokens"]
+    assert all(r["generated"] == 3 * 6 for r in pressured.values())
+    assert pressured["C4R4"]["preemptions"] == 0 and pressured["C4R4"]["peak_running"] == 3
+    assert pressured["C16R16"]["cache_tokens"] < 3 * 406 and pressured["C16R16"]["peak_running"] < 3
