@@ -182,7 +182,7 @@ class ContinuousBatcher:
             budget += sum(q for r, q in plan if r is victim)
             plan = [(r, q) for r, q in plan if r is not victim]
             self._preempt(victim)
-        rows_free = len(self.cache._free_rows)
+        rows_free = self.cache.free_rows
         while self.waiting and budget > 0 and rows_free > 0 and self.waiting[0].arrival_step <= self.stats.steps:
             req = self.waiting[0]
             if budget < len(req.tokens) <= self.max_batch_tokens:

@@ -169,6 +169,11 @@ class PagedQuantMLACache:
         tensors += self.sink_content + self.sink_rope + self.recent_content + self.recent_rope
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def free_rows(self) -> int:
+        """Request rows free: each running request holds one (its sink/recent copies; at 16 bits just its place)."""
+        return len(self._free_rows)
+
     def capacity_tokens(self) -> int:
         """Tokens the pages hold in all (over every request)."""
         return self.num_pages * self.page_size
