@@ -121,7 +121,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if ctx.native_requests:
         out[ctx.native_tokens] = _latent_attention(module, ctx, query, scaling)
     c_all, r_all = ctx.new_latents[layer]
-    cu_q = step.cu_seqlens_q.tolist()
+    cu_q = [0]
+    for q in step.query_lens:
+        cu_q.append(cu_q[-1] + q)
     for i in ctx.dense_requests:
         q0, q1 = cu_q[i], cu_q[i + 1]
         sub = ctx.dense_steps.get(i)

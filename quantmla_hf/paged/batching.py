@@ -233,7 +233,9 @@ class ContinuousBatcher:
         positions = [p for r, q in plan for p in range(r.cached, r.cached + q)]
         native = [i for i, (_, q) in enumerate(plan) if native_request(cache, q)]
         dense = [i for i in range(len(plan)) if i not in native]
-        cu = step.cu_seqlens_q.tolist()
+        cu = [0]
+        for _, q in plan:
+            cu.append(cu[-1] + q)
         ctx = PagedForward(cache, step, native, dense)
         if native:
             ctx.native_step = cache.sub_step(step, native)
@@ -250,13 +252,14 @@ class ContinuousBatcher:
         self.stats.forward_tokens += len(ids)
         self.stats.peak_running = max(self.stats.peak_running, len(plan))
         self.stats.peak_pages = max(self.stats.peak_pages, cache.allocator.num_used)
+        greedy = logits.float().argmax(-1).tolist()  # one read-back for the whole step
         out = []
         for i, (req, q) in enumerate(plan):
             req.cached += q
             if req.cached < len(req.tokens):
                 continue  # prefill (or recomputation) not done yet
-            row = logits[i]
-            token = req.sampling.choose(row) if req.sampling is not None else int(row.float().argmax())
+            sampled = req.sampling is not None and req.sampling.do_sample
+            token = req.sampling.choose(logits[i]) if sampled else greedy[i]
             req.generated.append(token)
             self.stats.generated_tokens += 1
             out.append((req.request_id, token))

@@ -59,6 +59,8 @@ class PagedStep:
         token_request: int32 `[N]`, the request (batch index) of each new token.
         slots: int64 `[N]`, flat page slot of each new token (`page * page_size + p % page_size`).
         positions: int64 `[N]`, position of each new token in its request.
+        sink_writes, recent_writes: int64 `[3, k]`, the new tokens that enter a sink or recent copy: token index,
+            request row, slot in the copy (built on the host, so writing needs no device synchronisation).
     """
 
     request_ids: list[str]
@@ -72,6 +74,8 @@ class PagedStep:
     token_request: torch.Tensor
     slots: torch.Tensor
     positions: torch.Tensor
+    sink_writes: torch.Tensor
+    recent_writes: torch.Tensor
     # History gather (positions [0, past) of every request, in batch order) and where each row goes in the output;
     # built by `history` when first needed (decode steps read the pages through the page table instead).
     hist_slots: torch.Tensor | None = None
@@ -254,12 +258,23 @@ class PagedQuantMLACache:
         positions = torch.cat([torch.arange(p, s) for p, s in zip(past, seq)])
         slots = pages[token_request, positions // ps] * ps + positions % ps
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int32)
+        S, R = self.sink_tokens, self.recent_tokens
+        sink, recent, start = [], [], 0
+        for r, p, q in zip(reqs, past, query_lens):
+            # Sink: positions below S. Recent: the last R positions of the chunk (earlier ones would be overwritten).
+            sink += [(start + t - p, r.row, t) for t in range(p, min(p + q, S))]
+            recent += [(start + t - p, r.row, t % R) for t in range(max(p, p + q - R), p + q)] if R else []
+            start += q
+
+        def writes(triples):
+            return torch.tensor(triples, dtype=torch.long).reshape(-1, 3).T.contiguous().to(dev)
+
         return PagedStep(
             request_ids=[r.request_id for r in reqs], past_lens=past, query_lens=list(query_lens),
             cu_seqlens_q=cu_q.to(torch.int32).to(dev), cu_seqlens_k=cu_k.to(torch.int32).to(dev),
             seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), page_table=table.to(dev),
             rows=rows.to(dev), token_request=token_request.to(torch.int32).to(dev),
-            slots=slots.to(dev), positions=positions.to(dev),
+            slots=slots.to(dev), positions=positions.to(dev), sink_writes=writes(sink), recent_writes=writes(recent),
         )
 
     def _ensure_history(self, step: PagedStep) -> None:
@@ -326,19 +341,13 @@ class PagedQuantMLACache:
             )
         self._write_path(self.content[layer_idx], self.format.content, latent, step.slots)
         self._write_path(self.rope[layer_idx], self.format.rope, k_rot, step.slots)
-        S, R = self.sink_tokens, self.recent_tokens
-        rows = step.rows.long()[step.token_request.long()]
-        if S:
-            sel = step.positions < S
-            self.sink_content[layer_idx][rows[sel], step.positions[sel]] = latent[sel].to(self.dtype)
-            self.sink_rope[layer_idx][rows[sel], step.positions[sel]] = k_rot[sel].to(self.dtype)
-        if R:
-            # Only the last R tokens of a chunk enter the ring (earlier ones would be overwritten within the chunk).
-            end = step.seq_lens.long()[step.token_request.long()]
-            sel = step.positions >= end - R
-            slot = step.positions[sel] % R
-            self.recent_content[layer_idx][rows[sel], slot] = latent[sel].to(self.dtype)
-            self.recent_rope[layer_idx][rows[sel], slot] = k_rot[sel].to(self.dtype)
+        for (content, rope), (tok, row, slot) in (
+            ((self.sink_content, self.sink_rope), step.sink_writes),
+            ((self.recent_content, self.recent_rope), step.recent_writes),
+        ):
+            if tok.numel():
+                content[layer_idx][row, slot] = latent[tok].to(self.dtype)
+                rope[layer_idx][row, slot] = k_rot[tok].to(self.dtype)
 
     def _read_path(self, planes: dict[str, torch.Tensor], fmt: PathFormat, slots: torch.Tensor) -> torch.Tensor:
         flat = {k: v.view(-1, v.shape[-1]) for k, v in planes.items()}
