@@ -112,6 +112,10 @@ class BatcherThread:
                     callbacks[1]([], None)
 
     def _run(self) -> None:
+        with self.batcher.paged_attention_mode():  # the model serves through the batcher only
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain(block=not self.batcher.has_work())
             if not self.batcher.has_work():
