@@ -88,3 +88,19 @@ def test_request_larger_than_the_cache_is_refused():
     cache = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=2, num_pages=2, dtype=model.dtype)
     with pytest.raises(CacheBudgetExceeded, match="does not fit the empty cache"):
         generate_batch(model, [list(range(12))], 2, cache=cache)
+
+
+def test_generation_config_sets_length_end_token_and_sampling():
+    from transformers import GenerationConfig
+
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(16))
+    ps = prompts(lens=(6, 9))
+    greedy, _ = generate_batch(model, ps, generation_config=GenerationConfig(max_new_tokens=4, do_sample=False))
+    assert greedy == [alone(model, p, 4) for p in ps]
+    stop = greedy[0][1]  # the first request's second token ends it
+    ended, _ = generate_batch(model, ps, generation_config=GenerationConfig(max_new_tokens=4, eos_token_id=stop))
+    assert ended[0] == greedy[0][: greedy[0].index(stop) + 1]
+    torch.manual_seed(0)
+    sampled, _ = generate_batch(model, ps, generation_config=GenerationConfig(max_new_tokens=4, do_sample=True,
+                                                                              temperature=5.0))
+    assert [len(s) for s in sampled] == [4, 4] and sampled != greedy  # hot sampling leaves the greedy path

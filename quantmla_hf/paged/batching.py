@@ -291,13 +291,20 @@ class ContinuousBatcher:
 
 def generate_batch(
     model, prompts: list[list[int]], max_new_tokens: int = 32, cache: PagedQuantMLACache | None = None,
-    arrival_steps: list[int] | None = None, max_batch_tokens: int = 512, eos_token_id=None, **cache_kwargs,
+    arrival_steps: list[int] | None = None, max_batch_tokens: int = 512, eos_token_id=None, generation_config=None,
+    **cache_kwargs,
 ) -> tuple[list[list[int]], BatchingStats]:
-    """Greedy continuous batching of `prompts` (token id lists); returns each prompt's new tokens and the stats.
+    """Continuous batching of `prompts` (token id lists); returns each prompt's new tokens and the stats.
 
-    Without `cache`, a `PagedQuantMLACache` is built from the model's `quantization_config` with `cache_kwargs`
-    (`num_pages` or `budget_bytes`, `page_size`, `max_requests`).
+    Greedy by default; a transformers `GenerationConfig` sets `max_new_tokens`, `eos_token_id` and the sampling
+    (`do_sample`, `temperature`, `top_k`, `top_p`) instead. Without `cache`, a `PagedQuantMLACache` is built from the
+    model's `quantization_config` with `cache_kwargs` (`num_pages` or `budget_bytes`, `page_size`, `max_requests`).
     """
+    sampling = None
+    if generation_config is not None:
+        max_new_tokens = generation_config.max_new_tokens or max_new_tokens
+        eos_token_id = generation_config.eos_token_id if eos_token_id is None else eos_token_id
+        sampling = Sampling.from_generation_config(generation_config)
     if cache is None:
         cache_kwargs.setdefault("max_requests", max(1, len(prompts)))
         if "num_pages" not in cache_kwargs and "budget_bytes" not in cache_kwargs:
@@ -306,6 +313,6 @@ def generate_batch(
         cache = PagedQuantMLACache(model.config, dtype=model.dtype, device=model.device, **cache_kwargs)
     batcher = ContinuousBatcher(model, cache, max_batch_tokens, eos_token_id)
     for i, p in enumerate(prompts):
-        batcher.add_request(str(i), p, max_new_tokens, arrival_steps[i] if arrival_steps else 0)
+        batcher.add_request(str(i), p, max_new_tokens, arrival_steps[i] if arrival_steps else 0, sampling=sampling)
     results = batcher.run()
     return [results[str(i)] for i in range(len(prompts))], batcher.stats
