@@ -101,6 +101,7 @@ def history_static_ref(
     S, R = sink_tokens, recent_tokens
     pos = torch.arange(N, device=x.device)
     n = length.reshape(())
+    x = torch.where((pos < n)[None, :, None], x, 0.0)  # positions past the length hold whatever memory held
     if R:
         is_recent = (pos >= n - R) & (pos < n)  # [N]
         x = torch.where(is_recent[None, :, None], recent[:, pos % R].to(dtype), x)

@@ -100,7 +100,7 @@ def test_triton_kernel_reports_overflow():
 def test_per_step_arguments_are_not_specialised():
     """Arguments that change every decode step must not be specialised on (% 16, == 1): a specialisation would
     recompile the kernel mid-generation whenever the position crosses a multiple of 16."""
-    from quantmla_hf.kernels.mla_decode import mla_decode_fwd_kernel
+    from quantmla_hf.kernels.mla_decode_triton import mla_decode_triton_kernel
     from quantmla_hf.kernels.quant_pack import quant_pack_fwd_kernel
 
     def unspecialised(kernel):
@@ -109,4 +109,4 @@ def test_per_step_arguments_are_not_specialised():
         return {kernel.arg_names[i] if isinstance(i, int) else i for i in names}
 
     assert {"T", "start"} <= unspecialised(quant_pack_fwd_kernel)
-    assert {"length", "split_target", "num_splits"} <= unspecialised(mla_decode_fwd_kernel)
+    assert {"M", "Tq", "split_target", "num_splits"} <= unspecialised(mla_decode_triton_kernel)
