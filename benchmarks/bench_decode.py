@@ -162,6 +162,12 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
         lp = torch.randint(0, 40, (B,), device=DEVICE, generator=g)
         lp[0] = 0
         args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+        refs = {}
+        for b in sorted({0, B - 1}):
+            sub = lambda d: {k: v[b : b + 1] for k, v in d.items()}  # noqa: E731
+            refs[b] = mla_decode_ref(q_lat[b : b + 1], q_rot[b : b + 1], sub(cp), sub(rp), fmt, sc[b : b + 1],
+                                     sr[b : b + 1], rc[b : b + 1], rr[b : b + 1], lp[b : b + 1], N, SCALING,
+                                     dtype=torch.float64)
         for backend in backends:
             label = (backend if backend != "default"
                      else f"default={select_backend(fmt, H * Tq, B, dtype, DEVICE)}")
@@ -178,11 +184,7 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
                 out_lines.append(f"check {label} {name} H={H} B={B} N={N} Tq={Tq} q={qdt}: ERROR {str(e)[:300]}")
                 print(out_lines[-1], flush=True)
                 continue
-            for b in sorted({0, B - 1}):
-                sub = lambda d: {k: v[b : b + 1] for k, v in d.items()}  # noqa: E731
-                ref_o, ref_lse = mla_decode_ref(q_lat[b : b + 1], q_rot[b : b + 1], sub(cp), sub(rp), fmt,
-                                                sc[b : b + 1], sr[b : b + 1], rc[b : b + 1], rr[b : b + 1],
-                                                lp[b : b + 1], N, SCALING, dtype=torch.float64)
+            for b, (ref_o, ref_lse) in refs.items():
                 rel = ((o[b : b + 1] - ref_o).norm() / ref_o.norm()).item()
                 lse_err = (lse[b : b + 1] - ref_lse).abs().max().item()
                 lse_tol = 1e-4 * max(1.0, ref_lse.abs().max().item() / 100) if qdt == "bf16x1e6" else 1e-4
@@ -197,7 +199,7 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
                 print(line, flush=True)
                 out_lines.append(line)
             del o, lse
-        del cp, rp
+        del cp, rp, refs
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     line = f"check worst out_rel={worst_o:.2e} (limit 2e-3) lse_abs={worst_lse:.2e} (limit 1e-4)"
