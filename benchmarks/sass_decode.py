@@ -1,7 +1,7 @@
 """Instruction mix of the register-operand Gluon decode kernel (`kernels/mla_decode_gluon_regs.py`), compiled for
 sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp and 64-token tile, counted by
-opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "Gluon kernel with register
-operands"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4/C2R4): one
+opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "The Gluon register
+kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4/C2R4): one
 packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--wide]

@@ -465,8 +465,7 @@ def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.cons
 @_jit
 def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C: gl.constexpr,
              C_BITS: gl.constexpr, acc_l: gl.constexpr):
-    """`o^T[64, BM]` of unit u (row c = channel `value_channel(u)[c]`, or `score_channel(u)[c]` when the keys were
-    stored in the score order, `STORE_A`), normalised, to the partial output rows."""
+    """`o^T[64, BM]` of unit u (row c = channel `value_channel(u)[c]`), normalised, to the partial output rows."""
     if u < GC:
         N: gl.constexpr = 16 // C_BITS
         c = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
@@ -484,10 +483,8 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
     until at most `INFLIGHT` (0, 1 or 2) units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two
     units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
     tile's first unit in this warpgroup (it starts the accumulator and waits for the previous tile's value reads;
-    0 here, the second warpgroup's first unit in `mla_decode_gluon_wide.py`). `STORE_A`: the content keys are stored
-    from the A operand's registers in its column order (`score_channel`; `stmatrix`, no register moves) instead of
-    the `_v_view` order. `PV_PENDING`: the previous tile's value `wgmma`s may still be in flight (`overlap`): the
-    first unit waits for them (they are older than its own) before it stores to `kbuf`.
+    0 here, the second warpgroup's first unit in `mla_decode_gluon_wide.py`). The keys are stored in the `_v_view`
+    order.
 
     `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
     accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
@@ -543,11 +540,9 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o
     `RESCALE_LOG2` (so the probabilities, `2 ** (s - m_i)`, stay below 2**8: exact in fp16 to its relative 2**-11,
     and the fp32 sums have room), and the accumulators are rescaled only in a tile where some row moved (one
     branch, the same in every thread): after the first tiles the 64 multiplies per thread of a rescale are
-    skipped. The result is the same softmax (the LSE is `m_i + log2(l)` for whatever reference `m_i` holds).
-
-    `VOTE` (`vbuf: [4]` int32 in shared memory): the test is voted per warp instead of reducing the tile's maximum
-    across warps first (see the module docstring); the same references and probabilities. `WAIT` (default): the
-    value accumulators are returned waited for; otherwise still in flight (`overlap`: the caller waits)."""
+    skipped. The result is the same softmax (the LSE is `m_i + log2(l)` for whatever reference `m_i` holds). The
+    test is voted per warp (`vbuf: [4]` int32 in shared memory) instead of reducing the tile's maximum across warps
+    first; the value accumulators are returned waited for."""
     b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
     # P against the rows' present references, stored at once; whether any score passed its reference by more
     # than RESCALE_LOG2 is voted per warp (no cross-warp reduction) and read back after the barrier that

@@ -1,38 +1,26 @@
 """Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads): the register-operand kernel over two
-warpgroups that split every tile's content units and value channels, 32 rows per program.
+warpgroups, 32 rows per program. Same function, splits, copy programs and partials as `mla_decode_gluon_regs.py`;
+launched by `mla_decode.mla_decode_static` (backend "gluon_wide"); shared pieces in `mla_decode_gluon_common.py`.
 
-Same function, splits, copy programs, partial outputs and combine as `mla_decode_gluon_regs.py` (reference
-`mla_decode_ref.mla_decode_static_ref`); launched by `mla_decode.mla_decode_static` (backend "gluon_wide", above
-16 query rows). Why: the one-warpgroup register kernel holds 16 rows (its 8 value accumulators `[64, 16]` fp32 take 64 of its 255
-registers), so at 128 heads every token is unpacked 8 times. Here a program is two
-warpgroups (`gl.warp_specialize`: the default partition, the *leader*, and one 4-warp worker; 8 warps, 240 registers
-each, one program per SM) and each token is unpacked once per 32 rows:
+Why: the one-warpgroup kernel holds 16 rows (its 8 value accumulators take 64 of its 255 registers), so at 128 heads
+every token is unpacked 8 times; here a program is two warpgroups (`gl.warp_specialize`: the leader and one 4-warp
+worker, 240 registers each, one program per SM) and each token is unpacked once per 32 rows:
 
-* the leader unpacks content units 0-3 (groups `q`) and the RoPE unit, the worker content units 4-7 (groups `q +
-  4`), in the unit layout and with the asm of `mla_decode_gluon_regs.py`, into the register A operands of their own
-  score `wgmma`s (`m64n32k16`), and stores its content keys to its half of `kbuf`;
-* each warpgroup then holds partial scores `[64, BM]` over its units. The softmax is split by rows: warpgroup h
-  runs it for rows `[h BM/2, (h + 1) BM/2)`. It stores its partial of the *other* half's rows (`sbuf[h]`), arrives on
-  `s_bar[h]`, waits for `s_bar[1 - h]`, adds the other's partial of its own rows, updates their reference maxima
-  (lazy rescaling, as the register kernel) and row sums, stores its columns of P (fp16, `pbuf`) and its rows'
-  rescale factors (`abuf`), arrives on `p_bar[h]` and waits for `p_bar[1 - h]` (the first form, where the leader
-  ran the whole softmax while the worker waited for P, was 2-6% slower on the H200);
-* each warpgroup runs the value `wgmma`s of its own four content units over all rows (`o_u^T += kbuf[u]^T P`),
-  rescaling its accumulators first where a factor is not 1; at the end the two halves' `1 / l` go through `ibuf`.
+* the leader unpacks content units 0-3 and the RoPE unit, the worker units 4-7, into the register A operands of
+  their own score `wgmma`s (`m64n32k16`), and each stores its content keys to its half of `kbuf`;
+* the softmax is split by rows: warpgroup h stores its partial scores of the other half's rows (`sbuf[h]`), arrives
+  on `s_bar[h]`, waits for `s_bar[1 - h]`, adds the other's partial of its rows, updates their references (lazy,
+  voted) and sums, stores its columns of P and its rows' rescale factors (`abuf`), arrives on `p_bar[h]` and waits
+  for `p_bar[1 - h]` (the leader running the whole softmax was 2-6% slower on the H200);
+* each warpgroup runs the value `wgmma`s of its own four units over all rows, rescaling first where a factor is not
+  1; at the end the halves' `1 / l` go through `ibuf`.
 
-Ordering (each barrier counts 1 arrival per tile; phase `j & 1` for the j-th tile of the program, copied tiles
-included): a warpgroup writes `sbuf[h]` for tile j + 1 only after waiting for `p_bar[1 - h]` of tile j, which the
-other arrives on after reading it; it writes its columns of `pbuf` and its part of `abuf` for tile j + 1 only after
-`s_bar[1 - h]` of tile j + 1, which the other arrives on after its value `wgmma`s of tile j have finished (they read
-`pbuf`) and after it has read `abuf`. Each warpgroup's half of `kbuf` is written and read only by itself (its own
-barrier orders its warps).
+Ordering (each barrier counts one arrival per tile, phase `j & 1`): a warpgroup rewrites `sbuf[h]` only after
+`p_bar[1 - h]` of the tile before (the other has read it), its P columns and factors only after `s_bar[1 - h]` of
+the next tile (the other's value `wgmma`s of the tile before have finished). A column half of the `m64nBM`
+accumulator is the `m64n(BM/2)` layout (`_row_halves`, `assert_trivial=True`).
 
-Layouts: a column half of the `m64nBM` accumulator is the `m64n(BM/2)` accumulator layout (a register subset;
-`_row_halves` relabels it with `assert_trivial=True`, checked when the kernel compiles).
-
-Shared memory (C4R4, 32 rows, bf16 queries): content tiles 64 KB + queries 36 KB + P 4 KB + partial scores 8 KB +
-factors: 115,636 B (fp32 queries 152 KB). Handles what the
-register kernel handles at 2 and 4 bits with 8 content groups and 4-bit RoPE (`wide_handles`: C4R4, C2R4).
+Shared memory (C4R4, bf16 queries): tiles 64 KB + queries 36 KB + P 4 KB + partial scores 8 KB + factors: 115,636 B.
 """
 
 from __future__ import annotations
@@ -160,9 +148,9 @@ def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_
        `p_bar[HF]` and waits for `p_bar[1 - HF]`;
     3. rescales its value accumulators `oa..od` (all rows) where a factor is not 1, then `o_u^T += kbuf[u]^T P` for
        `u = U0 .. U0 + 3` (waited).
-    `VOTE`: step 2 as the register kernel's voted test (`_softmax_pv`): P against the present references and
-    factors of 1 stored at once, each warp's vote in `ibuf[HF * BM/2 + w]` (unused until the final `1 / l`
-    exchange), read back after the warpgroup's barrier; the cross-warp maximum only where a vote is set.
+    Step 2 is the register kernel's voted test (`_softmax_pv`): P against the present references and factors of 1
+    stored at once, each warp's vote in `ibuf[HF * BM/2 + w]` (unused until the final `1 / l` exchange), read back
+    after the warpgroup's barrier; the cross-warp maximum only where a vote is set.
     Returns `(m_i, l_p, oa, ob, oc, od)`."""
     BM: gl.constexpr = acc.shape[1]
     HM: gl.constexpr = BM // 2

@@ -367,6 +367,15 @@ def triton_handles(fmt: CacheFormat, copy_dtype: torch.dtype) -> bool:
 BLOCK_T = 32  # tokens per tile
 
 
+def pipeline_stages(fmt: CacheFormat, M: int) -> int:
+    """Software-pipeline stages of the token loop (H200, docs/KERNELS.md): up to 32 rows 1 for packed content (the
+    fastest of 1-3) and 3 for 16-bit content (C16R16 16 heads B32 32K: 0.661 ms against 0.874 with 1 and 0.743 with
+    2); above 32 rows 2 (C16R16 128 heads B32 32K: 3.67 ms against 3.92 with 3)."""
+    if M > 32:
+        return 2
+    return 1 if fmt.content.quantized else 3
+
+
 def block_rows(M: int) -> int:
     """Query rows per program: 16 up to 32 rows, else 32 (each token tile unpacked once per block)."""
     return 16 if M <= 32 else 32
@@ -383,7 +392,7 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
                   split_target, NS, qk_scale):
     """Launch `mla_decode_triton_kernel` on the grid `(NS + 1, cdiv(M, block_rows(M)), B)`: `q: [B, M, d_c]`,
     `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32. Launch measured
-    fastest on the H200 (docs/KERNELS.md): 32-token tiles, 4 warps, 1 stage up to 32 rows, else 2."""
+    on the H200 (docs/KERNELS.md): 32-token tiles, 4 warps, `pipeline_stages`."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
     GC, GROUP_C = path_tiling(fmt.content, 8)
@@ -400,5 +409,5 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
         D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
         S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=block_m, BLOCK_T=BLOCK_T,
         Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=sink_c.dtype == torch.float32,
-        num_warps=4, num_stages=1 if M <= 32 else 2,
+        num_warps=4, num_stages=pipeline_stages(fmt, M),
     )
