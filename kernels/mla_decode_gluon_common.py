@@ -428,6 +428,17 @@ def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, xl: gl.c
 
 # --------------------------------------------------------------------------------------------- queries, outputs
 @_jit
+def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC: gl.constexpr,
+                C_BITS: gl.constexpr, R_BITS: gl.constexpr):
+    """Unit u's 64 query columns of rows `o_m` (content units 0..GC-1, RoPE unit GC) in `score_channel` order, fp32."""
+    if u < GC:
+        x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m, other=0.0)
+    else:
+        x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m, other=0.0)
+    return x.to(gl.float32)
+
+
+@_jit
 def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
                    Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr):
     """Rows `row0 + [0, BM)` of `p_q: [M, D_C]` and `p_qr: [M, 64]`, divided by one per-row power of two `f` (so
@@ -438,22 +449,12 @@ def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.cons
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
     amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, q_l))
     for u in gl.static_range(GC + 1):
-        if u < GC:
-            x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m,
-                        other=0.0).to(gl.float32)
-        else:
-            x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m,
-                        other=0.0).to(gl.float32)
+        x = _query_unit(p_q, p_qr, o_m, m_m, o_c, u, D_C, GC, C_BITS, R_BITS)
         amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
     e = gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0)
     inv_f = gl.exp2(-e)
     for u in gl.static_range(GC + 1):
-        if u < GC:
-            x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m,
-                        other=0.0).to(gl.float32)
-        else:
-            x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m,
-                        other=0.0).to(gl.float32)
+        x = _query_unit(p_q, p_qr, o_m, m_m, o_c, u, D_C, GC, C_BITS, R_BITS)
         x = x * inv_f[:, None]
         hi = x.to(gl.float16)
         qbuf.index(u).store(hi)
