@@ -18,6 +18,7 @@ import textwrap
 
 import pytest
 import torch
+import triton
 
 from quantmla_hf import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
@@ -308,8 +309,6 @@ def test_sass_script_counts_the_packed_loop():
     """`benchmarks/sass_decode.py` (the command behind the SASS figures of docs/KERNELS.md) finds the packed-tile loop
     of the compiled kernel: one unpacking multiply per pair of elements (9 units x 2 tokens x 8 pairs per thread) and
     the 68 `wgmma`s of a tile (36 score, 32 value)."""
-    import triton
-
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("this Triton has no bundled cuobjdump")
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
@@ -329,8 +328,6 @@ def test_sass_script_counts_both_packed_loops():
     """`benchmarks/sass_decode.py --wide` (the command behind the SASS figures of docs/KERNELS.md) finds one packed
     loop per warpgroup: the leader unpacks 5 units (4 content + RoPE: 80 multiplies per thread, one per pair) and
     issues their 20 score `wgmma`s, the worker 4 units (64, 16), each plus the 16 value `wgmma`s of its units."""
-    import triton
-
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("this Triton has no bundled cuobjdump")
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
