@@ -368,9 +368,8 @@ BLOCK_T = 32  # tokens per tile
 
 
 def pipeline_stages(fmt: CacheFormat, M: int) -> int:
-    """Software-pipeline stages of the token loop (H200, docs/KERNELS.md): up to 32 rows 1 for packed content (the
-    fastest of 1-3) and 3 for 16-bit content (C16R16 16 heads B32 32K: 0.661 ms against 0.874 with 1 and 0.743 with
-    2); above 32 rows 2 (C16R16 128 heads B32 32K: 3.67 ms against 3.92 with 3)."""
+    """Software-pipeline stages of the token loop: up to 32 rows 1 for packed content, 3 for 16-bit content; above
+    32 rows 2 (the fastest measured on the H200: docs/KERNELS.md "The portable Triton kernel")."""
     if M > 32:
         return 2
     return 1 if fmt.content.quantized else 3
