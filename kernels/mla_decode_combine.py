@@ -1,4 +1,5 @@
-"""Log-sum-exp merge of split-K decode partials (every decode kernel's second launch), beside its reference.
+"""Log-sum-exp merge of split-K decode partials (every decode kernel's second launch); its reference is
+`mla_decode_ref.combine_ref`.
 
     o_part [B, M, NSP, d_c] fp32 (each split normalised by its own sum), lse_part [B, M, NSP] fp32 (natural log,
     -inf for an empty split)  ->  o [B, M, d_c] = sum_s exp(lse_s - lse) o_s,  lse [B, M] = logsumexp_s lse_s
@@ -87,10 +88,3 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
     )
     return o, lse
 
-
-def combine_ref(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of `combine` (fp32; zeros and -inf where every split is empty)."""
-    lse_part = lse_part.float()
-    lse = torch.logsumexp(lse_part, dim=-1)
-    w = torch.exp(lse_part - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return (w.unsqueeze(-1) * o_part.float()).sum(-2), lse

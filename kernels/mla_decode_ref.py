@@ -156,3 +156,12 @@ def mla_decode_static_ref(
         out[1].copy_(lse)
         return out[0], out[1]
     return o, lse
+
+
+def combine_ref(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of `mla_decode_combine.combine`: `o_part: [B, M, NSP, d_c]`, `lse_part: [B, M, NSP]` ->
+    `(o [B, M, d_c], lse [B, M])` (fp32; zeros and -inf where every split is empty)."""
+    lse_part = lse_part.float()
+    lse = torch.logsumexp(lse_part, dim=-1)
+    w = torch.exp(lse_part - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return (w.unsqueeze(-1) * o_part.float()).sum(-2), lse

@@ -29,10 +29,11 @@ import functools
 import torch
 
 from .format import CacheFormat, PathFormat
-from .kernels.mla_decode import mla_decode_static
-from .kernels.mla_decode_combine import combine, combine_ref
-from .kernels.quant_pack import quant_pack_fwd
+from .kernels.mla_decode_ref import combine_ref, mla_decode_static_ref
 from .kernels.quant_pack_ref import quantize_pack_at_ref
+
+# The Triton-backed kernel modules are imported where they run: Triton is a dependency on Linux only (pyproject.toml),
+# and without it every op runs its PyTorch reference (`use_triton` False, CPU tensors).
 
 LIB = "quantmla"
 
@@ -54,6 +55,8 @@ def quant_append(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero
                  position: torch.Tensor, bits: int, group: int, use_triton: bool) -> None:
     fmt = PathFormat(x.shape[-1], bits, group)
     if use_triton:
+        from .kernels.quant_pack import quant_pack_fwd
+
         quant_pack_fwd(x.contiguous(), codes, scale, zero, position, fmt)
     else:
         quantize_pack_at_ref(x, codes, scale, zero, position, fmt)
@@ -74,8 +77,13 @@ def decode_device_length(
     """Absorbed decode over the first `length` (int64 `[1]` on the device) positions of planes `[B, capacity, .]`:
     the body of `torch.ops.quantmla.mla_decode`, also what the growing cache calls. `use_triton` False takes the
     PyTorch reference. Returns `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`; no host synchronisation."""
-    return mla_decode_static(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r,
-                             left_padding, length, capacity, scaling, backend=None if use_triton else "torch")
+    args = (q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, left_padding, length,
+            capacity, scaling)
+    if not use_triton:
+        return mla_decode_static_ref(*args)
+    from .kernels.mla_decode import mla_decode_static
+
+    return mla_decode_static(*args)
 
 
 @torch.library.custom_op(f"{LIB}::mla_decode", mutates_args=())
@@ -103,6 +111,8 @@ def _(q_lat, q_rot, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, 
 @torch.library.custom_op(f"{LIB}::lse_combine", mutates_args=())
 def lse_combine(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if o_part.is_cuda:
+        from .kernels.mla_decode_combine import combine
+
         return combine(o_part.contiguous(), lse_part.contiguous())
     return combine_ref(o_part, lse_part)
 

@@ -11,8 +11,8 @@ import torch
 
 from quantmla_hf import CacheFormat, PathFormat, QuantMLALayer
 from quantmla_hf.kernels.mla_decode import BACKENDS, mla_decode_static, select_backend, split_plan
-from quantmla_hf.kernels.mla_decode_combine import combine, combine_ref
-from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
+from quantmla_hf.kernels.mla_decode_combine import combine
+from quantmla_hf.kernels.mla_decode_ref import combine_ref, mla_decode_ref
 from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
 from helpers import assert_close
