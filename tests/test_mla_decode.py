@@ -38,6 +38,8 @@ def _available() -> list[str]:
 
 AVAILABLE = _available()
 PORTABLE = [b for b in AVAILABLE if b in ("triton", "torch")]
+HOPPER = [b for b in AVAILABLE if b.startswith("gluon")] or [
+    pytest.param("gluon_regs", marks=pytest.mark.skip(reason="the Gluon kernels need an sm_90 GPU"))]
 
 
 def random_case(B, N, H, Tq, dc, dr, cb, rb, S, R, dtype, left_padding, seed, q_scale=1.0, spare=7):
@@ -99,6 +101,18 @@ def test_formats_and_dtypes_with_unequal_padding(backend, cb, rb, dtype):
     length, unequal left padding, three splits."""
     check(random_case(2, 109, 3, 1, 128, 32, cb, rb, 3, 8, dtype, [0, 37], seed=cb * 10 + rb), backend,
           num_splits=3)
+
+
+@pytest.mark.parametrize("backend", HOPPER)
+@pytest.mark.parametrize("cb, rb, heads, tq", [(4, 4, 16, 1), (2, 4, 16, 1), (8, 8, 16, 1), (4, 4, 64, 2),
+                                               (2, 4, 128, 1), (8, 8, 48, 1)])
+def test_hopper_kernels_at_deepseek_widths(backend, cb, rb, heads, tq):
+    """The Gluon kernels (sm_90 only) on the formats they take, odd length, unequal padding, several head blocks."""
+    if backend == "gluon_wide" and cb == 8:
+        pytest.skip("the two-warpgroup kernel takes 2/4-bit content")
+    args = list(random_case(2, 333, heads, tq, 512, 64, cb, rb, 4, 16, torch.bfloat16, [0, 37], seed=cb + heads))
+    args[0], args[1] = args[0].bfloat16(), args[1].bfloat16()
+    check(tuple(args), backend)
 
 
 @pytest.mark.parametrize("backend", PORTABLE)
