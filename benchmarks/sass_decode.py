@@ -1,11 +1,10 @@
 """Instruction mix of the register-operand Gluon decode kernel (`kernels/mla_decode_gluon_regs.py`), compiled for
 sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp and 64-token tile, counted by
-opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "Gluon kernel with register
-operands"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4/C2R4): one
+opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "The Gluon register
+kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4/C2R4): one
 packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
-    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--store-a] [--no-vote]
-                                     [--overlap] [--no-row-ptrs] [--wide [--block-m 32|64]]
+    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--wide]
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -24,6 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 
+from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 
@@ -31,24 +31,20 @@ FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
 
 
-def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, store_a: bool = False,
-                 vote: bool = True, overlap: bool = False, row_ptrs: bool = True):
+def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1):
     """The kernel compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent tokens, 16 rows)."""
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=inflight,
-                 WC_L=mr._words_layout(content_bits // 2), WP_L=mr._words_layout(content_bits),
-                 WR_L=mr._words_layout(rope_bits // 2), XL=mr.dense_layout(), STORE_A=store_a, VOTE=vote,
-                 OVERLAP=overlap, ROW_PTRS=row_ptrs)
+                 WC_L=mc.words_layout(content_bits // 2), WP_L=mc.words_layout(content_bits),
+                 WR_L=mc.words_layout(rope_bits // 2), XL=mc.dense_layout())
     return _compile(mr.mla_decode_gluon_regs_kernel, const, q_split, {"num_warps": 4})
 
 
-def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT,
-                 block_m: int = mw.BLOCK_M, store_a: bool = False, vote: bool = True):
-    """The two-warpgroup kernel compiled for sm_90 at DeepSeek widths with its default registers per block size."""
+def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT):
+    """The two-warpgroup kernel compiled for sm_90 at DeepSeek widths with its registers."""
     fn = mw.mla_decode_gluon_wide_kernel
-    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=block_m, Q_SPLIT=q_split,
-                 INFLIGHT=inflight, W_REGS=mw.WORKER_REGS[block_m], STORE_A=store_a,
-                 VOTE=vote)
-    return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.LAUNCH_REGS[block_m]})
+    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M, Q_SPLIT=q_split,
+                 INFLIGHT=inflight, W_REGS=mw.WORKER_REGS)
+    return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.LAUNCH_REGS})
 
 
 def _compile(fn, const: dict, q_split: bool, options: dict):
@@ -128,25 +124,18 @@ def main():
     ap.add_argument("format", nargs="?", default="C4R4", choices=sorted(FORMATS))
     ap.add_argument("--fp32-queries", action="store_true")
     ap.add_argument("--inflight", type=int, default=None, help="default: the kernel's (`INFLIGHT`)")
-    ap.add_argument("--store-a", action="store_true", help="keys stored in the score operand's order (`store_a`)")
-    ap.add_argument("--no-vote", action="store_true", help="the softmax's cross-warp maximum every tile (`vote=0`)")
-    ap.add_argument("--overlap", action="store_true", help="value wgmmas overlapped with the next tile (`overlap`)")
-    ap.add_argument("--no-row-ptrs", action="store_true", help="the packed loop's loads masked per unit (`row_ptrs=0`)")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel (C4R4, C2R4)")
-    ap.add_argument("--block-m", type=int, default=mw.BLOCK_M, choices=sorted(mw.LAUNCH_REGS))
     a = ap.parse_args()
     if a.wide:
         main_wide(a)
         return
     a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
-    kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, store_a=a.store_a,
-                          vote=not a.no_vote, overlap=a.overlap, row_ptrs=not a.no_row_ptrs)
+    kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     loop = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
     counts = opcode_counts(loop)
     print(f"triton {triton.__version__} | {a.format} | {'fp32' if a.fp32_queries else 'bf16'} queries | "
-          f"inflight {a.inflight}{' | store_a' if a.store_a else ''}{' | no vote' if a.no_vote else ''}"
-          f"{' | overlap' if a.overlap else ''} | shared memory {kernel.metadata.shared} B")
+          f"inflight {a.inflight} | shared memory {kernel.metadata.shared} B")
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
     print(f"packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
           f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements)")
@@ -158,13 +147,12 @@ def main_wide(a):
     if a.format not in ("C4R4", "C2R4"):
         raise SystemExit(f"--wide takes C4R4 or C2R4, got {a.format}")
     inflight = mw.INFLIGHT if a.inflight is None else a.inflight
-    kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight, block_m=a.block_m,
-                          store_a=a.store_a, vote=not a.no_vote)
+    kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     sass = disassemble(kernel.asm["cubin"], "-sass")
-    print(f"triton {triton.__version__} | {a.format} two warpgroups | {a.block_m} rows | "
-          f"{'fp32' if a.fp32_queries else 'bf16'} queries | inflight {inflight}{' | store_a' if a.store_a else ''}"
-          f"{' | no vote' if a.no_vote else ''} | shared memory {kernel.metadata.shared} B")
+    print(f"triton {triton.__version__} | {a.format} two warpgroups | {mw.BLOCK_M} rows | "
+          f"{'fp32' if a.fp32_queries else 'bf16'} queries | inflight {inflight} | shared memory "
+          f"{kernel.metadata.shared} B")
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
     loops = sorted(packed_loops(sass), key=lambda body: -opcode_counts(body)[UNPACK_MUL])
     for name, loop in zip(("leader", "worker"), loops):

@@ -1,54 +1,29 @@
-"""Hopper (sm_90) packed MLA decode in Gluon with the keys unpacked into *registers* as the score `wgmma`'s A
-operand (issue #11).
-
-Same function, splits, partial outputs and combine as `mla_decode_gluon_scaled.py` (reference
-`mla_decode_ref.py`); launched by `mla_decode_fast.mla_decode_static(..., backend="gluon", regs=True)` and by
-default where `mla_decode_fast.gluon_regs_measured_faster` says the H200 timed it faster. What differs from the
-scaled-tile kernel (docs/KERNELS.md "Gluon kernel with register operands"), from its Nsight Compute profile (the
-shared-memory pipe was the busiest unit: 65% of the cycles, L1 78%):
+"""Hopper (sm_90) packed MLA decode in Gluon for up to 16 query rows per program, the keys unpacked into *registers*
+as the score `wgmma`'s A operand. Same function as `mla_decode_ref.mla_decode_static_ref`; launched by
+`mla_decode.mla_decode_static` (backend "gluon_regs"); shared pieces in `mla_decode_gluon_common.py`.
 
 * No cp.async ring and no shared staging of the codes: every thread loads the code words it unpacks straight from
-  global memory into registers, one tile ahead (the words of units u, u + 1 of tile i + 1 are loaded as soon as
-  both have been unpacked for tile i: a thread's two units are 32 contiguous channels of its group, one 8-, 16- or
-  32-byte load per token; one load per unit was 4-7% slower on the H200).
-* The unpacked fp16 keys `(code - z) * s` are the *register* A operand of the score `wgmma`s: the scores no
-  longer read 2 KB of shared memory per `m64n16k16`, and the RoPE keys never touch shared memory.
-* The content keys are still stored once to shared memory, for the value `wgmma`s (`O^T = V^T P`: each warp needs
-  every token of 16 channels, so the tile crosses warps there), one buffer per unit (`_alloc_kbuf`): with one
-  buffer indexed per unit the compiler's barrier analysis could not tell the units' stores apart and put a CTA
-  barrier before each (11 per tile, now 4-5; the time did not change measurably).
-* The loads of the packed loop (`row_ptrs`, default) use int32 rows relative to the split's first tile and, per
-  token, one row pointer with the units at immediate offsets (`_row_ptrs`); rows past the split's last valid one are
-  not read, and the correctness does not rest on their registers: their steps are zeroed (`_load_meta_rows`, which
-  reads the metadata unmasked from rows clamped to the last valid one), so their keys are exactly 0 whatever the
-  registers hold. The metadata's fp16x2 pairs come from one short asm (`meta_asm`). 1418 -> 1322 SASS instructions
-  per C4R4 tile.
-* The softmax's lazy-rescaling test is voted (`vote`, default): P is computed against the rows' present
-  references and stored, each warp's "some score passed its reference by more than 8" is one `REDUX` into shared
-  memory, read back after the barrier that publishes P; only a tile where it is set (the first, and rare jumps)
-  reduces the maximum across warps and stores P again.
+  global memory into registers, one tile ahead (a thread's two units are 32 contiguous channels of its group, one
+  8-, 16- or 32-byte load per token).
+* The unpacked fp16 keys `(code - z) * s` are the register A operand of the score `wgmma`s: the scores read no
+  shared memory for the keys, and the RoPE keys never touch shared memory.
+* The content keys are stored once to shared memory for the value `wgmma`s (`O^T = V^T P`), one buffer per unit
+  (`_alloc_kbuf`: with one buffer indexed per unit the compiler put a CTA barrier before each store).
+* The packed loop's loads use int32 rows relative to the split's first tile and one row pointer per token
+  (`_row_ptrs`); rows past the split's last valid one are not read, their steps zeroed (`_load_meta_rows`), so
+  their keys are exactly 0 whatever the registers hold.
+* The softmax's lazy-rescaling test is voted per warp (`_softmax_pv`): P is computed against the rows' present
+  references and stored; only a tile where some score passed its reference by more than 8 reduces the maximum
+  across warps and stores P again.
 
-Unit layout (one of `GC` content units, then the RoPE unit, per 64-token tile): in unit u, thread `q = lane % 4`
-of each quad owns the 16 contiguous channels `[unit_base(u, q), + 16)` of two tokens (rows `lane / 4` and `+ 8`
-of its warp's 16), i.e. 1 (2-bit), 2 (4-bit) or 4 (8-bit) code words per token (loaded with the next unit's). The
-asm (`half_asm`) turns a word into its fp16 elements in word order; the same registers are then *viewed* two
-ways, both free relabellings checked at compile time (`convert_layout(..., assert_trivial=True)`):
-  - the A fragment of `m64n16k16` (row = token, column `16 kc + 8 h + 2 q + e`, holding the element `E w + k +
-    (E / 2) e` of the thread's words with `(E / 2) w + k = 2 kc + h`, `E = 32 / bits`): the queries are staged in
-    that order (`score_channel`);
-  - the tile row of `kbuf[u]`, column `16 q + E w + 2 k + e` (`value_channel`: each stored 32-bit pair is one
-    asm register, no byte permutes): the value rows of `O^T` come out in it and are stored back to their channels.
-Shared memory (C4R4, 16 rows, bf16 queries): content tiles 64 KB + queries 18 KB + P 2 KB = 86 KB: two
-programs per SM.
+Shared memory (C4R4, 16 rows, bf16 queries): content tiles 64 KB + queries 18 KB + P 2 KB = 86 KB: two programs
+per SM. The sink and recent copies take one program per 64-token tile, loaded in the same unit layout.
 
-The sink and recent copies take one program per 64-token tile (as in the scaled kernel): the copies are loaded in
-the same unit layout (16 contiguous channels per thread and row) and go through the same score and value steps.
-
-Accuracy: as the scaled kernel (one fp16 rounding of `(code - z) * s`) at 2 and 4 bits. At 8 bits (C8R8) a key of
-up to 255 steps rounded once to fp16 would move the LSE by ~4.5e-3, so the asm also returns the remainder `lo = (code
-- z) * s - hi` (one `fma.rn.f16x2`, exact above fp16 subnormals) and the scores take a second register-A `wgmma` on
-it; the values use the rounded keys (relative 2**-12 per element, averaged over the tile).
+Accuracy: one fp16 rounding of `(code - z) * s` at 2 and 4 bits. At 8 bits (C8R8) a key of up to 255 steps rounded
+once to fp16 would move the LSE by ~4.5e-3, so the asm also returns the remainder `lo = (code - z) * s - hi` (one
+`fma.rn.f16x2`) and the scores take a second register-A `wgmma` on it; the values use the rounded keys.
 """
+
 
 from __future__ import annotations
 
@@ -56,710 +31,25 @@ import torch
 
 from quantmla_hf.format import CacheFormat
 
-from . import mla_decode_gluon as exact
-from . import mla_decode_gluon_scaled as scaled
-from .mla_decode_gluon import BLOCK_T, GROUP, HAVE_GLUON, SMEM_LIMIT, _jit
+from .mla_decode_gluon_common import (BLOCK_T, GROUP, HAVE_GLUON, SMEM_LIMIT, _jit_dynamic, dense_layout, flat_grid,
+                                      words_layout)
 
 if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-    from .mla_decode_gluon import _cta_barrier, _order4, _order8
-    from .mla_decode_gluon_scaled import _copy_ranges, _finish, _program_coords, _split_range
+    from .mla_decode_gluon_common import (_alloc_kbuf, _copy_ranges, _cta_barrier, _dense_scores, _finish,
+                                          _load_meta, _load_unit, _program_coords, _softmax_pv, _split_range,
+                                          _stage_queries, _store_o, _tile_scores)
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
-INFLIGHT = {4: 0, 2: 1, 8: 1}  # default `inflight` per content width (H200, 16 heads B32 32K, graph replay, same
-# process, row-pointer loads: C4R4 0.2000 / 0.1990 ms with 0 against 0.2045 / 0.2040 with 1; C2R4 0.1968 / 0.1952 with
-# 1 against 0.1988 / 0.1977 with 0; 8-bit keys take 1)
-FILL_PER_SM = 2  # programs per multiprocessor the default split count provides (`fill_splits`): the two resident
-# ones (255 registers x 128 threads and at most ~104 KB of shared memory each)
+INFLIGHT = {4: 0, 2: 1, 8: 1}  # score units whose wgmmas may be in flight while the next is unpacked, per content
+# width (H200, 16 heads B32 32K: docs/KERNELS.md); 8-bit keys take 1
+FILL_PER_SM = 2  # programs per multiprocessor the splits provide (`mla_decode.fill_splits`): the two resident ones
+# (255 registers x 128 threads and at most ~104 KB of shared memory each)
 
 
-# --------------------------------------------------------------------------------------------- channel maps
-def unit_base(u: int, q, n_groups: int):
-    """First channel of the 16 that thread `q` (of a quad) owns in unit u: content units `0 .. n_groups - 1`
-    (`64 * (q + 4 * (u // 4)) + 16 * (u % 4)`, channels of the content latent), RoPE unit `n_groups` (`16 * q`)."""
-    if u == n_groups:
-        return 16 * q
-    return 64 * (q + 4 * (u // 4)) + 16 * (u % 4)
-
-
-def score_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
-    """`[64]` int64: the channel (of the content latent for u < n_groups, of the RoPE key for u = n_groups) held by
-    column c of unit u's score A operand (row-major `m64n16k16` A fragments: column `16 kc + 8 h + 2 q + e` of thread
-    q holds element `E w + k + (E / 2) e` of its words, `(E / 2) w + k = 2 kc + h`); the queries are staged in it."""
-    c = torch.arange(64)
-    kc, h, q, e = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
-    n = 16 // bits
-    p = 2 * kc + h
-    off = (p // n) * (2 * n) + p % n + n * e
-    return unit_base(u, q, n_groups) + off
-
-
-def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
-    """`[64]` int64: the content channel held by row c of `kbuf[u]`'s transpose (the value output's row c): column
-    `16 q + E w + 2 k + e` of the stored tile holds element `E w + k + (E / 2) e` of quad slot q's 16 channels
-    (`E = 32 / bits`), so each stored 32-bit pair is one asm register."""
-    c = torch.arange(64)
-    r, n = c % 16, 16 // bits
-    return unit_base(u, c // 16, n_groups) + (r // (2 * n)) * (2 * n) + (r % (2 * n)) // 2 + n * (r % 2)
-
-
-# --------------------------------------------------------------------------------------------- unpacking
-def half_asm(bits: int, split: bool = False) -> str:
-    """PTX that turns one 32-bit code word into its `E = 32 / bits` fp16 elements `(code - z) * s`, in word order.
-
-    Elements k and k + E/2 (bits `[bits*k, bits*(k+1))` and 16 higher) are put under the fp16 magic number `0x6400`
-    in the two halves of one register by one `lop3`, then made `code - z` exactly, then one `mul.f16x2` by `(s, s)`
-    (one rounding); the halves are the outputs (a free register split).
-
-    2 and 4 bits: operands: outputs `$0 .. $(E-1)` (16-bit), then the word, fp16x2 `(1024 + z, 1024 + z)`, fp16x2
-    `(s, s)`, fp16x2 `-(1024 / 2**bits + z)` and fp16x2 `(2**-bits, 2**-bits)`. Elements come in shift groups of
-    two (one `shr` by `2 bits` per group after the first): the even one masked in place (`1024 + code`, then
-    `sub.f16x2` of `1024 + z`), the odd one masked one field higher (`1024 + code * 2**bits`, then `fma.rn.f16x2` by
-    `2**-bits` plus `-(1024 / 2**bits + z)`); both exact. Half the shifts of masking every element at bit 0.
-
-    8 bits (`split`: keys of up to 255 steps would round too coarsely for the scores): operands: outputs `$0 ..
-    $(2E-1)`, the word, `(1024 + z)` and `(s, s)`; every element shifted to bit 0 (`code << 8` does not fit the
-    fp16 mantissa), `sub.f16x2`, `mul.f16x2`, and the remainder `lo = (code - z) * s - hi` by one `fma.rn.f16x2`
-    (exact up to fp16 subnormals), outputs `E + j`."""
-    n = 16 // bits
-    e = 2 * n
-    o = 2 * e if split else e  # first input operand
-    mask = (1 << bits) - 1
-    lines = ["{", ".reg .b32 x, t, h, hn;"]
-    for k in range(n):
-        if bits == 8:
-            src = f"${o}"
-            if k:
-                lines.append(f"shr.u32 t, ${o}, {bits * k};")
-                src = "t"
-            lines.append(f"lop3.b32 t, {src}, {mask * 0x10001:#010x}, 0x64006400, 0xEA;")
-            lines.append(f"sub.f16x2 t, t, ${o + 1};")
-        else:
-            grp, odd = divmod(k, 2)
-            src = f"${o}"
-            if grp:
-                if not odd:
-                    lines.append(f"shr.u32 x, ${o}, {2 * bits * grp};")
-                src = "x"
-            lines.append(f"lop3.b32 t, {src}, {(mask << (bits * odd)) * 0x10001:#010x}, 0x64006400, 0xEA;")
-            if odd:
-                lines.append(f"fma.rn.f16x2 t, t, ${o + 4}, ${o + 3};")
-            else:
-                lines.append(f"sub.f16x2 t, t, ${o + 1};")
-        lines.append(f"mul.f16x2 h, t, ${o + 2};")
-        lines.append(f"mov.b32 {{${k}, ${k + n}}}, h;")
-        if split:
-            lines.append("neg.f16x2 hn, h;")
-            lines.append(f"fma.rn.f16x2 t, t, ${o + 2}, hn;")
-            lines.append(f"mov.b32 {{${e + k}, ${e + k + n}}}, t;")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-if HAVE_GLUON:
-    _HALF_ASM_2 = gl.constexpr(half_asm(2))
-    _HALF_ASM_4 = gl.constexpr(half_asm(4))
-    _HALF_ASM_8 = gl.constexpr(half_asm(8, split=True))
-
-
-@_jit
-def _unit_base(u: gl.constexpr, q, GC: gl.constexpr):
-    if u == GC:
-        return 16 * q
-    return 64 * (q + 4 * (u // 4)) + 16 * (u % 4)
-
-
-@_jit
-def _score_channel(u: gl.constexpr, c, BITS: gl.constexpr, GC: gl.constexpr):
-    """`score_channel` in the kernel."""
-    N: gl.constexpr = 16 // BITS
-    p = 2 * (c // 16) + (c // 8) % 2
-    return _unit_base(u, (c // 2) % 4, GC) + (p // N) * (2 * N) + p % N + N * (c % 2)
-
-
-@_jit
-def _order16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    return gl.join(_order8(x0, x2, x4, x6, x8, x10, x12, x14), _order8(x1, x3, x5, x7, x9, x11, x13, x15))
-
-
-def meta_asm(bits: int) -> str:
-    """PTX that turns a token's stored zero point (its byte `b`, zero-extended: `z - HALF` as int8) and fp16 step
-    `s` into the fp16x2 pairs `half_asm` takes: outputs `$0` `(1024 + z, 1024 + z)`, `$1` `(s, s)`, `$2` `-(1024 /
-    2**bits + z)` (both halves), inputs `$3` = `b`, `$4` = `s` (16-bit).
-
-    `(b ^ 0x80) | 0x6400` is the fp16 `1024 + (z - HALF + 128)` (an 8-bit integer under the magic number), put in
-    both halves by one `prmt` and one `xor`; one `add.f16x2` of `HALF - 128` makes it `1024 + z` and one `sub.f16x2`
-    from `1024 - 1024 / 2**bits` the odd elements' offset; all exact integers below 2048. Five instructions for the
-    three pairs (separate integer conversions of each took about nine)."""
-    half = 1 << (bits - 1)
-    c1 = _fp16_bits(half - 128)
-    c2 = _fp16_bits(1024 - 1024 / 2**bits)
-    return "\n".join([
-        "{", ".reg .b32 x, c;",
-        "prmt.b32 x, $3, 0, 0x4040;",
-        "xor.b32 x, x, 0x64806480;",
-        f"mov.b32 c, {c1 * 0x10001:#010x};",
-        "add.rn.f16x2 $0, x, c;",
-        f"mov.b32 c, {c2 * 0x10001:#010x};",
-        "sub.rn.f16x2 $2, c, $0;",
-        "mov.b32 $1, {$4, $4};",
-        "}"])
-
-
-def _fp16_bits(x: float) -> int:
-    """The 16 bits of `x` as fp16 (x exactly representable)."""
-    v = torch.tensor(x, dtype=torch.float16)
-    if float(v) != x:
-        raise ValueError(f"{x} is not exact in fp16")
-    return int(v.view(torch.int16)) & 0xFFFF
-
-
-if HAVE_GLUON:
-    _META_ASM_2 = gl.constexpr(meta_asm(2))
-    _META_ASM_4 = gl.constexpr(meta_asm(4))
-    _META_ASM_8 = gl.constexpr(meta_asm(8))
-
-
-@_jit
-def _pair_meta(s, z, BITS: gl.constexpr):
-    """Steps `s` fp16 and stored zero points `z` int8 (`[64, 4]`) -> the int32 fp16x2 pairs `half_asm` takes: `zz =
-    (1024 + z, 1024 + z)`, `ss = (s, s)`, `zh = -(1024 / 2**BITS + z)` (both halves), `z` the stored value plus
-    `2**(BITS - 1)` (`meta_asm`)."""
-    b = z.to(gl.uint8, bitcast=True).to(gl.int32)
-    if BITS == 2:
-        return gl.inline_asm_elementwise(_META_ASM_2, "=r,=r,=r,r,h", [b, s], dtype=[gl.int32, gl.int32, gl.int32],
-                                         is_pure=True, pack=1)
-    elif BITS == 4:
-        return gl.inline_asm_elementwise(_META_ASM_4, "=r,=r,=r,r,h", [b, s], dtype=[gl.int32, gl.int32, gl.int32],
-                                         is_pure=True, pack=1)
-    else:
-        return gl.inline_asm_elementwise(_META_ASM_8, "=r,=r,=r,r,h", [b, s], dtype=[gl.int32, gl.int32, gl.int32],
-                                         is_pure=True, pack=1)
-
-
-@_jit
-def _unpack_unit(w, zz, ss, zh, BITS: gl.constexpr, wl: gl.constexpr):
-    """Words `w: [64, 4, WU]` int32 (thread q's words of each token), `zz`, `ss`, `zh: [64, 4]` int32 fp16x2 pairs ->
-    `(hi, lo)`: `[64, 4, WU, 2, E / 2]` fp16 `(code - z) * s`, element `(E / 2) * e + k` of word `w` at `[t, q, w,
-    e, k]`, and at 8 bits its remainder `lo` (below 8 bits `lo` is `hi`, unused)."""
-    ml: gl.constexpr = gl.SliceLayout(2, wl)
-    zz, w = gl.broadcast(gl.convert_layout(zz, ml, assert_trivial=True)[:, :, None], w)
-    ss, w = gl.broadcast(gl.convert_layout(ss, ml, assert_trivial=True)[:, :, None], w)
-    if BITS != 8:
-        zh, w = gl.broadcast(gl.convert_layout(zh, ml, assert_trivial=True)[:, :, None], w)
-        step = gl.full(w.shape, 0x2C002C00 if BITS == 4 else 0x34003400, gl.int32, w.type.layout)  # 2**-BITS x2
-    if BITS == 8:
-        y0, y1, y2, y3, l0, l1, l2, l3 = gl.inline_asm_elementwise(
-            _HALF_ASM_8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss], dtype=[gl.float16] * 8, is_pure=True, pack=1)
-        hi = gl.reshape(_order4(y0, y1, y2, y3), [64, 4, w.shape[2], 2, 2])
-        return hi, gl.reshape(_order4(l0, l1, l2, l3), [64, 4, w.shape[2], 2, 2])
-    elif BITS == 4:
-        y0, y1, y2, y3, y4, y5, y6, y7 = gl.inline_asm_elementwise(
-            _HALF_ASM_4, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, zz, ss, zh, step], dtype=[gl.float16] * 8,
-            is_pure=True, pack=1)
-        x = gl.reshape(_order8(y0, y1, y2, y3, y4, y5, y6, y7), [64, 4, w.shape[2], 2, 4])
-        return x, x
-    else:
-        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = gl.inline_asm_elementwise(
-            _HALF_ASM_2, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, zz, ss, zh, step],
-            dtype=[gl.float16] * 16, is_pure=True, pack=1)
-        x = _order16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
-        x = gl.reshape(x, [64, 4, w.shape[2], 2, 8])
-        return x, x
-
-
-@_jit
-def _a_view(x5, dot_a: gl.constexpr):
-    """`[64, 4, WU, 2, E / 2]` unit keys -> the `[64, 64]` A operand (a relabelling of the same registers)."""
-    x = gl.permute(x5, (0, 1, 2, 4, 3))  # [t, q, w, k, e]: pair p = (E / 2) w + k
-    x = gl.reshape(x, [64, 4, 4, 2, 2])  # [t, q, kc, h, e]
-    x = gl.permute(x, (0, 2, 3, 1, 4))  # [t, kc, h, q, e]: column 16 kc + 8 h + 2 q + e
-    return gl.convert_layout(gl.reshape(x, [64, 64]), dot_a, assert_trivial=True)
-
-
-@_jit
-def _v_view(x5):
-    """`[64, 4, WU, 2, E / 2]` unit keys -> the `[64, 64]` tile stored for the values: column `16 q + E w + 2 k + e`
-    holds element `E w + k + (E / 2) e` of quad slot q, so each 32-bit pair of a store is one register of the asm
-    (no byte permutes)."""
-    return gl.reshape(gl.permute(x5, (0, 1, 2, 4, 3)), [64, 64])
-
-
-@_jit
-def _load_unit(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr,
-               wl: gl.constexpr, NU: gl.constexpr = 1, ROWS: gl.constexpr = False):
-    """Code words `[64, 4, NU * WU]` of units `u .. u + NU - 1` (consecutive in a thread's group) for tokens `[t0, t0
-    + 64)` (zeros outside `[lo, hi)`): thread q's words `unit_base(u, q) * bits / 32 + [0, NU * WU)` of each token
-    row of `ROW_WORDS` words.
-
-    `ROWS`: `p_c` is the tile's `[64, 4]` row pointers (`_row_ptrs`: token row and quad slot applied; `lo` unused),
-    `t0` and `hi` int32 rows: one base register pair per token and an immediate offset per unit, rows past `hi` not
-    read (Triton zero-fills them; nothing depends on it: their steps are zero, `_load_meta_rows`, so their keys are
-    0 whatever the registers hold)."""
-    WU: gl.constexpr = BITS // 2 * NU
-    ml: gl.constexpr = gl.SliceLayout(2, wl)
-    o_w = gl.arange(0, WU, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-    if ROWS:
-        word0: gl.constexpr = _unit_base(u, 0, GC) * BITS // 32
-        m = (t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))) <= hi
-        w = gl.load(p_c[:, :, None] + (word0 + o_w)[None, None, :], mask=m[:, None, None])
-    else:
-        o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-        word = _unit_base(u, o_q, GC) * BITS // 32
-        o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)).to(gl.int64)
-        off = (o_t[:, None] * ROW_WORDS + word[None, :])[:, :, None] + o_w[None, None, :]
-        m = ((o_t >= lo) & (o_t < hi))[:, None, None]
-        w = gl.load(p_c + off, mask=m, other=0)
-    return w
-
-
-@_jit
-def _row_ptrs(p, t0, ROW_WORDS: gl.constexpr, Q_WORDS: gl.constexpr, wl: gl.constexpr):
-    """`[64, 4]` pointers `p + (t0 + t) * ROW_WORDS + q * Q_WORDS` (int32 rows relative to `p`) in the rows of `wl`:
-    the first code word of quad slot q of each of the tile's tokens (`_load_unit` with `ROWS`)."""
-    ml: gl.constexpr = gl.SliceLayout(2, wl)
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    return p + ((o_t * ROW_WORDS)[:, None] + (o_q * Q_WORDS)[None, :])
-
-
-@_jit
-def _load_meta(p_s, p_z, t0, lo, hi, hf: gl.constexpr, GC: gl.constexpr, ml: gl.constexpr):
-    """Steps `[64, 4]` fp16 and stored zero points int8 of content group `q + 4 hf` (for `GC = 0`: the RoPE group,
-    the same for every q) of tokens `[t0, t0 + 64)`, zeros outside `[lo, hi)`."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)).to(gl.int64)
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    m = ((o_t >= lo) & (o_t < hi))[:, None]
-    if GC == 0:
-        off = o_t[:, None] + 0 * o_q[None, :]
-    else:
-        off = o_t[:, None] * GC + (o_q + 4 * hf)[None, :]
-    return gl.load(p_s + off, mask=m, other=0.0), gl.load(p_z + off, mask=m, other=0)
-
-
-@_jit
-def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, GC: gl.constexpr, ml: gl.constexpr):
-    """The tile's steps and stored zero points as `_load_meta` gives them (`(s0, z0, s1, z1, sr, zr)`: content groups
-    q and q + 4, RoPE), from int32 rows `t0, lo, hi, last` relative to the pointers, without masks: rows past `last`
-    (a stored row) read row `last`, and the steps (not the zero points) are zeroed outside `[lo, hi)`, so such a
-    token's keys are exactly 0 whatever its codes and zero point (`_load_unit` with `ROWS`)."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
-    o_a = gl.minimum(o_t, last)
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    valid = ((o_t >= lo) & (o_t < hi))[:, None]
-    off = o_a[:, None] * GC + o_q[None, :]
-    s0 = gl.where(valid, gl.load(p_cs + off), 0.0)
-    z0 = gl.load(p_cz + off)
-    if GC == 8:
-        s1 = gl.where(valid, gl.load(p_cs + off + 4), 0.0)
-        z1 = gl.load(p_cz + off + 4)
-    else:
-        s1 = s0
-        z1 = z0
-    off_r = o_a[:, None] + 0 * o_q[None, :]
-    sr = gl.where(valid, gl.load(p_rs + off_r), 0.0)
-    return s0, z0, s1, z1, sr, gl.load(p_rz + off_r)
-
-
-@_jit
-def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, xl: gl.constexpr):
-    """Model-dtype copies `[64, 4, 16]` -> fp16 of unit u: rows `o_slot: [64]` (valid `m_t`), thread q's 16 channels
-    from `unit_base(u, q)`."""
-    sl: gl.constexpr = gl.SliceLayout(2, xl)
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
-    o_e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
-    off = ((o_slot * s_t)[:, None] + _unit_base(u, o_q, GC)[None, :])[:, :, None] + o_e[None, None, :]
-    x = gl.load(p + off, mask=m_t[:, None, None], other=0.0)
-    return x.to(gl.float16)
-
-
-# --------------------------------------------------------------------------------------------- queries, outputs
-@_jit
-def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
-                   Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr):
-    """Rows `row0 + [0, BM)` of `p_q: [M, D_C]` and `p_qr: [M, 64]`, divided by one per-row power of two `f` (so
-    `|q| / f < 2**14`), as fp16 (high, and low for fp32 queries) in `qbuf[u]: [BM, 64]` in `score_channel` order
-    (units 0..GC-1 content, GC RoPE). Returns `f: [BM]` (q_l rows)."""
-    o_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
-    m_m = (o_m < M)[:, None]
-    o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
-    amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, q_l))
-    for u in gl.static_range(GC + 1):
-        if u < GC:
-            x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m,
-                        other=0.0).to(gl.float32)
-        else:
-            x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m,
-                        other=0.0).to(gl.float32)
-        amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
-    e = gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0)
-    inv_f = gl.exp2(-e)
-    for u in gl.static_range(GC + 1):
-        if u < GC:
-            x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m,
-                        other=0.0).to(gl.float32)
-        else:
-            x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m,
-                        other=0.0).to(gl.float32)
-        x = x * inv_f[:, None]
-        hi = x.to(gl.float16)
-        qbuf.index(u).store(hi)
-        if Q_SPLIT:
-            qlo.index(u).store((x - hi.to(gl.float32)).to(gl.float16))
-    return gl.exp2(e)
-
-
-@_jit
-def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C: gl.constexpr,
-             C_BITS: gl.constexpr, acc_l: gl.constexpr, STORE_A: gl.constexpr = False):
-    """`o^T[64, BM]` of unit u (row c = channel `value_channel(u)[c]`, or `score_channel(u)[c]` when the keys were
-    stored in the score order, `STORE_A`), normalised, to the partial output rows."""
-    if u < GC:
-        N: gl.constexpr = 16 // C_BITS
-        c = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        if STORE_A:
-            o_d = _score_channel(u, c, C_BITS, GC)
-        else:
-            r = c % 16
-            o_d = _unit_base(u, c // 16, GC) + (r // (2 * N)) * (2 * N) + (r % (2 * N)) // 2 + N * (r % 2)
-        gl.store(o_ptr + o_row[None, :] * D_C + o_d[:, None], o * inv_l[None, :], mask=m_m[None, :])
-
-
-# --------------------------------------------------------------------------------------------- one tile
-@_jit
-def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
-                Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
-                FIRST: gl.constexpr = 0, STORE_A: gl.constexpr = False, PV_PENDING: gl.constexpr = False):
-    """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
-    until at most `INFLIGHT` (0, 1 or 2) units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two
-    units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
-    tile's first unit in this warpgroup (it starts the accumulator and waits for the previous tile's value reads;
-    0 here, the second warpgroup's first unit in `mla_decode_gluon_wide.py`). `STORE_A`: the content keys are stored
-    from the A operand's registers in its column order (`score_channel`; `stmatrix`, no register moves) instead of
-    the `_v_view` order. `PV_PENDING`: the previous tile's value `wgmma`s may still be in flight (`overlap`): the
-    first unit waits for them (they are older than its own) before it stores to `kbuf`.
-
-    `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
-    accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
-    in `pend` and adds them in fp32): one chain over all 576 channels plus their remainders moved the LSE of
-    8-bit keys' large scores past 1e-4 on the H200 (tensor-core accumulation). One unit in flight; `p1`, `p2` hold
-    its high and low A operands."""
-    a = _a_view(x5, dot_a)
-    if LO:
-        alo = _a_view(x5lo, dot_a)
-        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=(u % 3) > 0, is_async=True)
-        acc = warpgroup_mma(alo, qbuf.index(u + kz).permute((1, 0)), acc, is_async=True)
-        if Q_SPLIT:
-            acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
-    else:
-        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
-        if Q_SPLIT:
-            acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
-    PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
-    if u < GC:
-        if u == FIRST:
-            if PV_PENDING:
-                p1 = warpgroup_mma_wait(PER, deps=[p1])  # every group older than this unit's: the value wgmmas
-            _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
-        if STORE_A:
-            kbuf[u].index(0).store(a)
-        else:
-            kbuf[u].index(0).store(_v_view(x5))
-    if LO:
-        if u > 0:
-            p1, p2 = warpgroup_mma_wait(PER, deps=[p1, p2])
-        return acc, pend, a, alo
-    elif INFLIGHT == 0:
-        acc, a = warpgroup_mma_wait(0, deps=[acc, a])
-        return acc, pend, a, p2
-    elif INFLIGHT == 1:
-        if u > 0:
-            p1 = warpgroup_mma_wait(PER, deps=[p1])
-        return acc, pend, a, p2
-    else:
-        if u > 1:
-            p2 = warpgroup_mma_wait(2 * PER, deps=[p2])
-        return acc, pend, a, p1
-
-
-@_jit
-def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
-    """`o^T[64, BM] + kbuf[u]^T[64, BT] @ P[BT, BM]`, issued without waiting."""
-    return warpgroup_mma(kbuf[u].index(kz).permute((1, 0)), pbuf.index(kz), o, is_async=True)
-
-
-@_jit
-def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr,
-                VOTE: gl.constexpr = False, vbuf=None, WAIT: gl.constexpr = True):
-    """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0) and the values of every
-    content unit (`o_u^T[64, BM] += kbuf[u]^T @ P`). Returns `(m_i, l_p, o0..o7)`; `l_p: [64, BM]` holds the row
-    sums per token lane (reduced once, at the end).
-
-    Lazy rescaling: a row's reference maximum `m_i` moves only when the tile's maximum passes it by more than
-    `RESCALE_LOG2` (so the probabilities, `2 ** (s - m_i)`, stay below 2**8: exact in fp16 to its relative 2**-11,
-    and the fp32 sums have room), and the accumulators are rescaled only in a tile where some row moved (one
-    branch, the same in every thread): after the first tiles the 64 multiplies per thread of a rescale are
-    skipped. The result is the same softmax (the LSE is `m_i + log2(l)` for whatever reference `m_i` holds).
-
-    `VOTE` (`vbuf: [4]` int32 in shared memory): the test is voted per warp instead of reducing the tile's maximum
-    across warps first (see the module docstring); the same references and probabilities. `WAIT` (default): the
-    value accumulators are returned waited for; otherwise still in flight (`overlap`: the caller waits)."""
-    b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
-    if VOTE:
-        # P against the rows' present references, stored at once; whether any score passed its reference by more
-        # than RESCALE_LOG2 is voted per warp (no cross-warp reduction) and read back after the barrier that
-        # publishes P; only then (rare) is the tile's maximum reduced across warps and P stored again
-        m_new = m_i
-        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-        p = gl.exp2(b_s - m_use[None, :])
-        up = (b_s > (m_i + 8.0)[None, :]).to(gl.int32)
-        vbuf.store(gl.max(gl.reshape(up, [4, up.shape[0] * up.shape[1] // 4]), axis=1))  # tokens 16 w.. of warp w
-        pbuf.index(kz).store(p.to(gl.float16))
-        fence_async_shared()
-        _cta_barrier()
-        if gl.max(vbuf.load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
-            move, m_new, m_use, p = _references(b_s, m_i)
-            l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _rescale(gl.exp2(m_i - m_use), l_p, o0, o1, o2, o3, o4, o5, o6, o7,
-                                                           GC)
-            pbuf.index(kz).store(p.to(gl.float16))
-            fence_async_shared()
-            _cta_barrier()
-        l_p = l_p + p
-    else:
-        move, m_new, m_use, p = _references(b_s, m_i)
-        if gl.max(move.to(gl.int32), axis=0) > 0:
-            l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _rescale(gl.exp2(m_i - m_use), l_p, o0, o1, o2, o3, o4, o5, o6, o7,
-                                                           GC)
-        l_p = l_p + p
-        pbuf.index(kz).store(p.to(gl.float16))
-        fence_async_shared()  # kbuf (stored by the score units) and P, visible to the wgmma
-        _cta_barrier()
-    o0 = _pv(kbuf, pbuf, o0, 0, kz)
-    o1 = _pv(kbuf, pbuf, o1, 1, kz)
-    o2 = _pv(kbuf, pbuf, o2, 2, kz)
-    o3 = _pv(kbuf, pbuf, o3, 3, kz)
-    if GC == 8:
-        o4 = _pv(kbuf, pbuf, o4, 4, kz)
-        o5 = _pv(kbuf, pbuf, o5, 5, kz)
-        o6 = _pv(kbuf, pbuf, o6, 6, kz)
-        o7 = _pv(kbuf, pbuf, o7, 7, kz)
-    if WAIT:
-        o0, o1, o2, o3, o4, o5, o6, o7 = _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC)
-    return m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7
-
-
-@_jit
-def _references(b_s, m_i):
-    """Lazy rescaling of scores `b_s: [64, BM]` (base 2) against references `m_i: [BM]`: `(move, m_new, m_use, p)`,
-    a row's reference moved to the tile's maximum where that passes it by more than 8 (RESCALE_LOG2; true for every
-    row's first finite scores, `m_i = -inf`), `m_use` the reference with -inf as 0, `p = 2**(b_s - m_use)`."""
-    m_tile = gl.max(b_s, axis=0)
-    move = m_tile > m_i + 8.0
-    m_new = gl.where(move, m_tile, m_i)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    return move, m_new, m_use, gl.exp2(b_s - m_use[None, :])
-
-
-@_jit
-def _rescale(alpha, l_p, o0, o1, o2, o3, o4, o5, o6, o7, GC: gl.constexpr):
-    """The row sums and value accumulators times `alpha: [BM]` (per row); o4..o7 only with 8 content units."""
-    l_p = l_p * alpha[None, :]
-    o0 = o0 * alpha[None, :]
-    o1 = o1 * alpha[None, :]
-    o2 = o2 * alpha[None, :]
-    o3 = o3 * alpha[None, :]
-    if GC == 8:
-        o4 = o4 * alpha[None, :]
-        o5 = o5 * alpha[None, :]
-        o6 = o6 * alpha[None, :]
-        o7 = o7 * alpha[None, :]
-    return l_p, o0, o1, o2, o3, o4, o5, o6, o7
-
-
-@_jit
-def _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC: gl.constexpr):
-    """The value accumulators, waited for (`wgmma.wait_group 0`)."""
-    if GC == 8:
-        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
-    else:  # 4 content units (MiniCPM3's d_c = 256); o4..o7 unused
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
-    return o0, o1, o2, o3, o4, o5, o6, o7
-
-
-@_jit
-def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, GC: gl.constexpr, BM: gl.constexpr,
-                  Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
-                  xl: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, STORE_A: gl.constexpr = False):
-    """Scores `[64, BM]` (waited) of 64 model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys
-    stored to `kbuf`."""
-    acc = gl.zeros([64, BM], gl.float32, acc_l)
-    # the unpacked units' element order: offset w * E + (E / 2) * e + k at [t, q, w, e, k]
-    x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, 0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
-    acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5,
-                                    qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0, STORE_A)
-    for u in gl.static_range(1, GC):
-        x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
-        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
-                                        qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0, STORE_A)
-    x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
-    acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
-                                    qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0, STORE_A)
-    acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
-    return acc
-
-
-@_jit
-def _split_units(w, WU: gl.constexpr, wl: gl.constexpr):
-    """Words `[64, 4, 2 WU]` of two consecutive units of a thread's group -> the two units' `[64, 4, WU]` (layout
-    `wl`; a relabelling of the same registers)."""
-    u0, u1 = gl.split(gl.permute(gl.reshape(w, [64, 4, 2, WU]), (0, 1, 3, 2)))
-    return gl.convert_layout(u0, wl, assert_trivial=True), gl.convert_layout(u1, wl, assert_trivial=True)
-
-
-@_jit
-def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-               GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
-               wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
-               FIRST: gl.constexpr = 0, STORE_A: gl.constexpr = False, PV_PENDING: gl.constexpr = False, last=None,
-               ROWS: gl.constexpr = False):
-    """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does;
-    `cp` replaced by the words of the tile at `tn` once both are unpacked (`ROWS`: `p_cc` holds the tile's row
-    pointers, `_load_unit`, rows up to `last`). 8-bit keys: the accumulator chain that
-    starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. `FIRST`: as in
-    `_score_unit`. Returns `(acc, pend, p1, p2, cp)`."""
-    LO: gl.constexpr = C_BITS == 8
-    c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
-    x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a, FIRST, STORE_A, PV_PENDING)
-    if LO:
-        if u == 2:
-            pend = acc
-            acc = gl.zeros([64, BM], gl.float32, acc_l)
-    x5, xlo = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
-    if ROWS:
-        cp = _load_unit(p_cc, tn, lo, last, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
-    else:
-        cp = _load_unit(p_cc, tn, lo, hi, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, LO,
-                                    INFLIGHT, dot_a, FIRST, STORE_A)
-    return acc, pend, p1, p2, cp
-
-
-@_jit
-def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz,
-                   p_cc, p_rc, tn, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr,
-                   C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr,
-                   wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr,
-                   STORE_A: gl.constexpr = False, PV_PENDING: gl.constexpr = False, last=None,
-                   ROWS: gl.constexpr = False):
-    """Scores `[64, BM]` (waited) of one packed tile from its code words `c01 .. c67` (content units in pairs, `[64,
-    4, 2 WU]`: a thread's 32 consecutive channels of group q, units 0-3, or q + 4, units 4-7), `cr` (RoPE) and fp16x2
-    metadata (`zz0, ss0, zh0`: groups q, `zz1, ss1, zh1`: groups q + 4, `zzr, ssr, zhr`: RoPE; `half_asm`); its
-    content keys stored to `kbuf`.
-    A pair's words are replaced by those of the tile at `tn` once both units are unpacked (one 8-, 16- or 32-byte
-    load per token and thread instead of two of half the width: half the L1 sector requests). Returns `(acc, c01,
-    c23, c45, c67, cr)`."""
-    RWR: gl.constexpr = 2 * R_BITS
-    LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
-    acc = gl.zeros([64, BM], gl.float32, acc_l)
-    pend = acc  # LO: the finished accumulator chains (units 0-2, then 3-5)
-    pend2 = acc
-    p1 = acc
-    p2 = acc
-    acc, pend, p1, p2, c01 = _unit_pair(
-        c01, 0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, STORE_A, PV_PENDING, last, ROWS)
-    acc, pend, p1, p2, c23 = _unit_pair(
-        c23, 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, STORE_A, False, last, ROWS)
-    if GC == 8:
-        acc, pend, p1, p2, c45 = _unit_pair(
-            c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, STORE_A, False, last, ROWS)
-        if LO:  # the third chain starts at unit 6
-            pend2 = acc
-            acc = gl.zeros([64, BM], gl.float32, acc_l)
-        acc, pend, p1, p2, c67 = _unit_pair(
-            c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, STORE_A, False, last, ROWS)
-    x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
-    if ROWS:
-        cr = _load_unit(p_rc, tn, lo, last, GC, RWR, R_BITS, GC, wr_l, 1, True)
-    else:
-        cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a)
-    if LO:
-        acc, pend, pend2, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, pend2, p1, p2])
-        acc = acc + pend + pend2
-    else:
-        acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
-    return acc, c01, c23, c45, c67, cr
-
-
-@_jit
-def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, kz, p_cc,
-                 p_rc, t0, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
-                 R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
-                 wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ml: gl.constexpr,
-                 STORE_A: gl.constexpr, PV_PENDING: gl.constexpr, last=None, ROWS: gl.constexpr = False):
-    """Scores of the packed tile at `t0` from its words `c01 .. cr` and metadata (steps `s0, s1, sr`, zero points
-    `z0, z1, zr`: `_load_meta`), loading the next tile's (`t0 + 64`). Returns `(acc, c01, c23, c45, c67, cr, s0, z0,
-    s1, z1, sr, zr)` with the next tile's words and metadata."""
-    tn = t0 + 64
-    zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
-    zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
-    zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
-    if ROWS:  # int32 rows; row pointers for the next tile's words (a register pair per token, unit offsets immediate)
-        s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, GC, ml)
-        p_cc = _row_ptrs(p_cc, tn, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
-        p_rc = _row_ptrs(p_rc, tn, 2 * R_BITS, R_BITS // 2, wr_l)
-    else:
-        s0, z0 = _load_meta(p_cs, p_cz, tn, lo, hi, 0, GC, ml)
-        if GC == 8:
-            s1, z1 = _load_meta(p_cs, p_cz, tn, lo, hi, 1, GC, ml)
-        sr, zr = _load_meta(p_rs, p_rz, tn, lo, hi, 0, 0, ml)
-    acc, c01, c23, c45, c67, cr = _packed_scores(
-        c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
-        lo, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, STORE_A, PV_PENDING, last,
-        ROWS)
-    return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr
-
-
-# --------------------------------------------------------------------------------------------- the kernel
-@_jit
-def _alloc_kbuf(GC: gl.constexpr, BT: gl.constexpr, k_sl: gl.constexpr):
-    """The content keys of a tile for the value `wgmma`s: a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit
-    (separate allocations, so the barrier analysis sees the units' stores as disjoint; `[u].index(kz)` keeps the
-    value `wgmma` descriptors computed in the loop)."""
-    k0 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-    k1 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-    k2 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-    k3 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-    if GC == 8:
-        k4 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-        k5 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-        k6 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-        k7 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-        return (k0, k1, k2, k3, k4, k5, k6, k7)
-    else:
-        return (k0, k1, k2, k3)
-
-
-def _words_layout(wu: int):
-    """`[64, 4, wu]` words: lane `4 r + q` of warp w holds token `16 w + r` (and `+ 8`, a register) and quad slot
-    q, its `wu` words in registers (the rows and quad slots of the `m64n16k16` A fragments)."""
-    regs = [[0, 0, 1 << i] for i in range(wu.bit_length() - 1)] + [[8, 0, 0]]
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0],
-                                                                  [4, 0, 0]],
-                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, wu])
-
-
-@scaled._jit_dynamic
+@_jit_dynamic
 def mla_decode_gluon_regs_kernel(
     q_ptr, qr_ptr,
     cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
@@ -770,17 +60,13 @@ def mla_decode_gluon_regs_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr, WP_L: gl.constexpr,
-    WR_L: gl.constexpr, XL: gl.constexpr, STORE_A: gl.constexpr, VOTE: gl.constexpr = False,
-    OVERLAP: gl.constexpr = False, ROW_PTRS: gl.constexpr = False,
+    WR_L: gl.constexpr, XL: gl.constexpr,
 ):
-    """Grid, splits, inputs and outputs of `mla_decode_gluon_scaled_kernel` (one program per split, block of BM
-    rows and batch row; the last `ND` splits attend one copied tile each); one warpgroup. `WC_L`, `WR_L`: the
-    content and RoPE word layouts (`_words_layout`), `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`: score
-    units whose `wgmma`s may be in flight while the next is unpacked (0, 1 or 2), `WP_L`: the layout of two
-    consecutive content units' words loaded together (`_words_layout(2 * WU)`), `STORE_A`: the content keys stored
-    from the score A operand's registers in its column order (`_score_unit`), `VOTE`, `OVERLAP`: `launch_regs`,
-    `ROW_PTRS`: the packed loop's loads from one row pointer per token (`_row_ptrs`, `_load_meta_rows`; `OVERLAP`
-    takes the masked loads)."""
+    """One program per split, block of BM rows and batch row (`_program_coords`; the last `ND` splits attend one
+    copied tile each); one warpgroup. `WC_L`, `WR_L`: the content and RoPE word layouts (`words_layout`), `WP_L`:
+    two consecutive content units' words loaded together, `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`:
+    score units whose `wgmma`s may be in flight while the next is unpacked (0, 1 or 2). The packed loop loads from
+    one row pointer per token with int32 rows relative to the split (`_row_ptrs`, `_load_meta_rows`)."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -855,60 +141,28 @@ def mla_decode_gluon_regs_kernel(
         z1 = z0
     sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
     o_bt = gl.arange(0, BT, layout=row_l).to(gl.int64)
-    if OVERLAP:
-        # rotated: tile i's value wgmmas run while tile i + 1 is unpacked (its first unit waits for them)
+    # int32 rows relative to the split's first tile (pointers moved there once); the loop's loads from one row
+    # pointer per token, the metadata unmasked (rows clamped to the last valid one, steps zeroed outside)
+    lo_l = (lo_valid - base).to(gl.int32)
+    hi_l = (hi - base).to(gl.int32)
+    p_cc_s = p_cc + base * RWC
+    p_rc_s = p_rc + base * RWR
+    p_cs_s = p_cs + base * GC
+    p_cz_s = p_cz + base * GC
+    p_rs_s = p_rs + base
+    p_rz_s = p_rz + base
+    o_bt32 = gl.arange(0, BT, layout=row_l)
+    for it in range(n_tiles):
+        t_l = it * BT
+        kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
-            c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, 0, p_cc, p_rc,
-            base, lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ml,
-            STORE_A, False)
-        for it in range(n_tiles):
-            t0 = base + it * BT
-            kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
-            o_t = t0 + o_bt
-            m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, VOTE, vbuf, False)
-            if it + 1 < n_tiles:
-                acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
-                    c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, kz, p_cc,
-                    p_rc, t0 + BT, lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l,
-                    dot_a, ml, STORE_A, True)
-            o0, o1, o2, o3, o4, o5, o6, o7 = _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC)
-    elif ROW_PTRS:
-        # int32 rows relative to the split's first tile (pointers moved there once); the loop's loads from one row
-        # pointer per token, the metadata unmasked (rows clamped to the last valid one, steps zeroed outside)
-        lo_l = (lo_valid - base).to(gl.int32)
-        hi_l = (hi - base).to(gl.int32)
-        p_cc_s = p_cc + base * RWC
-        p_rc_s = p_rc + base * RWR
-        p_cs_s = p_cs + base * GC
-        p_cz_s = p_cz + base * GC
-        p_rs_s = p_rs + base
-        p_rz_s = p_rz + base
-        o_bt32 = gl.arange(0, BT, layout=row_l)
-        for it in range(n_tiles):
-            t_l = it * BT
-            kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
-            acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
-                c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs_s, p_cz_s, p_rs_s, p_rz_s, qbuf, qlo, kbuf, kz,
-                p_cc_s, p_rc_s, t_l, lo_l, hi_l, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l,
-                dot_a, ml, STORE_A, False, hi_l - 1, True)
-            o_t = t_l + o_bt32
-            m_valid = ((o_t >= lo_l) & (o_t < hi_l))[:, None] & m_m[None, :]
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, VOTE, vbuf)
-    else:
-        for it in range(n_tiles):
-            t0 = base + it * BT
-            kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
-            acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
-                c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, kz, p_cc,
-                p_rc, t0, lo_valid, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ml,
-                STORE_A, False)
-            o_t = t0 + o_bt
-            m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_m[None, :]
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, VOTE, vbuf)
+            c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs_s, p_cz_s, p_rs_s, p_rz_s, qbuf, qlo, kbuf, kz,
+            p_cc_s, p_rc_s, t_l, lo_l, hi_l, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l,
+            dot_a, ml, hi_l - 1, True)
+        o_t = t_l + o_bt32
+        m_valid = ((o_t >= lo_l) & (o_t < hi_l))[:, None] & m_m[None, :]
+        m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, vbuf)
 
     # The copied tiles: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
@@ -919,12 +173,12 @@ def mla_decode_gluon_regs_kernel(
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_j = start + o_dt
         acc = _dense_scores(p_snc, p_snr, o_j, (o_j < S) & (lp + o_j < length), s_snct, s_snrt, qbuf, qlo, kbuf, kz,
-                            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a, STORE_A)
+                            GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
         o_jr = start + o_bt
         o_t = lp + o_jr
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, VOTE, vbuf)
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, vbuf)
     lo_dense = lp + S
     p_rcc = rcc_ptr + i_b * s_rccb
     p_rcr = rcr_ptr + i_b * s_rcrb
@@ -932,32 +186,26 @@ def mla_decode_gluon_regs_kernel(
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_p = start + o_dt
         acc = _dense_scores(p_rcc, p_rcr, o_p % R, (o_p < r_hi) & (o_p >= lo_dense), s_rcct, s_rcrt, qbuf, qlo,
-                            kbuf, kz, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a, STORE_A)
+                            kbuf, kz, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
         o_t = start + o_bt
         m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_m[None, :] & (o_t[:, None] < lim_m[None, :])
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, VOTE, vbuf)
+            acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, vbuf)
 
     inv_l, b_lse = _finish(l_p, m_i)
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
-    _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, o2, inv_l, 2, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, o3, inv_l, 3, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, o4, inv_l, 4, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, o5, inv_l, 5, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, o6, inv_l, 6, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, o7, inv_l, 7, GC, D_C, C_BITS, acc_l, STORE_A)
+    _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o2, inv_l, 2, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o3, inv_l, 3, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o4, inv_l, 4, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o5, inv_l, 5, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o6, inv_l, 6, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, o7, inv_l, 7, GC, D_C, C_BITS, acc_l)
     gl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
 # --------------------------------------------------------------------------------------------- host side
-def dense_layout():
-    """`[64, 4, 16]` copies: the words layout with the 16 channels of a quad slot in registers."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
 
 
 def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
@@ -968,47 +216,26 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
         + 1024
 
 
-def regs_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
-    """Whether this kernel computes the case: what the exact Gluon kernel handles (sm_90, groups of 64), with 4 or
-    8 content groups and either 2- or 4-bit content and RoPE (keys rounded once to fp16) or 8-bit content and RoPE
-    (keys as fp16 high and low parts for the scores)."""
-    if not exact.gluon_handles(fmt, q_dtype, device, copy_dtype):
-        return False
+def regs_handles(fmt: CacheFormat) -> bool:
+    """Whether this kernel takes the format (besides `hopper_handles`): 4 or 8 content groups and either 2- or
+    4-bit content and RoPE (keys rounded once to fp16) or 8-bit content and RoPE (keys as fp16 high and low parts
+    for the scores)."""
     c, r = fmt.content.bits, fmt.rope.bits
     return fmt.content.n_groups in (4, 8) and ((c in (2, 4) and r in (2, 4)) or (c == 8 and r == 8))
 
 
 def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale, inflight=None, store_a=False, vote=True, overlap=False, row_ptrs=True):
-    """Launch `mla_decode_gluon_regs_kernel` on `scaled.flat_grid` (`B * cdiv(M, 16) * (NS + copy_programs(fmt))`
-    programs), one warpgroup per program (the partials hold `NS + copy_programs(fmt)` slots); `inflight`: 1 or 2 score
-    units' `wgmma`s in flight while the next unit is unpacked (0: each unit's waited for at once; 8-bit keys: 1);
-    `store_a`: the content keys stored in the score operand's column order (`stmatrix` from the A registers, no register
-    moves: 7% fewer SASS instructions per tile at C4R4, correct on the H200 but 5% slower at 16 heads, so off by
-    default); `vote` (default): the softmax's lazy-rescaling test voted per warp and read back after the barrier that
-    publishes P, the cross-warp maximum only in a tile where a reference moves (`_softmax_pv`; H200, 16 heads B32 32K:
-    C8R8 0.3755 against 0.4066 ms, C2R4 0.2254 against 0.2338, C4R4 0.2300 against 0.2341); `overlap`: a tile's value
-    `wgmma`s left in flight while the next tile's first unit is unpacked (a rotated loop; correct, timed within 1% of
-    the default, so off; it takes the masked loads); `row_ptrs` (default): the packed loop's loads from one row pointer
-    per token and int32 rows relative to the split (`_row_ptrs`, `_load_meta_rows`: unit offsets immediate, the
-    metadata unmasked with the steps zeroed outside the valid rows; H200, 16 heads B32 32K, same process: C4R4 0.2041
-    against 0.2045 ms with `inflight` 1, C2R4 0.1960 against 0.1992, C8R8 0.3507 against 0.3781; with `meta_asm` and
-    `inflight` 0 at C4R4, 1418 -> 1322 SASS instructions per tile). `inflight` None: `INFLIGHT` of the content
-    width."""
-    if inflight is None:
-        inflight = INFLIGHT[fmt.content.bits]
-    if inflight not in (0, 1, 2):
-        raise ValueError(f"inflight must be 0, 1 or 2, got {inflight}")
-    if fmt.content.bits == 8 and inflight != 1:
-        raise ValueError(f"8-bit keys run with inflight=1 (one unit's high and low wgmmas in flight), got {inflight}")
+                split_target, NS, qk_scale):
+    """Launch `mla_decode_gluon_regs_kernel` on `flat_grid` (`B * cdiv(M, 16) * (NS + copy_programs(fmt))`
+    programs, the partials holding `NS + copy_programs(fmt)` slots), one warpgroup per program."""
     B = q.shape[0]
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
     need = smem_bytes(fmt, q_split)
     if need > SMEM_LIMIT:
         raise ValueError(f"the register-operand Gluon decode kernel needs {need} bytes of shared memory for "
-                         f"{fmt.name}, more than {SMEM_LIMIT}")
+                         f"{fmt.name}, more than {SMEM_LIMIT}: use backend='triton'")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
-    grid = scaled.flat_grid(NS, fmt, M, BLOCK_M, B)
+    grid = flat_grid(NS, fmt, M, BLOCK_M, B)
     mla_decode_gluon_regs_kernel[grid](
         q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
@@ -1017,9 +244,8 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
-        R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=int(inflight),
-        WC_L=_words_layout(fmt.content.bits // 2), WP_L=_words_layout(fmt.content.bits),
-        WR_L=_words_layout(fmt.rope.bits // 2), XL=dense_layout(), STORE_A=bool(store_a), VOTE=bool(vote),
-        OVERLAP=bool(overlap), ROW_PTRS=bool(row_ptrs),
+        R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=INFLIGHT[fmt.content.bits],
+        WC_L=words_layout(fmt.content.bits // 2), WP_L=words_layout(fmt.content.bits),
+        WR_L=words_layout(fmt.rope.bits // 2), XL=dense_layout(),
         num_warps=4,
     )

@@ -1,40 +1,26 @@
 """Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads): the register-operand kernel over two
-warpgroups that split every tile's content units and value channels, 32 (or 64) rows per program (issue #11).
+warpgroups, 32 rows per program. Same function, splits, copy programs and partials as `mla_decode_gluon_regs.py`;
+launched by `mla_decode.mla_decode_static` (backend "gluon_wide"); shared pieces in `mla_decode_gluon_common.py`.
 
-Same function, splits, copy programs, partial outputs and combine as `mla_decode_gluon_regs.py` (reference
-`mla_decode_ref.py`); launched by `mla_decode_fast.mla_decode_static(..., backend="gluon", wide=True)` and by default
-where `mla_decode_fast.gluon_wide_measured_faster` says the H200 timed it faster (128 heads from batch 16). Why: the
-one-warpgroup register kernel holds 16 rows (its 8 value accumulators `[64, 16]` fp32 take 64 of its 255
-registers), so at 128 heads every token is unpacked 8 times (1.75 ms); the scaled-tile kernel unpacks each token
-twice (64-row blocks) but reads both operands of every `wgmma` from shared memory (1.48 ms). Here a program is two
-warpgroups (`gl.warp_specialize`: the default partition, the *leader*, and one 4-warp worker; 8 warps, 240 registers
-each, one program per SM) and each token is unpacked once per 32 rows:
+Why: the one-warpgroup kernel holds 16 rows (its 8 value accumulators take 64 of its 255 registers), so at 128 heads
+every token is unpacked 8 times; here a program is two warpgroups (`gl.warp_specialize`: the leader and one 4-warp
+worker, 240 registers each, one program per SM) and each token is unpacked once per 32 rows:
 
-* the leader unpacks content units 0-3 (groups `q`) and the RoPE unit, the worker content units 4-7 (groups `q +
-  4`), in the unit layout and with the asm of `mla_decode_gluon_regs.py`, into the register A operands of their own
-  score `wgmma`s (`m64n32k16`), and stores its content keys to its half of `kbuf`;
-* each warpgroup then holds partial scores `[64, BM]` over its units. The softmax is split by rows: warpgroup h
-  runs it for rows `[h BM/2, (h + 1) BM/2)`. It stores its partial of the *other* half's rows (`sbuf[h]`), arrives on
-  `s_bar[h]`, waits for `s_bar[1 - h]`, adds the other's partial of its own rows, updates their reference maxima
-  (lazy rescaling, as the register kernel) and row sums, stores its columns of P (fp16, `pbuf`) and its rows'
-  rescale factors (`abuf`), arrives on `p_bar[h]` and waits for `p_bar[1 - h]` (the first form, where the leader
-  ran the whole softmax while the worker waited for P, was 2-6% slower on the H200);
-* each warpgroup runs the value `wgmma`s of its own four content units over all rows (`o_u^T += kbuf[u]^T P`),
-  rescaling its accumulators first where a factor is not 1; at the end the two halves' `1 / l` go through `ibuf`.
+* the leader unpacks content units 0-3 and the RoPE unit, the worker units 4-7, into the register A operands of
+  their own score `wgmma`s (`m64n32k16`), and each stores its content keys to its half of `kbuf`;
+* the softmax is split by rows: warpgroup h stores its partial scores of the other half's rows (`sbuf[h]`), arrives
+  on `s_bar[h]`, waits for `s_bar[1 - h]`, adds the other's partial of its rows, updates their references (lazy,
+  voted) and sums, stores its columns of P and its rows' rescale factors (`abuf`), arrives on `p_bar[h]` and waits
+  for `p_bar[1 - h]` (faster on the H200 than the leader running the whole softmax: docs/BENCHMARKS_ARCHIVE.md);
+* each warpgroup runs the value `wgmma`s of its own four units over all rows, rescaling first where a factor is not
+  1; at the end the halves' `1 / l` go through `ibuf`.
 
-Ordering (each barrier counts 1 arrival per tile; phase `j & 1` for the j-th tile of the program, copied tiles
-included): a warpgroup writes `sbuf[h]` for tile j + 1 only after waiting for `p_bar[1 - h]` of tile j, which the
-other arrives on after reading it; it writes its columns of `pbuf` and its part of `abuf` for tile j + 1 only after
-`s_bar[1 - h]` of tile j + 1, which the other arrives on after its value `wgmma`s of tile j have finished (they read
-`pbuf`) and after it has read `abuf`. Each warpgroup's half of `kbuf` is written and read only by itself (its own
-barrier orders its warps).
+Ordering (each barrier counts one arrival per tile, phase `j & 1`): a warpgroup rewrites `sbuf[h]` only after
+`p_bar[1 - h]` of the tile before (the other has read it), its P columns and factors only after `s_bar[1 - h]` of
+the next tile (the other's value `wgmma`s of the tile before have finished). A column half of the `m64nBM`
+accumulator is the `m64n(BM/2)` layout (`_row_halves`, `assert_trivial=True`).
 
-Layouts: a column half of the `m64nBM` accumulator is the `m64n(BM/2)` accumulator layout (a register subset;
-`_row_halves` relabels it with `assert_trivial=True`, checked when the kernel compiles).
-
-Shared memory (C4R4, 32 rows, bf16 queries): content tiles 64 KB + queries 36 KB + P 4 KB + partial scores 8 KB +
-factors: 115,636 B (fp32 queries 152 KB; 64-row blocks 165 KB, which spill ~550 B of registers). Handles what the
-register kernel handles at 2 and 4 bits with 8 content groups and 4-bit RoPE (`wide_handles`: C4R4, C2R4).
+Shared memory (C4R4, bf16 queries): tiles 64 KB + queries 36 KB + P 4 KB + partial scores 8 KB + factors: 115,636 B.
 """
 
 from __future__ import annotations
@@ -43,35 +29,29 @@ import torch
 
 from quantmla_hf.format import CacheFormat
 
-from . import mla_decode_gluon_regs as regs
-from . import mla_decode_gluon_scaled as scaled
-from .mla_decode_gluon import BLOCK_T, HAVE_GLUON, SMEM_LIMIT, _jit
+from .mla_decode_gluon_common import (BLOCK_T, HAVE_GLUON, SMEM_LIMIT, _jit, _jit_dynamic, dense_layout, flat_grid,
+                                      words_layout)
 
 if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
-    from .mla_decode_gluon import _cta_barrier
-    from .mla_decode_gluon_regs import (_alloc_kbuf, _load_dense, _load_meta, _load_unit, _pair_meta, _pv,
-                                        _references, _score_unit, _stage_queries, _store_o, _unit_pair, _unpack_unit)
-    from .mla_decode_gluon_scaled import _copy_ranges, _program_coords, _split_range
+    from .mla_decode_gluon_common import (_alloc_kbuf, _copy_ranges, _cta_barrier, _load_dense, _load_meta,
+                                          _load_unit, _pair_meta, _program_coords, _pv, _references, _score_unit,
+                                          _split_range, _stage_queries, _store_o, _unit_pair, _unpack_unit)
 
-BLOCK_M = 32  # query rows per program by default (each token unpacked once per 32 rows)
-LAUNCH_REGS = {32: 240, 64: 248}  # registers per thread at launch: one program of 8 warps per SM (ptxas, Triton
-# 3.6: no spills at 32 rows, ~550 B at 64; 16-row blocks, two programs per SM at 128 registers, hung on the H200 and
-# are not offered)
-WORKER_REGS = {32: 240, 64: 240}  # the worker's after setmaxnreg; the leader gets 2 * launch - worker
+BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
+LAUNCH_REGS = 240  # registers per thread at launch: one program of 8 warps per SM (no spills, ptxas)
+WORKER_REGS = 240  # the worker's after setmaxnreg; the leader gets 2 * LAUNCH_REGS - WORKER_REGS
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
-FILL_PER_SM = 1  # programs per multiprocessor the default split count provides (`fill_splits`): the one resident
-# (8 warps at 240 registers), one round. H200, 128 heads B32 32K, packed programs first (`flat_grid`): 1 split 1.154
-# ms against 1.197 and 1.190 with 2 (two rounds; they were faster, 1.329 against 1.374, while the copy programs were
-# interleaved with the packed ones)
+FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`mla_decode.fill_splits`): the one resident, one
+# round (docs/KERNELS.md)
 
 if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_specialize's argument tuples)
-    _WORDS_1 = gl.constexpr(regs._words_layout(1))  # 2-bit words
-    _WORDS_2 = gl.constexpr(regs._words_layout(2))  # 4-bit words, 2-bit unit pairs
-    _WORDS_4 = gl.constexpr(regs._words_layout(4))  # 4-bit unit pairs
-    _DENSE = gl.constexpr(regs.dense_layout())  # model-dtype copies
+    _WORDS_1 = gl.constexpr(words_layout(1))  # 2-bit words
+    _WORDS_2 = gl.constexpr(words_layout(2))  # 4-bit words, 2-bit unit pairs
+    _WORDS_4 = gl.constexpr(words_layout(4))  # 4-bit unit pairs
+    _DENSE = gl.constexpr(dense_layout())  # model-dtype copies
 
 
 # --------------------------------------------------------------------------------------------- one half tile
@@ -80,7 +60,7 @@ def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, 
                         U0: gl.constexpr, ROPE: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
                         Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
                         wc_l: gl.constexpr, wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr,
-                        dot_a: gl.constexpr, STORE_A: gl.constexpr = False):
+                        dot_a: gl.constexpr):
     """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (words `ca`: units U0, U0 + 1, `cb`: U0 +
     2, U0 + 3, as `_unit_pair` takes them; fp16x2 metadata `zz, ss, zh`) and, with `ROPE`, the RoPE unit (`cr`, `zzr,
     ssr, zhr`) of one packed tile; the content keys stored to `kbuf[U0 .. U0 + 3]`; the words replaced by those of the
@@ -91,9 +71,9 @@ def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, 
     p1 = acc
     p2 = acc
     acc, pend, p1, p2, ca = _unit_pair(ca, U0, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, STORE_A)
+                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0)
     acc, pend, p1, p2, cb = _unit_pair(cb, U0 + 2, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, STORE_A)
+                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0)
     if ROPE:
         x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
         cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
@@ -107,17 +87,17 @@ def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, 
 def _half_dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0: gl.constexpr, ROPE: gl.constexpr,
                        GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
                        R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, xl: gl.constexpr, acc_l: gl.constexpr,
-                       dot_a: gl.constexpr, STORE_A: gl.constexpr = False):
+                       dot_a: gl.constexpr):
     """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (and with `ROPE` the RoPE unit) of 64
     model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys stored to `kbuf`."""
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, U0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
     acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, False, INFLIGHT,
-                                    dot_a, U0, STORE_A)
+                                    dot_a, U0)
     for u in gl.static_range(U0 + 1, U0 + 4):
         x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False,
-                                        INFLIGHT, dot_a, U0, STORE_A)
+                                        INFLIGHT, dot_a, U0)
     if ROPE:
         x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
@@ -155,8 +135,7 @@ def _row_halves(x, acc_h: gl.constexpr):
 
 @_jit
 def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i, l_p, oa, ob, oc, od, kz,
-                 HF: gl.constexpr, U0: gl.constexpr, acc_l: gl.constexpr, acc_h: gl.constexpr,
-                 VOTE: gl.constexpr = False, ibuf=None):
+                 HF: gl.constexpr, U0: gl.constexpr, acc_l: gl.constexpr, acc_h: gl.constexpr, ibuf=None):
     """One tile's softmax step and value `wgmma`s for warpgroup `HF` (0: leader, 1: worker). `acc`: its partial
     scores `[64, BM]` (its units over all rows); `ph`: the tile's barrier phase. Each warpgroup runs the online
     softmax of its own half of the rows (`[HF * BM/2, + BM/2)`; `f_h`, `m_valid: [64, BM/2]`, `m_i`, `l_p` are that
@@ -169,9 +148,9 @@ def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_
        `p_bar[HF]` and waits for `p_bar[1 - HF]`;
     3. rescales its value accumulators `oa..od` (all rows) where a factor is not 1, then `o_u^T += kbuf[u]^T P` for
        `u = U0 .. U0 + 3` (waited).
-    `VOTE`: step 2 as the register kernel's voted test (`_softmax_pv`): P against the present references and
-    factors of 1 stored at once, each warp's vote in `ibuf[HF * BM/2 + w]` (unused until the final `1 / l`
-    exchange), read back after the warpgroup's barrier; the cross-warp maximum only where a vote is set.
+    Step 2 is the register kernel's voted test (`_softmax_pv`): P against the present references and factors of 1
+    stored at once, each warp's vote in `ibuf[HF * BM/2 + w]` (unused until the final `1 / l` exchange), read back
+    after the warpgroup's barrier; the cross-warp maximum only where a vote is set.
     Returns `(m_i, l_p, oa, ob, oc, od)`."""
     BM: gl.constexpr = acc.shape[1]
     HM: gl.constexpr = BM // 2
@@ -188,34 +167,23 @@ def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_
     mbarrier.wait(s_bar.index(1 - HF), ph)
     mine = mine + sbuf.index(1 - HF).load(acc_h)
     b_s = gl.where(m_valid, mine * f_h[None, :], float("-inf"))
-    if VOTE:
-        m_new = m_i
-        p = gl.exp2(b_s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-        up = (b_s > (m_i + 8.0)[None, :]).to(gl.int32)  # an integer maximum per warp is one REDUX
-        ibuf.slice(HF * HM, 4).store(gl.max(gl.reshape(up, [4, 16 * HM]), axis=1).to(gl.float32))  # warp w: 16 w..
-        pbuf.index(kz).slice(HF * HM, HM, dim=1).store(p.to(gl.float16))
-        abuf.slice(HF * HM, HM).store(gl.full([HM], 1.0, gl.float32, m_i.type.layout))
-        fence_async_shared()  # P (and this warpgroup's kbuf half) visible to the wgmmas
-        _cta_barrier()
-        if gl.max(ibuf.slice(HF * HM, 4).load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
-            move, m_new, m_use, p = _references(b_s, m_i)
-            alpha_h = gl.where(move, gl.exp2(m_i - m_use), 1.0)
-            l_p = l_p * gl.convert_layout(alpha_h, gl.SliceLayout(0, gl.SliceLayout(1, l_p.type.layout)))[None, None, :]
-            pbuf.index(kz).slice(HF * HM, HM, dim=1).store(p.to(gl.float16))
-            abuf.slice(HF * HM, HM).store(alpha_h)
-            fence_async_shared()
-            _cta_barrier()
-        l_p = l_p + _lane_sums(p)
-    else:
-        move, m_new, m_use, p = _references(b_s, m_i)  # the register kernel's RESCALE_LOG2
+    m_new = m_i
+    p = gl.exp2(b_s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+    up = (b_s > (m_i + 8.0)[None, :]).to(gl.int32)  # an integer maximum per warp is one REDUX
+    ibuf.slice(HF * HM, 4).store(gl.max(gl.reshape(up, [4, 16 * HM]), axis=1).to(gl.float32))  # warp w: 16 w..
+    pbuf.index(kz).slice(HF * HM, HM, dim=1).store(p.to(gl.float16))
+    abuf.slice(HF * HM, HM).store(gl.full([HM], 1.0, gl.float32, m_i.type.layout))
+    fence_async_shared()  # P (and this warpgroup's kbuf half) visible to the wgmmas
+    _cta_barrier()
+    if gl.max(ibuf.slice(HF * HM, 4).load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
+        move, m_new, m_use, p = _references(b_s, m_i)
         alpha_h = gl.where(move, gl.exp2(m_i - m_use), 1.0)
-        if gl.max(move.to(gl.int32), axis=0) > 0:
-            l_p = l_p * gl.convert_layout(alpha_h, gl.SliceLayout(0, gl.SliceLayout(1, l_p.type.layout)))[None, None, :]
-        l_p = l_p + _lane_sums(p)
+        l_p = l_p * gl.convert_layout(alpha_h, gl.SliceLayout(0, gl.SliceLayout(1, l_p.type.layout)))[None, None, :]
         pbuf.index(kz).slice(HF * HM, HM, dim=1).store(p.to(gl.float16))
         abuf.slice(HF * HM, HM).store(alpha_h)
-        fence_async_shared()  # P (and this warpgroup's kbuf half) visible to the wgmmas
+        fence_async_shared()
         _cta_barrier()
+    l_p = l_p + _lane_sums(p)
     mbarrier.arrive(p_bar.index(HF), count=1)
     mbarrier.wait(p_bar.index(1 - HF), ph)
     alpha = abuf.load(col_l)
@@ -240,11 +208,11 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
                   s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
                   GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
                   BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr,
-                  WP_L: gl.constexpr, STORE_A: gl.constexpr = False, VOTE: gl.constexpr = False):
+                  WP_L: gl.constexpr):
     """The leader's (`LEAD`: content units 0-3, the RoPE unit, the softmax of rows `[0, BM/2)`, outputs 0-3) or the
     worker's (content units 4-7, the softmax of rows `[BM/2, BM)`, outputs 4-7) share of every tile of the program
     (its split, row block and batch row); each stores the LSE of its rows. `fbuf: [BM]` the rows' score factors
-    (staged once); `WC_L`, `WP_L`: the layouts of one and two content units' words (`_words_layout(C_BITS // 2)`,
+    (staged once); `WC_L`, `WP_L`: the layouts of one and two content units' words (`words_layout(C_BITS // 2)`,
     `(C_BITS)`; RoPE words are 4-bit)."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
@@ -312,11 +280,11 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, ca, cb, cr = _half_packed_scores(
             ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo_valid, hi, U0, LEAD, GC, BM,
-            Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, STORE_A)
+            Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_mh[None, :]
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
-                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, VOTE, ibuf)
+                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
         ph = ph ^ 1
 
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
@@ -327,13 +295,12 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_j = start + o_dt
         acc = _half_dense_scores(p_snc, p_snr, o_j, (o_j < S) & (lp + o_j < length), s_snct, s_snrt, qbuf, qlo, kbuf,
-                                 kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a,
-                                 STORE_A)
+                                 kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
         o_jr = start + o_bt
         o_t = lp + o_jr
         m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_mh[None, :] & (o_t[:, None] < lim_mh[None, :])
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
-                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, VOTE, ibuf)
+                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
         ph = ph ^ 1
     lo_dense = lp + S
     p_rcc = rcc_ptr + i_b * s_rccb
@@ -342,12 +309,11 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_p = start + o_dt
         acc = _half_dense_scores(p_rcc, p_rcr, o_p % R, (o_p < r_hi) & (o_p >= lo_dense), s_rcct, s_rcrt, qbuf, qlo,
-                                 kbuf, kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a,
-                                 STORE_A)
+                                 kbuf, kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
         o_t = start + o_bt
         m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_mh[None, :] & (o_t[:, None] < lim_mh[None, :])
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
-                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, VOTE, ibuf)
+                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
         ph = ph ^ 1
 
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
@@ -358,10 +324,10 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     mbarrier.arrive(p_bar.index(HF), count=1)
     mbarrier.wait(p_bar.index(1 - HF), ph)
     inv_l = ibuf.load(col_l)
-    _store_o(o_ptr, o_row, m_m, oa, inv_l, U0, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, ob, inv_l, U0 + 1, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, oc, inv_l, U0 + 2, GC, D_C, C_BITS, acc_l, STORE_A)
-    _store_o(o_ptr, o_row, m_m, od, inv_l, U0 + 3, GC, D_C, C_BITS, acc_l, STORE_A)
+    _store_o(o_ptr, o_row, m_m, oa, inv_l, U0, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, ob, inv_l, U0 + 1, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, oc, inv_l, U0 + 2, GC, D_C, C_BITS, acc_l)
+    _store_o(o_ptr, o_row, m_m, od, inv_l, U0 + 3, GC, D_C, C_BITS, acc_l)
 
 
 @_jit
@@ -369,21 +335,18 @@ def _leader(fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr,
             snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
             s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
             GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, STORE_A: gl.constexpr,
-            VOTE: gl.constexpr):
+            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
     """The default partition: `_half_program(LEAD=True, ...)`."""
     if C_BITS == 4:
         _half_program(True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
                       rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
                       split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4,
-                      STORE_A, VOTE)
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4)
     else:
         _half_program(True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
                       rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
                       split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2,
-                      STORE_A, VOTE)
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2)
 
 
 @_jit
@@ -391,25 +354,22 @@ def _worker(fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr,
             snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
             s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
             GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, STORE_A: gl.constexpr,
-            VOTE: gl.constexpr):
+            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
     """The worker partition (4 warps): `_half_program(LEAD=False, ...)`."""
     if C_BITS == 4:
         _half_program(False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr,
                       rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M,
                       Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4,
-                      STORE_A, VOTE)
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4)
     else:
         _half_program(False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr,
                       rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M,
                       Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2,
-                      STORE_A, VOTE)
+                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2)
 
 
 # --------------------------------------------------------------------------------------------- the kernel
-@scaled._jit_dynamic
+@_jit_dynamic
 def mla_decode_gluon_wide_kernel(
     q_ptr, qr_ptr,
     cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
@@ -419,8 +379,7 @@ def mla_decode_gluon_wide_kernel(
     s_qb, s_qrb, s_ccb, s_csb, s_rcb, s_rsb,
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, W_REGS: gl.constexpr, STORE_A: gl.constexpr,
-    VOTE: gl.constexpr = False,
+    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, W_REGS: gl.constexpr,
 ):
     """Grid, splits, inputs and outputs of `mla_decode_gluon_regs_kernel` with BM-row blocks; the queries (and the
     rows' score factors, `fbuf`) are staged by the default warps, then the leader (4 warps) and the worker (4 warps,
@@ -465,70 +424,42 @@ def mla_decode_gluon_wide_kernel(
         (_leader, (fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
                    rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
                    num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, STORE_A, VOTE)),
+                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
         (_worker, (fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
                    rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
                    num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, STORE_A, VOTE)),
+                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
     ], [4], [W_REGS])
 
 
 # --------------------------------------------------------------------------------------------- host side
-def smem_bytes(fmt: CacheFormat, q_split: bool, block_m: int = BLOCK_M) -> int:
+def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
     """Shared memory of one program: content tiles `[GC, 64, 64]` fp16, queries `[GC + 1, BM, 64]` fp16 (twice for
     fp32 queries), P `[64, BM]` fp16, the worker's partial scores `[64, BM]` fp32, the rescale factors and `1 / l`
     (`[BM]` fp32 each), two mbarriers and 1 KB of compiler scratch."""
     gc = fmt.content.n_groups
-    return (gc * BLOCK_T * 64 * 2 + (gc + 1) * block_m * 64 * 2 * (2 if q_split else 1) + BLOCK_T * block_m * 2
-            + BLOCK_T * block_m * 4 + 2 * block_m * 4 + 16 + 1024)
+    return (gc * BLOCK_T * 64 * 2 + (gc + 1) * BLOCK_M * 64 * 2 * (2 if q_split else 1) + BLOCK_T * BLOCK_M * 2
+            + BLOCK_T * BLOCK_M * 4 + 2 * BLOCK_M * 4 + 16 + 1024)
 
 
-def default_block_m(fmt: CacheFormat, q_split: bool) -> int:
-    """`BLOCK_M` where its shared memory fits (bf16/fp16 queries), else 32 (fp32 queries stage a high and a low
-    fp16 part)."""
-    return BLOCK_M if smem_bytes(fmt, q_split, BLOCK_M) <= SMEM_LIMIT else 32
-
-
-def wide_handles(fmt: CacheFormat, q_dtype: torch.dtype, device, copy_dtype: torch.dtype | None = None) -> bool:
-    """Whether this kernel computes the case: what the register kernel handles with 8 content groups (the two
-    warpgroups take four each), 2- or 4-bit content and 4-bit RoPE (C4R4, C2R4)."""
-    if not regs.regs_handles(fmt, q_dtype, device, copy_dtype):
-        return False
+def wide_handles(fmt: CacheFormat) -> bool:
+    """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups (the two warpgroups take
+    four each), 2- or 4-bit content and 4-bit RoPE (C4R4, C2R4)."""
     return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits == 4
 
 
 def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale, block_m=BLOCK_M, inflight=INFLIGHT, launch_regs=None, worker_regs=None,
-                store_a=False, vote=True):
-    """Launch `mla_decode_gluon_wide_kernel` on `scaled.flat_grid` (`B * cdiv(M, block_m) * (NS + copy_programs(fmt))`
-    programs): 8 warps per program at `launch_regs` registers (default `LAUNCH_REGS[block_m]`), the worker at
-    `worker_regs` after `setmaxnreg` (default `WORKER_REGS[block_m]`; the leader gets `2 * launch_regs - worker_regs`);
-    `store_a`: as in `mla_decode_gluon_regs.launch_regs` (correct on the H200, no consistent gain: off); `vote`
-    (default): each warpgroup's rescaling test voted per warp (`_exchange_pv`; H200, 128 heads B32 32K: 1.2849 and
-    1.2838 ms against 1.3179 and 1.3205 without, B64 2.5231 against 2.6039)."""
-    if block_m not in LAUNCH_REGS:
-        raise ValueError(f"block_m must be one of {sorted(LAUNCH_REGS)} for the two-warpgroup kernel, got {block_m}")
-    if inflight not in (0, 1, 2):
-        raise ValueError(f"inflight must be 0, 1 or 2, got {inflight}")
-    launch_regs = LAUNCH_REGS[block_m] if launch_regs is None else int(launch_regs)
-    worker_regs = WORKER_REGS[block_m] if worker_regs is None else int(worker_regs)
-    if launch_regs % 8 or not 24 <= launch_regs <= 256:
-        raise ValueError(f"launch_regs must be a multiple of 8 in [24, 256], got {launch_regs}")
-    if worker_regs % 8 or not 24 <= worker_regs <= min(256, 2 * launch_regs - 24):
-        raise ValueError(f"worker_regs must be a multiple of 8 in [24, {min(256, 2 * launch_regs - 24)}], got "
-                         f"{worker_regs}")
-    if not wide_handles(fmt, q.dtype, q.device, sink_c.dtype):
-        raise ValueError(f"the two-warpgroup Gluon decode kernel takes 2/4-bit content with 8 groups and 4-bit RoPE "
-                         f"on sm_90, got {fmt.name}: use the scaled-tile or register kernel (wide=False)")
+                split_target, NS, qk_scale):
+    """Launch `mla_decode_gluon_wide_kernel` on `flat_grid` (`B * cdiv(M, 32) * (NS + copy_programs(fmt))`
+    programs): 8 warps per program at `LAUNCH_REGS` registers, the worker at `WORKER_REGS` after `setmaxnreg`."""
     B = q.shape[0]
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
-    need = smem_bytes(fmt, q_split, block_m)
+    need = smem_bytes(fmt, q_split)
     if need > SMEM_LIMIT:
-        raise ValueError(f"the two-warpgroup Gluon decode kernel needs {need} bytes of shared memory for {fmt.name} "
-                         f"with block_m={block_m}{' and fp32 queries' if q_split else ''}, more than {SMEM_LIMIT}: "
-                         "pass block_m=32")
+        raise ValueError(f"the two-warpgroup Gluon decode kernel needs {need} bytes of shared memory for {fmt.name}, "
+                         f"more than {SMEM_LIMIT}: use backend='gluon_regs'")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
-    grid = scaled.flat_grid(NS, fmt, M, block_m, B)
+    grid = flat_grid(NS, fmt, M, BLOCK_M, B)
     mla_decode_gluon_wide_kernel[grid](
         q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
@@ -537,7 +468,6 @@ def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
-        R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q_split, INFLIGHT=int(inflight), W_REGS=worker_regs,
-        STORE_A=bool(store_a), VOTE=bool(vote),
-        num_warps=4, maxnreg=launch_regs,
+        R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=INFLIGHT, W_REGS=WORKER_REGS,
+        num_warps=4, maxnreg=LAUNCH_REGS,
     )

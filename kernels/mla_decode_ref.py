@@ -101,6 +101,7 @@ def history_static_ref(
     S, R = sink_tokens, recent_tokens
     pos = torch.arange(N, device=x.device)
     n = length.reshape(())
+    x = torch.where((pos < n)[None, :, None], x, 0.0)  # positions past the length hold whatever memory held
     if R:
         is_recent = (pos >= n - R) & (pos < n)  # [N]
         x = torch.where(is_recent[None, :, None], recent[:, pos % R].to(dtype), x)
@@ -155,3 +156,12 @@ def mla_decode_static_ref(
         out[1].copy_(lse)
         return out[0], out[1]
     return o, lse
+
+
+def combine_ref(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of `mla_decode_combine.combine`: `o_part: [B, M, NSP, d_c]`, `lse_part: [B, M, NSP]` ->
+    `(o [B, M, d_c], lse [B, M])` (fp32; zeros and -inf where every split is empty)."""
+    lse_part = lse_part.float()
+    lse = torch.logsumexp(lse_part, dim=-1)
+    w = torch.exp(lse_part - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return (w.unsqueeze(-1) * o_part.float()).sum(-2), lse

@@ -30,7 +30,7 @@ def _scale_and_zero(lo, hi, QMAX: tl.constexpr, S_MIN: tl.constexpr):
 
 # The write position and the token count change every decode step: specialising on them (% 16, == 1) would
 # recompile the kernel in the middle of a generation (the likely cause of a slow first timed window on the H200,
-# docs/BENCHMARKS.md).
+# docs/BENCHMARKS_ARCHIVE.md).
 @triton.jit(do_not_specialize=["T", "start", "capacity"])
 def quant_pack_fwd_kernel(
     x_ptr,

@@ -73,9 +73,8 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
     """Absorbed attention of `query: [B, H, Tq, d_nope + d_R]` over everything `layer` holds.
 
     With a left-padding + causal mask (or none) it reads the packed planes and the sink/recent copies directly
-    where the layer's kernel choice says Triton: the static cache's dispatch (`ops.decode_device_length`, the fast
-    kernel, so eager and static decoding agree bit for bit) where `ops.fast_decode_module` takes the case, else the
-    Triton kernel of `kernels/mla_decode.py`; otherwise the PyTorch reference.
+    through the static cache's dispatch (`ops.decode_device_length`: the same kernel and split boundaries, so eager
+    and static decoding agree bit for bit; the PyTorch reference where the layer's kernel is "torch").
     Any other mask goes through the reconstructed history and `absorbed_attention_ref`.
 
     Returns `[B, Tq, H, d_v]`.
@@ -104,24 +103,14 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
         q_rot = q_rot @ layer.rope_rotation.to(device=q_rot.device, dtype=torch.float32).T
     use_triton = _kernel_is_triton(layer, query.device)
     with device_guard(query.device):  # device maps: Triton launches on the current device, make it this layer's
-        if use_triton and ops.fast_decode_module(layer.fmt, q_lat, layer.sink_content.dtype, True) is not None:
-            # The static cache's dispatch (the same kernel, split boundaries from the length): eager and static
-            # decoding agree bit for bit. The length goes as a device tensor (a fill, no synchronisation).
-            length = torch.full((1,), layer.length, dtype=torch.int64, device=query.device)
-            o_lat, _ = ops.decode_device_length(
-                q_lat, q_rot, layer.content.planes, layer.rope.planes, layer.fmt, layer.sink_content,
-                layer.sink_rope, layer.recent_content, layer.recent_rope, layer.left_padding, length,
-                min(layer.content.capacity, layer.rope.capacity), scaling, True,
-            )
-        else:
-            if use_triton:
-                from .kernels.mla_decode import mla_decode as decode
-            else:
-                from .kernels.mla_decode_ref import mla_decode_ref as decode
-            o_lat, _ = decode(
-                q_lat, q_rot, layer.content.planes, layer.rope.planes, layer.fmt, layer.sink_content,
-                layer.sink_rope, layer.recent_content, layer.recent_rope, layer.left_padding, layer.length, scaling,
-            )
+        # The static cache's dispatch (the same kernel, split boundaries from the length): eager and static decoding
+        # agree bit for bit. The length goes as a device tensor (a fill, no synchronisation).
+        length = torch.full((1,), layer.length, dtype=torch.int64, device=query.device)
+        o_lat, _ = ops.decode_device_length(
+            q_lat, q_rot, layer.content.planes, layer.rope.planes, layer.fmt, layer.sink_content, layer.sink_rope,
+            layer.recent_content, layer.recent_rope, layer.left_padding, length,
+            min(layer.content.capacity, layer.rope.capacity), scaling, use_triton,
+        )
     out = torch.matmul(o_lat.to(query.dtype), w_uv.to(query.dtype).transpose(1, 2).unsqueeze(0))  # [B, H, Tq, d_v]
     return out.transpose(1, 2)
 

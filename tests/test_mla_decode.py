@@ -1,6 +1,6 @@
-"""Triton MLA decode kernel vs its PyTorch reference (fp64) on fresh random packed caches.
-
-On CPU the kernel runs in the Triton interpreter, so sizes stay small; the real-size run is
+"""The decode operation (`kernels/mla_decode.py`) against its PyTorch reference (fp64) on fresh random packed caches,
+for every backend this machine runs: on CPU the portable Triton kernel in the Triton interpreter (small sizes) and
+the reference path itself; on an sm_90 GPU also the Gluon kernels. The real-size run is
 `benchmarks/bench_decode.py --check` on a GPU.
 """
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from quantmla_hf import CacheFormat, PathFormat, QuantMLALayer
-from quantmla_hf.kernels.mla_decode import mla_decode, split_plan
-from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
+from quantmla_hf.kernels.mla_decode import BACKENDS, mla_decode_static, select_backend, split_plan
+from quantmla_hf.kernels.mla_decode_combine import combine
+from quantmla_hf.kernels.mla_decode_ref import combine_ref, mla_decode_ref
 from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
 from helpers import assert_close
@@ -20,11 +21,33 @@ OUT_RATIO = 2e-3
 LSE_ABS = 1e-4
 
 
-def random_case(B, N, H, Tq, dc, dr, cb, rb, S, R, dtype, left_padding, seed, q_scale=1.0):
-    """Planes, sink and recent copies filled with fresh random data (unused capacity and padding included)."""
+def _available() -> list[str]:
+    """The backends this machine runs: the reference always, the portable kernel on CUDA or in the interpreter, the
+    Gluon kernels on sm_90."""
+    found = ["torch"]
+    fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for rows in (16, 128):
+        b = select_backend(fmt, rows, 1, torch.bfloat16, device)
+        if b not in found:
+            found.append(b)
+    if found[-1].startswith("gluon"):
+        found.append("triton")
+    return found
+
+
+AVAILABLE = _available()
+PORTABLE = [b for b in AVAILABLE if b in ("triton", "torch")]
+HOPPER = [b for b in AVAILABLE if b.startswith("gluon")] or [
+    pytest.param("gluon_regs", marks=pytest.mark.skip(reason="the Gluon kernels need an sm_90 GPU"))]
+
+
+def random_case(B, N, H, Tq, dc, dr, cb, rb, S, R, dtype, left_padding, seed, q_scale=1.0, spare=7):
+    """Positional arguments of `mla_decode_ref` (host length N): planes of capacity N + spare, sink and recent
+    copies, all filled with fresh random data (unused capacity and padding included)."""
     g = torch.Generator().manual_seed(seed)
     fmt = CacheFormat(PathFormat(dc, cb, 64), PathFormat(dr, rb, 64), S, R)
-    cap = N + 7
+    cap = N + spare
 
     def planes(f, d):
         x = torch.randn(B, cap, d, generator=g) * 2 + 0.3
@@ -38,15 +61,27 @@ def random_case(B, N, H, Tq, dc, dr, cb, rb, S, R, dtype, left_padding, seed, q_
 
     q_lat = torch.randn(B, H, Tq, dc, generator=g) * q_scale
     q_rot = torch.randn(B, H, Tq, dr, generator=g) * q_scale
-    args = (q_lat, q_rot, planes(fmt.content, dc), planes(fmt.rope, dr), fmt, dense(S, dc), dense(S, dr),
+    return (q_lat, q_rot, planes(fmt.content, dc), planes(fmt.rope, dr), fmt, dense(S, dc), dense(S, dr),
             dense(R, dc), dense(R, dr), torch.tensor(left_padding), N, 1 / math.sqrt(dc + dr))
-    return args
 
 
-def check(args, **kw):
-    out, lse = mla_decode(*args, **kw)
+def run(args, backend, capacity=None, device="cpu", **kw):
+    """`mla_decode_static` on the case (device-side length; capacity: the planes' own by default)."""
+    a = [x.to(device) if isinstance(x, torch.Tensor) else x for x in args]
+    for i in (2, 3):
+        a[i] = {k: v.to(device) for k, v in a[i].items()}
+    cap = capacity or next(iter(a[2].values())).shape[1]
+    length = torch.tensor([args[10]], dtype=torch.int64, device=device)
+    o, lse = mla_decode_static(*a[:10], length, cap, a[11], backend=backend, **kw)
+    return o.cpu(), lse.cpu()
+
+
+def check(args, backend, **kw):
+    device = "cuda" if backend.startswith("gluon") or (backend == "triton" and torch.cuda.is_available()) else "cpu"
+    out, lse = run(args, backend, device=device, **kw)
     ref_out, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
     assert_close("o_lat", ref_out, out, OUT_RATIO)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows without visible positions differ"
     finite = torch.isfinite(ref_lse)
@@ -55,103 +90,101 @@ def check(args, **kw):
     return out, lse
 
 
+@pytest.mark.parametrize("backend", PORTABLE)
 @pytest.mark.parametrize(
     "cb, rb, dtype",
-    [(4, 4, torch.bfloat16), (2, 4, torch.bfloat16), (8, 8, torch.bfloat16), (16, 16, torch.bfloat16),
-     (4, 4, torch.float32), (2, 16, torch.float32)],
+    [(4, 4, torch.bfloat16), (2, 4, torch.bfloat16), (8, 8, torch.float16), (16, 16, torch.bfloat16),
+     (4, 4, torch.float32), (16, 16, torch.float32), (2, 16, torch.bfloat16)],
 )
-def test_bit_configs_with_unequal_padding(cb, rb, dtype):
-    check(random_case(2, 110, 4, 1, 128, 32, cb, rb, 3, 8, dtype, [0, 37], seed=cb * 10 + rb), num_splits=3, block_n=32)
+def test_formats_and_dtypes_with_unequal_padding(backend, cb, rb, dtype):
+    """Every format (C4R4, C2R4, C8R8, C16R16, mixed) in bf16/fp16/fp32 models (fp32: the exact fp32 path), odd
+    length, unequal left padding, three splits."""
+    check(random_case(2, 109, 3, 1, 128, 32, cb, rb, 3, 8, dtype, [0, 37], seed=cb * 10 + rb), backend,
+          num_splits=3)
 
 
-@pytest.mark.parametrize("dr, heads", [(16, 1), (32, 3), (64, 2)])
-def test_rope_widths_and_small_head_counts(dr, heads):
-    check(random_case(2, 90, heads, 1, 64, dr, 4, 4, 2, 4, torch.bfloat16, [5, 0], seed=dr + heads), block_n=32)
-
-
-@pytest.mark.parametrize("length", [1, 7, 13, 14, 47])
-def test_lengths_around_sink_recent_and_split_edges(length):
-    """S=2, R=4, 2 splits of 16-token blocks: the packed range [2, length - 4) empty, one token, across splits."""
-    check(random_case(2, length, 2, 1, 64, 16, 4, 4, 2, 4, torch.bfloat16, [0, min(1, length - 1)], seed=length),
-          num_splits=2)
-
-
-@pytest.mark.parametrize("tq", [2, 8])
-def test_several_query_tokens_see_a_causal_history(tq):
-    check(random_case(2, 70, 3, tq, 64, 16, 4, 4, 3, 8, torch.bfloat16, [9, 0], seed=tq), num_splits=2, block_n=32)
-
-
-def test_many_heads_take_several_head_blocks_and_odd_group_counts():
-    """d_c = 192 is three groups (the value tile padded to 256 columns); 20 heads x 2 queries are 40 rows: blocks of
-    32 rows by default, of 16 here as well."""
-    check(random_case(1, 80, 20, 2, 192, 64, 4, 4, 4, 16, torch.bfloat16, [3], seed=7), num_splits=2)
-    check(random_case(1, 80, 20, 2, 192, 64, 4, 4, 4, 16, torch.bfloat16, [3], seed=8), num_splits=2, block_m=16)
-
-
-@pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (8, 8), (16, 16)])
-def test_bf16_queries_take_one_fp16_dot(cb, rb):
-    """Model-dtype (bf16) queries, as the attention swap passes them: exact in one fp16 operand, no low part."""
-    args = list(random_case(2, 110, 4, 1, 128, 32, cb, rb, 3, 8, torch.bfloat16, [0, 37], seed=cb + 40))
+@pytest.mark.parametrize("backend", HOPPER)
+@pytest.mark.parametrize("cb, rb, heads, tq", [(4, 4, 16, 1), (2, 4, 16, 1), (8, 8, 16, 1), (4, 4, 64, 2),
+                                               (2, 4, 128, 1), (8, 8, 48, 1)])
+def test_hopper_kernels_at_deepseek_widths(backend, cb, rb, heads, tq):
+    """The Gluon kernels (sm_90 only) on the formats they take, odd length, unequal padding, several head blocks."""
+    if backend == "gluon_wide" and cb == 8:
+        pytest.skip("the two-warpgroup kernel takes 2/4-bit content")
+    args = list(random_case(2, 333, heads, tq, 512, 64, cb, rb, 4, 16, torch.bfloat16, [0, 37], seed=cb + heads))
     args[0], args[1] = args[0].bfloat16(), args[1].bfloat16()
-    check(tuple(args), num_splits=3, block_n=32)
+    check(tuple(args), backend)
 
 
-def test_huge_bf16_queries_stay_finite_and_exact():
-    """|q| ~ 1e6 is past fp16's range (65504): the per-row power of two keeps the operands finite and exact."""
+@pytest.mark.parametrize("backend", PORTABLE)
+@pytest.mark.parametrize("length", [1, 7, 13, 14, 47, 81])
+def test_lengths_around_sink_recent_and_split_edges(backend, length):
+    """S=2, R=4, 2 splits of 32-token tiles: the packed range [2, length - 4) empty, one token, across splits, with
+    one row padded."""
+    check(random_case(2, length, 2, 1, 64, 16, 4, 4, 2, 4, torch.bfloat16, [0, min(1, length - 1)], seed=length),
+          backend, num_splits=2)
+
+
+@pytest.mark.parametrize("backend", PORTABLE)
+def test_several_query_tokens_and_many_rows(backend):
+    """3 query tokens see a causal history; 12 heads x 3 = 36 rows take 32-row blocks (two head blocks)."""
+    check(random_case(2, 70, 12, 3, 64, 16, 4, 4, 3, 8, torch.bfloat16, [9, 0], seed=5), backend, num_splits=2)
+
+
+@pytest.mark.parametrize("backend", PORTABLE)
+def test_deepseek_widths_eight_groups_and_bf16_queries(backend):
+    args = list(random_case(1, 75, 2, 1, 512, 64, 2, 4, 4, 16, torch.bfloat16, [3], seed=9))
+    args[0], args[1] = args[0].bfloat16(), args[1].bfloat16()
+    check(tuple(args), backend, num_splits=2)
+
+
+def test_huge_bf16_queries_stay_finite_and_peaked_attention_keeps_the_lse():
+    """|q| ~ 1e6 is past fp16's range: the per-row power of two keeps the operands finite and exact; large scores
+    (one token dominating) keep the LSE within 1e-4."""
     args = list(random_case(2, 90, 2, 1, 64, 16, 4, 4, 2, 4, torch.bfloat16, [0, 3], seed=21))
     args[0], args[1] = (args[0] * 1e6).bfloat16(), (args[1] * 1e6).bfloat16()
-    out, lse = mla_decode(*args, num_splits=2)
+    out, lse = run(args, "triton" if "triton" in AVAILABLE else "torch", num_splits=2)
     ref_out, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_close("o_lat", ref_out, out, OUT_RATIO)
     assert ((lse - ref_lse).abs() / ref_lse.abs()).max() < 1e-5
+    check(random_case(2, 100, 2, 1, 128, 32, 4, 4, 2, 4, torch.bfloat16, [0, 4], seed=3, q_scale=6.0),
+          PORTABLE[-1], num_splits=2)
 
 
-def test_peaked_attention_keeps_the_lse_exact():
-    """Large queries (scores of tens) make one token dominate: the split query keeps the LSE within 1e-4."""
-    check(random_case(2, 100, 2, 1, 128, 32, 4, 4, 2, 4, torch.bfloat16, [0, 4], seed=3, q_scale=6.0), num_splits=2, block_n=32)
-
-
-def test_rows_without_visible_positions_give_zeros_and_minus_inf():
-    args = random_case(2, 20, 2, 1, 64, 16, 4, 4, 2, 4, torch.float32, [0, 20], seed=11)
-    out, lse = check(args, num_splits=2)
+@pytest.mark.parametrize("backend", PORTABLE)
+def test_rows_without_visible_positions_give_zeros_and_minus_inf(backend):
+    out, lse = check(random_case(2, 20, 2, 1, 64, 16, 4, 4, 2, 4, torch.float32, [0, 20], seed=11), backend)
     assert torch.isinf(lse[1]).all() and (lse[1] < 0).all()
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
-def test_split_count_does_not_change_the_result():
-    args = random_case(1, 200, 2, 1, 64, 16, 4, 4, 2, 4, torch.float32, [0], seed=5)
-    one, lse1 = mla_decode(*args, num_splits=1, block_n=64)
-    many, lse5 = mla_decode(*args, num_splits=5, block_n=16)
-    assert_close("splits", one, many, 1e-6)
-    assert (lse1 - lse5).abs().max() < 1e-5
-
-
-def test_default_split_count_fills_the_gpu():
-    assert split_plan(1, 1, 32768, 132, 32)[1] >= 132  # batch 1: at least one program per SM
-    assert 64 * split_plan(64, 1, 32768, 132, 32)[1] >= 2 * 132
-    assert split_plan(1, 1, 100, 132, 32)[1] == 1  # too short to split
-    assert split_plan(32, 1, 32768, 132, 32) == split_plan(32, 1, 131072, 132, 32)[:1] + (33,)  # target, not capacity
-
-
 def test_split_boundaries_follow_the_length_not_the_capacity():
-    """A host length (growing cache) and a device length with planes of 4x the capacity (static cache): different
-    grids, the same split boundaries and combine order, so bitwise-identical results (fp32 model: exact path)."""
-    args = random_case(2, 300, 2, 1, 64, 16, 4, 4, 2, 4, torch.float32, [0, 9], seed=8)
-    a = list(args)
-    o_host, lse_host = mla_decode(*args)
-    big = lambda d: {k: torch.cat([v, torch.randn_like(v.float()).to(v.dtype).repeat(1, 3, 1)], 1)  # noqa: E731
-                     for k, v in d.items()}
-    from quantmla_hf.kernels.mla_decode import mla_decode_static
+    """The same 140 positions in planes of capacity 150 and 4200 (a growing cache vs a static one): different grids,
+    the same split boundaries (sized from the device-side length in the kernel) and the same combine order, so the
+    outputs are bitwise identical."""
+    if "triton" not in AVAILABLE:
+        pytest.skip("needs the Triton kernel")
+    args = random_case(2, 140, 2, 2, 128, 32, 4, 4, 2, 4, torch.bfloat16, [0, 7], seed=3, spare=4200 - 140)
+    small = list(args)
+    small[2], small[3] = ({k: v[:, :150].clone() for k, v in p.items()} for p in (args[2], args[3]))
+    grids = [split_plan("triton", 2, 1, c, args[4], 8)[1] for c in (150, 4200)]
+    assert grids == [3, 32], grids  # the launches really differ
+    o_big, lse_big = run(args, "triton")
+    o_small, lse_small = run(small, "triton")
+    assert torch.equal(o_big, o_small) and torch.equal(lse_big, lse_small)
 
-    o_dev, lse_dev = mla_decode_static(a[0], a[1], big(a[2]), big(a[3]), *a[4:10], torch.tensor([300]), 1200, a[11])
-    assert torch.equal(o_host, o_dev) and torch.equal(lse_host, lse_dev)
-    ref_o, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
-    assert_close("o_lat", ref_o, o_host, 2e-3)
+
+def test_preallocated_outputs_are_filled():
+    args = random_case(1, 50, 2, 1, 64, 16, 4, 4, 2, 4, torch.bfloat16, [0], seed=17)
+    o, lse = torch.full((1, 2, 1, 64), float("nan")), torch.full((1, 2, 1), float("nan"))
+    a = list(args)
+    out = mla_decode_static(*a[:10], torch.tensor([50]), 57, a[11], out=(o, lse), backend=PORTABLE[0])
+    assert out[0].data_ptr() == o.data_ptr() and out[1].data_ptr() == lse.data_ptr()
+    assert_close("o_lat", mla_decode_ref(*args, dtype=torch.float64)[0], o, OUT_RATIO)
 
 
 def test_reads_a_real_cache_layer():
-    """Tokens appended through `QuantMLALayer`: kernel == reference == the layer's own `read_history`."""
+    """Tokens appended through `QuantMLALayer`: kernel == the layer's own `read_history`."""
     torch.manual_seed(0)
     fmt = CacheFormat(PathFormat(64, 4, 64), PathFormat(16, 4, 64), 2, 4)
     layer = QuantMLALayer(fmt, kernel="torch", block_size=16)
@@ -161,21 +194,46 @@ def test_reads_a_real_cache_layer():
     q_lat, q_rot = torch.randn(2, 4, 1, 64), torch.randn(2, 4, 1, 16)
     args = (q_lat, q_rot, layer.content.planes, layer.rope.planes, fmt, layer.sink_content, layer.sink_rope,
             layer.recent_content, layer.recent_rope, layer.left_padding, layer.length, 0.2)
-    out, lse = check(args, num_splits=2)
+    out, lse = check(args, PORTABLE[0], capacity=layer.content.capacity)
     c, r = layer.read_history()
     scores = (q_lat @ c[:, None].transpose(-1, -2) + q_rot @ r[:, None].transpose(-1, -2)) * 0.2
     scores[1, ..., :5] = float("-inf")
     assert_close("vs read_history", scores.softmax(-1) @ c[:, None], out, 1e-5)
-    assert_close("lse vs read_history", torch.logsumexp(scores, -1)[..., 0], lse[..., 0], 1e-6)
 
 
-def test_errors_name_the_problem():
-    args = list(random_case(1, 10, 2, 1, 64, 16, 4, 4, 2, 4, torch.float32, [0], seed=1))
-    args[0] = torch.randn(1, 2, 5, 64)
-    args[1] = torch.randn(1, 2, 5, 16)
-    with pytest.raises(ValueError, match="recent window"):
-        mla_decode(*args)
-    args = list(random_case(1, 10, 2, 1, 64, 16, 4, 4, 2, 4, torch.float32, [0], seed=1))
-    args[10] = 100
+@pytest.mark.parametrize("n_tail", [1, 3])
+def test_combine_matches_its_reference_and_ignores_trailing_empty_splits(n_tail):
+    """Tail slots (the copies) merged after the packed splits; trailing empty packed splits add exact zeros, so a
+    wider grid gives the same bits; a row with every split empty gives zeros and -inf."""
+    if "triton" not in AVAILABLE:
+        pytest.skip("needs the Triton kernels")
+    g = torch.Generator().manual_seed(n_tail)
+    o_part, lse_part = torch.randn(2, 3, 5 + n_tail, 64, generator=g), torch.randn(2, 3, 5 + n_tail, generator=g)
+    lse_part[0, 0] = float("-inf")
+    o, lse = combine(o_part, lse_part, n_tail)
+    ro, rl = combine_ref(o_part, lse_part)
+    assert_close("o", ro, o, 1e-6)
+    assert torch.isinf(lse[0, 0]) and not o[0, 0].any()
+    wide_o = torch.cat([o_part[:, :, :5], torch.zeros(2, 3, 11, 64), o_part[:, :, 5:]], 2)
+    wide_l = torch.cat([lse_part[:, :, :5], torch.full((2, 3, 11), float("-inf")), lse_part[:, :, 5:]], 2)
+    o2, lse2 = combine(wide_o, wide_l, n_tail)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+def test_bad_inputs_get_clear_errors():
+    args = list(random_case(1, 30, 2, 1, 64, 16, 4, 4, 2, 4, torch.float32, [0], seed=2))
+    with pytest.raises(ValueError, match="one-element tensor"):
+        mla_decode_static(*args[:10], torch.tensor([30, 30]), 37, args[11])
     with pytest.raises(ValueError, match="capacity"):
-        mla_decode(*args)
+        mla_decode_static(*args[:10], torch.tensor([30]), 38, args[11])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mla_decode_static(*args[:10], torch.tensor([30]), 37, args[11], backend="strided")
+    with pytest.raises(ValueError, match="does not take"):
+        mla_decode_static(*args[:10], torch.tensor([30]), 37, args[11], backend="gluon_regs")
+    q = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="recent window"):
+        mla_decode_static(*q, *args[2:10], torch.tensor([30]), 37, args[11])
+    odd = list(random_case(1, 30, 2, 1, 96, 16, 16, 16, 2, 4, torch.float32, [0], seed=2))  # 96: not a power of 2
+    with pytest.raises(ValueError, match="use backend='torch'"):
+        mla_decode_static(*odd[:10], torch.tensor([30]), 37, odd[11], backend="triton")
+    assert set(AVAILABLE) <= set(BACKENDS)

@@ -1,118 +1,341 @@
-"""The Gluon (sm_90) decode kernel `kernels/mla_decode_gluon.py` on a machine without a GPU.
+"""The Hopper (sm_90) Gluon decode kernels (`kernels/mla_decode_gluon_regs.py`, `kernels/mla_decode_gluon_wide.py`,
+shared pieces in `kernels/mla_decode_gluon_common.py`) on a machine without a GPU.
 
-Gluon kernels do not run in the Triton interpreter, so the CPU suite checks what it can: the kernel and its
-unpacking helper compile for sm_90 with this machine's Triton (wgmma, cp.async and the unpacking order as built by
-the compiler; in a subprocess because the test session runs Triton in interpreter mode), the code-word order the
-unpacking assumes matches the reference packing, and the dispatch rules. The kernel itself is run and checked
-against the fp64 reference on the H200 by `benchmarks/bench_decode.py --check --check-kernels gluon`
-(docs/BENCHMARKS.md), which also runs `unpack_group_kernel` against `dequantize_ref` bit for bit.
+Gluon kernels do not run in the Triton interpreter. Here: each kernel compiles for sm_90 (in a subprocess: the test
+session runs Triton in interpreter mode) within its shared memory, with the score `wgmma`s taking the unpacked keys
+from registers and no cp.async; the unit layout (which thread unpacks which code words, and the two register
+relabellings the kernels make of them, emulated here with the same permutes and reshapes, and the asm instruction by
+instruction) puts the dequantized keys at the channels that `score_channel` and `value_channel` say; the SASS
+script finds the packed loops. On the H200, `benchmarks/bench_decode.py --check` runs them against the fp64
+reference.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+import triton
 
 from quantmla_hf import CacheFormat, PathFormat
-from quantmla_hf.kernels import mla_decode_gluon as mg
-from quantmla_hf.kernels.mla_decode_fast import gluon_measured_faster, use_gluon
-from quantmla_hf.kernels.quant_pack_ref import quantize_ref, unpack_codes
+from quantmla_hf.kernels import mla_decode_gluon_common as mc
+from quantmla_hf.kernels import mla_decode_gluon_wide as mw
+from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
 
-COMPILE = textwrap.dedent(
-    """
-    import re, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental import gluon
-    from quantmla_hf.kernels import mla_decode_gluon as mg
-
-    def build(fn, const, ptr, num_warps, aligned=()):
-        sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
-               for n in fn.arg_names}
-        # what the launcher specialises at run time: 16-byte aligned tensors, strides that are multiples of 16
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + list(aligned)}
-        src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                                                  for k, v in const.items()}, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-
-    for bits in (2, 4, 8):
-        ptx = build(mg.unpack_group_kernel, dict(W=2 * bits, BITS=bits, NW=4),
-                    dict(w_ptr="*i32", z_ptr="*i8", out_ptr="*fp16"), 4).asm["ptx"]
-        assert ".target sm_90" in ptx
-    fn = mg.mla_decode_gluon_kernel
-    const = dict(GC=8, C_BITS=4, R_BITS=4, S=4, R=128, BM=16, Q_SPLIT=False, STAGES=3, CPV_C=mg.cp_vec(8, 4),
-                 CPV_R=mg.cp_vec(8, 4), NW=4, ASYNC=False)
-    ptr = dict(q_ptr="*bf16", qr_ptr="*bf16", cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
-               rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16",
-               lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
-    strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
-    kernel = build(fn, const, ptr, 4, strides)
-    ptx = kernel.asm["ptx"]
-    # the host's shared-memory estimate (what `fit_stages` lowers the stages by) covers what the compiler allocates
-    from quantmla_hf import CacheFormat, PathFormat
-    fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
-    assert kernel.metadata.shared <= mg.smem_bytes(fmt, 16, 3, False) <= mg.SMEM_LIMIT, kernel.metadata.shared
-    n_mma = len(re.findall(r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16", ptx))
-    n_cp = len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10,", ptx))  # 16-byte copies
-    # 9 score groups + 8 value groups, 4 k-steps of 16 each, in the packed loop and the two dense loops
-    assert n_mma == 3 * (9 + 8) * 4, n_mma
-    assert n_cp >= 9, n_cp  # 16-byte copies: 8 content rows of words + 1 RoPE row per thread and issued tile
-    print("compiled", n_mma, n_cp)
-    """
-)
+NO_GLUON = "this Triton has no Gluon (triton.experimental.gluon, Triton >= 3.5)"
 
 
-@pytest.mark.skipif(not mg.HAVE_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon, Triton >= 3.5)")
-def test_gluon_kernels_compile_for_sm90():
+def _compile(script: str):
     env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=900,
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900,
                          cwd="/")
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 
 
+COMPILE_REGS = textwrap.dedent(
+    """
+    import re, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from quantmla_hf import CacheFormat, PathFormat
+    from quantmla_hf.kernels import mla_decode_gluon_common as mc
+    from quantmla_hf.kernels import mla_decode_gluon_regs as mr
+
+    fn = mr.mla_decode_gluon_regs_kernel
+    strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
+    # (content bits, fp32 queries): the launch of each format
+    for cb, q_split in ((4, False), (2, False), (4, True), (8, False)):
+        qd = "*fp32" if q_split else "*bf16"
+        ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
+                   rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
+                   rcr_ptr="*bf16", lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
+        rb = 8 if cb == 8 else 4
+        const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=mr.INFLIGHT[cb],
+                     WC_L=mc.words_layout(cb // 2), WP_L=mc.words_layout(cb), WR_L=mc.words_layout(rb // 2),
+                     XL=mc.dense_layout())
+        sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
+               for n in fn.arg_names}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
+        src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                                                  for k, v in const.items()}, attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
+        need = mr.smem_bytes(fmt, q_split)
+        assert kernel.metadata.shared <= need, (cb, q_split, kernel.metadata.shared, need)
+        assert mc.SMEM_PER_SM // (need + 1024) >= 2, need  # two programs per SM
+        ptx = kernel.asm["ptx"]
+        mma = r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 \\{[^}]*\\}, "
+        per = 2 if q_split else 1
+        # scores: 9 units x 4 k-steps with the A operand in registers, in the packed loop and the two copy loops
+        # (8-bit keys: the packed loop also on the remainders)
+        n_reg = 3 * 9 * 4 * per + (9 * 4 if cb == 8 else 0)
+        assert len(re.findall(mma + r"\\{", ptx)) == n_reg, (cb, len(re.findall(mma + r"\\{", ptx)))
+        # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
+        assert len(re.findall(mma + r"%rd", ptx)) == 3 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
+        assert "cp.async" not in ptx  # the code words go straight to registers
+        # the metadata's fp16x2 pairs by `meta_asm`: one per step, i.e. per thread and tile groups q, q + 4 and RoPE
+        # of its two tokens, in the packed loop
+        n_meta = len(re.findall(r"xor\\.b32 [^;]*0x64806480", ptx))
+        assert n_meta == 3 * 2, (cb, n_meta)
+        # the P tile goes to shared memory by one stmatrix.x4 per loop, twice (at once, and again in the voted
+        # branch where a row's reference moves); the content keys by plain stores
+        n_stm = len(re.findall(r"stmatrix", ptx))
+        assert n_stm == 3 * 2, (cb, n_stm)
+        # the content keys go to eight separate buffers: no barrier between the units' stores (one buffer indexed
+        # per unit took one before each store, 46 in all with Triton 3.6)
+        assert ptx.count("bar.sync") <= 27, (cb, ptx.count("bar.sync"))
+        # one lop3 + mul.f16x2 per pair: 9 units x 2 tokens x 8 pairs per thread and tile; at 2 and 4 bits half the
+        # pairs made code - z by sub.f16x2, half by fma.rn.f16x2 (`half_asm`), at 8 bits every pair by sub.f16x2 and
+        # its remainder by fma.rn.f16x2
+        per = 9 * 2 * 8
+        want = {"0x64006400": per, "mul.f16x2": per, "sub.f16x2": per if cb == 8 else per // 2,
+                "fma.rn.f16x2": per if cb == 8 else per // 2}
+        for op, n_op in want.items():
+            assert len(re.findall(re.escape(op), ptx)) == n_op, (cb, op, len(re.findall(re.escape(op), ptx)))
+    print("compiled")
+    """
+)
+
+
+COMPILE_WIDE = textwrap.dedent(
+    """
+    import os, re, subprocess, sys, tempfile, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from quantmla_hf import CacheFormat, PathFormat
+    from quantmla_hf.kernels import mla_decode_gluon_common as mc
+    from quantmla_hf.kernels import mla_decode_gluon_wide as mw
+
+    fn = mw.mla_decode_gluon_wide_kernel
+    strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    bm = mw.BLOCK_M
+    # (content bits, fp32 queries): the launch of each format
+    for cb, q_split in ((4, False), (2, True)):
+        qd = "*fp32" if q_split else "*bf16"
+        ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
+                   rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
+                   rcr_ptr="*bf16", lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
+        const = dict(GC=8, C_BITS=cb, R_BITS=4, S=4, R=128, BM=bm, Q_SPLIT=q_split, INFLIGHT=mw.INFLIGHT,
+                     W_REGS=mw.WORKER_REGS)
+        sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
+               for n in fn.arg_names}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
+        src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                                                  for k, v in const.items()}, attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "maxnreg": mw.LAUNCH_REGS})
+        fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, 4, 64))
+        need = mw.smem_bytes(fmt, q_split)
+        assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, bm, q_split, kernel.metadata.shared, need)
+        ptx = kernel.asm["ptx"]
+        assert "setmaxnreg" in ptx and "cp.async" not in ptx
+        mma = rf"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16 \\{{[^}}]*\\}}, "
+        per = 2 if q_split else 1
+        # scores, A from registers: the leader's 4 content units + RoPE and the worker's 4, 4 k-steps each, in the
+        # packed loop and the two copy loops
+        n_reg = len(re.findall(mma + r"\\{", ptx))
+        assert n_reg == 3 * 9 * 4 * per, (cb, bm, n_reg)
+        # values, A (the stored keys) from shared memory: 4 units per warpgroup, 4 k-steps, three loops
+        n_smem = len(re.findall(mma + r"%rd", ptx))
+        assert n_smem == 3 * 8 * 4, (cb, bm, n_smem)
+        # no local memory
+        if os.path.exists(cuobjdump):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
+                                      check=True).stdout
+            assert not re.search(r"\\b(LDL|STL)\\b", sass), (cb, bm, q_split)
+    print("compiled")
+    """
+)
+
+
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_regs_kernel_compiles_for_sm90_register_operands():
+    _compile(COMPILE_REGS)
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_wide_kernel_compiles_for_sm90_two_warpgroups():
+    _compile(COMPILE_WIDE)
+
+
+def test_wide_shared_memory():
+    c4r4 = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
+    # tiles 64 KB + queries (9 x BM x 64 fp16) + P + partial scores + factors, 1/l, row scales + 1 KB scratch
+    assert mw.smem_bytes(c4r4, False) == 65536 + 9 * 32 * 128 + 64 * 32 * 2 + 64 * 32 * 4 + 2 * 32 * 4 + 16 + 1024
+    assert mw.smem_bytes(c4r4, True) - mw.smem_bytes(c4r4, False) == 9 * 32 * 128
+    assert mw.smem_bytes(c4r4, True) <= mc.SMEM_LIMIT
+
+
+def _emulate_half_asm(words: torch.Tensor, zf: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
+    """What `half_asm(bits)` computes, instruction by instruction, on `words: [...]` int32 with fp16 `zf = 1024 + z`
+    and `s` broadcast against them: `[..., 2, 16 / bits]` fp16, element `(16 / bits) * e + k` of each word at
+    `[..., e, k]` (output k + n * e: half e of the k-th register). At 2 and 4 bits the odd elements of a shift group
+    are masked one field higher and brought back by `fma.rn.f16x2` with `2**-bits` and `zh = -(1024 / 2**bits + z)`
+    (`meta_asm`'s `zh`, derived here from `zf`)."""
+    n = 16 // bits
+    mask = (1 << bits) - 1
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    zh = -(zf.float() - 1024 + 1024 / 2**bits)  # exact integers
+    outs = []
+    for k in range(n):
+        grp, odd = divmod(k, 2) if bits < 8 else (k, 0)
+        shift, field = (2 * bits * grp, bits * odd) if bits < 8 else (bits * k, 0)
+        t = (((w >> shift) & ((mask << field) * 0x10001)) | 0x64006400)  # shr, then lop3 (a & b) | c
+        halves = torch.stack([t & 0xFFFF, t >> 16], dim=-1).to(torch.int16).view(torch.float16)  # mov {lo, hi}
+        if odd:  # fma.rn.f16x2: exact (a power-of-two scaling plus an integer, to an integer)
+            code_z = (halves.float() * 2.0**-bits + zh[..., None]).half()
+            assert torch.equal(code_z.float(), halves.float() * 2.0**-bits + zh[..., None])
+        else:
+            code_z = halves - zf[..., None]  # sub.f16x2 (exact)
+        outs.append(code_z * s[..., None])  # mul.f16x2 (one rounding)
+    return torch.stack(outs, dim=-1)  # [..., e, k]
+
+
+@pytest.mark.parametrize("content_bits,rope_bits", [(4, 4), (2, 4), (2, 2), (8, 8)])
+@pytest.mark.parametrize("n_groups", [8, 4])
+def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_groups):
+    """Emulate what the threads of one 64-token tile hold: thread q of unit u loads the words of its 16 channels
+    from `unit_base(u, q)`, unpacks them (the asm, emulated), and the kernel views the registers as the score A
+    operand (`_a_view`) and as the stored value tile (`_v_view`); the same permutes and reshapes here must put the
+    dequantized key of channel `score_channel(u)[c]` / `value_channel(u)[c]` at column c, and the units cover
+    every channel once."""
+    T = 64
+    g = torch.Generator().manual_seed(content_bits * 10 + rope_bits + n_groups)
+    for u in range(n_groups + 1):
+        rope = u == n_groups
+        bits = rope_bits if rope else content_bits
+        f = PathFormat(64 if rope else 64 * n_groups, bits, 64)
+        codes, scale, zero = quantize_ref(torch.randn(T, f.dim, generator=g) * 3, f)
+        zero = torch.randint(-3, 4, zero.shape, generator=g, dtype=torch.int8)  # also zeros outside the code range
+        words = codes.view(torch.int32)  # [T, row words]
+        wu, q = bits // 2, torch.arange(4)
+        word_idx = (mc.unit_base(u, q, n_groups) * bits // 32)[:, None] + torch.arange(wu)  # [4, WU]
+        w = words[:, word_idx]  # [T, 4, WU]
+        grp = torch.zeros(4, dtype=torch.long) if rope else q + 4 * (u // 4)
+        zf = (zero[:, grp].to(torch.int32) + 1024 + (1 << (bits - 1))).to(torch.float16)  # `meta_asm`'s zz, [T, 4]
+        x5 = _emulate_half_asm(w, zf[:, :, None], scale[:, grp][:, :, None], bits)  # [T, 4, WU, 2, n]
+        # `_a_view`
+        a = x5.permute(0, 1, 2, 4, 3).reshape(T, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(T, 64)
+        # `_v_view`
+        v = x5.permute(0, 1, 2, 4, 3).reshape(T, 64)
+        exact = dequantize_ref(codes, torch.ones_like(scale), zero, f, torch.float32)  # code - z
+        ref = (exact.half() * scale.repeat_interleave(64, dim=1)).float()  # one rounding, as the kernel
+        sc = mc.score_channel(u, bits, n_groups)
+        assert torch.equal(a.float(), ref[:, sc]), u
+        if bits == 8:  # the remainder (fma.rn.f16x2 of code - z, s and -hi): hi + lo is the exact product here
+            prod = exact * scale.float().repeat_interleave(64, dim=1)  # exact in fp32 (8-bit x 11-bit)
+            lo = (prod - ref).half()
+            assert torch.equal(ref.double() + lo.double(), prod.double()), u
+        if not rope:
+            vc = mc.value_channel(u, bits, n_groups)
+            assert torch.equal(v.float(), ref[:, vc]), u
+    for bits in (2, 4):
+        content = torch.cat([mc.score_channel(u, bits, n_groups) for u in range(n_groups)])
+        values = torch.cat([mc.value_channel(u, bits, n_groups) for u in range(n_groups)])
+        assert sorted(content.tolist()) == list(range(64 * n_groups))
+        assert sorted(values.tolist()) == list(range(64 * n_groups))
+        assert sorted(mc.score_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
+
+
+def _emulate_meta_asm(z: torch.Tensor, s: torch.Tensor, bits: int):
+    """What `meta_asm(bits)` computes, instruction by instruction, from stored zero points `z` int8 and steps `s`
+    fp16: `(zz, ss, zh)` as `[..., 2]` fp16 halves."""
+    asm = mc.meta_asm(bits)
+    c1, c2 = (int(x, 16) for x in re.findall(r"mov\.b32 c, (0x[0-9a-f]+);", asm))
+    b = z.to(torch.int32) & 0xFF  # the byte, zero-extended (the kernel's uint8 -> int32)
+    x = (b | (b << 16)) ^ 0x64806480  # prmt 0x4040 with 0, then xor
+
+    def halves(v):
+        v = torch.as_tensor(v, dtype=torch.int64) & 0xFFFFFFFF
+        return torch.stack([v & 0xFFFF, v >> 16], dim=-1).to(torch.int32).to(torch.int16).view(torch.float16)
+
+    zz = (halves(x).float() + halves(c1).float()).half()  # add.rn.f16x2
+    zh = (halves(c2).float() - zz.float()).half()  # sub.rn.f16x2
+    ss = torch.stack([s, s], dim=-1)  # mov.b32 {s, s}
+    return zz, ss, zh
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_code_words_hold_the_elements_in_the_order_the_kernel_unpacks(bits):
-    """A codes plane viewed as 32-bit words (what the kernel copies) holds element `32 / bits * i + k` at bit
-    `k * bits` of word i: the same codes as the reference unpacking, for every width."""
-    g = torch.Generator().manual_seed(bits)
-    f = PathFormat(512, bits, 64)
-    codes, _, _ = quantize_ref(torch.randn(3, 7, 512, generator=g), f)
-    words = codes.view(torch.int32)
-    assert words.shape == (3, 7, 512 * bits // 32)
-    assert torch.equal(mg.codes_from_words(words, bits), unpack_codes(codes, bits).long())
+def test_meta_asm_gives_the_pairs_of_the_unpacking(bits):
+    """Every stored zero point (all 256 int8 values, also those outside the code range) and a spread of steps: the
+    pairs are exactly `(1024 + z, 1024 + z)`, `(s, s)` and `-(1024 / 2**bits + z)` with `z = stored + 2**(bits - 1)`,
+    the operands `half_asm` expects, all exact fp16 integers."""
+    z = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    s = (torch.rand(256, generator=torch.Generator().manual_seed(bits)) * 4 + 1e-3).half()
+    zz, ss, zh = _emulate_meta_asm(z, s, bits)
+    true_z = z.double() + (1 << (bits - 1))
+    assert torch.equal(zz.double(), torch.stack([1024 + true_z] * 2, dim=-1))
+    assert torch.equal(zh.double(), torch.stack([-(1024 / 2**bits + true_z)] * 2, dim=-1))
+    assert torch.equal(ss, torch.stack([s, s], dim=-1))
+    assert len(re.findall(r"^(prmt|xor|add|sub|mov)", mc.meta_asm(bits), flags=re.M)) == 7  # 5 + 2 constants
 
 
-def test_dispatch_rules():
-    fmt = lambda cb, rb, dc=512, dr=64, group=64: CacheFormat(PathFormat(dc, cb, group), PathFormat(dr, rb, group))  # noqa: E731
-    # Gluon runs on sm_90 only: never on CPU
-    assert not mg.gluon_handles(fmt(4, 4), torch.bfloat16, "cpu")
-    assert mg.cp_vec(8, 4) == 4 and mg.cp_vec(4, 4) == 2 and mg.cp_vec(16, 8) == 4 and mg.cp_vec(4, 8) == 1
-    q = torch.zeros(1, 16, 1, 512, dtype=torch.bfloat16)
-    assert not use_gluon(fmt(4, 4), q, {}, {}, q)  # CPU tensors: the Triton kernels
+def test_half_asm_operands():
+    for bits in (2, 4):
+        n = 16 // bits
+        asm = mc.half_asm(bits)
+        outs = [int(x) for pair in re.findall(r"mov\.b32 \{\$(\d+), \$(\d+)\}", asm) for x in pair]
+        assert sorted(outs) == list(range(2 * n))  # every fp16 output written once
+        assert f"${2 * n + 4}" in asm and f"${2 * n + 5}" not in asm  # word, 1024 + z, s, zh, 2**-bits
+        assert len(re.findall(r"lop3\.b32", asm)) == len(re.findall(r"mul\.f16x2", asm)) == n
+        # one shift per group of two elements after the first: half of masking every element at bit 0
+        assert len(re.findall(r"shr\.u32", asm)) == n // 2 - 1
+        assert len(re.findall(r"sub\.f16x2", asm)) == len(re.findall(r"fma\.rn\.f16x2", asm)) == n // 2
 
 
-def test_gluon_is_the_default_only_where_it_was_measured_faster():
-    # H200 timings (docs/BENCHMARKS.md "Gluon kernel"): 8-bit content at any row count; 2/4-bit content only above
-    # 16 query rows (128 heads), where the Triton fast kernel loses; 16-bit paths never (not handled)
-    assert gluon_measured_faster(8, 8, 1) and gluon_measured_faster(8, 8, 128)
-    assert gluon_measured_faster(4, 4, 128) and gluon_measured_faster(2, 4, 32)
-    assert not gluon_measured_faster(4, 4, 16) and not gluon_measured_faster(2, 4, 1)
-    # 16 heads: C4R4 measured faster through Gluon at batch 8 and 32 only; C2R4 stays on the Triton fast kernel
-    assert gluon_measured_faster(4, 4, 16, 8) and gluon_measured_faster(4, 4, 16, 32)
-    assert not gluon_measured_faster(4, 4, 16, 1) and not gluon_measured_faster(4, 4, 16, 64)
-    assert not gluon_measured_faster(2, 4, 16, 32)
-    assert not gluon_measured_faster(16, 16, 128) and not gluon_measured_faster(4, 8, 128)
+@pytest.mark.parametrize("n_groups", [8, 4])
+def test_unit_pairs_are_contiguous_in_a_group(n_groups):
+    """The kernel loads units u and u + 1 (u even) of a thread with one vector load from `unit_base(u, q)`: that is
+    only right if unit u + 1's 16 channels follow unit u's, in the same quantization group (one step and zero point
+    for both)."""
+    for q in range(4):
+        for u in range(0, n_groups, 2):
+            lo, hi = mc.unit_base(u, q, n_groups), mc.unit_base(u + 1, q, n_groups)
+            assert hi == lo + 16, (q, u, lo, hi)
+            assert lo // 64 == (hi + 15) // 64, (q, u, lo, hi)
 
 
-def test_contiguous_planes_are_recognised():
-    f = fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_sass_script_counts_the_packed_loop():
+    """`benchmarks/sass_decode.py` (the command behind the SASS figures of docs/KERNELS.md) finds the packed-tile loop
+    of the compiled kernel: one unpacking multiply per pair of elements (9 units x 2 tokens x 8 pairs per thread) and
+    the 68 `wgmma`s of a tile (36 score, 32 value)."""
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no bundled cuobjdump")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
+    out = subprocess.run([sys.executable, script, "C4R4"], env=dict(os.environ, TRITON_INTERPRET="0"),
+                         capture_output=True, text=True, timeout=900, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(144 unpacking multiplies" in out.stdout, out.stdout
+    assert re.search(r"^HGMMA\.64x16x16\s+68$", out.stdout, re.M), out.stdout
+    # barriers per tile: the first unit's (the previous tile's value reads), P's, the vote's read-back and its rare
+    # branch; none between the units' key stores (11 per tile with one key buffer indexed per unit, Triton 3.6)
+    bars = re.search(r"^BAR\.SYNC\s+(\d+)$", out.stdout, re.M)
+    assert bars and int(bars.group(1)) <= 5, out.stdout
 
-    def planes(p, cap=32, pad=0):
-        return {"codes": torch.zeros(2, cap, p.code_bytes + pad, dtype=torch.uint8)[..., : p.code_bytes],
-                "scale": torch.ones(2, cap, p.n_groups, dtype=torch.float16),
-                "zero": torch.zeros(2, cap, p.n_groups, dtype=torch.int8)}
 
-    assert mg.planes_contiguous(fmt, planes(f.content), planes(f.rope))
-    assert not mg.planes_contiguous(fmt, planes(f.content, pad=16), planes(f.rope))  # strided token rows
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_sass_script_counts_both_packed_loops():
+    """`benchmarks/sass_decode.py --wide` (the command behind the SASS figures of docs/KERNELS.md) finds one packed
+    loop per warpgroup: the leader unpacks 5 units (4 content + RoPE: 80 multiplies per thread, one per pair) and
+    issues their 20 score `wgmma`s, the worker 4 units (64, 16), each plus the 16 value `wgmma`s of its units."""
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no bundled cuobjdump")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
+    out = subprocess.run([sys.executable, script, "C4R4", "--wide"], env=dict(os.environ, TRITON_INTERPRET="0"),
+                         capture_output=True, text=True, timeout=900, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^leader packed loop: \d+ .*\(80 unpacking multiplies\)\n.*HGMMA\.64x32x16 36", out.stdout, re.M), \
+        out.stdout
+    assert re.search(r"^worker packed loop: \d+ .*\(64 unpacking multiplies\)\n.*HGMMA\.64x32x16 32", out.stdout, re.M), \
+        out.stdout
+    assert "STACK:0" in out.stdout, out.stdout

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from quantmla_hf.format import PathFormat
-from quantmla_hf.kernels.quant_pack import quantize_pack
+from quantmla_hf.kernels.mla_decode_triton import mla_decode_triton_kernel
+from quantmla_hf.kernels.quant_pack import quant_pack_fwd_kernel, quantize_pack
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, pack_codes, quantize_ref, unpack_codes
 
 
@@ -100,13 +101,10 @@ def test_triton_kernel_reports_overflow():
 def test_per_step_arguments_are_not_specialised():
     """Arguments that change every decode step must not be specialised on (% 16, == 1): a specialisation would
     recompile the kernel mid-generation whenever the position crosses a multiple of 16."""
-    from quantmla_hf.kernels.mla_decode import mla_decode_fwd_kernel
-    from quantmla_hf.kernels.quant_pack import quant_pack_fwd_kernel
-
     def unspecialised(kernel):
         # A JITFunction keeps the list; under TRITON_INTERPRET the decorator's keyword arguments are kept instead.
         names = getattr(kernel, "do_not_specialize", None) or kernel.kwargs.get("do_not_specialize", ())
         return {kernel.arg_names[i] if isinstance(i, int) else i for i in names}
 
     assert {"T", "start"} <= unspecialised(quant_pack_fwd_kernel)
-    assert {"length", "split_target", "num_splits"} <= unspecialised(mla_decode_fwd_kernel)
+    assert {"M", "Tq", "split_target", "num_splits"} <= unspecialised(mla_decode_triton_kernel)

@@ -121,7 +121,7 @@ def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
     decode dispatch (`ops.decode_device_length`) with the same split boundaries (sized from the length) and the
     same combine order: every decode step's attention output (fp32, before the bf16 rounding that would hide last
     bits), every step's logits and the greedy tokens are identical, with tokens leaving the recent window (4) for
-    the packed planes at every step. (Several non-empty splits: tests/test_mla_decode_fast.py.)"""
+    the packed planes at every step. (Several non-empty splits: tests/test_mla_decode.py.)"""
     calls = []
     decode = ops.decode_device_length
 
@@ -317,10 +317,8 @@ def test_ops_fake_implementations_and_opcheck():
     assert torch.allclose(lse[1], torch.logsumexp(lse_part[1], -1))
 
 
-def test_decode_op_falls_back_when_the_fast_kernel_is_absent(monkeypatch):
-    """Without quantmla_hf.kernels.mla_decode_fast (issue #11) the op runs the fallback; a module whose
-    fast_supported says no is skipped too."""
-    monkeypatch.setattr(ops, "_fast_module", lambda: None)
+def test_decode_op_without_triton_runs_the_reference():
+    """`use_triton=False` (a layer whose kernel is "torch") takes the PyTorch reference through the same op."""
     args = _static_args(1, 12, 16, 2, 1, 4, 4, 2, 4, torch.float32, [0], seed=2)
     c, r = args[2], args[3]
     decode_args = (args[0], args[1], c["codes"], c["scale"], c["zero"], r["codes"], r["scale"], r["zero"],

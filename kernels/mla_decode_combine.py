@@ -1,0 +1,90 @@
+"""Log-sum-exp merge of split-K decode partials (every decode kernel's second launch); its reference is
+`mla_decode_ref.combine_ref`.
+
+    o_part [B, M, NSP, d_c] fp32 (each split normalised by its own sum), lse_part [B, M, NSP] fp32 (natural log,
+    -inf for an empty split)  ->  o [B, M, d_c] = sum_s exp(lse_s - lse) o_s,  lse [B, M] = logsumexp_s lse_s
+
+The last `n_tail` slots hold the sink/recent copies. The packed splits are summed in chunks of a fixed size, empty
+ones skipped, so the result (to the bit) depends on the non-empty partials only, not on the grid: a growing cache
+and a static one of any capacity agree exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 8  # packed splits merged per step (fixed: the summation order must not follow the grid)
+BLOCK_D = 512  # latent columns per program
+
+
+@triton.jit(do_not_specialize=["NSP"])
+def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, N_TAIL: tl.constexpr = 1):
+    """Log-sum-exp merge of the splits of one (batch row, query row) and block of d_c columns; a row with no
+    visible position gives zeros and lse -inf.
+
+    The packed splits `0 .. NSP-N_TAIL-1` are summed in chunks of a fixed `BLOCK_S` (one chunk sum after the
+    other), their partials read only where non-empty, then the `N_TAIL` sink/recent slots at the end, one by one
+    in order (1 for the Triton kernel's one copy split, `copy_programs` for the Gluon kernels'): a launch
+    with more (trailing, empty) packed splits adds exact zeros, so the result depends on the non-empty partials
+    only, not on `NSP`."""
+    i_bm = tl.program_id(0).to(tl.int64)
+    i_d = tl.program_id(1).to(tl.int64)
+    n_packed = NSP - N_TAIL
+    p_lse = lse_part_ptr + i_bm * NSP
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D_C
+    m = tl.load(p_lse + n_packed)
+    for j in tl.static_range(1, N_TAIL):
+        m = tl.maximum(m, tl.load(p_lse + n_packed + j))
+    for s0 in range(0, n_packed, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m = tl.maximum(m, tl.max(tl.load(p_lse + o_s, mask=o_s < n_packed, other=float("-inf")), axis=0))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros((1,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s0 in range(0, n_packed, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        b_lse = tl.load(p_lse + o_s, mask=o_s < n_packed, other=float("-inf"))
+        has = b_lse > float("-inf")
+        w = tl.where(has, tl.exp(b_lse - m_use), 0.0)
+        b_o = tl.load(o_part_ptr + (i_bm * NSP + o_s[:, None]) * D_C + o_d[None, :], mask=has[:, None] & m_d[None, :],
+                      other=0.0)
+        total += tl.sum(w, axis=0)
+        acc += tl.sum(b_o * w[:, None], axis=0)
+    for j in tl.static_range(N_TAIL):
+        lse_dense = tl.load(p_lse + n_packed + j)
+        w_d = tl.where(lse_dense > float("-inf"), tl.exp(lse_dense - m_use), 0.0)
+        m_od = m_d & (lse_dense + tl.zeros((BLOCK_D,), tl.float32) > float("-inf"))  # read only if non-empty
+        b_od = tl.load(o_part_ptr + (i_bm * NSP + n_packed + j) * D_C + o_d, mask=m_od, other=0.0)
+        total += w_d
+        acc += b_od * w_d
+    tot = tl.sum(total, axis=0)
+    out = acc / tl.where(tot > 0, tot, 1.0)
+    tl.store(o_ptr + i_bm * D_C + o_d, out, mask=m_d)
+    if i_d == 0:
+        tl.store(lse_ptr + i_bm, tl.where(tot > 0, m_use + tl.log(tot), float("-inf")))
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
+            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`o_part: [B, M, NSP, d_c]`, `lse_part: [B, M, NSP]` -> `(o [B, M, d_c], lse [B, M])` fp32, written into
+    `out` (contiguous tensors of `B * M * d_c` and `B * M` elements, any shape) when given."""
+    B, M, NSP, D_C = o_part.shape
+    if out is None:
+        o = torch.empty((B, M, D_C), dtype=torch.float32, device=o_part.device)
+        lse = torch.empty((B, M), dtype=torch.float32, device=o_part.device)
+    else:
+        o, lse = out
+    block_d = min(triton.next_power_of_2(D_C), BLOCK_D)
+    combine_kernel[(B * M, triton.cdiv(D_C, block_d))](
+        o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=CHUNK, BLOCK_D=block_d, N_TAIL=n_tail,
+    )
+    return o, lse
+

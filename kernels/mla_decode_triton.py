@@ -1,0 +1,412 @@
+"""The portable Triton decode kernel: split-K absorbed MLA attention on the packed QuantMLA cache.
+
+Runs on any CUDA GPU of compute capability >= 8 and, for the tests, in the Triton interpreter on CPU. The plain
+PyTorch version is `mla_decode_ref.py`; the launch (splits, grid, combine) is `mla_decode.py`.
+
+    rows m = (head h, query token t) of `q_lat: [B, H, Tq, d_c]`, `q_rot: [B, H, Tq, d_R]`, flattened to `M = H * Tq`
+    score[m, j] = (q_lat[m] . c[j] + q_rot[m] . k_R[j]) * scaling          for every valid cached position j
+    o_lat[m] = softmax_j(score[m]) @ c,  lse[m] = logsumexp_j score[m]
+
+Valid positions of batch row b are `[left_padding[b], length)`; query t sees positions `< length - Tq + t + 1`.
+Positions `[lp, lp + S)` come from the model-dtype sink copy, the last `R` from the recent ring (slot `p % R`), the
+others from the planes (byte layout: `quantmla_hf/format.py`).
+
+Arithmetic:
+
+* Queries are loaded once per program, per group, scaled per row by a power of two that keeps them inside fp16's
+  range: bf16/fp16 queries are exact in one fp16 operand, fp32 queries take a high/low split (two dots).
+* A packed group is read as bytes and unpacked into the exact fp16 integers `code - z` (fp16 "magic number":
+  `code | 0x6400` is `1024 + code`, no int-to-float conversion); scores `s += (q_g . (code - z)_g) * scale_g`, values
+  `acc_g = acc_g * alpha + p @ fp16((code - z) * s)` (one rounding), eight `[BM, group]` accumulators.
+* A 16-bit path (C16R16) and the sink/recent copies go through the same tiles with unit scales, converted to fp16
+  (exact for bf16 magnitudes in [6e-5, 65504]).
+* `EXACT` (fp32 models: fp32 copies): every dot is an fp32 IEEE dot on fp32 operands, no query scaling.
+
+One program per (split, head block, batch row): splits `0 .. NS-1` take `tokens_per_split` packed positions each
+from `S`, sized in the kernel from the device-side `length` (`mla_decode.split_plan`: the same boundaries whatever
+the capacity); split `NS` takes the sink and recent copies. Each writes a normalised partial and its lse, merged by
+`mla_decode_combine.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantmla_hf.format import CacheFormat, PathFormat
+
+
+@triton.jit
+def _magic_codes(b_byte, BITS: tl.constexpr):
+    """`[BT, NB]` uint8 code bytes -> `[BT, NB * 8 // BITS]` fp16 `1024 + code` in element order (exact).
+
+    4 bits: byte i holds element 2i (bits 0-3) and 2i+1 (bits 4-7); 2 bits: elements 4i..4i+3 at bits 0-1, 2-3,
+    4-5, 6-7; 8 bits: one element per byte (quantmla_hf/format.py)."""
+    BT: tl.constexpr = b_byte.shape[0]
+    NB: tl.constexpr = b_byte.shape[1]
+    x = b_byte.to(tl.int16)
+    if BITS == 4:
+        x = tl.reshape(tl.join(x & 15, x >> 4), (BT, NB * 2))
+    elif BITS == 2:
+        # join stacks on a new last axis: join(join(e0, e2), join(e1, e3))[..., k, j] = e(2k + j): flattened e0 e1 e2 e3
+        x = tl.reshape(tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, x >> 6)), (BT, NB * 4))
+    return (x | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _group_tile(p0, p1, p2, s_t, s_mt, o_t, m_t, g: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+                EXACT: tl.constexpr):
+    """Group `g` of tokens `o_t: [BT]` of one path (row-offset pointers): keys `[BT, GROUP]` (fp16; fp32 when
+    EXACT) and scales `[BT]` fp32. Packed (`BITS` < 16): `p0, p1, p2` = codes, scale, zero planes; the keys are the
+    exact integers `code - z` (fp16 magic number: `(code | 0x6400) - (1024 + z)`, no int-to-float conversion).
+    Model-dtype values (`BITS` == 16: a 16-bit path or the sink/recent copies): `p0` holds them, with unit scales.
+    Masked tokens give zero scales (and zero keys for values)."""
+    if BITS == 16:
+        o_k = tl.arange(0, GROUP)
+        b_v = tl.load(p0 + (o_t * s_t)[:, None] + g * GROUP + o_k[None, :], mask=m_t[:, None], other=0.0)
+        if EXACT:
+            b_k = b_v.to(tl.float32)
+        else:
+            b_k = b_v.to(tl.float16)
+        b_s = tl.where(m_t, 1.0, 0.0)
+    else:
+        NB: tl.constexpr = GROUP * BITS // 8
+        HALF: tl.constexpr = 1 << (BITS - 1)
+        o_b = tl.arange(0, NB)
+        b_byte = tl.load(p0 + (o_t * s_t)[:, None] + g * NB + o_b[None, :], mask=m_t[:, None], other=0)
+        b_s = tl.load(p1 + o_t * s_mt + g, mask=m_t, other=0.0).to(tl.float32)
+        b_z = tl.load(p2 + o_t * s_mt + g, mask=m_t, other=0).to(tl.int32)
+        z = (b_z + (1024 + HALF)).to(tl.float16)  # 1024 + z, exact
+        b_k = _magic_codes(b_byte, BITS) - z[:, None]
+        if EXACT:
+            b_k = b_k.to(tl.float32)
+    return b_k, b_s
+
+
+@triton.jit
+def _load_query_group(p_q, o_m, m_m, inv_f, g: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                      NG: tl.constexpr, EXACT: tl.constexpr):
+    """Columns of group `g` of rows `o_m` times the per-row power of two `inv_f`: `(hi, lo)` fp16 `[BM, GROUP]`
+    (`lo` the rounding error of `hi`; fp32 `(q, q)` when EXACT); zeros for a group past the path's `NG` groups
+    (never used)."""
+    o_k = tl.arange(0, GROUP)
+    m = m_m[:, None] & (g < NG)
+    q = tl.load(p_q + o_m[:, None] * D + g * GROUP + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    if EXACT:
+        q_hi = q
+        q_lo = q
+    else:
+        q = q * inv_f[:, None]
+        q_hi = q.to(tl.float16)
+        q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
+    return q_hi, q_lo
+
+
+@triton.jit
+def _row_scale(p_q, o_m, m_m, D: tl.constexpr, EXACT: tl.constexpr):
+    """Per-row power of two `f = 2**e` (`[BM]`) that keeps `|q| / f` below 2**14 (fp16 query operands neither
+    overflow nor lose bf16 bits); returns `(f, 1 / f)` (ones when EXACT)."""
+    o_k = tl.arange(0, D)
+    q = tl.load(p_q + o_m[:, None] * D + o_k[None, :], mask=m_m[:, None], other=0.0)
+    amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+    e = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0) / 16384.0)), 0.0)
+    if EXACT:
+        e = tl.zeros_like(amax)
+    return tl.exp2(e), tl.exp2(-e)
+
+
+@triton.jit
+def _qk(q_hi, q_lo, b_k, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr):
+    """`[BM, GROUP] x [BT, GROUP]^T -> [BM, BT]` fp32: fp16 operands (plus the low query part when Q_SPLIT), or an
+    fp32 IEEE dot when EXACT."""
+    k_t = tl.trans(b_k)
+    if EXACT:
+        d = tl.dot(q_hi, k_t, input_precision="ieee")
+    else:
+        d = tl.dot(q_hi, k_t)
+        if Q_SPLIT:
+            d += tl.dot(q_lo, k_t)
+    return d
+
+
+@triton.jit
+def _pv(acc, alpha, b_p, b_k, b_s, EXACT: tl.constexpr):
+    """`acc * alpha + p @ (k * s)`: values `fp16(k * s)` (one rounding) with fp16 `p`, or fp32 IEEE when EXACT."""
+    if EXACT:
+        pv = tl.dot(b_p, b_k * b_s[:, None], input_precision="ieee")
+    else:
+        pv = tl.dot(b_p.to(tl.float16), b_k * b_s.to(tl.float16)[:, None])
+    return acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr,
+          qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+          m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
+          GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
+          R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr):
+    """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (keys as exact
+    integers), an online-softmax step in base 2, and per group `a_g = a_g * alpha + p @ fp16(k_g * s_g)` (the
+    group re-read and re-unpacked, scaled: one fp16 rounding). Queries `qh*/ql*: [BM, GROUP_C]` (content) and
+    `qrh/qrl: [BM, GROUP_R]`, accumulators `a*: [BM, GROUP_C]` fp32, `m_valid: [BM, BT]`."""
+    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, EXACT)
+    sc = _qk(qh0, ql0, k, Q_SPLIT, EXACT) * s[None, :]
+    if GC > 1:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, EXACT)
+        sc += _qk(qh1, ql1, k, Q_SPLIT, EXACT) * s[None, :]
+    if GC > 2:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, EXACT)
+        sc += _qk(qh2, ql2, k, Q_SPLIT, EXACT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, EXACT)
+        sc += _qk(qh3, ql3, k, Q_SPLIT, EXACT) * s[None, :]
+    if GC > 4:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, EXACT)
+        sc += _qk(qh4, ql4, k, Q_SPLIT, EXACT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, EXACT)
+        sc += _qk(qh5, ql5, k, Q_SPLIT, EXACT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, EXACT)
+        sc += _qk(qh6, ql6, k, Q_SPLIT, EXACT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, EXACT)
+        sc += _qk(qh7, ql7, k, Q_SPLIT, EXACT) * s[None, :]
+    k, s = _group_tile(r0, r1, r2, s_rt, s_rmt, o_t, m_t, 0, GROUP_R, R_BITS, EXACT)
+    b_s = sc * fc[:, None] + _qk(qrh, qrl, k, Q_SPLIT, EXACT) * (s[None, :] * fr[:, None])
+
+    b_s = tl.where(m_valid, b_s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    b_p = tl.exp2(b_s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(b_p, axis=1)
+
+    # Values: the group tiles again (an L1 hit), scaled per token: fp16((code - z) * s).
+    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, EXACT)
+    a0 = _pv(a0, alpha, b_p, k, s, EXACT)
+    if GC > 1:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, EXACT)
+        a1 = _pv(a1, alpha, b_p, k, s, EXACT)
+    if GC > 2:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, EXACT)
+        a2 = _pv(a2, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, EXACT)
+        a3 = _pv(a3, alpha, b_p, k, s, EXACT)
+    if GC > 4:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, EXACT)
+        a4 = _pv(a4, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, EXACT)
+        a5 = _pv(a5, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, EXACT)
+        a6 = _pv(a6, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, EXACT)
+        a7 = _pv(a7, alpha, b_p, k, s, EXACT)
+    return m_new, l_i, a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _store_group(o_ptr, o_row, m_m, acc, inv_l, g: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                 GC: tl.constexpr):
+    if g < GC:
+        o_k = tl.arange(0, GROUP)
+        tl.store(o_ptr + o_row[:, None] * D + g * GROUP + o_k[None, :], acc * inv_l[:, None], mask=m_m[:, None])
+
+
+# Lengths and counts change every decode step: no specialisation on them (the length is read from memory anyway).
+@triton.jit(do_not_specialize=["M", "Tq", "split_target", "num_splits"])
+def mla_decode_triton_kernel(
+    q_ptr, qr_ptr,
+    cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
+    snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr,
+    o_ptr, lse_ptr,
+    M, Tq, split_target, num_splits, qk_scale,
+    s_qb, s_qrb, s_ccb, s_cct, s_csb, s_cst, s_rcb, s_rct, s_rsb, s_rst,
+    s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
+    D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
+    D_R: tl.constexpr, R_BITS: tl.constexpr,
+    S: tl.constexpr, R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr,
+):
+    """One program per (split, head block, batch row): splits `0 .. num_splits-1` take `tokens_per_split` packed
+    positions each from `S`, where `tokens_per_split = max(2 * BLOCK_T, round_up(cdiv(length - S - R,
+    split_target), BLOCK_T))` comes from the device-side length (`split_plan`: the same boundaries whatever the
+    capacity); split `num_splits` takes the sink and recent copies. Writes the normalised partial
+    `o: [B, M, num_splits + 1, D_C]` and `lse: [B, M, num_splits + 1]` (natural log, -inf when empty)."""
+    i_s = tl.program_id(0).to(tl.int64)
+    i_hb = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+
+    length = tl.load(len_ptr).to(tl.int64)
+    lp = tl.load(lp_ptr + i_b).to(tl.int64)
+    o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
+    m_m = o_m < M
+    lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
+
+    # Queries, once per program: per-row powers of two, then fp16 high/low parts per group.
+    p_q = q_ptr + i_b * s_qb
+    p_qr = qr_ptr + i_b * s_qrb
+    fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, EXACT)
+    fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, EXACT)
+    fc = fc * qk_scale  # scores in base 2, pre-multiplied by scaling * log2(e)
+    fr = fr * qk_scale
+    qh0, ql0 = _load_query_group(p_q, o_m, m_m, inv_fc, 0, GROUP_C, D_C, GC, EXACT)
+    qh1, ql1 = _load_query_group(p_q, o_m, m_m, inv_fc, 1, GROUP_C, D_C, GC, EXACT)
+    qh2, ql2 = _load_query_group(p_q, o_m, m_m, inv_fc, 2, GROUP_C, D_C, GC, EXACT)
+    qh3, ql3 = _load_query_group(p_q, o_m, m_m, inv_fc, 3, GROUP_C, D_C, GC, EXACT)
+    qh4, ql4 = _load_query_group(p_q, o_m, m_m, inv_fc, 4, GROUP_C, D_C, GC, EXACT)
+    qh5, ql5 = _load_query_group(p_q, o_m, m_m, inv_fc, 5, GROUP_C, D_C, GC, EXACT)
+    qh6, ql6 = _load_query_group(p_q, o_m, m_m, inv_fc, 6, GROUP_C, D_C, GC, EXACT)
+    qh7, ql7 = _load_query_group(p_q, o_m, m_m, inv_fc, 7, GROUP_C, D_C, GC, EXACT)
+    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, 1, EXACT)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    a0 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a1 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a2 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a3 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a4 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a5 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a6 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a7 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    is_dense = i_s == num_splits
+
+    # Packed positions: this split's share of [S, length - R), intersected with [lp + S, ...). Every one of them lies
+    # before each causal limit because Tq <= R. The share follows the length, not the capacity (`split_plan`).
+    packed_len = tl.maximum(length - R - S, 0)
+    tokens_per_split = (packed_len + split_target - 1) // split_target
+    tokens_per_split = tl.maximum((tokens_per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T, 2 * BLOCK_T)
+    lo_s = S + i_s * tokens_per_split
+    hi_s = tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, length - R))
+    lo_valid = lp + S
+    p_cc = cc_ptr + i_b * s_ccb
+    p_cs = cs_ptr + i_b * s_csb
+    p_cz = cz_ptr + i_b * s_csb
+    p_rc = rc_ptr + i_b * s_rcb
+    p_rs = rs_ptr + i_b * s_rsb
+    p_rz = rz_ptr + i_b * s_rsb
+    o_bt = tl.arange(0, BLOCK_T).to(tl.int64)
+    for start in range(lo_s, hi_s, BLOCK_T):
+        o_t = start + o_bt
+        m_t = (o_t < hi_s) & (o_t >= lo_valid)
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            p_cc, p_cs, p_cz, p_rc, p_rs, p_rz, s_cct, s_cst, s_rct, s_rst, o_t, m_t, m_m[:, None] & m_t[None, :],
+            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, EXACT)
+
+    # The last split takes the model-dtype copies: the sink (slot j = position lp + j) and the recent ring
+    # (positions [length - R, length) past the sink, slot p % R), causal per query row.
+    n_sink = tl.where(is_dense, S, 0)
+    p_snc = snc_ptr + i_b * s_sncb
+    p_snr = snr_ptr + i_b * s_snrb
+    for start in range(0, n_sink, BLOCK_T):
+        o_j = start + o_bt
+        o_t = lp + o_j
+        m_t = (o_j < S) & (o_t < length)
+        m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, s_snct, s_snct, s_snrt, s_snrt, o_j, m_t, m_valid,
+            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
+    r_lo = tl.maximum(length - R, 0)
+    r_hi = tl.where(is_dense, length, r_lo)
+    p_rcc = rcc_ptr + i_b * s_rccb
+    p_rcr = rcr_ptr + i_b * s_rcrb
+    for start in range(r_lo, r_hi, BLOCK_T):
+        o_t = start + o_bt
+        m_t = (o_t < r_hi) & (o_t >= lo_valid)
+        m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, s_rcct, s_rcct, s_rcrt, s_rcrt, o_t % R, m_t, m_valid,
+            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
+
+    # Partial results: o normalised by this split's sum, lse in natural log (-inf for an empty split).
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_row = (i_b * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (b, m, split)
+    _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a1, inv_l, 1, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a2, inv_l, 2, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a3, inv_l, 3, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a4, inv_l, 4, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a5, inv_l, 5, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a6, inv_l, 6, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a7, inv_l, 7, GROUP_C, D_C, GC)
+    tl.store(lse_ptr + o_row, b_lse, mask=m_m)
+
+
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def path_tiling(path: PathFormat, max_groups: int) -> tuple[int, int] | None:
+    """`(groups, group width)` the kernel takes a path in, or None: a packed path in its own groups (powers of two,
+    at least 16 elements, at most `max_groups`); a 16-bit path in the fewest power-of-two groups of at most 64
+    elements that `max_groups` allows."""
+    if not _pow2(path.dim) or path.dim < 16:
+        return None
+    if path.quantized:
+        g, w = path.n_groups, path.group
+    else:
+        w = max(16, min(64, path.dim), path.dim // max_groups)
+        g = path.dim // w
+    if not (_pow2(w) and w >= 16 and _pow2(g) and g <= max_groups):
+        return None
+    return g, w
+
+
+def triton_handles(fmt: CacheFormat, copy_dtype: torch.dtype) -> bool:
+    """Whether the kernel computes this format: power-of-two widths of at least 16, content in at most 8 groups and
+    RoPE in one (`path_tiling`), model-dtype values in bf16, fp16 or fp32."""
+    return (path_tiling(fmt.content, 8) is not None and path_tiling(fmt.rope, 1) is not None
+            and copy_dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+BLOCK_T = 32  # tokens per tile
+
+
+def pipeline_stages(fmt: CacheFormat, M: int) -> int:
+    """Software-pipeline stages of the token loop: up to 32 rows 1 for packed content, 3 for 16-bit content; above
+    32 rows 2 (the fastest measured on the H200: docs/KERNELS.md "The portable Triton kernel")."""
+    if M > 32:
+        return 2
+    return 1 if fmt.content.quantized else 3
+
+
+def block_rows(M: int) -> int:
+    """Query rows per program: 16 up to 32 rows, else 32 (each token tile unpacked once per block)."""
+    return 16 if M <= 32 else 32
+
+
+def _plane3(planes: dict, path: PathFormat):
+    if path.quantized:
+        return planes["codes"], planes["scale"], planes["zero"]
+    v = planes["values"]
+    return v, v, v
+
+
+def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
+                  split_target, NS, qk_scale):
+    """Launch `mla_decode_triton_kernel` on the grid `(NS + 1, cdiv(M, block_rows(M)), B)`: `q: [B, M, d_c]`,
+    `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32. Launch measured
+    on the H200 (docs/KERNELS.md): 32-token tiles, 4 warps, `pipeline_stages`."""
+    B, _, D_C = q.shape
+    D_R = qr.shape[-1]
+    GC, GROUP_C = path_tiling(fmt.content, 8)
+    block_m = block_rows(M)
+    c0, c1, c2 = _plane3(cp, fmt.content)
+    r0, r1, r2 = _plane3(rp, fmt.rope)
+    mla_decode_triton_kernel[(NS + 1, triton.cdiv(M, block_m), B)](
+        q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
+        M, Tq, split_target, NS, qk_scale,
+        q.stride(0), qr.stride(0), c0.stride(0), c0.stride(1), c1.stride(0), c1.stride(1), r0.stride(0),
+        r0.stride(1), r1.stride(0), r1.stride(1),
+        sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
+        recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
+        D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
+        S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=block_m, BLOCK_T=BLOCK_T,
+        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=sink_c.dtype == torch.float32,
+        num_warps=4, num_stages=pipeline_stages(fmt, M),
+    )

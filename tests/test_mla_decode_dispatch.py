@@ -1,0 +1,89 @@
+"""The decode dispatch table (`kernels/mla_decode.select_backend`) and the split arithmetic it launches with, on a
+machine without a GPU (the device's capability is stubbed: the table is a pure function of format, rows, dtype and
+device kind)."""
+
+import pytest
+import torch
+
+from quantmla_hf import CacheFormat, PathFormat
+from quantmla_hf.kernels import mla_decode as md
+from quantmla_hf.kernels import mla_decode_gluon_common as mc
+
+
+def fmt(cb, rb, dc=512, dr=64, group=64):
+    return CacheFormat(PathFormat(dc, cb, group), PathFormat(dr, rb, group))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A CUDA device of the capability the test sets (`gpu(9, 0)`), outside the interpreter."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def set_capability(major, minor):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
+        monkeypatch.setattr(mc, "HAVE_GLUON", True)
+
+    return set_capability
+
+
+CASES = [  # (format, rows, batch, dtype, H200 choice)
+    (fmt(4, 4), 16, 1, torch.bfloat16, "gluon_regs"),  # 16 heads B1 4K
+    (fmt(2, 4), 16, 1, torch.bfloat16, "gluon_regs"),  # the same kernel class as C4R4 at batch 1
+    (fmt(4, 4), 16, 64, torch.bfloat16, "gluon_regs"),
+    (fmt(8, 8), 16, 32, torch.float16, "gluon_regs"),
+    (fmt(4, 4), 128, 8, torch.bfloat16, "gluon_wide"),  # 128 heads
+    (fmt(2, 4), 128, 32, torch.bfloat16, "gluon_wide"),
+    (fmt(4, 4), 32, 4, torch.bfloat16, "gluon_wide"),  # 16 heads x 2 query tokens
+    (fmt(8, 8), 128, 32, torch.bfloat16, "gluon_regs"),  # 8-bit keys: the register kernel at every row count
+    (fmt(4, 4, dc=256, dr=32), 128, 8, torch.bfloat16, "triton"),  # MiniCPM3: RoPE group of 32
+    (fmt(4, 4, dc=256), 128, 8, torch.bfloat16, "gluon_regs"),  # 4 content groups: not the wide kernel's
+    (fmt(16, 16), 128, 32, torch.bfloat16, "triton"),  # C16R16
+    (fmt(4, 4), 16, 8, torch.float32, "triton"),  # fp32 model: the exact fp32 path
+    (fmt(4, 4, dc=192), 16, 8, torch.bfloat16, "torch"),  # three content groups: no kernel
+    (fmt(4, 4, dc=256, dr=32, group=32), 16, 8, torch.bfloat16, "triton"),  # groups of 32: not the Gluon kernels'
+    (fmt(4, 4, group=32), 16, 8, torch.bfloat16, "torch"),  # RoPE in two groups, content in 16: no kernel
+]
+
+
+@pytest.mark.parametrize("f, rows, batch, dtype, want", CASES)
+def test_hopper_table(gpu, f, rows, batch, dtype, want):
+    gpu(9, 0)
+    assert md.select_backend(f, rows, batch, dtype, "cuda") == want
+
+
+@pytest.mark.parametrize("f, rows, batch, dtype, want", CASES)
+def test_other_gpus_and_cpu(gpu, monkeypatch, f, rows, batch, dtype, want):
+    gpu(8, 0)  # A100: the portable kernel wherever a kernel takes the format
+    portable = "torch" if want == "torch" else "triton"
+    assert md.select_backend(f, rows, batch, dtype, "cuda") == portable
+    gpu(7, 0)  # no bf16 tensor-core dots
+    assert md.select_backend(f, rows, batch, dtype, "cuda") == "torch"
+    assert md.select_backend(f, rows, batch, dtype, "cpu") == "torch"  # CPU without the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert md.select_backend(f, rows, batch, dtype, "cpu") == portable
+
+
+def test_split_plan_and_fill_splits():
+    c4r4 = fmt(4, 4)
+    # the portable kernel: about 8 programs per multiprocessor, bounded by what the capacity holds
+    assert md.split_plan("triton", 1, 1, 32768, c4r4, 132) == (1056, 510)
+    assert md.split_plan("triton", 32, 1, 32768, c4r4, 132) == (33, 33)
+    assert md.split_plan("triton", 1, 1, 100, c4r4, 132)[1] == 1  # too short to split
+    # the Gluon kernels: their resident slots filled once (2 per SM one warpgroup, 1 two warpgroups)
+    assert md.split_plan("gluon_regs", 32, 1, 32768, c4r4, 132) == (8, 8)
+    assert md.split_plan("gluon_wide", 32, 4, 32768, c4r4, 132) == (1, 1)
+    assert md.split_plan("gluon_regs", 32, 1, 32768, c4r4, 132, num_splits=5) == (5, 5)
+    assert [md.fill_splits(B, 1, 132, 2) for B in (1, 8, 16, 32, 64, 264, 1000)] == [264, 33, 16, 8, 4, 1, 1]
+    for B, hb, sms, per in ((32, 1, 132, 2), (7, 3, 114, 2), (5, 8, 78, 1)):
+        n = md.fill_splits(B, hb, sms, per)
+        assert B * hb * n <= per * sms < B * hb * (n + 1)
+
+
+def test_flat_grid_numbers_every_program_once_packed_splits_first():
+    c4r4 = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64), 4, 128)
+    assert mc.copy_programs(c4r4) == 3
+    NS, B, M, bm = 5, 3, 40, 16
+    (n,) = mc.flat_grid(NS, c4r4, M, bm, B)
+    coords = [mc.program_coords(p, NS, 3, 3, n) for p in range(n)]
+    assert len(set(coords)) == n == B * 3 * (NS + 3)
+    assert all(s < NS for s, _, _ in coords[: B * 3 * NS])  # every packed split before any copy program
