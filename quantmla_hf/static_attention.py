@@ -45,7 +45,9 @@ def static_latent_decode_attention(module, layer, query: torch.Tensor, attention
     B, H, Tq, _ = query.shape
     q_nope, q_rot = query[..., :nope], query[..., nope:]
     w_uk, w_uv = split_kv_b(kv_b_weight(module, H, query.device), H, nope, module.v_head_dim)
-    if not torch.compiler.is_compiling() and not _mask_is_padding_causal_eager(layer, attention_mask, Tq):
+    # Compiled steps trust the mask; captured ones were checked once by their caller (`layer.host_checked`).
+    checked = torch.compiler.is_compiling() or layer.host_checked
+    if not checked and not _mask_is_padding_causal_eager(layer, attention_mask, Tq):
         content, k_rot = layer.read_history()
         n = content.shape[1]
         mask = attention_mask[..., :n] if attention_mask is not None else None
