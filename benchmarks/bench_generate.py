@@ -315,6 +315,99 @@ def check_generate(model, new_tokens, variants=CHECK_VARIANTS, N=4096):
     return out
 
 
+DEFAULT_POINTS = ((1, 4096), (8, 32768))
+
+
+@torch.no_grad()
+def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_points=DEFAULT_POINTS, inductor=False):
+    """Plain `model.generate()` on a QuantMLA model (C4R4, transform none: the default path, no flags: the decode
+    steps replay from CUDA graphs) beside the eager static path (`disable_compile=True` on a `StaticQuantMLACache`,
+    the same kernels stepped eagerly) and, with `inductor`, `compile_config=CompileConfig(fullgraph=True)`, in one
+    process, at each (batch, context) of `points` (random prompts, greedy):
+
+    - ms per new token `(t(new_tokens + 2) - t(2)) / new_tokens` after a first call, and that first call's seconds;
+    - greedy tokens of the default path identical to the eager static path (at `eager_points`), and sampling with
+      one seed (`do_sample=True`, top_k 50) identical too;
+    - captures: one graph per shape on the first call, none on later calls or between steps (`graph_stats`);
+    - the bare replay of the captured step (ms), to say what `generate` adds on top of it;
+    - the graph's memory (`nbytes` of its private pool).
+    """
+    from transformers.generation import CompileConfig
+
+    from quantmla_hf import apply_quantmla
+    from quantmla_hf.decode_graphs import graph_stats, graphs_of
+
+    dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=16, kv_lora_rank=512,
+                qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)
+    cfg = AutoConfig.for_model("deepseek_v3", num_hidden_layers=layers, num_key_value_heads=16, q_lora_rank=None,
+                               first_k_dense_replace=layers, max_position_embeddings=163840, **dims)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    apply_quantmla(model, QuantMLAConfig(content_bits=4, rope_bits=4, transform="none"))
+    print(json.dumps({"model_built_s": time.perf_counter() - t0}), flush=True)
+    kw = cache_kwarg(model)
+    stats = graph_stats(model)
+    results = []
+    for B, N in points:
+        g = torch.Generator(device="cpu").manual_seed(1)
+        ids = torch.randint(0, cfg.vocab_size, (B, N), generator=g).to(DEVICE)
+        base = dict(attention_mask=torch.ones_like(ids), pad_token_id=0)
+
+        def run(n, variant, sample=False):
+            extra = dict(do_sample=True, top_k=50) if sample else dict(do_sample=False)
+            if variant == "eager-static":
+                q = model.config.quantization_config
+                extra.update(disable_compile=True, **{kw: StaticQuantMLACache(
+                    config=model.config, quantization_config=q, max_cache_len=N + new_tokens + 2)})
+            elif variant == "inductor":
+                extra.update(compile_config=CompileConfig(fullgraph=True))
+            if sample:
+                torch.manual_seed(1234)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **base, **extra)
+            torch.cuda.synchronize()
+            return out[:, N:].tolist(), time.perf_counter() - t
+
+        variants = ["default"] + (["eager-static"] if (B, N) in eager_points else []) + (
+            ["inductor"] if inductor and (B, N) == points[0] else [])
+        row = dict(B=B, N=N, variants={})
+        for v in variants:
+            c0 = stats.captures
+            _, first = run(new_tokens + 2, v)
+            c1 = stats.captures
+            toks, t_long = run(new_tokens + 2, v)
+            _, t_short = run(2, v)
+            r = dict(ms_per_token=1000 * (t_long - t_short) / new_tokens, first_call_s=first, tokens=toks,
+                     captures_first_call=c1 - c0, captures_later_calls=stats.captures - c1)
+            if v == "default":
+                cache = model._quantmla_static_cache
+                graphs = graphs_of(cache)
+                step = next(iter(graphs.entries.values()))
+                r["graph_MiB"] = step.nbytes / 2**20
+                r["cache_len"] = cache.max_cache_len
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(20):
+                    step.graph.replay()
+                torch.cuda.synchronize()
+                r["replay_ms"] = 1000 * (time.perf_counter() - t) / 20
+            row["variants"][v] = r
+            print(json.dumps({"B": B, "N": N, "variant": v, **{k: x for k, x in r.items() if k != "tokens"}}), flush=True)
+        if "eager-static" in row["variants"]:
+            d, e = row["variants"]["default"]["tokens"], row["variants"]["eager-static"]["tokens"]
+            row["greedy_identical"] = d == e
+            row["sampled_identical"] = run(new_tokens, "default", True)[0] == run(new_tokens, "eager-static", True)[0]
+            print(json.dumps({"B": B, "N": N, "greedy_identical": row["greedy_identical"],
+                              "sampled_identical": row["sampled_identical"]}), flush=True)
+        results.append(row)
+    print(json.dumps({"captures": stats.captures, "replays": stats.replays, "eager_steps": stats.eager_steps,
+                      "capture_seconds": stats.capture_seconds}), flush=True)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -332,7 +425,20 @@ def main():
                     help="which generate paths --check-tokens runs (eager, static, graphed, compiled)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile 3 steps of every eager QuantMLA method")
     ap.add_argument("--skip", default="", help="method@BxN points not to run, e.g. dynamic-bf16@32x32768")
+    ap.add_argument("--default-points", default="",
+                    help="run only check_default_generate at these BxN points (e.g. 1x4096,8x32768,32x32768)")
+    ap.add_argument("--default-eager", default="1x4096,8x32768", help="points where the eager static path runs too")
+    ap.add_argument("--default-inductor", action="store_true", help="also the inductor path at the first point")
+    ap.add_argument("--default-tokens", type=int, default=64)
     a = ap.parse_args()
+    if a.default_points:
+        pts = [tuple(int(v) for v in p.split("x")) for p in a.default_points.split(",")]
+        eager = [tuple(int(v) for v in p.split("x")) for p in a.default_eager.split(",") if p]
+        res = check_default_generate(a.layers, a.default_tokens, pts, eager, a.default_inductor)
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, f"bench_generate_default{a.tag}.json"), "w") as f:
+            json.dump(dict(points=res), f, indent=1)
+        return
     model = v2_lite(a.layers, a.tiny)
     install_cache_hooks(model)
     # Target point first (batch 32 at 32K), then the rest of the grid; the budget cuts the tail.
