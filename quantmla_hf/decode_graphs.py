@@ -29,6 +29,7 @@ by (batch size, first length bucket), least recently used first out past `max_en
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -120,7 +121,7 @@ def log_fallback(reason: str | None) -> None:
         logger.warning_once(f"QuantMLA: decode steps run eagerly, not from CUDA graphs: {reason}.")
 
 
-def uncapturable(args: tuple, kwargs: dict) -> str | None:
+def uncapturable(args: tuple, kwargs: dict, device_type: str = "cuda") -> str | None:
     """Why the forward `model(*args, **kwargs)` cannot be a replayed decode step ("" for an ordinary eager step
     such as the prefill, which is not worth a log line), or None when it can."""
     cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
@@ -138,8 +139,8 @@ def uncapturable(args: tuple, kwargs: dict) -> str | None:
         return ""  # a prefill chunk: eager (SDPA)
     if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return "attention weights or hidden states are asked for"
-    if input_ids.device.type != "cuda":
-        return f"the inputs are on {input_ids.device}, not a CUDA device"
+    if input_ids.device.type != device_type:
+        return f"the inputs are on {input_ids.device}, not a {device_type} device"
     mask = kwargs.get("attention_mask")
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool):
         return "the attention mask is not a 4D bool tensor"
@@ -283,6 +284,8 @@ def graph_stats(model) -> GraphStats:
 class DecodeGraphStep:
     """The forward `generate` calls for each decode step of one call (see the module docstring)."""
 
+    device_type = "cuda"  # where steps are captured (`_warm_up` and `_record` say how)
+
     def __init__(self, model):
         self.model = model
         self.stats = graph_stats(model)
@@ -290,7 +293,7 @@ class DecodeGraphStep:
         self.eager_caches: set[int] = set()  # caches this call decodes eagerly (a mask the kernels cannot apply)
 
     def __call__(self, *args, **kwargs):
-        why = uncapturable(args, kwargs)
+        why = uncapturable(args, kwargs, self.device_type)
         cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
         if why is not None or id(cache) in self.eager_caches:
             log_fallback(why)
@@ -331,27 +334,41 @@ class DecodeGraphStep:
 
     def _capture(self, cache: StaticQuantMLACache, kwargs: dict, n_new: int) -> CapturedStep:
         start = time.perf_counter()
-        device = kwargs["input_ids"].device
         n = cache.host_length()
         inputs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
         try:
-            with torch.cuda.stream(side), cache.host_checked_steps():
-                for _ in range(WARMUP_STEPS):
-                    self.model(**inputs)
-                    cache.set_host_length(n)  # rewind: the replay rewrites the slots the warm-up wrote
-            torch.cuda.current_stream(device).wait_stream(side)
-            reserved = torch.cuda.memory_reserved(device)
-            graph = torch.cuda.CUDAGraph()
-            with cache.host_checked_steps(), torch.cuda.graph(graph):
-                output = self.model(**inputs)
+            with cache.host_checked_steps():
+                self._warm_up(cache, inputs, n)
+                graph, output, nbytes = self._record(inputs)
         finally:
-            cache.set_host_length(n)  # the capture ran no kernel: the counters stay where they were
-        nbytes = torch.cuda.memory_reserved(device) - reserved
+            cache.set_host_length(n)  # warm-ups rewound, and the capture ran no kernel: the counters stay at n
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - start
         return CapturedStep(graph, inputs, output, n_new, nbytes)
+
+    def _warm_up(self, cache: StaticQuantMLACache, inputs: dict, n: int) -> None:
+        """Run the step `WARMUP_STEPS` times on a side stream (kernel compilation, cuBLAS workspaces), rewinding
+        the cache after each: the replay then rewrites the same slots with the same values."""
+        device = inputs["input_ids"].device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self.model(**inputs)
+                cache.set_host_length(n)
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def _record(self, inputs: dict):
+        """Capture `model(**inputs)` into a CUDA graph with its own memory pool; returns (graph, output, bytes
+        the pool took)."""
+        device = inputs["input_ids"].device
+        gc.collect()
+        torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: what reserved memory gains is the pool's
+        reserved = torch.cuda.memory_reserved(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self.model(**inputs)
+        return graph, output, torch.cuda.memory_reserved(device) - reserved
 
 
 def compiled_call(model, stock_get_compiled_call, compile_config):

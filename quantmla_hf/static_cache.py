@@ -86,6 +86,7 @@ class StaticQuantMLALayer(QuantMLALayer):
         # Set by `StaticQuantMLACache.host_checked_steps`: the caller checked the mask and the room left on the host,
         # so a step skips its synchronising checks (a CUDA graph capture cannot synchronise).
         self.host_checked = False
+        self.make_room = None  # set by StaticQuantMLACache: grows every layer (within its length_limit)
         super().__init__(fmt, kernel, block_size=max_cache_len, rope_rotation=rope_rotation)
 
     # The host-side length is derived from the device counter after compiled steps (one synchronisation, outside
@@ -246,6 +247,10 @@ class StaticQuantMLALayer(QuantMLALayer):
         # Decode chunks (native): one mask shape for the whole generation. Prefill chunks and the stock attention
         # get the exact length (eager: the host length is read once per forward).
         if self.native and query_length <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens):
+            # generate asks before the step's forward: the place to grow, so the mask has the new length too.
+            if self.make_room is not None and not (_is_compiling() or self.host_checked):
+                if self.length + query_length > self.max_cache_len:
+                    self.make_room(self.length + query_length)
             return self.max_cache_len, 0
         return self.length + query_length, 0
 
@@ -331,6 +336,12 @@ class StaticQuantMLACache(QuantMLACache):
             StaticQuantMLALayer(self.format, self._static_len, self.quantization_config.kernel, rope_rotation)
             for _ in range(self.dims.num_cache_layers)
         ]
+        for layer in self.layers:
+            layer.make_room = self._make_room
+
+    def _make_room(self, needed: int) -> None:
+        if self.max_cache_len < needed <= self.length_limit:
+            self.grow_for(needed)
 
     @property
     def max_cache_len(self) -> int:
@@ -349,9 +360,7 @@ class StaticQuantMLACache(QuantMLACache):
         # Eager steps grow the cache (up to `length_limit`) before a write that would pass its end; a compiled
         # or captured step cannot (its caller grows it before the step).
         if layer_idx == 0 and not (_is_compiling() or self.layers[0].host_checked) and self.layers[0].is_initialized:
-            needed = self.host_length() + latent.shape[2]
-            if self.max_cache_len < needed <= self.length_limit:
-                self.grow_for(needed)
+            self._make_room(self.host_length() + latent.shape[2])
         return super().update(latent, k_rot, layer_idx, *args, **kwargs)
 
     def room_for(self, n_tokens: int) -> bool:
