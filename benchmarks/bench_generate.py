@@ -315,23 +315,41 @@ def check_generate(model, new_tokens, variants=CHECK_VARIANTS, N=4096):
     return out
 
 
-DEFAULT_POINTS = ((1, 4096), (8, 32768))
+DEFAULT_POINTS = ((1, 4096), (8, 32768), (32, 32768))
+
+
+class StepClock:
+    """A logits processor that only notes the time of every step (generate synchronises once per step, so the
+    intervals are the steps' times through generate)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+    def step_ms(self, skip=2):
+        gaps = sorted(b - a for a, b in zip(self.times[skip:], self.times[skip + 1:]))
+        return 1000 * gaps[len(gaps) // 2] if gaps else None
 
 
 @torch.no_grad()
-def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_points=DEFAULT_POINTS, inductor=False):
-    """Plain `model.generate()` on a QuantMLA model (C4R4, transform none: the default path, no flags: the decode
-    steps replay from CUDA graphs) beside the eager static path (`disable_compile=True` on a `StaticQuantMLACache`,
-    the same kernels stepped eagerly) and, with `inductor`, `compile_config=CompileConfig(fullgraph=True)`, in one
-    process, at each (batch, context) of `points` (random prompts, greedy):
+def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_points=DEFAULT_POINTS[:2],
+                           timed_points=DEFAULT_POINTS[:2], inductor=False, out_path=None):
+    """Plain `model.generate()` on a QuantMLA model (C4R4, transform none, no flags: the default path, decode
+    steps replayed from CUDA graphs) beside the eager static path (`disable_compile=True` on a
+    `StaticQuantMLACache`: the same kernels stepped eagerly) and, with `inductor`, `compile_config=CompileConfig(
+    fullgraph=True)` at the first point, in one process, at each (batch, context) of `points` (random prompts):
 
-    - ms per new token `(t(new_tokens + 2) - t(2)) / new_tokens` after a first call, and that first call's seconds;
-    - greedy tokens of the default path identical to the eager static path (at `eager_points`), and sampling with
-      one seed (`do_sample=True`, top_k 50) identical too;
-    - captures: one graph per shape on the first call, none on later calls or between steps (`graph_stats`);
-    - the bare replay of the captured step (ms), to say what `generate` adds on top of it;
-    - the graph's memory (`nbytes` of its private pool).
+    - the first call of the shape (`new_tokens + 2` greedy tokens; a short call at B1 first takes the process's
+      one-time kernel compilation), and at `timed_points` ms per new token `(t(new_tokens + 2) - t(2)) / new_tokens`;
+    - the median step time through generate (`StepClock`) and the bare replay of the captured step, so what
+      `generate` adds on top of the replay is their difference;
+    - at `eager_points`: greedy tokens identical to the eager static path, and sampling with one seed (top_k 50);
+    - captures: one graph for the shape's first call, none on later calls (`graph_stats`); the graph's memory.
     """
+    from transformers import LogitsProcessorList
     from transformers.generation import CompileConfig
 
     from quantmla_hf import apply_quantmla
@@ -342,69 +360,79 @@ def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_poin
     cfg = AutoConfig.for_model("deepseek_v3", num_hidden_layers=layers, num_key_value_heads=16, q_lora_rank=None,
                                first_k_dense_replace=layers, max_position_embeddings=163840, **dims)
     torch.manual_seed(0)
-    t0 = time.perf_counter()
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     apply_quantmla(model, QuantMLAConfig(content_bits=4, rope_bits=4, transform="none"))
-    print(json.dumps({"model_built_s": time.perf_counter() - t0}), flush=True)
     kw = cache_kwarg(model)
     stats = graph_stats(model)
     results = []
-    for B, N in points:
-        g = torch.Generator(device="cpu").manual_seed(1)
-        ids = torch.randint(0, cfg.vocab_size, (B, N), generator=g).to(DEVICE)
-        base = dict(attention_mask=torch.ones_like(ids), pad_token_id=0)
 
-        def run(n, variant, sample=False):
-            extra = dict(do_sample=True, top_k=50) if sample else dict(do_sample=False)
-            if variant == "eager-static":
-                q = model.config.quantization_config
-                extra.update(disable_compile=True, **{kw: StaticQuantMLACache(
-                    config=model.config, quantization_config=q, max_cache_len=N + new_tokens + 2)})
-            elif variant == "inductor":
-                extra.update(compile_config=CompileConfig(fullgraph=True))
-            if sample:
-                torch.manual_seed(1234)
+    def run(ids, n, variant, sample=False, clock=None):
+        N = ids.shape[1]
+        extra = dict(do_sample=True, top_k=50) if sample else dict(do_sample=False)
+        if variant == "eager-static":
+            extra.update(disable_compile=True, **{kw: StaticQuantMLACache(
+                config=model.config, quantization_config=model.config.quantization_config,
+                max_cache_len=N + n + 2)})
+        elif variant == "inductor":
+            extra.update(compile_config=CompileConfig(fullgraph=True))
+        if clock is not None:
+            extra["logits_processor"] = LogitsProcessorList([clock])
+        if sample:
+            torch.manual_seed(1234)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, max_new_tokens=n,
+                             min_new_tokens=n, **extra)
+        torch.cuda.synchronize()
+        return out[:, N:].tolist(), time.perf_counter() - t
+
+    warm = torch.randint(0, cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    t = time.perf_counter()
+    run(warm, 4, "default")
+    run(warm, 4, "eager-static")
+    print(json.dumps({"process_warm_up_s": time.perf_counter() - t}), flush=True)
+    jobs = [(p, "default") for p in points] + ([(points[0], "inductor")] if inductor else [])
+    rows = {}
+    for (B, N), v in jobs:
+        ids = torch.randint(0, cfg.vocab_size, (B, N), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        row = rows.setdefault((B, N), dict(B=B, N=N, variants={}))
+        c0 = stats.captures
+        clock = StepClock()
+        toks, first = run(ids, new_tokens + 2, v, clock=clock)
+        r = dict(first_call_s=first, step_ms_median=clock.step_ms(), captures_first_call=stats.captures - c0)
+        if (B, N) in timed_points or v == "inductor":
+            c1 = stats.captures
+            _, t_long = run(ids, new_tokens + 2, v)
+            _, t_short = run(ids, 2, v)
+            r.update(ms_per_token=1000 * (t_long - t_short) / new_tokens, captures_later_calls=stats.captures - c1)
+        if v == "default":
+            cache = model._quantmla_static_cache
+            step = next(iter(graphs_of(cache).entries.values()))
+            r.update(graph_MiB=step.nbytes / 2**20, cache_len=cache.max_cache_len,
+                     cache_GiB=cache.nbytes() / 2**30, graphs_on_cache=len(graphs_of(cache)))
             torch.cuda.synchronize()
             t = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **base, **extra)
+            for _ in range(20):
+                step.graph.replay()
             torch.cuda.synchronize()
-            return out[:, N:].tolist(), time.perf_counter() - t
-
-        variants = ["default"] + (["eager-static"] if (B, N) in eager_points else []) + (
-            ["inductor"] if inductor and (B, N) == points[0] else [])
-        row = dict(B=B, N=N, variants={})
-        for v in variants:
-            c0 = stats.captures
-            _, first = run(new_tokens + 2, v)
-            c1 = stats.captures
-            toks, t_long = run(new_tokens + 2, v)
-            _, t_short = run(2, v)
-            r = dict(ms_per_token=1000 * (t_long - t_short) / new_tokens, first_call_s=first, tokens=toks,
-                     captures_first_call=c1 - c0, captures_later_calls=stats.captures - c1)
-            if v == "default":
-                cache = model._quantmla_static_cache
-                graphs = graphs_of(cache)
-                step = next(iter(graphs.entries.values()))
-                r["graph_MiB"] = step.nbytes / 2**20
-                r["cache_len"] = cache.max_cache_len
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(20):
-                    step.graph.replay()
-                torch.cuda.synchronize()
-                r["replay_ms"] = 1000 * (time.perf_counter() - t) / 20
-            row["variants"][v] = r
-            print(json.dumps({"B": B, "N": N, "variant": v, **{k: x for k, x in r.items() if k != "tokens"}}), flush=True)
-        if "eager-static" in row["variants"]:
-            d, e = row["variants"]["default"]["tokens"], row["variants"]["eager-static"]["tokens"]
-            row["greedy_identical"] = d == e
-            row["sampled_identical"] = run(new_tokens, "default", True)[0] == run(new_tokens, "eager-static", True)[0]
-            print(json.dumps({"B": B, "N": N, "greedy_identical": row["greedy_identical"],
+            r["replay_ms"] = 1000 * (time.perf_counter() - t) / 20
+        if v == "default" and (B, N) in eager_points:
+            e_clock = StepClock()
+            e_toks, e_first = run(ids, new_tokens + 2, "eager-static", clock=e_clock)
+            row["variants"]["eager-static"] = dict(first_call_s=e_first, step_ms_median=e_clock.step_ms())
+            row["greedy_identical"] = toks == e_toks
+            row["sampled_identical"] = run(ids, new_tokens, v, True)[0] == run(ids, new_tokens, "eager-static", True)[0]
+            print(json.dumps({"B": B, "N": N, "variant": "eager-static", **row["variants"]["eager-static"],
+                              "greedy_identical": row["greedy_identical"],
                               "sampled_identical": row["sampled_identical"]}), flush=True)
-        results.append(row)
-    print(json.dumps({"captures": stats.captures, "replays": stats.replays, "eager_steps": stats.eager_steps,
-                      "capture_seconds": stats.capture_seconds}), flush=True)
+        row["variants"][v] = r
+        print(json.dumps({"B": B, "N": N, "variant": v, **r}), flush=True)
+        results = list(rows.values())
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(dict(points=results, graph_stats=vars(stats)), f, indent=1)
+    print(json.dumps({"graph_stats": vars(stats)}), flush=True)
     return results
 
 
@@ -428,16 +456,18 @@ def main():
     ap.add_argument("--default-points", default="",
                     help="run only check_default_generate at these BxN points (e.g. 1x4096,8x32768,32x32768)")
     ap.add_argument("--default-eager", default="1x4096,8x32768", help="points where the eager static path runs too")
+    ap.add_argument("--default-timed", default="1x4096,8x32768",
+                    help="points timed as (t(N + 2) - t(2)) / N over three calls (elsewhere: the step clock)")
     ap.add_argument("--default-inductor", action="store_true", help="also the inductor path at the first point")
     ap.add_argument("--default-tokens", type=int, default=64)
     a = ap.parse_args()
     if a.default_points:
         pts = [tuple(int(v) for v in p.split("x")) for p in a.default_points.split(",")]
         eager = [tuple(int(v) for v in p.split("x")) for p in a.default_eager.split(",") if p]
-        res = check_default_generate(a.layers, a.default_tokens, pts, eager, a.default_inductor)
+        timed = [tuple(int(v) for v in p.split("x")) for p in a.default_timed.split(",") if p]
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, f"bench_generate_default{a.tag}.json"), "w") as f:
-            json.dump(dict(points=res), f, indent=1)
+        check_default_generate(a.layers, a.default_tokens, pts, eager, timed, a.default_inductor,
+                               os.path.join(a.out, f"bench_generate_default{a.tag}.json"))
         return
     model = v2_lite(a.layers, a.tiny)
     install_cache_hooks(model)

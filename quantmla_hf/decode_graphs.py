@@ -38,6 +38,7 @@ import torch
 from transformers.utils import logging
 
 from .cache import NATIVE_MAX_QUERY
+from .masks import mask_is_padding_causal
 from .static_cache import StaticQuantMLACache
 
 logger = logging.get_logger(__name__)
@@ -152,8 +153,8 @@ def uncapturable(args: tuple, kwargs: dict, device_type: str = "cuda") -> str | 
 
 
 def step_signature(cache: StaticQuantMLACache, kwargs: dict) -> tuple:
-    """What a captured graph is specialised to: the cache's buffers and capacity, each tensor argument's shape,
-    dtype and device, every other argument's value."""
+    """What a captured graph is specialised to: the cache's buffers and capacity, whether its step writes sink
+    slots, each tensor argument's shape, dtype and device, every other argument's value."""
     parts = []
     for name in sorted(kwargs):
         if name in CACHE_KWARGS:
@@ -163,23 +164,14 @@ def step_signature(cache: StaticQuantMLACache, kwargs: dict) -> tuple:
             parts.append((name, tuple(value.shape), value.dtype, str(value.device)))
         else:
             parts.append((name, value))
-    return (cache.buffers_version, cache.max_cache_len, tuple(parts))
+    return (cache.buffers_version, cache.max_cache_len, cache.layers[0].sink_written(), tuple(parts))
 
 
-def mask_is_padding_causal(cache: StaticQuantMLACache, mask: torch.Tensor | None, n_new: int) -> bool:
-    """Whether `mask: [B, 1, n_new, K]` bool (or None) is the left padding + causal mask the kernels apply over the
-    `cache.host_length() + n_new` positions of the step, and hides everything past them. Synchronises once."""
-    from .attention import expected_mask
-
+def step_mask_is_padding_causal(cache: StaticQuantMLACache, mask: torch.Tensor | None, n_new: int) -> bool:
+    """Whether the step's `mask: [B, 1, n_new, K]` is the left padding + causal mask the kernels apply over the
+    `cache.host_length() + n_new` positions of the step (`masks.mask_is_padding_causal`, one synchronisation)."""
     layer = cache.layers[0]
-    total = cache.host_length() + n_new
-    if mask is None:
-        return layer.max_left_padding == 0
-    if mask.shape[-1] < total or mask.shape[-2] != n_new:
-        return False
-    want = expected_mask(layer.left_padding.to(mask.device), n_new, total)
-    rows = mask[:, 0]
-    return bool(torch.equal(rows[..., :total].expand_as(want), want)) and not bool(rows[..., total:].any())
+    return mask_is_padding_causal(layer.left_padding, layer.max_left_padding, mask, n_new, cache.host_length() + n_new)
 
 
 # ------------------------------------------------------------------------------------------------ the pools
@@ -304,7 +296,7 @@ class DecodeGraphStep:
         if not cache.room_for(n_new):
             cache.grow_for(cache.host_length() + n_new)
         if id(cache) not in self.checked_masks:
-            if not mask_is_padding_causal(cache, kwargs.get("attention_mask"), n_new):
+            if not step_mask_is_padding_causal(cache, kwargs.get("attention_mask"), n_new):
                 log_fallback("the attention mask is not left padding + causal (the kernels' own masking)")
                 self.eager_caches.add(id(cache))
                 self.stats.eager_steps += 1

@@ -199,7 +199,7 @@ class StaticQuantMLALayer(QuantMLALayer):
             else:
                 p["values"].index_copy_(1, positions.clamp(max=self.max_cache_len - 1), x.to(p["values"].dtype))
         S, R = self.fmt.sink_tokens, self.fmt.recent_tokens
-        if S:
+        if S and not self.sink_written():
             # Sink slot j of row b holds position lp_b + j: this chunk's token t = lp_b + j - length, if any.
             t_of_slot = self.left_padding[:, None] + torch.arange(S, device=c_new.device)[None, :] - pos0  # [B, S]
             hit = ((t_of_slot >= 0) & (t_of_slot < T)).unsqueeze(-1)
@@ -216,6 +216,15 @@ class StaticQuantMLALayer(QuantMLALayer):
             self._host_stale = True  # traced once, replayed many times: read the device counter when needed
         elif not self._host_stale:
             self._host_length += T
+
+    def sink_written(self) -> bool:
+        """Whether every row's sink slots hold their tokens already, from host-side counts (False when they are
+        not known: inside a compiled step, or after one). Then later steps, which only write further positions,
+        skip the sink writes (a dozen small kernels per layer): eager steps and captured ones (whose graph is keyed
+        by this answer, `decode_graphs.step_signature`)."""
+        if _is_compiling() or self._host_stale:
+            return False
+        return self._host_length >= self.max_left_padding + self.fmt.sink_tokens
 
     def advance_host_length(self, n_tokens: int) -> None:
         """Account for `n_tokens` written by a replayed CUDA graph (which runs no Python), without synchronising."""
@@ -269,21 +278,8 @@ class StaticQuantMLALayer(QuantMLALayer):
         self.max_left_padding = 0
         self.has_tokens = False
 
-    def crop(self, max_length: int) -> None:
-        """As `QuantMLALayer.crop` (both conventions), keeping every buffer in place."""
-        n = self.length
-        keep = n + max_length if max_length < 0 else min(max_length, n)
-        if keep < 0:
-            raise ValueError(f"cannot remove {-max_length} tokens from a cache holding {n}")
-        if keep == n or not self.is_initialized:
-            return
-        R = self.fmt.recent_tokens
-        lost_lo, lost_hi = max(0, keep - R), min(keep, n - R)
-        if R and lost_lo < lost_hi:
-            positions = torch.arange(lost_lo, lost_hi, device=self.device)
-            self.recent_content[:, positions % R] = self.content.read(lost_hi, lost_lo).to(self.recent_content.dtype)
-            self.recent_rope[:, positions % R] = self.rope.read(lost_hi, lost_lo).to(self.recent_rope.dtype)
-        self.length = keep
+    def _cropped(self, keep: int) -> None:
+        # `QuantMLALayer.crop` (both conventions, the recent window refilled), keeping every buffer in place.
         self.has_tokens = keep > 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
