@@ -11,6 +11,11 @@ separately, not in the step time.
         [--methods dynamic-bf16,C4R4,C4R4-compiled,C4R4-graphed] [--grid 1x4096,8x32768]
         [--skip dynamic-bf16@32x32768] [--profile] [--check-tokens 64] [--check-variants eager,static,graphed]
 
+`--default-points 1x4096,8x32768,32x32768` runs only `check_default_generate`: plain `model.generate()` (no flags:
+decode steps replayed from CUDA graphs) beside the eager static path and, with `--default-inductor`, inductor, in one
+process: ms per token, step times, replay time, first-call seconds, identical greedy/sampled tokens, captures and
+graph memory (written to `bench_generate_default.json`).
+
 `--profile` records 5 steps of every captured method (`-compiled`, `-graphed`) with torch.profiler and prints the
 GPU time per step of each kernel family. `--check-tokens N` runs `model.generate` greedy for N tokens at batch 1,
 4K context (C4R4) through each of `--check-variants` (`check_generate`), reports which agree token for token, and

@@ -3,15 +3,19 @@
 Same content and byte layout as `QuantMLACache` (`quantmla_hf/cache.py`, `quantmla_hf/format.py`), but per layer
 - the packed planes hold `max_cache_len` positions from the first write on (`[B, max_cache_len, .]`), and the sink
   `[B, S, d]`, recent `[B, R, d]` and left-padding `[B]` buffers never move: every write is in place, so their
-  addresses stay fixed (marked static for `torch.compile`/CUDA graphs);
-- the number of cached positions lives on the device, `cumulative_length: int64 [1]`.
+  addresses stay fixed (marked static for `torch.compile`/CUDA graphs) until the cache grows (below);
+- the number of cached positions lives on the device, `cumulative_length: int64 [1]`, with a host-side copy kept
+  without synchronising (eager steps count, `advance_host_length` counts replayed ones; after compiled steps it is
+  read back once when needed).
 
 A decode step (a chunk of at most `min(16, recent_tokens)` tokens through the "quantmla" attention) then has no
 host synchronisation and no data-dependent shape: the new tokens are quantized and written at the device-side
 position (`torch.ops.quantmla.quant_append`), copied into the sink slots they fall in and into the recent ring
 (`index_copy_`), and attention reads the length and left padding on the device (`torch.ops.quantmla.mla_decode`,
-grid and splits fixed by `max_cache_len`). `is_compileable = True`, so `generate` compiles the decode step
-(prefill stays eager: longer chunks take the `QuantMLACache` path, which may synchronise).
+grid and splits fixed by `max_cache_len`). Sink writes stop once every row's sink is written (`sink_written`, a
+host-side answer). `is_compileable = True`: plain `generate` replays the step from CUDA graphs
+(`quantmla_hf.decode_graphs`), or compiles it when asked (`compile_config`); the prefill stays eager (longer chunks
+take the `QuantMLACache` path, which may synchronise).
 
 Masks: `get_mask_sizes` reports `max_cache_len` key positions for decode chunks, so the 4D mask that `generate`
 builds keeps one shape for the whole generation (prefill chunks get the exact length, as with `QuantMLACache`). An
@@ -257,9 +261,11 @@ class StaticQuantMLALayer(QuantMLALayer):
         # get the exact length (eager: the host length is read once per forward).
         if self.native and query_length <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens):
             # generate asks before the step's forward: the place to grow, so the mask has the new length too.
-            if self.make_room is not None and not (_is_compiling() or self.host_checked):
-                if self.length + query_length > self.max_cache_len:
-                    self.make_room(self.length + query_length)
+            # Only where the host count is known (eager and captured steps): after compiled steps it is not (dynamo
+            # replays `_host_stale = True`), and reading it would synchronise before every compiled step.
+            if self.make_room is not None and not (_is_compiling() or self.host_checked or self._host_stale):
+                if self._host_length + query_length > self.max_cache_len:
+                    self.make_room(self._host_length + query_length)
             return self.max_cache_len, 0
         return self.length + query_length, 0
 
