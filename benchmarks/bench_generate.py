@@ -1,7 +1,7 @@
 """Decode throughput and peak memory of a DeepSeek-V2-Lite-shaped model (real attention widths, a few dense
 layers, random bf16 weights): stock DynamicCache, transformers' QuantizedCache (quanto int4, when optimum-quanto is
 installed) and QuantMLACache (C16R16, C4R4, C2R4, native "quantmla" decode), eager or, for the `-static` and
-`-compiled`/`-graphed` methods, on a `StaticQuantMLACache` (issue #10): `-static` runs its decode step eagerly,
+`-compiled`/`-graphed` methods, on a `StaticQuantMLACache`: `-static` runs its decode step eagerly,
 `-compiled` through `torch.compile(model, mode="reduce-overhead", fullgraph=True)` (inductor: fused kernels, one
 CUDA graph per step), `-graphed` through `torch.compile(model, backend="cudagraphs", fullgraph=True)` (the eager
 kernels recorded into one CUDA graph per step: no code generation, eager numerics). Compile time is reported

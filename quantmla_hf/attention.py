@@ -103,7 +103,7 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
     return expand_latent(o_lat, w_uv, query.dtype)
 
 
-# --- output_attentions (#16): the weights need the full score matrix, which only an eager attention forms ---------
+# --- output_attentions: the weights need the full score matrix, which only an eager attention forms ---------
 def eager_attention_with_weights(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,

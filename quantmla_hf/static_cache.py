@@ -240,12 +240,8 @@ class StaticQuantMLALayer(QuantMLALayer):
         if max_cache_len <= self.max_cache_len:
             return
         if self.is_initialized:
-            for store in (self.content, self.rope):
-                for name, old in store.planes.items():
-                    new = torch.zeros((old.shape[0], max_cache_len, old.shape[2]), dtype=old.dtype, device=old.device)
-                    new[:, : old.shape[1]].copy_(old)
-                    store.planes[name] = new
-                store.block_size = max_cache_len
+            self.content.grow_to(max_cache_len)
+            self.rope.grow_to(max_cache_len)
             self._mark_all_static()
         self.max_cache_len = max_cache_len
         self.block_size = max_cache_len

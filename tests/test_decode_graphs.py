@@ -119,6 +119,14 @@ def test_static_cache_grows_in_place_and_decodes_as_the_growing_cache():
 
 
 # ------------------------------------------------------------------------------------------------ decisions
+def test_decode_graphs_option_is_validated_and_saved():
+    for choice in ("auto", True, False):
+        assert QuantMLAConfig.from_dict(QuantMLAConfig(decode_graphs=choice).to_dict()).decode_graphs == choice
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="decode_graphs must be 'auto', True or False"):
+            QuantMLAConfig(decode_graphs=bad)
+
+
 def test_plan_decode_decisions():
     model = _model()
     greedy = GenerationConfig(max_new_tokens=4)

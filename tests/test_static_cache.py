@@ -1,4 +1,4 @@
-"""Static QuantMLA cache (issue #10): device-side lengths, custom ops, compiled decode without graph breaks.
+"""Static QuantMLA cache: device-side lengths, custom ops, compiled decode without graph breaks.
 
 CPU only, cheap: `torch.compile(backend="eager", fullgraph=True)` traces exactly what inductor would receive
 (dynamo + the ops' fake implementations) without C++ compilation; one-layer tiny models keep tracing short.
@@ -320,7 +320,7 @@ def test_ops_fake_implementations_and_opcheck():
 
 
 def test_decode_op_falls_back_when_the_fast_kernel_is_absent(monkeypatch):
-    """Without quantmla_hf.kernels.mla_decode_fast (issue #11) the op runs the fallback; a module whose
+    """Without quantmla_hf.kernels.mla_decode_fast the op runs the fallback; a module whose
     fast_supported says no is skipped too."""
     monkeypatch.setattr(ops, "_fast_module", lambda: None)
     args = _static_args(1, 12, 16, 2, 1, 4, 4, 2, 4, torch.float32, [0], seed=2)
