@@ -1,7 +1,7 @@
 """Decode throughput and peak memory of a DeepSeek-V2-Lite-shaped model (real attention widths, a few dense
 layers, random bf16 weights): stock DynamicCache, transformers' QuantizedCache (quanto int4, when optimum-quanto is
 installed) and QuantMLACache (C16R16, C4R4, C2R4, native "quantmla" decode), eager or, for the `-static` and
-`-compiled`/`-graphed` methods, on a `StaticQuantMLACache` (issue #10): `-static` runs its decode step eagerly,
+`-compiled`/`-graphed` methods, on a `StaticQuantMLACache`: `-static` runs its decode step eagerly,
 `-compiled` through `torch.compile(model, mode="reduce-overhead", fullgraph=True)` (inductor: fused kernels, one
 CUDA graph per step), `-graphed` through `torch.compile(model, backend="cudagraphs", fullgraph=True)` (the eager
 kernels recorded into one CUDA graph per step: no code generation, eager numerics). Compile time is reported
@@ -10,6 +10,11 @@ separately, not in the step time.
     python benchmarks/bench_generate.py --out DIR [--layers 27] [--steps 16] [--budget-gib 64]
         [--methods dynamic-bf16,C4R4,C4R4-compiled,C4R4-graphed] [--grid 1x4096,8x32768]
         [--skip dynamic-bf16@32x32768] [--profile] [--check-tokens 64] [--check-variants eager,static,graphed]
+
+`--default-points 1x4096,8x32768,32x32768` runs only `check_default_generate`: plain `model.generate()` (no flags:
+decode steps replayed from CUDA graphs) beside the eager static path and, with `--default-inductor`, inductor, in one
+process: ms per token, step times, replay time, first-call seconds, identical greedy/sampled tokens, captures and
+graph memory (written to `bench_generate_default.json`).
 
 `--profile` records 5 steps of every captured method (`-compiled`, `-graphed`) with torch.profiler and prints the
 GPU time per step of each kernel family. `--check-tokens N` runs `model.generate` greedy for N tokens at batch 1,
@@ -315,6 +320,127 @@ def check_generate(model, new_tokens, variants=CHECK_VARIANTS, N=4096):
     return out
 
 
+DEFAULT_POINTS = ((1, 4096), (8, 32768), (32, 32768))
+
+
+class StepClock:
+    """A logits processor that only notes the time of every step (generate synchronises once per step, so the
+    intervals are the steps' times through generate)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+    def step_ms(self, skip=2):
+        gaps = sorted(b - a for a, b in zip(self.times[skip:], self.times[skip + 1:]))
+        return 1000 * gaps[len(gaps) // 2] if gaps else None
+
+
+@torch.no_grad()
+def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_points=DEFAULT_POINTS[:2],
+                           timed_points=DEFAULT_POINTS[:2], inductor=False, out_path=None):
+    """Plain `model.generate()` on a QuantMLA model (C4R4, transform none, no flags: the default path, decode
+    steps replayed from CUDA graphs) beside the eager static path (`disable_compile=True` on a
+    `StaticQuantMLACache`: the same kernels stepped eagerly) and, with `inductor`, `compile_config=CompileConfig(
+    fullgraph=True)` at the first point, in one process, at each (batch, context) of `points` (random prompts):
+
+    - the first call of the shape (`new_tokens + 2` greedy tokens; a short call at B1 first takes the process's
+      one-time kernel compilation), and at `timed_points` ms per new token `(t(new_tokens + 2) - t(2)) / new_tokens`;
+    - the median step time through generate (`StepClock`) and the bare replay of the captured step, so what
+      `generate` adds on top of the replay is their difference;
+    - at `eager_points`: greedy tokens identical to the eager static path, and sampling with one seed (top_k 50);
+    - captures: one graph for the shape's first call, none on later calls (`graph_stats`); the graph's memory.
+    """
+    from transformers import LogitsProcessorList
+    from transformers.generation import CompileConfig
+
+    from quantmla_hf import apply_quantmla
+    from quantmla_hf.decode_graphs import graph_stats, graphs_of
+
+    dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=16, kv_lora_rank=512,
+                qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)
+    cfg = AutoConfig.for_model("deepseek_v3", num_hidden_layers=layers, num_key_value_heads=16, q_lora_rank=None,
+                               first_k_dense_replace=layers, max_position_embeddings=163840, **dims)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    apply_quantmla(model, QuantMLAConfig(content_bits=4, rope_bits=4, transform="none"))
+    kw = cache_kwarg(model)
+    stats = graph_stats(model)
+    results = []
+
+    def run(ids, n, variant, sample=False, clock=None):
+        N = ids.shape[1]
+        extra = dict(do_sample=True, top_k=50) if sample else dict(do_sample=False)
+        if variant == "eager-static":
+            extra.update(disable_compile=True, **{kw: StaticQuantMLACache(
+                config=model.config, quantization_config=model.config.quantization_config,
+                max_cache_len=N + n + 2)})
+        elif variant == "inductor":
+            extra.update(compile_config=CompileConfig(fullgraph=True))
+        if clock is not None:
+            extra["logits_processor"] = LogitsProcessorList([clock])
+        if sample:
+            torch.manual_seed(1234)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, max_new_tokens=n,
+                             min_new_tokens=n, **extra)
+        torch.cuda.synchronize()
+        return out[:, N:].tolist(), time.perf_counter() - t
+
+    warm = torch.randint(0, cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    t = time.perf_counter()
+    run(warm, 4, "default")
+    run(warm, 4, "eager-static")
+    print(json.dumps({"process_warm_up_s": time.perf_counter() - t}), flush=True)
+    jobs = [(p, "default") for p in points] + ([(points[0], "inductor")] if inductor else [])
+    rows = {}
+    for (B, N), v in jobs:
+        ids = torch.randint(0, cfg.vocab_size, (B, N), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        row = rows.setdefault((B, N), dict(B=B, N=N, variants={}))
+        c0 = stats.captures
+        clock = StepClock()
+        toks, first = run(ids, new_tokens + 2, v, clock=clock)
+        r = dict(first_call_s=first, step_ms_median=clock.step_ms(), captures_first_call=stats.captures - c0)
+        if (B, N) in timed_points or v == "inductor":
+            c1 = stats.captures
+            _, t_long = run(ids, new_tokens + 2, v)
+            _, t_short = run(ids, 2, v)
+            r.update(ms_per_token=1000 * (t_long - t_short) / new_tokens, captures_later_calls=stats.captures - c1)
+        if v == "default":
+            cache = model._quantmla_static_cache
+            step = next(iter(graphs_of(cache).entries.values()))
+            r.update(graph_MiB=step.nbytes / 2**20, cache_len=cache.max_cache_len,
+                     cache_GiB=cache.nbytes() / 2**30, graphs_on_cache=len(graphs_of(cache)))
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(20):
+                step.graph.replay()
+            torch.cuda.synchronize()
+            r["replay_ms"] = 1000 * (time.perf_counter() - t) / 20
+        if v == "default" and (B, N) in eager_points:
+            e_clock = StepClock()
+            e_toks, e_first = run(ids, new_tokens + 2, "eager-static", clock=e_clock)
+            row["variants"]["eager-static"] = dict(first_call_s=e_first, step_ms_median=e_clock.step_ms())
+            row["greedy_identical"] = toks == e_toks
+            row["sampled_identical"] = run(ids, new_tokens, v, True)[0] == run(ids, new_tokens, "eager-static", True)[0]
+            print(json.dumps({"B": B, "N": N, "variant": "eager-static", **row["variants"]["eager-static"],
+                              "greedy_identical": row["greedy_identical"],
+                              "sampled_identical": row["sampled_identical"]}), flush=True)
+        row["variants"][v] = r
+        print(json.dumps({"B": B, "N": N, "variant": v, **r}), flush=True)
+        results = list(rows.values())
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(dict(points=results, graph_stats=vars(stats)), f, indent=1)
+    print(json.dumps({"graph_stats": vars(stats)}), flush=True)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -332,7 +458,22 @@ def main():
                     help="which generate paths --check-tokens runs (eager, static, graphed, compiled)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile 3 steps of every eager QuantMLA method")
     ap.add_argument("--skip", default="", help="method@BxN points not to run, e.g. dynamic-bf16@32x32768")
+    ap.add_argument("--default-points", default="",
+                    help="run only check_default_generate at these BxN points (e.g. 1x4096,8x32768,32x32768)")
+    ap.add_argument("--default-eager", default="1x4096,8x32768", help="points where the eager static path runs too")
+    ap.add_argument("--default-timed", default="1x4096,8x32768",
+                    help="points timed as (t(N + 2) - t(2)) / N over three calls (elsewhere: the step clock)")
+    ap.add_argument("--default-inductor", action="store_true", help="also the inductor path at the first point")
+    ap.add_argument("--default-tokens", type=int, default=64)
     a = ap.parse_args()
+    if a.default_points:
+        pts = [tuple(int(v) for v in p.split("x")) for p in a.default_points.split(",")]
+        eager = [tuple(int(v) for v in p.split("x")) for p in a.default_eager.split(",") if p]
+        timed = [tuple(int(v) for v in p.split("x")) for p in a.default_timed.split(",") if p]
+        os.makedirs(a.out, exist_ok=True)
+        check_default_generate(a.layers, a.default_tokens, pts, eager, timed, a.default_inductor,
+                               os.path.join(a.out, f"bench_generate_default{a.tag}.json"))
+        return
     model = v2_lite(a.layers, a.tiny)
     install_cache_hooks(model)
     # Target point first (batch 32 at 32K), then the rest of the grid; the budget cuts the tail.

@@ -19,9 +19,16 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import ops
-from .absorbed import absorbed_attention_ref, split_kv_b
 from .cache import QuantMLACache
-from .distributed import device_guard, kv_b_weight
+from .distributed import device_guard
+from .masks import expected_mask, layer_mask_is_padding_causal  # noqa: F401  (expected_mask re-exported)
+from .static_attention import (
+    expand_latent,
+    latent_query,
+    latent_weights,
+    reference_decode,
+    static_latent_decode_attention,
+)
 
 ATTN_IMPLEMENTATION = "quantmla"
 
@@ -44,29 +51,13 @@ def _kernel_is_triton(layer, device: torch.device) -> bool:
     return layer.kernel == "triton" or device.type == "cuda"
 
 
-def expected_mask(left_padding: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
-    """Bool `[B, q_len, kv_len]`: row b, query t sees positions `[left_padding[b], kv_len - q_len + t]`."""
-    pos = torch.arange(kv_len, device=left_padding.device)
-    limit = kv_len - q_len + 1 + torch.arange(q_len, device=left_padding.device)
-    return (pos[None, None, :] >= left_padding[:, None, None]) & (pos[None, None, :] < limit[None, :, None])
-
-
 def _mask_is_padding_causal(state, layer, attention_mask, q_len: int) -> bool:
-    """True when the kernel's own masking (left padding + causal) is exactly `attention_mask`."""
+    """True when the kernel's own masking (left padding + causal) is exactly `attention_mask` (the growing cache's
+    masks span its `length` positions); checked once per forward (`masks.layer_mask_is_padding_causal`)."""
     n = layer.length
-    if attention_mask is None:
-        return layer.max_left_padding == 0
-    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-1] != n:
+    if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[-1] != n):
         return False
-    key = (attention_mask.data_ptr(), attention_mask._version, tuple(attention_mask.shape), n,
-           layer.left_padding.data_ptr())
-    if state is not None and state.mask_key == key:
-        return state.mask_is_padding_causal
-    want = expected_mask(layer.left_padding, q_len, n)
-    ok = bool(torch.equal(attention_mask[:, 0].expand_as(want), want))
-    if state is not None:
-        state.mask_key, state.mask_is_padding_causal = key, ok
-    return ok
+    return layer_mask_is_padding_causal(state, layer, attention_mask, q_len, n)
 
 
 def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
@@ -79,28 +70,15 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
 
     Returns `[B, Tq, H, d_v]`.
     """
-    if layer.is_compileable:  # [static cache, issue #10] device-side lengths, no host synchronisation
-        from .static_attention import static_latent_decode_attention
-
+    if layer.is_compileable:  # the static cache: device-side lengths, no host synchronisation
         return static_latent_decode_attention(module, layer, query, attention_mask, scaling)
-    nope = module.qk_nope_head_dim
-    B, H, Tq, _ = query.shape
-    q_nope, q_rot = query[..., :nope], query[..., nope:]
-    # Tensor parallel / offload (quantmla_hf.distributed): the kv_b_proj rows of this process's H query heads.
-    w_uk, w_uv = split_kv_b(kv_b_weight(module, H, query.device), H, nope, module.v_head_dim)
+    q_nope, q_rot, w_uk, w_uv = latent_weights(module, query)
     state = getattr(module, "_quantmla_state", None)
-    if not _mask_is_padding_causal(state, layer, attention_mask, Tq):
-        content, k_rot = layer.read_history()
-        out, _ = absorbed_attention_ref(q_nope, q_rot, content, k_rot, w_uk, w_uv, scaling, attention_mask)
-        return out
-    # q_lat[b, h, t] = q_nope[b, h, t] @ W_UK[h]: [B, H, Tq, d_c], in the model dtype like the stock projections.
+    if not _mask_is_padding_causal(state, layer, attention_mask, query.shape[2]):
+        return reference_decode(layer, q_nope, q_rot, w_uk, w_uv, scaling, attention_mask)
     # Model-dtype queries go to the kernel as they are: bf16/fp16 values are exact in its fp16 operands (one dot),
     # where fp32 queries need a high/low split (two dots).
-    q_lat = torch.matmul(q_nope, w_uk.to(q_nope.dtype).unsqueeze(0))
-    if layer.rope_rotation is not None:
-        q_rot = q_rot.float()
-        # The stored k_R copies are k_R @ rot.T; rotating the query the same way leaves q . k unchanged.
-        q_rot = q_rot @ layer.rope_rotation.to(device=q_rot.device, dtype=torch.float32).T
+    q_lat, q_rot = latent_query(layer, q_nope, q_rot, w_uk)
     use_triton = _kernel_is_triton(layer, query.device)
     with device_guard(query.device):  # device maps: Triton launches on the current device, make it this layer's
         # The static cache's dispatch (the same kernel, split boundaries from the length): eager and static decoding
@@ -111,11 +89,10 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
             layer.recent_content, layer.recent_rope, layer.left_padding, length,
             min(layer.content.capacity, layer.rope.capacity), scaling, use_triton,
         )
-    out = torch.matmul(o_lat.to(query.dtype), w_uv.to(query.dtype).transpose(1, 2).unsqueeze(0))  # [B, H, Tq, d_v]
-    return out.transpose(1, 2)
+    return expand_latent(o_lat, w_uv, query.dtype)
 
 
-# --- output_attentions (#16): the weights need the full score matrix, which only an eager attention forms ---------
+# --- output_attentions: the weights need the full score matrix, which only an eager attention forms ---------
 def eager_attention_with_weights(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,

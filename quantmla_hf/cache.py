@@ -303,9 +303,13 @@ class QuantMLALayer(CacheLayerMixin):
         lost_lo, lost_hi = max(0, keep - R), min(keep, n - R)
         if R and lost_lo < lost_hi:
             positions = torch.arange(lost_lo, lost_hi, device=self.device)
-            self.recent_content[:, positions % R] = self.content.read(lost_hi, lost_lo)
-            self.recent_rope[:, positions % R] = self.rope.read(lost_hi, lost_lo)
+            self.recent_content[:, positions % R] = self.content.read(lost_hi, lost_lo).to(self.recent_content.dtype)
+            self.recent_rope[:, positions % R] = self.rope.read(lost_hi, lost_lo).to(self.recent_rope.dtype)
         self.length = keep
+        self._cropped(keep)
+
+    def _cropped(self, keep: int) -> None:
+        """After a crop to `keep` tokens: release the storage past them (a static layer keeps its buffers)."""
         self.content.shrink(keep)
         self.rope.shrink(keep)
 

@@ -73,6 +73,9 @@ class QuantMLAConfig(QuantizationConfigMixin):
         static_cache: the cache `generate` builds: True for a `StaticQuantMLACache` preallocated for the call's
             maximum length (compiled decode, one CUDA graph per step), False for the growing `QuantMLACache`,
             "auto" (default) for the static one only when the call passes a `compile_config` on one CUDA device.
+        decode_graphs: whether plain `generate()` replays its decode steps from CUDA graphs (static cache, no
+            compiler; `quantmla_hf.decode_graphs`): "auto" (default) on one CUDA device where the call can be
+            captured, True to insist (an error where it cannot be used), False for eager decode.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
         calibrated: bool = False,
         cache_block_size: int = 256,
         static_cache: bool | str = "auto",
+        decode_graphs: bool | str = "auto",
         **kwargs,
     ):
         object.__setattr__(self, "_validating", False)
@@ -121,6 +125,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
         self.calibrated = calibrated
         self.cache_block_size = cache_block_size
         self.static_cache = static_cache
+        self.decode_graphs = decode_graphs
         # Keys written by the library after calibration (e.g. the measured cache footprint) round-trip untouched.
         self.extra = {k: v for k, v in kwargs.items() if k != "quant_method"}
         self.post_init()
@@ -200,6 +205,8 @@ class QuantMLAConfig(QuantizationConfigMixin):
             self.static_cache, bool
         ):
             raise ValueError(f"static_cache must be 'auto', True or False, got {self.static_cache!r}")
+        if not (self.decode_graphs == "auto" or isinstance(self.decode_graphs, bool)):
+            raise ValueError(f"decode_graphs must be 'auto', True or False, got {self.decode_graphs!r}")
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"calibrated must be True or False, got {self.calibrated!r}")
         if not isinstance(self.extra, dict):
@@ -238,6 +245,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
             "calibrated": self.calibrated,
             "cache_block_size": self.cache_block_size,
             "static_cache": self.static_cache,
+            "decode_graphs": self.decode_graphs,
         }
         out.update(copy.deepcopy(self.extra))
         return out
@@ -272,7 +280,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
 FIELDS = (
     "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "transform", "kernel",
     "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_steps", "calibration_lr", "seed",
-    "calibrated", "cache_block_size", "static_cache",
+    "calibrated", "cache_block_size", "static_cache", "decode_graphs",
 )
 _DEFAULTS = {
     name: p.default

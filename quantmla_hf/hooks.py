@@ -5,7 +5,10 @@ A pre-hook on the top-level model sees the cache and the 2D attention mask that 
   tokens of every row, not padding;
 - it shares the cache with the MLA attention modules, which the "quantmla" attention implementation reads;
 - it records whether the forward asks for attention weights (`output_attentions`), which that implementation then
-  computes eagerly (latent-space decode off for that forward).
+  computes eagerly (latent-space decode off for that forward);
+- it forgets the previous forward's mask check (the first MLA layer checks the new mask, once for all layers).
+Nothing here synchronises with the device: a static cache reports whether it holds tokens from a host-side flag.
+A decode step replayed from a CUDA graph (`quantmla_hf.decode_graphs`) runs no hook at all.
 The hook sits on the model and on its base model (`model.model`), so a direct call to the latter is seen too.
 """
 
@@ -32,6 +35,7 @@ def _pre_forward(model, args, kwargs):
     cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
     state: QuantMLAState = model._quantmla_state
     state.cache = cache if isinstance(cache, QuantMLACache) else None
+    state.mask_key = None  # the mask check is made once per forward (masks.layer_mask_is_padding_causal)
     output_attentions = kwargs.get("output_attentions")
     state.output_attentions = bool(
         output_attentions if output_attentions is not None else getattr(model.config, "output_attentions", False)
@@ -42,7 +46,7 @@ def _pre_forward(model, args, kwargs):
     # set_attn_implementation takes effect at once), and not when attention weights are asked for.
     state.cache.set_native(model.config._attn_implementation == ATTN_IMPLEMENTATION and not state.output_attentions)
     mask = kwargs.get("attention_mask")
-    # A static cache answers from a host-side flag: its length lives on the device (issue #10).
+    # A static cache answers from a host-side flag: its length lives on the device.
     holds = getattr(state.cache, "holds_tokens", None)
     empty = not holds() if holds is not None else state.cache.get_seq_length() == 0
     if empty and isinstance(mask, torch.Tensor) and mask.dim() == 2:

@@ -27,8 +27,11 @@ from .attention import ATTN_IMPLEMENTATION
 from .cache import QuantMLACache
 from .calibration_check import CALIBRATION_HINT, check_calibration_inputs  # noqa: F401  (CALIBRATION_HINT re-exported)
 from .config import QuantMLAConfig
+from .decode_graphs import compiled_call
 from .hooks import install_cache_hooks, mla_attention_modules
 from .mla import MLADims, mla_dims
+from .static_generate import generation_cache, plan_for_given_cache
+from .static_generate import model_qconfig as _model_qconfig
 
 # transformers 5.17 passes the cache to forward as `past_key_values`; 5.18 renamed it `cache`.
 GENERATE_CACHE_KWARG = (
@@ -60,18 +63,6 @@ def build_cache(model: torch.nn.Module, quantization_config: QuantMLAConfig | No
     """A fresh `QuantMLACache` for `model`, from `quantization_config` or the model's own quantization config."""
     qconfig = quantization_config or _model_qconfig(model)
     return QuantMLACache(config=model.config.get_text_config(decoder=True), quantization_config=qconfig)
-
-
-def _model_qconfig(model) -> QuantMLAConfig:
-    qconfig = getattr(model.config, "quantization_config", None)
-    if isinstance(qconfig, dict):
-        qconfig = QuantMLAConfig.from_dict(qconfig)
-    if not isinstance(qconfig, QuantMLAConfig):
-        raise ValueError(
-            f"{type(model).__name__} carries no QuantMLAConfig (quantization_config={qconfig!r}); load it with "
-            "from_pretrained(..., quantization_config=QuantMLAConfig(...)) or call quantmla_hf.apply_quantmla(model, config)"
-        )
-    return qconfig
 
 
 def _resolve_tokenizer(model, qconfig: QuantMLAConfig, tokenizer):
@@ -185,7 +176,8 @@ def unprepare_model(model, dtype=None):
                 module._forward_pre_hooks_with_kwargs.pop(key, None)
         module.__dict__.pop("_quantmla_state", None)
     attn = model.__dict__.pop("_quantmla_stock_attn", None)
-    for name in ("_prepare_cache_for_generation", "save_pretrained", "push_to_hub", "half", "float", "bfloat16",
+    for name in ("_prepare_cache_for_generation", "get_compiled_call", "_quantmla_decode_plan", "_quantmla_cache_pool",
+                 "_quantmla_static_cache", "save_pretrained", "push_to_hub", "half", "float", "bfloat16",
                  "_quantmla_generation_default", "_quantmla_model_card"):
         model.__dict__.pop(name, None)
     if model.config._attn_implementation == ATTN_IMPLEMENTATION:
@@ -308,10 +300,13 @@ def _install_generation_default(model) -> None:
             and generation_config.use_cache is not False
             and generation_config.cache_implementation is None
         ):
-            # [static cache, issue #10] a preallocated cache (compiled decode) where static_cache_wanted says so
-            from .static_generate import generation_cache
-
-            ours = model_kwargs[GENERATE_CACHE_KWARG] = generation_cache(self, generation_config, args, kwargs)
+            # A static cache (decode steps from CUDA graphs, or compiled) or the growing one: static_generate decides.
+            ours = model_kwargs[GENERATE_CACHE_KWARG] = generation_cache(
+                self, generation_config, model_kwargs, args, kwargs
+            )
+        else:
+            # A cache the caller passes: CUDA graphs for a StaticQuantMLACache where the call allows them.
+            self._quantmla_decode_plan = plan_for_given_cache(self, generation_config, model_kwargs, args, kwargs)
         out = stock(generation_config, model_kwargs, *args, **kwargs)
         if ours is not None:
             # The stock code marks any cache it finds as the caller's, which only changes when generate may stop
@@ -320,6 +315,14 @@ def _install_generation_default(model) -> None:
         return out
 
     model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+    stock_compiled_call = model.get_compiled_call
+
+    @functools.wraps(stock_compiled_call)
+    def get_compiled_call(self, compile_config):
+        # The decode forward generate uses for a compileable cache: a CUDA-graph step or transformers' torch.compile.
+        return compiled_call(self, stock_compiled_call, compile_config)
+
+    model.get_compiled_call = types.MethodType(get_compiled_call, model)
     model._quantmla_generation_default = True
 
 

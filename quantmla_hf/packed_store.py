@@ -62,6 +62,17 @@ class PackedPathStore:
             new[:, :used].copy_(old[:, :used])
             self.planes[name] = new
 
+    def grow_to(self, capacity: int) -> None:
+        """Reallocate every plane to exactly `capacity` positions (zeros past the old ones), keeping the contents:
+        a fixed-capacity (static) store growing in place. New tensors: their addresses change."""
+        if capacity <= self.capacity:
+            return
+        for name, old in self.planes.items():
+            new = torch.zeros((old.shape[0], capacity, old.shape[2]), dtype=old.dtype, device=old.device)
+            new[:, : old.shape[1]].copy_(old)
+            self.planes[name] = new
+        self.block_size = capacity
+
     def shrink(self, n_tokens: int) -> None:
         """Release the storage past what `n_tokens` tokens are allocated (`allocated_tokens`)."""
         keep = allocated_tokens(n_tokens, self.block_size)

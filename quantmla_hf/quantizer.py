@@ -86,7 +86,8 @@ class QuantMLAHfQuantizer(HfQuantizer):
 
     @property
     def is_compileable(self) -> bool:
-        # generate compiles the decode step only for a compileable cache: the static QuantMLA cache (issue #10).
+        # generate asks for a compiled decode step only with a compileable cache (the static QuantMLA cache): the model
+        # answers with CUDA-graph steps or torch.compile (quantmla_hf.decode_graphs.compiled_call).
         return True
 
 

@@ -1,8 +1,11 @@
-"""Latent-space decode attention on a `StaticQuantMLACache` layer, without host synchronisation.
+"""Latent-space decode attention: the glue both QuantMLA caches share, and the static cache's step.
 
-The same computation as `attention.latent_decode_attention` (absorb W_UK into the query, attend over the packed
-cache in the latent space, expand the output through W_UV), with the length and left padding read on the device by
-`torch.ops.quantmla.mla_decode` and no mask inspection inside a compiled step (see `static_cache.py`, "Masks").
+Decode attends in the latent space: absorb W_UK into the query (`latent_query`), attend over the packed cache,
+expand the output through W_UV (`expand_latent`); a mask other than left padding + causal goes through the
+reconstructed history and `absorbed_attention_ref` instead (`reference_decode`). `attention.latent_decode_attention`
+runs this for the growing `QuantMLACache`; `static_latent_decode_attention` for a `StaticQuantMLACache` layer, with
+the length and left padding read on the device by `torch.ops.quantmla.mla_decode` (no host synchronisation), and
+no mask inspection inside a compiled step or a step its caller checked (see `static_cache.py`, "Masks").
 """
 
 from __future__ import annotations
@@ -12,28 +15,42 @@ import torch
 from . import ops  # noqa: F401  (registers torch.ops.quantmla)
 from .absorbed import absorbed_attention_ref, split_kv_b
 from .cache import _use_triton
-
-try:  # issue #14 (tensor parallel / offload): the kv_b_proj rows of this process's heads
-    from .distributed import kv_b_weight
-except ImportError:  # a tree without quantmla_hf/distributed.py: the whole weight
-
-    def kv_b_weight(module, num_heads: int, device) -> torch.Tensor:
-        return module.kv_b_proj.weight
+from .distributed import kv_b_weight
+from .masks import layer_mask_is_padding_causal
 
 
-def _mask_is_padding_causal_eager(layer, attention_mask, q_len: int) -> bool:
-    """Eager check that `attention_mask` (`[B, 1, q_len, K]` bool, K >= length, or None) is exactly left padding +
-    causal over the cached positions (and nothing past them). Synchronises; never called while compiling."""
-    n = layer.length
-    if attention_mask is None:
-        return layer.max_left_padding == 0
-    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-1] < n:
-        return False
-    from .attention import expected_mask
+def latent_weights(module, query: torch.Tensor):
+    """`query: [B, H, Tq, d_nope + d_R]` split into `q_nope`, `q_rot`, with `w_uk: [H, d_nope, d_c]` and
+    `w_uv: [H, d_v, d_c]` of this process's H heads (tensor parallel / offload: `distributed.kv_b_weight`)."""
+    nope = module.qk_nope_head_dim
+    H = query.shape[1]
+    w_uk, w_uv = split_kv_b(kv_b_weight(module, H, query.device), H, nope, module.v_head_dim)
+    return query[..., :nope], query[..., nope:], w_uk, w_uv
 
-    want = expected_mask(layer.left_padding, q_len, n)
-    mask = attention_mask[:, 0]
-    return bool(torch.equal(mask[..., :n].expand_as(want), want)) and not bool(mask[..., n:].any())
+
+def latent_query(layer, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk: torch.Tensor):
+    """`q_lat[b, h, t] = q_nope[b, h, t] @ W_UK[h]`: `[B, H, Tq, d_c]` in the model dtype (as the stock
+    projections); `q_rot` rotated like the stored k_R copies when the layer has an online RoPE rotation (then fp32)."""
+    q_lat = torch.matmul(q_nope, w_uk.to(q_nope.dtype).unsqueeze(0))
+    if layer.rope_rotation is not None:
+        # The stored k_R copies are k_R @ rot.T; rotating the query the same way leaves q . k unchanged.
+        q_rot = q_rot.float() @ layer.rope_rotation.to(device=q_rot.device, dtype=torch.float32).T
+    return q_lat, q_rot
+
+
+def expand_latent(o_lat: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`o_lat: [B, H, Tq, d_c]` through W_UV: `[B, Tq, H, d_v]`."""
+    out = torch.matmul(o_lat.to(dtype), w_uv.to(dtype).transpose(1, 2).unsqueeze(0))  # [B, H, Tq, d_v]
+    return out.transpose(1, 2)
+
+
+def reference_decode(layer, q_nope, q_rot, w_uk, w_uv, scaling: float, attention_mask) -> torch.Tensor:
+    """Absorbed attention over the reconstructed history under any mask (`[.., K]`, K >= the cached length)."""
+    content, k_rot = layer.read_history()
+    n = content.shape[1]
+    mask = attention_mask[..., :n] if attention_mask is not None else None
+    out, _ = absorbed_attention_ref(q_nope, q_rot, content, k_rot, w_uk, w_uv, scaling, mask)
+    return out
 
 
 def static_latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
@@ -41,19 +58,14 @@ def static_latent_decode_attention(module, layer, query: torch.Tensor, attention
 
     Returns `[B, Tq, H, d_v]`.
     """
-    nope = module.qk_nope_head_dim
-    B, H, Tq, _ = query.shape
-    q_nope, q_rot = query[..., :nope], query[..., nope:]
-    w_uk, w_uv = split_kv_b(kv_b_weight(module, H, query.device), H, nope, module.v_head_dim)
-    if not torch.compiler.is_compiling() and not _mask_is_padding_causal_eager(layer, attention_mask, Tq):
-        content, k_rot = layer.read_history()
-        n = content.shape[1]
-        mask = attention_mask[..., :n] if attention_mask is not None else None
-        out, _ = absorbed_attention_ref(q_nope, q_rot, content, k_rot, w_uk, w_uv, scaling, mask)
-        return out
-    q_lat = torch.matmul(q_nope, w_uk.to(q_nope.dtype).unsqueeze(0))  # [B, H, Tq, d_c]
-    if layer.rope_rotation is not None:
-        q_rot = q_rot.float() @ layer.rope_rotation.to(device=q_rot.device, dtype=torch.float32).T
+    q_nope, q_rot, w_uk, w_uv = latent_weights(module, query)
+    # Compiled steps trust the mask; captured ones were checked once by their caller (`layer.host_checked`); an
+    # eager step checks it (one synchronisation per forward, shared by the layers through the model's state).
+    checked = torch.compiler.is_compiling() or layer.host_checked
+    state = getattr(module, "_quantmla_state", None)
+    if not checked and not layer_mask_is_padding_causal(state, layer, attention_mask, query.shape[2], layer.length):
+        return reference_decode(layer, q_nope, q_rot, w_uk, w_uv, scaling, attention_mask)
+    q_lat, q_rot = latent_query(layer, q_nope, q_rot, w_uk)
     f = layer.fmt
     c = layer.content.planes
     r = layer.rope.planes
@@ -66,5 +78,4 @@ def static_latent_decode_attention(module, layer, query: torch.Tensor, attention
         float(scaling), f.content.bits, f.content.group, f.rope.bits, f.rope.group, f.sink_tokens,
         f.recent_tokens, _use_triton(layer.kernel, query.device),
     )
-    out = torch.matmul(o_lat.to(query.dtype), w_uv.to(query.dtype).transpose(1, 2).unsqueeze(0))  # [B, H, Tq, d_v]
-    return out.transpose(1, 2)
+    return expand_latent(o_lat, w_uv, query.dtype)

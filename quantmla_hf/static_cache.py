@@ -3,28 +3,54 @@
 Same content and byte layout as `QuantMLACache` (`quantmla_hf/cache.py`, `quantmla_hf/format.py`), but per layer
 - the packed planes hold `max_cache_len` positions from the first write on (`[B, max_cache_len, .]`), and the sink
   `[B, S, d]`, recent `[B, R, d]` and left-padding `[B]` buffers never move: every write is in place, so their
-  addresses stay fixed (marked static for `torch.compile`/CUDA graphs);
-- the number of cached positions lives on the device, `cumulative_length: int64 [1]`.
+  addresses stay fixed (marked static for `torch.compile`/CUDA graphs) until the cache grows (below);
+- the number of cached positions lives on the device, `cumulative_length: int64 [1]`, with a host-side copy kept
+  without synchronising (eager steps count, `advance_host_length` counts replayed ones; after compiled steps it is
+  read back once when needed).
 
 A decode step (a chunk of at most `min(16, recent_tokens)` tokens through the "quantmla" attention) then has no
 host synchronisation and no data-dependent shape: the new tokens are quantized and written at the device-side
 position (`torch.ops.quantmla.quant_append`), copied into the sink slots they fall in and into the recent ring
 (`index_copy_`), and attention reads the length and left padding on the device (`torch.ops.quantmla.mla_decode`,
-grid and splits fixed by `max_cache_len`). `is_compileable = True`, so `generate` compiles the decode step
-(prefill stays eager: longer chunks take the `QuantMLACache` path, which may synchronise).
+grid and splits fixed by `max_cache_len`). Sink writes stop once every row's sink is written (`sink_written`, a
+host-side answer). `is_compileable = True`: plain `generate` replays the step from CUDA graphs
+(`quantmla_hf.decode_graphs`), or compiles it when asked (`compile_config`); the prefill stays eager (longer chunks
+take the `QuantMLACache` path, which may synchronise).
 
 Masks: `get_mask_sizes` reports `max_cache_len` key positions for decode chunks, so the 4D mask that `generate`
-builds keeps one shape for the whole generation (prefill chunks get the exact length, as with `QuantMLACache`). A compiled decode step trusts that mask to be left padding + causal (what
-`generate` builds from a 2D attention mask); an eager step checks it and falls back to the exact path otherwise.
+builds keeps one shape for the whole generation (prefill chunks get the exact length, as with `QuantMLACache`). An
+eager step checks that the mask is left padding + causal (one synchronisation per layer) and falls back to the exact
+path otherwise; a compiled step trusts it; a step captured in a CUDA graph (`quantmla_hf.decode_graphs`) runs inside
+`host_checked_steps()`, after the caller validated the mask and the room left once, on the host.
+
+Sizes: `cache_length_bucket(n)` rounds a number of positions up to a bucket (multiples of 256 up to 4096, then 16
+buckets per power of two, at most 6.25% slack). A cache built with `length_limit` above its `max_cache_len` grows
+in place (`grow`, to the bucket of twice its length, at most the limit) when a write would pass its end; the
+buffers then move, so compiled or captured steps of the old buffers are dropped (`buffers_version`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.quantmla)
 from .cache import NATIVE_MAX_QUERY, QuantMLACache, QuantMLALayer, _use_triton
 from .format import CacheFormat
+
+
+BUCKET_MIN = 256
+BUCKETS_PER_OCTAVE = 16
+
+
+def cache_length_bucket(n: int) -> int:
+    """The capacity a static cache gets for `n` positions: a multiple of 256 up to 4096, then of
+    `2**floor(log2 n) / 16` (16 buckets per power of two: at most 6.25% slack). E.g. 4162 -> 4352, 32834 -> 34816."""
+    if n <= 0:
+        raise ValueError(f"a static cache needs a positive number of positions, got {n}")
+    step = max(BUCKET_MIN, (1 << (int(n).bit_length() - 1)) // BUCKETS_PER_OCTAVE)
+    return -(-int(n) // step) * step
 
 
 def _is_compiling() -> bool:
@@ -61,6 +87,10 @@ class StaticQuantMLALayer(QuantMLALayer):
         self.cumulative_length = torch.zeros(1, dtype=torch.long)
         self._host_length = 0
         self._host_stale = False
+        # Set by `StaticQuantMLACache.host_checked_steps`: the caller checked the mask and the room left on the host,
+        # so a step skips its synchronising checks (a CUDA graph capture cannot synchronise).
+        self.host_checked = False
+        self.make_room = None  # set by StaticQuantMLACache: grows every layer (within its length_limit)
         super().__init__(fmt, kernel, block_size=max_cache_len, rope_rotation=rope_rotation)
 
     # The host-side length is derived from the device counter after compiled steps (one synchronisation, outside
@@ -151,9 +181,9 @@ class StaticQuantMLALayer(QuantMLALayer):
     def _append_device(self, c_new: torch.Tensor, r_new: torch.Tensor) -> None:
         """Write `c_new: [B, T, d_c]`, `r_new: [B, T, d_R]` at positions `[length, length + T)`, length on the
         device: packed planes, sink slots (only where a position falls in `[lp, lp + S)`), recent ring."""
-        if not _is_compiling() and self.native_checks:
-            # Eager only (one synchronisation per step on layer 0 of the model would be enough; this is per
-            # layer): a compiled step cannot check, the kernels then drop writes past the capacity.
+        if not (_is_compiling() or self.host_checked):
+            # Eager only: a compiled step cannot check (the kernels then drop writes past the capacity); a captured
+            # step was checked by its caller on the host (`StaticQuantMLACache.host_checked_steps`).
             if self.length + c_new.shape[1] > self.max_cache_len:
                 raise ValueError(
                     f"the static QuantMLA cache is full (max_cache_len={self.max_cache_len}); build it with a "
@@ -173,7 +203,7 @@ class StaticQuantMLALayer(QuantMLALayer):
             else:
                 p["values"].index_copy_(1, positions.clamp(max=self.max_cache_len - 1), x.to(p["values"].dtype))
         S, R = self.fmt.sink_tokens, self.fmt.recent_tokens
-        if S:
+        if S and not self.sink_written():
             # Sink slot j of row b holds position lp_b + j: this chunk's token t = lp_b + j - length, if any.
             t_of_slot = self.left_padding[:, None] + torch.arange(S, device=c_new.device)[None, :] - pos0  # [B, S]
             hit = ((t_of_slot >= 0) & (t_of_slot < T)).unsqueeze(-1)
@@ -186,9 +216,35 @@ class StaticQuantMLALayer(QuantMLALayer):
         self.recent_content.index_copy_(1, slots, c_new[:, T - keep :].to(self.recent_content.dtype))
         self.recent_rope.index_copy_(1, slots, r_new[:, T - keep :].to(self.recent_rope.dtype))
         self.cumulative_length.add_(T)
-        self._host_stale = True
+        if _is_compiling():
+            self._host_stale = True  # traced once, replayed many times: read the device counter when needed
+        elif not self._host_stale:
+            self._host_length += T
 
-    native_checks = True
+    def sink_written(self) -> bool:
+        """Whether every row's sink slots hold their tokens already, from host-side counts (False when they are
+        not known: inside a compiled step, or after one). Then later steps, which only write further positions,
+        skip the sink writes (a dozen small kernels per layer): eager steps and captured ones (whose graph is keyed
+        by this answer, `decode_graphs.step_signature`)."""
+        if _is_compiling() or self._host_stale:
+            return False
+        return self._host_length >= self.max_left_padding + self.fmt.sink_tokens
+
+    def advance_host_length(self, n_tokens: int) -> None:
+        """Account for `n_tokens` written by a replayed CUDA graph (which runs no Python), without synchronising."""
+        if not self._host_stale:
+            self._host_length += n_tokens
+
+    def grow(self, max_cache_len: int) -> None:
+        """Hold `max_cache_len` positions from now on, keeping what is cached (new buffers: their addresses move)."""
+        if max_cache_len <= self.max_cache_len:
+            return
+        if self.is_initialized:
+            self.content.grow_to(max_cache_len)
+            self.rope.grow_to(max_cache_len)
+            self._mark_all_static()
+        self.max_cache_len = max_cache_len
+        self.block_size = max_cache_len
 
     # ------------------------------------------------------------------------------------------- sizes
     def get_seq_length(self):
@@ -200,6 +256,12 @@ class StaticQuantMLALayer(QuantMLALayer):
         # Decode chunks (native): one mask shape for the whole generation. Prefill chunks and the stock attention
         # get the exact length (eager: the host length is read once per forward).
         if self.native and query_length <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens):
+            # generate asks before the step's forward: the place to grow, so the mask has the new length too.
+            # Only where the host count is known (eager and captured steps): after compiled steps it is not (dynamo
+            # replays `_host_stale = True`), and reading it would synchronise before every compiled step.
+            if self.make_room is not None and not (_is_compiling() or self.host_checked or self._host_stale):
+                if self._host_length + query_length > self.max_cache_len:
+                    self.make_room(self._host_length + query_length)
             return self.max_cache_len, 0
         return self.length + query_length, 0
 
@@ -218,21 +280,8 @@ class StaticQuantMLALayer(QuantMLALayer):
         self.max_left_padding = 0
         self.has_tokens = False
 
-    def crop(self, max_length: int) -> None:
-        """As `QuantMLALayer.crop` (both conventions), keeping every buffer in place."""
-        n = self.length
-        keep = n + max_length if max_length < 0 else min(max_length, n)
-        if keep < 0:
-            raise ValueError(f"cannot remove {-max_length} tokens from a cache holding {n}")
-        if keep == n or not self.is_initialized:
-            return
-        R = self.fmt.recent_tokens
-        lost_lo, lost_hi = max(0, keep - R), min(keep, n - R)
-        if R and lost_lo < lost_hi:
-            positions = torch.arange(lost_lo, lost_hi, device=self.device)
-            self.recent_content[:, positions % R] = self.content.read(lost_hi, lost_lo).to(self.recent_content.dtype)
-            self.recent_rope[:, positions % R] = self.rope.read(lost_hi, lost_lo).to(self.recent_rope.dtype)
-        self.length = keep
+    def _cropped(self, keep: int) -> None:
+        # `QuantMLALayer.crop` (both conventions, the recent window refilled), keeping every buffer in place.
         self.has_tokens = keep > 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -243,9 +292,12 @@ class StaticQuantMLALayer(QuantMLALayer):
             t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
     def _apply_batch(self, fn) -> None:
-        # The batch size changes: new buffers (a compiled step recompiles for the new shapes).
+        # The batch size changes: new buffers (a compiled step recompiles for the new shapes, captured steps go).
         super()._apply_batch(fn)
         self._mark_all_static()
+        self.buffers_moved = True
+
+    buffers_moved = False
 
     def nbytes(self) -> int:
         n = super().nbytes()
@@ -259,24 +311,35 @@ class StaticQuantMLACache(QuantMLACache):
         config: the model's `PretrainedConfig` (any supported MLA family).
         quantization_config: a `QuantMLAConfig` (default: the model config's, else C4R4).
         max_cache_len: positions to preallocate (prompt, left padding included, plus new tokens); `generate`
-            passes its `max_length` when it builds the cache itself.
+            passes a bucket of what the call needs (`quantmla_hf.static_generate`).
+        length_limit: positions the cache may grow to (default `max_cache_len`: it never grows).
 
     Example:
         >>> cache = StaticQuantMLACache(config=model.config, max_cache_len=4096 + 256)
         >>> model.generate(**inputs, past_key_values=cache, max_new_tokens=256)  # decode compiled on CUDA
     """
 
-    def __init__(self, config=None, quantization_config=None, max_cache_len: int | None = None, **kwargs):
+    def __init__(self, config=None, quantization_config=None, max_cache_len: int | None = None,
+                 length_limit: int | None = None, **kwargs):
         if max_cache_len is None:
             raise ValueError("StaticQuantMLACache needs max_cache_len (prompt + new tokens), e.g. max_cache_len=4352")
         # transformers 5.17's Cache has a read-only `max_cache_len` property: keep ours under another name.
         self._static_len = int(max_cache_len)
+        self.length_limit = max(int(length_limit), self._static_len) if length_limit is not None else self._static_len
+        # Bumped whenever the buffers move (growth, batch changes): captured steps of older buffers are stale.
+        self.buffers_version = 0
         super().__init__(config=config, quantization_config=quantization_config, **kwargs)
         rope_rotation = self.layers[0].rope_rotation if self.layers else None
         self.layers = [
             StaticQuantMLALayer(self.format, self._static_len, self.quantization_config.kernel, rope_rotation)
             for _ in range(self.dims.num_cache_layers)
         ]
+        for layer in self.layers:
+            layer.make_room = self._make_room
+
+    def _make_room(self, needed: int) -> None:
+        if self.max_cache_len < needed <= self.length_limit:
+            self.grow_for(needed)
 
     @property
     def max_cache_len(self) -> int:
@@ -286,6 +349,78 @@ class StaticQuantMLACache(QuantMLACache):
     def holds_tokens(self) -> bool:
         """Whether anything is cached (a host-side flag, read without synchronising)."""
         return any(layer.has_tokens for layer in self.layers)
+
+    def host_length(self) -> int:
+        """Positions cached, from the host-side count (one synchronisation only after compiled steps)."""
+        return self.layers[0].length if self.layers else 0
+
+    def update(self, latent: torch.Tensor, k_rot: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # Eager steps grow the cache (up to `length_limit`) before a write that would pass its end; a compiled
+        # or captured step cannot (its caller grows it before the step).
+        if layer_idx == 0 and not (_is_compiling() or self.layers[0].host_checked) and self.layers[0].is_initialized:
+            self._make_room(self.host_length() + latent.shape[2])
+        return super().update(latent, k_rot, layer_idx, *args, **kwargs)
+
+    def room_for(self, n_tokens: int) -> bool:
+        """Whether `n_tokens` more positions fit without growing (host-side count)."""
+        return self.host_length() + n_tokens <= self.max_cache_len
+
+    def grow_for(self, needed: int) -> None:
+        """Grow every layer to hold `needed` positions: the bucket of `max(needed, 2 * max_cache_len)`, at most
+        `length_limit` (and never below `needed`). Raises a `ValueError` past `length_limit`, and says how much
+        memory the growth needed when the device has no room for it."""
+        if needed <= self.max_cache_len:
+            return
+        if needed > self.length_limit:
+            raise ValueError(
+                f"the static QuantMLA cache may hold at most {self.length_limit} positions (its length_limit) but "
+                f"{needed} were asked for; build it with a larger length_limit"
+            )
+        new_len = max(needed, min(self.length_limit, cache_length_bucket(max(needed, 2 * self.max_cache_len))))
+        try:
+            for layer in self.layers:
+                layer.grow(new_len)
+        except torch.OutOfMemoryError as err:
+            per_position = self.nbytes() / max(self.max_cache_len, 1)
+            raise torch.OutOfMemoryError(
+                f"growing the static QuantMLA cache from {self.max_cache_len} to {new_len} positions needs about "
+                f"{per_position * new_len / 2**30:.2f} GiB more device memory than is free; generate fewer tokens "
+                "(max_new_tokens), a smaller batch, or pass QuantMLAConfig(decode_graphs=False, static_cache=False) "
+                f"for the growing cache ({err})"
+            ) from err
+        self._static_len = new_len
+        self.buffers_version += 1
+
+    def advance_host_length(self, n_tokens: int) -> None:
+        """Account for `n_tokens` positions written by a replayed CUDA graph, in every layer's host-side count."""
+        for layer in self.layers:
+            layer.advance_host_length(n_tokens)
+
+    def set_host_length(self, n_tokens: int) -> None:
+        """Set every layer's length, host and device (after a warm-up step that must leave no trace)."""
+        for layer in self.layers:
+            layer.length = n_tokens
+
+    def moved_buffers(self) -> bool:
+        """Whether any layer's buffers moved since the last call (batch reorders, repeats, selections)."""
+        moved = any(layer.buffers_moved for layer in self.layers)
+        if moved:
+            self.buffers_version += 1
+            for layer in self.layers:
+                layer.buffers_moved = False
+        return moved
+
+    @contextlib.contextmanager
+    def host_checked_steps(self):
+        """Inside, decode steps skip their synchronising checks (mask, room left): the caller made them on the host
+        (as `quantmla_hf.decode_graphs` does once per generation and before every replay)."""
+        for layer in self.layers:
+            layer.host_checked = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.host_checked = False
 
     def reset(self) -> None:
         for layer in self.layers:

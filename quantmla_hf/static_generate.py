@@ -1,43 +1,50 @@
-"""Which cache `generate` builds for a QuantMLA model, and when decode is compiled (issue #10).
+"""Which cache `generate` builds for a QuantMLA model, and how its decode steps run.
 
 `generate` with no cache and no `cache_implementation` gets
-- a `StaticQuantMLACache` of `max_length - 1` positions (rounded up to 256) when `static_cache_wanted` says so:
-  then transformers compiles the decode step itself (`is_compileable`), as for its own static cache, on CUDA, or
-  wherever `compile_config._compile_all_devices` is set; `compile_config=CompileConfig(...)` tunes it and
-  `disable_compile=True` keeps the static cache eager (still without host synchronisation per step);
-- the growing `QuantMLACache` otherwise.
+- a `StaticQuantMLACache` whose decode steps replay from CUDA graphs (`quantmla_hf.decode_graphs`) where
+  `plan_decode` says so: the default on one CUDA device (`QuantMLAConfig(decode_graphs="auto")`);
+- a `StaticQuantMLACache` compiled by transformers (`torch.compile`, reduce-overhead) when the call passes
+  `compile_config=...` (or `QuantMLAConfig(static_cache=True)` without graphs): `static_cache_wanted`;
+- the growing `QuantMLACache` otherwise (CPU, beam search, assisted generation, `decode_graphs=False`, ...).
 
-By default ("auto") the static cache is used when the call asks for compilation (`compile_config=...`) and it is
-safe (one CUDA device, "quantmla" attention, a recent window). It is not the default for every call: compiled,
-a 27-layer C4R4 step takes 4.1 ms at B1 4K against 65-74 ms eager (docs/BENCHMARKS.md), but every new batch size
-or length bucket compiles again (~40 s at that depth), which a single or varying-shape call does not earn back.
-`QuantMLAConfig(static_cache=True)` (a config option, validated and saved) makes every call use it (and compile on
-CUDA).
+Sizes (`first_cache_length`): a CUDA-graph cache starts at the bucket of `min(needed, prompt + max(prompt, 4096))`
+positions (`needed`: what the call may reach, `max_length - 1`) and grows in place, in buckets, up to `needed`
+(each growth re-captures the step once); a compiled cache cannot grow inside a compiled step, so it is allocated for
+the bucket of `needed` at once. `generate(max_new_tokens=100_000)` on a 4K prompt therefore starts with 8192
+positions and grows (16K, 32K, 64K, ...) only as far as the generation goes.
 
-The static cache of the last call is kept on the model and reused (reset in place) when the batch size, dtype and
-device match and it is long enough, so repeated calls of one shape replay the same compiled graph.
+The caches generate builds are kept on the model (`decode_graphs.cache_pool`, least recently used out) and reused,
+reset in place, by a later call of the same batch size, first length bucket, dtype and device, so repeated calls of
+one shape replay the same graphs.
 """
 
 from __future__ import annotations
 
-import torch
-
+from .cache import QuantMLACache
 from .config import QuantMLAConfig
-from .static_cache import StaticQuantMLACache
+from .decode_graphs import CACHE_KWARGS, DecodePlan, cache_pool, graph_bytes, log_fallback, plan_decode
+from .static_cache import StaticQuantMLACache, cache_length_bucket
 
-LENGTH_ROUNDING = 256
+FIRST_ROOM = 4096  # new positions a CUDA-graph cache holds from the start (at least the prompt's length)
 
 
-def _qconfig(model) -> QuantMLAConfig:
-    from .integration import _model_qconfig
-
-    return _model_qconfig(model)
+def model_qconfig(model) -> QuantMLAConfig:
+    """The `QuantMLAConfig` of a prepared model (`model.config.quantization_config`, a dict converted)."""
+    qconfig = getattr(model.config, "quantization_config", None)
+    if isinstance(qconfig, dict):
+        qconfig = QuantMLAConfig.from_dict(qconfig)
+    if not isinstance(qconfig, QuantMLAConfig):
+        raise ValueError(
+            f"{type(model).__name__} carries no QuantMLAConfig (quantization_config={qconfig!r}); load it with "
+            "from_pretrained(..., quantization_config=QuantMLAConfig(...)) or call quantmla_hf.apply_quantmla(model, config)"
+        )
+    return qconfig
 
 
 def static_cache_wanted(model, qconfig: QuantMLAConfig, generation_config=None) -> bool:
-    """`QuantMLAConfig(static_cache=True/False)` decides; by default ("auto") the static cache is used when the
-    call passes a `compile_config` and it is safe: a model on one CUDA device (no CPU/disk offload), the
-    "quantmla" attention implementation and a recent window of at least one token."""
+    """The compiled (inductor) static cache: `QuantMLAConfig(static_cache=True/False)` decides; by default ("auto")
+    it is used when the call passes a `compile_config` and it is safe: a model on one CUDA device (no CPU/disk
+    offload), the "quantmla" attention implementation and a recent window of at least one token."""
     choice = qconfig.static_cache  # validated by QuantMLAConfig: "auto", True or False
     if choice is False:
         return False
@@ -56,34 +63,62 @@ def static_cache_wanted(model, qconfig: QuantMLAConfig, generation_config=None) 
     return asked and usable and model.device.type == "cuda" and not offloaded
 
 
-def generation_cache(model, generation_config, args: tuple, kwargs: dict):
-    """The cache `generate` uses when the caller gives none (see the module docstring)."""
-    from .integration import build_cache
+def first_cache_length(needed: int, prompt_length: int | None, growable: bool) -> int:
+    """Positions a static cache is built with for a call that may reach `needed` positions (see the docstring)."""
+    if not growable or prompt_length is None:
+        return cache_length_bucket(needed) if not growable else cache_length_bucket(min(needed, FIRST_ROOM))
+    return cache_length_bucket(min(needed, prompt_length + max(prompt_length, FIRST_ROOM)))
 
-    qconfig = _qconfig(model)
-    if not static_cache_wanted(model, qconfig, generation_config):
-        return build_cache(model)
+
+def _prompt_length(model_kwargs: dict) -> int | None:
+    mask = model_kwargs.get("attention_mask")
+    return int(mask.shape[-1]) if mask is not None and hasattr(mask, "shape") and mask.dim() == 2 else None
+
+
+def generation_cache(model, generation_config, model_kwargs: dict, args: tuple, kwargs: dict):
+    """The cache `generate` uses when the caller gives none (see the module docstring); records the call's
+    `DecodePlan` on the model (`model._quantmla_decode_plan`, read by `get_compiled_call`)."""
+    qconfig = model_qconfig(model)
     # transformers calls _prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
     # batch_size, max_cache_length) in every release from 5.17 on.
+    generation_mode = kwargs.get("generation_mode", args[0] if args else None)
     batch_size = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
-    needed = kwargs.get("max_cache_length", args[2] if len(args) > 2 else generation_config.max_length)
-    if batch_size is None:
-        return build_cache(model)
-    length = -(-int(needed) // LENGTH_ROUNDING) * LENGTH_ROUNDING
-    cache = getattr(model, "_quantmla_static_cache", None)
-    if (
-        isinstance(cache, StaticQuantMLACache)
-        and cache.max_cache_len >= length
-        and cache.quantization_config is qconfig
-        and _compatible(cache, batch_size, model)
-    ):
+    needed = int(kwargs.get("max_cache_length", args[2] if len(args) > 2 else generation_config.max_length))
+    plan = plan_decode(model, qconfig, generation_config, generation_mode)
+    log_fallback(plan.reason)
+    compiled = not plan.graphs and static_cache_wanted(model, qconfig, generation_config)
+    if batch_size is None or not (plan.graphs or compiled):
+        model._quantmla_decode_plan = DecodePlan(False, plan.reason)
+        return QuantMLACache(config=model.config.get_text_config(decoder=True), quantization_config=qconfig)
+    model._quantmla_decode_plan = plan
+    first = first_cache_length(needed, _prompt_length(model_kwargs), growable=plan.graphs)
+    pool = cache_pool(model)
+    key = (int(batch_size), first, plan.graphs)
+    cache = pool.get(key)
+    if cache is not None and cache.quantization_config is qconfig and _compatible(cache, batch_size, model):
         cache.reset()
-        return cache
-    cache = StaticQuantMLACache(
-        config=model.config.get_text_config(decoder=True), quantization_config=qconfig, max_cache_len=length
-    )
+        cache.length_limit = max(needed, cache.max_cache_len)
+    else:
+        cache = StaticQuantMLACache(
+            config=model.config.get_text_config(decoder=True), quantization_config=qconfig, max_cache_len=first,
+            length_limit=needed if plan.graphs else first,
+        )
+        cache._pool_key = key
+        pool.pop(key)
+    pool.put(key, cache, cache.nbytes() + graph_bytes(cache))
     model._quantmla_static_cache = cache
     return cache
+
+
+def plan_for_given_cache(model, generation_config, model_kwargs: dict, args: tuple, kwargs: dict) -> DecodePlan:
+    """The plan of a `generate` call given its own cache (`_prepare_cache_for_generation`'s arguments): CUDA graphs
+    only for a `StaticQuantMLACache` (transformers compiles any other compileable cache itself)."""
+    cache = next((model_kwargs[k] for k in CACHE_KWARGS if model_kwargs.get(k) is not None), None)
+    if not isinstance(cache, StaticQuantMLACache):
+        return DecodePlan(False)
+    plan = plan_decode(model, model_qconfig(model), generation_config, kwargs.get("generation_mode", args[0] if args else None))
+    log_fallback(plan.reason)
+    return plan
 
 
 def _compatible(cache: StaticQuantMLACache, batch_size: int, model) -> bool:

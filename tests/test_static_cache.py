@@ -1,4 +1,4 @@
-"""Static QuantMLA cache (issue #10): device-side lengths, custom ops, compiled decode without graph breaks.
+"""Static QuantMLA cache: device-side lengths, custom ops, compiled decode without graph breaks.
 
 CPU only, cheap: `torch.compile(backend="eager", fullgraph=True)` traces exactly what inductor would receive
 (dynamo + the ops' fake implementations) without C++ compilation; one-layer tiny models keep tracing short.
@@ -54,7 +54,7 @@ def test_compiled_generate_matches_eager_without_recompiles():
     """generate builds the static cache itself (static_cache=True) and compiles the decode step with
     fullgraph=True: DeepSeek-V2 (complex-number RoPE), a 250-token prompt decoding across position 256 and across
     the recent window (4 tokens), logits of the eager QuantMLACache, one graph for every step and for a second
-    call of the same shape."""
+    call of the same shape, the host-side length right after each call."""
     ids = torch.randint(3, 128, (2, 250), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
@@ -67,6 +67,8 @@ def test_compiled_generate_matches_eager_without_recompiles():
         out = model.generate(ids, **_gen_kwargs(mask, 9), compile_config=_compile_config())
         assert isinstance(model._quantmla_static_cache, StaticQuantMLACache)
         assert model._quantmla_static_cache.max_cache_len == 512
+        # The compiled steps ran no Python: the host-side length is read back from the device, not stuck.
+        assert model._quantmla_static_cache.host_length() == 250 + 8
         assert torch.equal(out.sequences, ref.sequences), f"call {call}: tokens differ from eager"
         for a, b in zip(out.logits, ref.logits):
             assert_close("logits", b, a, 1e-5)

@@ -1,0 +1,372 @@
+"""Decode steps replayed from CUDA graphs: what plain `generate()` runs on one CUDA device, with no compiler.
+
+`generate` asks the model for a compiled forward (`get_compiled_call`) when its cache is compileable; a QuantMLA
+model answers with a `DecodeGraphStep` instead of `torch.compile` when `plan_decode` says the call can be captured
+(`QuantMLAConfig(decode_graphs="auto")`, the default: one CUDA device, "quantmla" attention, a recent window, greedy or
+sampling, no `compile_config`). For every decode step the step object:
+
+1. checks on the host, without synchronising, that the step fits the cache (growing it in place in buckets when
+   it does not, `StaticQuantMLACache.grow_for`) and, once per generation, that the attention mask is left padding +
+   causal (one synchronisation);
+2. looks up the captured graph of the step's signature (batch size, chunk length, cache capacity, the shapes of
+   every tensor argument, the other arguments' values) in the graphs of the cache (an LRU, `GraphPool`);
+3. on a miss: warms up twice on a side stream (each warm-up leaves no trace: the device counters are rewound and the
+   replay rewrites the same slots), then captures `model(**inputs)` into a `torch.cuda.CUDAGraph` with static copies
+   of the inputs, the cache's synchronising checks off (`host_checked_steps`: they were made in 1.);
+4. copies the step's inputs into the static ones, replays, advances the cache's host-side length, and returns the
+   captured output (its logits are the graph's tensor: overwritten by the next replay; `generate` copies them).
+
+Anything else (prefill and long chunks, a cache that is not a `StaticQuantMLACache`, attention weights or hidden
+states asked for, a mask that is not left padding + causal, a failed capture) runs the eager forward, saying why
+once in the log. Beam search (it reorders the cache every step), assisted generation and the other modes keep the
+growing cache and the eager step (`plan_decode`).
+
+Memory: a graph holds its own pool of the step's intermediate tensors (measured per graph as `nbytes`, the growth
+of the reserved memory during its capture); the caches generate builds are kept on the model in a `GraphPool` keyed
+by (batch size, first length bucket), least recently used first out past `max_entries` or `max_bytes`
+(cache bytes + their graphs' bytes).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from transformers.utils import logging
+
+from .cache import NATIVE_MAX_QUERY
+from .masks import mask_is_padding_causal
+from .static_cache import StaticQuantMLACache
+
+logger = logging.get_logger(__name__)
+
+CACHE_KWARGS = ("cache", "past_key_values")  # transformers >= 5.18 says `cache`, 5.17 `past_key_values`
+WARMUP_STEPS = 2
+GRAPHS_PER_CACHE = 8
+CACHES_PER_MODEL = 4
+POOL_MAX_BYTES = 8 << 30
+# Modes whose cache keeps its batch order from step to step (others reorder or crop it: eager).
+CAPTURABLE_MODES = ("greedy_search", "sample")
+
+
+# ------------------------------------------------------------------------------------------------ the decision
+@dataclass(frozen=True)
+class DecodePlan:
+    """Whether this `generate` call replays decode steps from CUDA graphs; `reason` says why not (None when the
+    call simply does not ask for them: CPU, decode_graphs=False, a compile_config)."""
+
+    graphs: bool
+    reason: str | None = None
+
+
+def _model_devices(model) -> set[str]:
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        return {str(d) if not isinstance(d, int) else f"cuda:{d}" for d in device_map.values()}
+    return {str(model.device)}
+
+
+def plan_decode(model, qconfig, generation_config, generation_mode=None) -> DecodePlan:
+    """Decide whether a `generate` call on `model` decodes through CUDA graphs.
+
+    `qconfig.decode_graphs`: False never; "auto" where it is safe (below); True insists, raising a `ValueError`
+    where the model cannot be captured (device, attention, recent window), while per-call choices (beam search,
+    assisted generation, attention weights) still fall back to eager with a log line.
+    Safe: no `compile_config` (that selects inductor) and no `disable_compile`, `static_cache` not False, the whole
+    model on one CUDA device (no CPU/disk offload, no split across GPUs), the "quantmla" attention, at least one
+    recent token, greedy or sampling, no attention weights or hidden states returned.
+    """
+    choice = qconfig.decode_graphs
+    if choice is False:
+        return DecodePlan(False)
+    if getattr(generation_config, "compile_config", None) is not None:
+        return DecodePlan(False)  # the caller selected inductor
+    if getattr(generation_config, "disable_compile", False):
+        return DecodePlan(False)  # the caller asked for an eager decode
+    devices = _model_devices(model)
+    model_reasons = []
+    if len(devices) != 1 or not next(iter(devices)).startswith("cuda"):
+        if choice == "auto" and all(not d.startswith("cuda") for d in devices) and not {"disk"} & devices:
+            return DecodePlan(False)  # a CPU model: nothing to capture, nothing to say
+        model_reasons.append(f"the model is not on one CUDA device (devices: {sorted(devices)})")
+    if model.config._attn_implementation != "quantmla":
+        model_reasons.append(f"the attention implementation is {model.config._attn_implementation!r}, not 'quantmla'")
+    if qconfig.recent_tokens < 1:
+        model_reasons.append("recent_tokens is 0 (decode steps write through the recent window)")
+    if qconfig.static_cache is False:
+        model_reasons.append("static_cache=False (the captured step needs the static cache)")
+    if model_reasons:
+        reason = "; ".join(model_reasons)
+        if choice is True:
+            raise ValueError(f"decode_graphs=True cannot be honoured: {reason}. Use decode_graphs='auto' or False")
+        return DecodePlan(False, reason)
+    mode = getattr(generation_mode, "value", generation_mode)
+    if mode is not None and mode not in CAPTURABLE_MODES:
+        what = {
+            "beam_search": "beam search reorders the cache every step",
+            "beam_sample": "beam sampling reorders the cache every step",
+            "assisted_generation": "assisted generation verifies draft chunks and crops the cache",
+        }.get(mode, f"generation mode {mode!r} is not captured")
+        return DecodePlan(False, what)
+    if getattr(generation_config, "output_attentions", False) or getattr(generation_config, "output_hidden_states", False):
+        return DecodePlan(False, "attention weights or hidden states are returned (computed eagerly)")
+    return DecodePlan(True)
+
+
+def log_fallback(reason: str | None) -> None:
+    """Say once (per distinct reason) that decode steps run eagerly."""
+    if reason:
+        logger.warning_once(f"QuantMLA: decode steps run eagerly, not from CUDA graphs: {reason}.")
+
+
+def uncapturable(args: tuple, kwargs: dict, device_type: str = "cuda") -> str | None:
+    """Why the forward `model(*args, **kwargs)` cannot be a replayed decode step ("" for an ordinary eager step
+    such as the prefill, which is not worth a log line), or None when it can."""
+    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    if not isinstance(cache, StaticQuantMLACache):
+        return "" if cache is None else f"the cache is a {type(cache).__name__}, not a StaticQuantMLACache"
+    if args:
+        return "the forward got positional arguments"
+    input_ids = kwargs.get("input_ids")
+    if kwargs.get("inputs_embeds") is not None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return "the step is given embeddings, not [B, T] input ids"
+    if not cache.holds_tokens():
+        return ""  # the prefill
+    chunk = min(NATIVE_MAX_QUERY, cache.format.recent_tokens)
+    if input_ids.shape[1] > chunk:
+        return ""  # a prefill chunk: eager (SDPA)
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return "attention weights or hidden states are asked for"
+    if input_ids.device.type != device_type:
+        return f"the inputs are on {input_ids.device}, not a {device_type} device"
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool):
+        return "the attention mask is not a 4D bool tensor"
+    for name, value in kwargs.items():
+        if name in CACHE_KWARGS or value is None or isinstance(value, (torch.Tensor, bool, int, float, str)):
+            continue
+        return f"argument {name!r} is a {type(value).__name__} (only tensors and plain values are captured)"
+    return None
+
+
+def step_signature(cache: StaticQuantMLACache, kwargs: dict) -> tuple:
+    """What a captured graph is specialised to: the cache's buffers and capacity, whether its step writes sink
+    slots, each tensor argument's shape, dtype and device, every other argument's value."""
+    parts = []
+    for name in sorted(kwargs):
+        if name in CACHE_KWARGS:
+            continue
+        value = kwargs[name]
+        if isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), value.dtype, str(value.device)))
+        else:
+            parts.append((name, value))
+    return (cache.buffers_version, cache.max_cache_len, cache.layers[0].sink_written(), tuple(parts))
+
+
+def step_mask_is_padding_causal(cache: StaticQuantMLACache, mask: torch.Tensor | None, n_new: int) -> bool:
+    """Whether the step's `mask: [B, 1, n_new, K]` is the left padding + causal mask the kernels apply over the
+    `cache.host_length() + n_new` positions of the step (`masks.mask_is_padding_causal`, one synchronisation)."""
+    layer = cache.layers[0]
+    return mask_is_padding_causal(layer.left_padding, layer.max_left_padding, mask, n_new, cache.host_length() + n_new)
+
+
+# ------------------------------------------------------------------------------------------------ the pools
+@dataclass
+class GraphPool:
+    """A least-recently-used map with a count and a byte cap: `put` evicts the oldest entries (never the one just
+    put) while there are more than `max_entries` or their bytes exceed `max_bytes`."""
+
+    max_entries: int
+    max_bytes: int | None = None
+    entries: OrderedDict = field(default_factory=OrderedDict)
+    sizes: dict = field(default_factory=dict)
+
+    def get(self, key):
+        item = self.entries.get(key)
+        if item is not None:
+            self.entries.move_to_end(key)
+        return item
+
+    def put(self, key, item, nbytes: int) -> list:
+        """Insert (or refresh) `key`; returns the evicted items."""
+        self.entries[key] = item
+        self.entries.move_to_end(key)
+        self.sizes[key] = int(nbytes)
+        evicted = []
+        while len(self.entries) > 1 and (
+            len(self.entries) > self.max_entries or (self.max_bytes is not None and self.nbytes() > self.max_bytes)
+        ):
+            old_key, old = self.entries.popitem(last=False)
+            self.sizes.pop(old_key)
+            evicted.append(old)
+        return evicted
+
+    def resize(self, key, nbytes: int) -> None:
+        if key in self.sizes:
+            self.sizes[key] = int(nbytes)
+
+    def pop(self, key):
+        self.sizes.pop(key, None)
+        return self.entries.pop(key, None)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.sizes.clear()
+
+    def nbytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def cache_pool(model) -> GraphPool:
+    """The static caches `generate` built for `model` (with their graphs): `CACHES_PER_MODEL` and `POOL_MAX_BYTES`
+    by default; set `max_entries`/`max_bytes` on it to change the caps."""
+    pool = getattr(model, "_quantmla_cache_pool", None)
+    if pool is None:
+        pool = model._quantmla_cache_pool = GraphPool(CACHES_PER_MODEL, POOL_MAX_BYTES)
+    return pool
+
+
+def graphs_of(cache: StaticQuantMLACache) -> GraphPool:
+    graphs = cache.__dict__.get("_decode_graphs")
+    if graphs is None:
+        graphs = cache.__dict__["_decode_graphs"] = GraphPool(GRAPHS_PER_CACHE)
+    return graphs
+
+
+def graph_bytes(cache: StaticQuantMLACache) -> int:
+    """Bytes the captured graphs of `cache` hold (their private memory pools, as measured at capture)."""
+    graphs = cache.__dict__.get("_decode_graphs")
+    return graphs.nbytes() if graphs is not None else 0
+
+
+# ------------------------------------------------------------------------------------------------ capture, replay
+@dataclass
+class CapturedStep:
+    graph: object  # torch.cuda.CUDAGraph
+    inputs: dict  # static copies of the tensor arguments (and the plain ones), as captured
+    output: object  # the forward's output; its tensors are the graph's
+    n_new: int
+    nbytes: int
+
+
+@dataclass
+class GraphStats:
+    """What the step objects of one model did: captures, replays, eager steps, capture seconds."""
+
+    captures: int = 0
+    replays: int = 0
+    eager_steps: int = 0
+    capture_seconds: float = 0.0
+
+
+def graph_stats(model) -> GraphStats:
+    stats = getattr(model, "_quantmla_graph_stats", None)
+    if stats is None:
+        stats = model._quantmla_graph_stats = GraphStats()
+    return stats
+
+
+class DecodeGraphStep:
+    """The forward `generate` calls for each decode step of one call (see the module docstring)."""
+
+    device_type = "cuda"  # where steps are captured (`_warm_up` and `_record` say how)
+
+    def __init__(self, model):
+        self.model = model
+        self.stats = graph_stats(model)
+        self.checked_masks: set[int] = set()  # caches whose mask was checked in this call
+        self.eager_caches: set[int] = set()  # caches this call decodes eagerly (a mask the kernels cannot apply)
+
+    def __call__(self, *args, **kwargs):
+        why = uncapturable(args, kwargs, self.device_type)
+        cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+        if why is not None or id(cache) in self.eager_caches:
+            log_fallback(why)
+            self.stats.eager_steps += 1
+            return self.model(*args, **kwargs)
+        n_new = kwargs["input_ids"].shape[1]
+        cache.moved_buffers()
+        if not cache.room_for(n_new):
+            cache.grow_for(cache.host_length() + n_new)
+        if id(cache) not in self.checked_masks:
+            if not step_mask_is_padding_causal(cache, kwargs.get("attention_mask"), n_new):
+                log_fallback("the attention mask is not left padding + causal (the kernels' own masking)")
+                self.eager_caches.add(id(cache))
+                self.stats.eager_steps += 1
+                return self.model(**kwargs)
+            self.checked_masks.add(id(cache))
+        graphs = graphs_of(cache)
+        key = step_signature(cache, kwargs)
+        step = graphs.get(key)
+        if step is None:
+            try:
+                step = self._capture(cache, kwargs, n_new)
+            except RuntimeError as err:
+                log_fallback(f"capturing the decode step failed ({err})")
+                self.eager_caches.add(id(cache))
+                self.stats.eager_steps += 1
+                return self.model(**kwargs)
+            graphs.put(key, step, step.nbytes)
+            cache_pool(self.model).resize(getattr(cache, "_pool_key", None), cache.nbytes() + graphs.nbytes())
+        for name, value in kwargs.items():
+            target = step.inputs.get(name)
+            if isinstance(value, torch.Tensor) and target is not value:
+                target.copy_(value)
+        step.graph.replay()
+        cache.advance_host_length(n_new)
+        self.stats.replays += 1
+        return step.output
+
+    def _capture(self, cache: StaticQuantMLACache, kwargs: dict, n_new: int) -> CapturedStep:
+        start = time.perf_counter()
+        n = cache.host_length()
+        inputs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        try:
+            with cache.host_checked_steps():
+                self._warm_up(cache, inputs, n)
+                graph, output, nbytes = self._record(inputs)
+        finally:
+            cache.set_host_length(n)  # warm-ups rewound, and the capture ran no kernel: the counters stay at n
+        self.stats.captures += 1
+        self.stats.capture_seconds += time.perf_counter() - start
+        return CapturedStep(graph, inputs, output, n_new, nbytes)
+
+    def _warm_up(self, cache: StaticQuantMLACache, inputs: dict, n: int) -> None:
+        """Run the step `WARMUP_STEPS` times on a side stream (kernel compilation, cuBLAS workspaces), rewinding
+        the cache after each: the replay then rewrites the same slots with the same values."""
+        device = inputs["input_ids"].device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self.model(**inputs)
+                cache.set_host_length(n)
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def _record(self, inputs: dict):
+        """Capture `model(**inputs)` into a CUDA graph with its own memory pool; returns (graph, output, bytes
+        the pool took)."""
+        device = inputs["input_ids"].device
+        gc.collect()
+        torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: what reserved memory gains is the pool's
+        reserved = torch.cuda.memory_reserved(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self.model(**inputs)
+        return graph, output, torch.cuda.memory_reserved(device) - reserved
+
+
+def compiled_call(model, stock_get_compiled_call, compile_config):
+    """`model.get_compiled_call` of a QuantMLA model: this call's `DecodeGraphStep` where `plan_decode` chose CUDA
+    graphs, transformers' own (`torch.compile`) otherwise."""
+    plan = getattr(model, "_quantmla_decode_plan", None)
+    if plan is not None and plan.graphs:
+        return DecodeGraphStep(model)
+    return stock_get_compiled_call(compile_config)
