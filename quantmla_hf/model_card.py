@@ -187,10 +187,16 @@ def render_model_card(
     return body.rstrip() + "\n\n" + MARKER + "\n"
 
 
+def has_own_card(directory) -> bool:
+    """True when `directory` holds a README.md that QuantMLA did not write (the user's card, kept by saves)."""
+    path = Path(directory) / "README.md"
+    return path.is_file() and MARKER not in path.read_text(encoding="utf-8", errors="replace")
+
+
 def write_model_card(model, save_directory, overwrite: bool = False, **kwargs) -> Path:
     """Write README.md into `save_directory`; an existing card is kept unless QuantMLA wrote it or `overwrite`."""
     path = Path(save_directory) / "README.md"
-    if path.exists() and not overwrite and MARKER not in path.read_text(encoding="utf-8", errors="replace"):
+    if not overwrite and has_own_card(save_directory):
         return path
     path.write_text(render_model_card(model, **kwargs), encoding="utf-8")
     return path
