@@ -15,6 +15,8 @@ The native decode path (`quantmla_hf.attention`) reads the planes directly inste
 
 from __future__ import annotations
 
+import os
+
 import torch
 import transformers
 from packaging import version
@@ -38,6 +40,13 @@ def _use_triton(kernel: str, device: torch.device) -> bool:
     if kernel == "torch":
         return False
     if kernel == "triton":
+        # Off CUDA, Triton runs only in its interpreter (TRITON_INTERPRET=1, the tests' CPU mode); anything else
+        # would fail deep in Triton's driver.
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"kernel='triton' runs the Triton kernels, which need a CUDA GPU, but the cache is on {device}; use "
+                "kernel='auto' (Triton on CUDA, PyTorch elsewhere) or kernel='torch', or move the model to a GPU"
+            )
         return True
     return device.type == "cuda"
 

@@ -27,8 +27,8 @@ import torch
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import _http
-from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils.logging import tqdm  # honours transformers.utils.logging.disable_progress_bar()
 
 from .calibration.defaults import resolve_transform
 from .calibration_check import CLI_NAMES, check_calibration_inputs, read_calibration_text

@@ -224,6 +224,11 @@ class QuantMLAConfig(QuantizationConfigMixin):
             self.static_cache, bool
         ):
             raise ValueError(f"static_cache must be 'auto', True or False, got {self.static_cache!r}")
+        if self.static_cache is True and self.recent_tokens < 1:
+            raise ValueError(
+                "static_cache=True needs recent_tokens >= 1 (each compiled decode step is written through the recent "
+                "window), got recent_tokens=0; keep recent_tokens >= 1 or use static_cache='auto' or False"
+            )
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"calibrated must be True or False, got {self.calibrated!r}")
         if not isinstance(self.extra, dict):

@@ -35,6 +35,7 @@ from .hooks import _pre_forward, install_cache_hooks, mla_attention_modules
 from .mla import MLADims, mla_dims
 from .model_card import has_own_card, write_model_card
 from .staged_output import staged_directory
+from .static_generate import static_cache_wanted
 
 logger = logging.get_logger(__name__)
 
@@ -149,7 +150,9 @@ def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, t
         tokenizer = resolve_tokenizer(model, qconfig, tokenizer)
     check_calibration_inputs(qconfig, data, tokenizer)
     quantize = _load_calibration()
-    quantize(model, qconfig, data, tokenizer=tokenizer, **(calibration_options or {}))
+    # The calibration bar follows transformers.utils.logging.disable_progress_bar() unless the caller decides.
+    options = {"progress": logging.is_progress_bar_enabled(), **(calibration_options or {})}
+    quantize(model, qconfig, data, tokenizer=tokenizer, **options)
     qconfig.calibrated = True
     if data is not None and "calibration_source" not in qconfig.extra:
         qconfig.extra["calibration_source"] = _calibration_source(data)
@@ -237,6 +240,25 @@ def _install_attention(model) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
+def check_static_cache_length(model, generation_config, args: tuple, kwargs: dict) -> None:
+    """Refuse a `generate` call whose static cache would be preallocated past the model's position range.
+
+    A `StaticQuantMLACache` reserves `max_length` positions up front (prompt + `max_new_tokens`); a huge
+    `max_new_tokens` would allocate far beyond anything the model can attend to, and be killed for memory.
+    `args`/`kwargs` are those of `_prepare_cache_for_generation` (generation_mode, batch_size, max_cache_length).
+    """
+    if not static_cache_wanted(model, _model_qconfig(model), generation_config):
+        return
+    needed = int(kwargs.get("max_cache_length", args[2] if len(args) > 2 else generation_config.max_length))
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and needed > limit:
+        raise ValueError(
+            f"the static QuantMLA cache would preallocate {needed} positions (prompt + max_new_tokens), more than "
+            f"this model's max_position_embeddings={limit}; lower max_new_tokens to at most {limit} minus the prompt "
+            "length, or use QuantMLAConfig(static_cache=False) for a cache that grows"
+        )
+
+
 def _install_generation_default(model) -> None:
     """Make `generate` build a `QuantMLACache` when the caller gives no cache and no `cache_implementation`.
 
@@ -260,6 +282,7 @@ def _install_generation_default(model) -> None:
             and generation_config.use_cache is not False
             and generation_config.cache_implementation is None
         ):
+            check_static_cache_length(self, generation_config, args, kwargs)
             # [static cache, issue #10] a preallocated cache (compiled decode) where static_cache_wanted says so
             from .static_generate import generation_cache
 
