@@ -33,6 +33,7 @@ from transformers.utils.logging import tqdm  # honours transformers.utils.loggin
 from .calibration.defaults import resolve_transform
 from .calibration_check import CLI_NAMES, check_calibration_inputs, read_calibration_text
 from .config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig
+from .demo import main as demo_main
 from .evaluation import decode_perplexity
 from .integration import build_cache, generated_cache, upload_saved_files
 from .mla import mla_dims, text_config
@@ -386,8 +387,6 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_demo(argv: list[str]) -> int:
-    from .demo import main as demo_main
-
     return int(demo_main(argv) or 0)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -369,6 +370,6 @@ FIELDS = (
 )
 _DEFAULTS = {
     name: p.default
-    for name, p in __import__("inspect").signature(QuantMLAConfig.__init__).parameters.items()
+    for name, p in inspect.signature(QuantMLAConfig.__init__).parameters.items()
     if name in FIELDS
 }

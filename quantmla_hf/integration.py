@@ -28,6 +28,7 @@ from transformers.utils import logging
 
 from .attention import ATTN_IMPLEMENTATION
 from .cache import QuantMLACache
+from .calibration import quantize as calibrate
 from .calibration.defaults import resolve_transform
 from .calibration_check import CALIBRATION_HINT, check_calibration_inputs, read_calibration_text  # noqa: F401
 from .config import QuantMLAConfig
@@ -121,17 +122,6 @@ def resolve_auto_transform(qconfig: QuantMLAConfig, data=None, tokenizer=None) -
     qconfig.transform = transform
 
 
-def _load_calibration():
-    try:
-        from .calibration import quantize
-    except ImportError as err:
-        raise ImportError(
-            "this QuantMLA transform is learned/fused by quantmla_hf.calibration.quantize, which is not available in "
-            f"this installation ({err}); use transform='none' or reinstall quantmla-hf"
-        ) from err
-    return quantize
-
-
 def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, tokenizer=None,
                         calibration_options: dict | None = None) -> None:
     """Learn and fuse the transform that `qconfig` asks for, once (sets `qconfig.calibrated`).
@@ -149,10 +139,9 @@ def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, t
     if data is not None and isinstance(data, (str, os.PathLike, list, tuple)):
         tokenizer = resolve_tokenizer(model, qconfig, tokenizer)
     check_calibration_inputs(qconfig, data, tokenizer)
-    quantize = _load_calibration()
     # The calibration bar follows transformers.utils.logging.disable_progress_bar() unless the caller decides.
     options = {"progress": logging.is_progress_bar_enabled(), **(calibration_options or {})}
-    quantize(model, qconfig, data, tokenizer=tokenizer, **options)
+    calibrate(model, qconfig, data, tokenizer=tokenizer, **options)
     qconfig.calibrated = True
     if data is not None and "calibration_source" not in qconfig.extra:
         qconfig.extra["calibration_source"] = _calibration_source(data)
