@@ -38,7 +38,7 @@ from .evaluation import decode_perplexity
 from .integration import build_cache, generated_cache, upload_saved_files
 from .mla import mla_dims, text_config
 from .model_card import write_model_card
-from .staged_output import check_destination, staged_directory
+from .staged_output import check_destination, check_file_destination, staged_directory, write_text_atomic
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # Seconds a Hub request may wait for the connection or for each piece of the answer (not the whole transfer).
@@ -323,6 +323,8 @@ def cmd_eval(args) -> int:
         raise CLIError(f"--text {args.text}: no such file")
     if args.prefill < 1 or args.window <= args.prefill + 1:
         raise CLIError(f"need 1 <= --prefill < --window - 1, got prefill={args.prefill}, window={args.window}")
+    if args.json:
+        check_file_destination(args.json)  # before the evaluation, not after it
     saved = getattr(_load_config(args.model), "quantization_config", None)
     if saved is None:  # quantized here with the cache options: check them before loading
         check_window_reads_quantized(args.window, args.sink_tokens, args.recent_tokens)
@@ -356,7 +358,7 @@ def cmd_eval(args) -> int:
     print(f"{res['tokens_scored']} tokens decoded in {res['windows']} windows of {args.window} "
           f"({args.prefill} prefilled, stride {stride})")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_text_atomic(args.json, json.dumps(res, indent=2) + "\n")
     return 0
 
 
@@ -372,17 +374,19 @@ def cmd_analyze(args) -> int:
         raise CLIError(f"the dual-path analysis (quantmla_hf.analysis) is not available in this installation: {err}")
     if not Path(args.calibration).is_file():
         raise CLIError(f"--calibration {args.calibration}: no such file")
+    if args.out:
+        check_destination(args.out)  # before the analysis, not after it
     model, tokenizer = load_quantized(args, quantize_if_needed=False)
     ids = calibration_token_ids(args.calibration, tokenizer, args.samples, args.seq_len, 0,
                                 getattr(model.config.get_text_config(decoder=True), "vocab_size", None))
     report = analyze(model, ids, bits=args.bits, group_size=args.group_size)
     print(report.to_markdown())
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-        (out / "report.md").write_text(report.to_markdown() + "\n", encoding="utf-8")
-        print(f"plot: {report.save_plot(str(out / 'dual_path.png'))}")
+        with staged_directory(args.out) as staged:
+            (staged.path / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+            (staged.path / "report.md").write_text(report.to_markdown() + "\n", encoding="utf-8")
+            plot = Path(report.save_plot(str(staged.path / "dual_path.png")))
+        print(f"plot: {staged.destination / plot.name}")
     return 0
 
 

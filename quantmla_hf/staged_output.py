@@ -170,3 +170,38 @@ def staged_directory(path, overwrite: bool = False, overwrite_hint: str = "overw
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_file_destination(path) -> Path:
+    """`path` as a `Path` if a file can be written there (its folder, or the nearest existing parent, is writable),
+    else an `OutputError`; checked before the work whose result goes there."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise OutputError(f"{path} is a folder; give a file name")
+    existing = _nearest_existing(path.parent)
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write to {existing} (read-only or no permission); choose a writable folder")
+    return path
+
+
+def write_text_atomic(path, text: str) -> Path:
+    """Write `text` (UTF-8) to `path` through a temporary sibling and a rename: readers see the old or the new
+    file, never part of one; a failed write (disk full, read-only) raises a one-line `OutputError`."""
+    path = check_file_destination(path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as err:
+        if err.errno in _OS_REASONS:
+            raise OutputError(describe_os_error(err, path)) from err
+        raise
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    return path

@@ -56,3 +56,19 @@ def test_a_second_save_and_push_uploads_its_own_files_only(hub, tmp_path):
     (folder / "notes.txt").write_text("private notes")
     model.save_pretrained(folder, push_to_hub=True, repo_id="tester/again", overwrite=True)
     assert "notes.txt" not in _uploaded(hub, "tester/again")
+
+
+def test_cli_push_uploads_only_the_output_of_the_command(hub, tmp_path, capsys):
+    from quantmla_hf.cli import main
+
+    base, out = tmp_path / "base", tmp_path / "out"
+    tiny_mla_model("deepseek_v2", seed=3).save_pretrained(base)
+    out.mkdir()
+    (out / "secret.env").write_text("HF_TOKEN=hf_private\n")
+    rc = main(["quantize", str(base), "--out", str(out), "--transform", "none", "--group-size", "16",
+               "--push-to-hub", "tester/via-cli"])
+    assert rc == 0, capsys.readouterr().err
+    uploaded = _uploaded(hub, "tester/via-cli")
+    assert "secret.env" not in uploaded and {"config.json", "model.safetensors", "README.md"} <= uploaded
+    assert "from_pretrained(\"tester/via-cli\"" in hub.state.repos[("model", "tester/via-cli")].commits[-1][1][
+        "README.md"].decode()

@@ -176,3 +176,18 @@ def test_save_pretrained_refuses_an_existing_checkpoint_unless_overwrite(tmp_pat
     with pytest.raises(OutputError, match="pass overwrite=True"):
         model.save_pretrained(tmp_path / "q")
     model.save_pretrained(tmp_path / "q", overwrite=True)
+
+
+def test_eval_json_destination_is_checked_before_the_evaluation(base_dir, tmp_path, capsys, monkeypatch):
+    from quantmla_hf.demo import EVALUATION_TEXT
+
+    parent = tmp_path / "readonly"
+    parent.mkdir()
+    real_access = quantmla_hf.staged_output.os.access
+    monkeypatch.setattr(quantmla_hf.staged_output.os, "access",
+                        lambda p, mode: False if str(p) == str(parent) else real_access(p, mode))
+    no_loading(monkeypatch)
+    rc = main(["eval", str(base_dir), "--text", str(EVALUATION_TEXT), "--json", str(parent / "r.json")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err == f"quantmla eval: error: cannot write to {parent} (read-only or no permission); " \
+                              "choose a writable folder"
