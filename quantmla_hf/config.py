@@ -343,7 +343,9 @@ def check_checkpoint_config(config: QuantMLAConfig) -> list[str]:
                 "config.json was edited or truncated, and without them the transform held by the weights is unknown. "
                 "Restore config.json from where the checkpoint came from, or quantize the unquantized model again"
             )
-    if config.calibration_data is not None:
+    # A config object handed back from a live calibrated model (from_pretrained(path, config=model.config)) may still
+    # hold the text it was calibrated with, unused from then on; a config read from config.json may hold nothing.
+    if config.calibration_data is not None and (loaded is not None or not config.calibrated):
         named = config.calibration_data if isinstance(config.calibration_data, str) else "a list of texts"
         raise ValueError(
             f"this checkpoint's quantization_config names calibration data ({named!r}); a loaded checkpoint never "
