@@ -18,7 +18,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -71,7 +70,8 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache options (a MODEL already quantized with QuantMLA takes only the first five)")
     g.add_argument("--content-bits", type=int, default=None, choices=(2, 4, 8, 16),
                    help=f"(default {_DEFAULTS['content_bits']})")
-    g.add_argument("--rope-bits", type=int, default=None, choices=(4, 8, 16), help=f"(default {_DEFAULTS['rope_bits']})")
+    g.add_argument("--rope-bits", type=int, default=None, choices=(4, 8, 16),
+                   help=f"(default {_DEFAULTS['rope_bits']})")
     g.add_argument("--group-size", type=int, default=None, help=f"(default {_DEFAULTS['group_size']})")
     g.add_argument("--sink-tokens", type=int, default=None, help=f"(default {_DEFAULTS['sink_tokens']})")
     g.add_argument("--recent-tokens", type=int, default=None, help=f"(default {_DEFAULTS['recent_tokens']})")
@@ -79,8 +79,10 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="(default auto: learned when --calibration is large enough to beat RTN, else none (RTN), "
                         "said in the output)")
     g.add_argument("--calibration", metavar="FILE", default=None, help="UTF-8 text for learned/smooth transforms")
-    g.add_argument("--calibration-samples", type=int, default=None, help=f"(default {_DEFAULTS['calibration_samples']})")
-    g.add_argument("--calibration-seq-len", type=int, default=None, help=f"(default {_DEFAULTS['calibration_seq_len']})")
+    g.add_argument("--calibration-samples", type=int, default=None,
+                   help=f"(default {_DEFAULTS['calibration_samples']})")
+    g.add_argument("--calibration-seq-len", type=int, default=None,
+                   help=f"(default {_DEFAULTS['calibration_seq_len']})")
     g.add_argument("--calibration-steps", type=int, default=None, help=f"(default {_DEFAULTS['calibration_steps']})")
 
 
@@ -327,7 +329,8 @@ def cmd_eval(args) -> int:
         check_file_destination(args.json)  # before the evaluation, not after it
     saved = getattr(_load_config(args.model), "quantization_config", None)
     if saved is None:  # quantized here with the cache options: check them before loading
-        check_window_reads_quantized(args.window, args.sink_tokens, args.recent_tokens)
+        options = {**_DEFAULTS, **_given(args, CACHE_FLAGS)}
+        check_window_reads_quantized(args.window, options["sink_tokens"], options["recent_tokens"])
     model, tokenizer = load_quantized(args)
     qconfig = model.config.quantization_config
     check_window_reads_quantized(args.window, qconfig.sink_tokens, qconfig.recent_tokens, flags=saved is None)

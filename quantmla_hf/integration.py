@@ -30,7 +30,11 @@ from .attention import ATTN_IMPLEMENTATION
 from .cache import QuantMLACache
 from .calibration import quantize as calibrate
 from .calibration.defaults import resolve_transform
-from .calibration_check import CALIBRATION_HINT, check_calibration_inputs, read_calibration_text  # noqa: F401
+from .calibration_check import (  # noqa: F401  (CALIBRATION_HINT re-exported)
+    CALIBRATION_HINT,
+    check_calibration_inputs,
+    read_calibration_text,
+)
 from .config import QuantMLAConfig
 from .hooks import _pre_forward, install_cache_hooks, mla_attention_modules
 from .mla import MLADims, mla_dims

@@ -121,7 +121,7 @@ def apply_quantmla(model, quantization_config: QuantMLAConfig | dict | None = No
 
     Args:
         model: a transformers MLA causal LM (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, LongCat-Flash, MiniCPM3).
-        quantization_config: the `QuantMLAConfig` (default C4R4 with the learned transform). It is copied: the
+        quantization_config: the `QuantMLAConfig` (default C4R4, transform="auto"). It is copied: the
             model's own config (`model.config.quantization_config`) records the calibration; the object passed in
             stays as it was, so it can configure further models.
         calibration_data: text for a learned/smooth transform (list of strings, a text file path, or token ids
@@ -169,7 +169,8 @@ def quantize(model, quantization_config: QuantMLAConfig | dict | None = None, ca
 def register_quantmla() -> None:
     """Register `QuantMLAConfig` and `QuantMLAHfQuantizer` under "quantmla" with transformers (idempotent)."""
     mapping = transformers_quantizers_auto
-    AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING = mapping.AUTO_QUANTIZATION_CONFIG_MAPPING, mapping.AUTO_QUANTIZER_MAPPING
+    AUTO_QUANTIZATION_CONFIG_MAPPING = mapping.AUTO_QUANTIZATION_CONFIG_MAPPING
+    AUTO_QUANTIZER_MAPPING = mapping.AUTO_QUANTIZER_MAPPING
     # A QuantMLAConfig passed to from_pretrained for a QuantMLA checkpoint brings its cache options
     # (QuantMLAConfig.get_loading_attributes), as GPTQ/AWQ configs bring their loading attributes.
     kinds = mapping.LOADING_ATTRIBUTES_CONFIG_TYPES

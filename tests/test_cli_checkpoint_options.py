@@ -34,3 +34,13 @@ def test_weight_flags_on_a_quantized_checkpoint_are_errors_naming_them(c4r4_dir,
     assert rc == 1 and "Traceback" not in err and not (tmp_path / "q").exists()
     named = [f for f in flags if f.startswith("--")]
     assert all(f in err for f in named) and "already quantized with QuantMLA" in err
+
+
+def test_eval_window_check_uses_the_default_window_when_no_flag_is_given(tmp_path, capsys):
+    base = tmp_path / "base"
+    tiny_mla_model("deepseek_v3", seed=6).save_pretrained(base)
+    from quantmla_hf.demo import EVALUATION_TEXT
+
+    rc = main(["eval", str(base), "--text", str(EVALUATION_TEXT), "--window", "100", "--prefill", "6"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--window 100" in err and "(recent)" in err and "Traceback" not in err
