@@ -309,12 +309,13 @@ def _install_model_card(model) -> None:
     stock_save = model.save_pretrained
 
     @functools.wraps(stock_save)
-    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, overwrite: bool = False, **kwargs):
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, overwrite: bool = True, **kwargs):
         """transformers' `save_pretrained`, written atomically (`quantmla_hf.staged_output`), with the QuantMLA card.
 
-        A folder that already holds a checkpoint is replaced only with `overwrite=True`. With `push_to_hub=True`
-        exactly the files this save wrote are uploaded (what `push_to_hub` uploads), never other files lying in
-        the folder.
+        A checkpoint already in the folder is replaced whole, as transformers' `save_pretrained` replaces it (its
+        common tests save twice into one folder); `overwrite=False` refuses it instead (`OutputError`), which the
+        CLI does unless `--overwrite`. With `push_to_hub=True` exactly the files this save wrote are uploaded (what
+        `push_to_hub` uploads), never other files lying in the folder.
         """
         hub_kwargs = {k: kwargs.pop(k) for k in HUB_SAVE_KWARGS if k in kwargs}
         if not kwargs.get("is_main_process", True):

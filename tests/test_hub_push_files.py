@@ -54,7 +54,7 @@ def test_a_second_save_and_push_uploads_its_own_files_only(hub, tmp_path):
     model = _model()
     model.save_pretrained(folder)
     (folder / "notes.txt").write_text("private notes")
-    model.save_pretrained(folder, push_to_hub=True, repo_id="tester/again", overwrite=True)
+    model.save_pretrained(folder, push_to_hub=True, repo_id="tester/again")
     assert "notes.txt" not in _uploaded(hub, "tester/again")
 
 

@@ -154,7 +154,7 @@ def _consistent(models, out) -> int:
 def test_two_concurrent_writers_one_wins_the_other_is_told(tmp_path, monkeypatch):
     models = _writers(monkeypatch)
     out = tmp_path / "q"
-    results = _save_concurrently(models, out)
+    results = _save_concurrently(models, out, overwrite=False)
     assert sorted(r == "saved" for r in results) == [False, True], results
     loser = results.index(next(r for r in results if r != "saved"))
     assert "already holds a checkpoint" in results[loser]
@@ -170,12 +170,14 @@ def test_two_concurrent_overwriting_writers_leave_one_whole_checkpoint(tmp_path,
     assert AutoModelForCausalLM.from_pretrained(out).config.quantization_config.transform == "none"
 
 
-def test_save_pretrained_refuses_an_existing_checkpoint_unless_overwrite(tmp_path):
+def test_save_pretrained_replaces_a_checkpoint_as_transformers_does_or_refuses_when_asked(tmp_path):
     model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=1), QuantMLAConfig(transform="none", group_size=16))
     model.save_pretrained(tmp_path / "q")
     with pytest.raises(OutputError, match="pass overwrite=True"):
-        model.save_pretrained(tmp_path / "q")
-    model.save_pretrained(tmp_path / "q", overwrite=True)
+        model.save_pretrained(tmp_path / "q", overwrite=False)
+    (tmp_path / "q" / "model-00001-of-00002.safetensors").write_bytes(b"a stale shard of an older save")
+    model.save_pretrained(tmp_path / "q")
+    assert not (tmp_path / "q" / "model-00001-of-00002.safetensors").exists()  # no stale shard beside the new one
 
 
 def test_eval_json_destination_is_checked_before_the_evaluation(base_dir, tmp_path, capsys, monkeypatch):
