@@ -298,7 +298,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
     def get(self, key: str, default: Any = None) -> Any:
         """Dict-style read of a serialized field. transformers reads a model config's `quantization_config` with
         `.get` (it expects config.json's dict) also when the config object of a loaded QuantMLA model is passed back,
-        as in `AutoModel.from_pretrained(path, config=model.config)` (#16)."""
+        as in `AutoModel.from_pretrained(path, config=model.config)`."""
         return self.to_dict().get(key, default)
 
     def __repr__(self) -> str:

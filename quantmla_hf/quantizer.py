@@ -94,7 +94,7 @@ class QuantMLAHfQuantizer(HfQuantizer):
 
     @property
     def is_compileable(self) -> bool:
-        # generate compiles the decode step only for a compileable cache: the static QuantMLA cache (issue #10).
+        # generate compiles the decode step only for a compileable cache: the static QuantMLA cache.
         return True
 
 
