@@ -25,8 +25,8 @@ __all__ = [
 ]
 
 from .analysis import analyze  # noqa: E402
-from .integration import apply_quantmla, build_cache, quantize  # noqa: E402
-from .quantizer import QuantMLAHfQuantizer, register_quantmla  # noqa: E402
+from .integration import build_cache  # noqa: E402
+from .quantizer import QuantMLAHfQuantizer, apply_quantmla, quantize, register_quantmla  # noqa: E402
 
 register_quantmla()
 __all__ += ["QuantMLAHfQuantizer", "analyze", "apply_quantmla", "build_cache", "quantize", "register_quantmla"]

@@ -19,7 +19,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 
 import torch
-from tqdm.auto import tqdm
+from transformers.utils.logging import tqdm  # honours transformers.utils.logging.disable_progress_bar()
 
 from .calibration.capture import AttentionRunner, LatentHook, capture_inputs
 from .calibration.objectives import quantize_dequantize

@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import ops
 from .cache import QuantMLACache
+from .chunk_attention import chunk_window_attention
 from .distributed import device_guard
 from .masks import expected_mask, layer_mask_is_padding_causal  # noqa: F401  (expected_mask re-exported)
 from .static_attention import (
@@ -141,6 +142,9 @@ def quantmla_attention_forward(
         return eager_attention_with_weights(module, query, key, value, attention_mask, scaling, dropout)
     cache = state.cache if state is not None else None
     layer = cache.layers[module.layer_idx] if isinstance(cache, QuantMLACache) else None
+    if getattr(layer, "chunk_window", None) is not None and _mask_is_padding_causal(  # draft verification
+            state, layer, attention_mask, query.shape[2]):
+        return chunk_window_attention(module, layer, query, scaling or query.shape[-1] ** -0.5), None
     if layer is None or not layer.last_update_native:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:

@@ -15,6 +15,8 @@ The native decode path (`quantmla_hf.attention`) reads the planes directly inste
 
 from __future__ import annotations
 
+import os
+
 import torch
 import transformers
 from packaging import version
@@ -32,12 +34,22 @@ LEGACY_POSITIVE_CROP = version.parse(transformers.__version__).release < (5, 18)
 
 # Longest query chunk the native latent-space path takes; longer chunks (prefill) expand heads and use SDPA.
 NATIVE_MAX_QUERY = 16
+# Longest chunk after the first forward for which a layer keeps `chunk_window` (draft verification in assisted and
+# prompt-lookup decoding; `quantmla_hf.chunk_attention`): (R + T) model-dtype rows per layer, freed at the next update.
+CHUNK_WINDOW_MAX_QUERY = 256
 
 
 def _use_triton(kernel: str, device: torch.device) -> bool:
     if kernel == "torch":
         return False
     if kernel == "triton":
+        # Off CUDA, Triton runs only in its interpreter (TRITON_INTERPRET=1, the tests' CPU mode); anything else
+        # would fail deep in Triton's driver.
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"kernel='triton' runs the Triton kernels, which need a CUDA GPU, but the cache is on {device}; use "
+                "kernel='auto' (Triton on CUDA, PyTorch elsewhere) or kernel='torch', or move the model to a GPU"
+            )
         return True
     return device.type == "cuda"
 
@@ -81,6 +93,7 @@ class QuantMLALayer(CacheLayerMixin):
         self.max_left_padding = 0
         self.length = 0
         self.is_initialized = False
+        self.chunk_window = None
 
     def lazy_initialization(self, latent: torch.Tensor, k_rot: torch.Tensor) -> None:
         B, dtype, device = latent.shape[0], latent.dtype, latent.device
@@ -124,6 +137,7 @@ class QuantMLALayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(latent, k_rot)
         c_new, r_new = latent[:, 0], k_rot[:, 0]
+        self._keep_chunk_window(c_new, r_new)
         self.last_update_native = self.native and c_new.shape[1] <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens)
         if self.last_update_native:
             self.append(c_new, r_new)
@@ -137,6 +151,25 @@ class QuantMLALayer(CacheLayerMixin):
         return (
             torch.cat([history_c, c_new], dim=1).unsqueeze(1),
             torch.cat([history_r, r_new], dim=1).unsqueeze(1),
+        )
+
+    def _keep_chunk_window(self, c_new: torch.Tensor, r_new: torch.Tensor) -> None:
+        """Keep `chunk_window = (lo, content [B, L - lo, d_c], rope [B, L - lo, d_R])`: the model-dtype rows of
+        positions `[lo, L)`, `lo = max(0, start - R)`, for a chunk of 2..`CHUNK_WINDOW_MAX_QUERY` tokens after the
+        first forward (`None` otherwise): the recent ring before this chunk overwrites it, then the chunk (rope rows
+        stored as the ring stores them). Each query of the chunk reads its own recent window from it
+        (`quantmla_hf.chunk_attention`), and `crop` restores the recent window exactly from it after rejected drafts.
+        """
+        T, start, R = c_new.shape[1], self.length, self.fmt.recent_tokens
+        self.chunk_window = None
+        if not 1 < T <= CHUNK_WINDOW_MAX_QUERY or start == 0:
+            return
+        lo = max(0, start - R)
+        ring = torch.arange(lo, start, device=c_new.device) % max(R, 1)
+        self.chunk_window = (
+            lo,
+            torch.cat([self.recent_content[:, ring], c_new], dim=1),
+            torch.cat([self.recent_rope[:, ring], self._rotate_rope(r_new, inverse=False)], dim=1),
         )
 
     def _check_inputs(self, latent: torch.Tensor, k_rot: torch.Tensor) -> None:
@@ -303,8 +336,14 @@ class QuantMLALayer(CacheLayerMixin):
         lost_lo, lost_hi = max(0, keep - R), min(keep, n - R)
         if R and lost_lo < lost_hi:
             positions = torch.arange(lost_lo, lost_hi, device=self.device)
-            self.recent_content[:, positions % R] = self.content.read(lost_hi, lost_lo).to(self.recent_content.dtype)
-            self.recent_rope[:, positions % R] = self.rope.read(lost_hi, lost_lo).to(self.recent_rope.dtype)
+            window = self.chunk_window
+            if window is not None and window[0] <= lost_lo:  # rejected drafts of the last chunk: the exact rows
+                self.recent_content[:, positions % R] = window[1][:, lost_lo - window[0]:lost_hi - window[0]]
+                self.recent_rope[:, positions % R] = window[2][:, lost_lo - window[0]:lost_hi - window[0]]
+            else:  # older tokens: their packed copies are the only ones left
+                self.recent_content[:, positions % R] = self.content.read(lost_hi, lost_lo).to(self.recent_content.dtype)
+                self.recent_rope[:, positions % R] = self.rope.read(lost_hi, lost_lo).to(self.recent_rope.dtype)
+        self.chunk_window = None
         self.length = keep
         self._cropped(keep)
 
@@ -316,6 +355,7 @@ class QuantMLALayer(CacheLayerMixin):
     def _apply_batch(self, fn) -> None:
         if not self.is_initialized:
             return
+        self.chunk_window = None
         self.content.apply_batch(fn)
         self.rope.apply_batch(fn)
         for name in ("sink_content", "sink_rope", "recent_content", "recent_rope", "left_padding"):

@@ -30,6 +30,8 @@ CALIBRATION_HINT = (
     "or QuantMLAConfig(transform={transform!r}, calibration_data='/path/to/calibration.txt') (from the command line: "
     "`quantmla quantize MODEL --out DIR --calibration FILE`); or pick transform='hadamard' or 'none', which need no data"
 )
+# The shortest calibration window QuantMLAConfig accepts (calibration_seq_len).
+MIN_SEQ_LEN = 8
 # Characters tokenized first when counting: enough for two windows in any tokenizer we know of (>= 1 char/token).
 _PREFIX_CHARS_PER_TOKEN = 16
 
@@ -110,9 +112,13 @@ def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None,
     n = count_tokens_up_to(texts, tokenizer, 2 * seq_len)
     if n < 2 * seq_len:
         what = source or f"the {len(texts)} calibration text(s)"
-        shorter = names["calibration_seq_len"].format(max(8, n // 2))
+        # Shorter windows help only when two windows of at least the minimum length fit in the text.
+        fits = n // 2 >= MIN_SEQ_LEN
+        advice = (f"pass a longer text or {names['calibration_seq_len'].format(n // 2)}"
+                  + (" or less" if n // 2 > MIN_SEQ_LEN else "") if fits else
+                  f"pass a longer text (at least {2 * MIN_SEQ_LEN} tokens: two windows of the shortest length, "
+                  f"{MIN_SEQ_LEN})")
         raise ValueError(
             f"{what} gives {n} tokens, fewer than 2 windows of {names['calibration_seq_len'].format(seq_len)} "
-            f"(one to learn from, one held out); pass a longer text or {shorter}"
-            + (" or less" if n // 2 > 8 else "")
+            f"(one to learn from, one held out); {advice}"
         )

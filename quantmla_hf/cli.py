@@ -16,8 +16,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import warnings
 from pathlib import Path
+
+import huggingface_hub
+import torch
+from huggingface_hub import HfApi, constants
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import _http
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils.logging import tqdm  # honours transformers.utils.logging.disable_progress_bar()
+
+from .calibration.defaults import resolve_transform
+from .calibration_check import CLI_NAMES, check_calibration_inputs, read_calibration_text
+from .config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig
+from .demo import main as demo_main
+from .evaluation import decode_perplexity
+from .integration import build_cache, generated_cache, upload_saved_files
+from .mla import mla_dims, text_config
+from .model_card import write_model_card
+from .staged_output import check_destination, check_file_destination, staged_directory, write_text_atomic
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # Seconds a Hub request may wait for the connection or for each piece of the answer (not the whole transfer).
@@ -36,19 +56,34 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-map", default=None, help='accelerate device map, e.g. "auto" or "cpu"')
 
 
-def _add_cache_args(p: argparse.ArgumentParser, transform_default: str) -> None:
-    g = p.add_argument_group("cache options (used when MODEL is not already quantized)")
-    g.add_argument("--content-bits", type=int, default=4, choices=(2, 4, 8, 16))
-    g.add_argument("--rope-bits", type=int, default=4, choices=(4, 8, 16))
-    g.add_argument("--group-size", type=int, default=64)
-    g.add_argument("--sink-tokens", type=int, default=4)
-    g.add_argument("--recent-tokens", type=int, default=128)
-    g.add_argument("--transform", default=transform_default, choices=("auto", "learned", "hadamard", "smooth", "none"),
-                   help="auto: learned when --calibration is large enough to beat RTN, else none (RTN), said in the output")
+# Cache options of the command line: (flag, QuantMLAConfig field). Their defaults are QuantMLAConfig's; the parser
+# leaves them None so that a flag given on the command line can be told apart from a default.
+CACHE_FLAGS = (("--content-bits", "content_bits"), ("--rope-bits", "rope_bits"), ("--group-size", "group_size"),
+               ("--sink-tokens", "sink_tokens"), ("--recent-tokens", "recent_tokens"))
+# Options that describe how weights are made: a MODEL already quantized with QuantMLA cannot take them.
+WEIGHT_FLAGS = (("--transform", "transform"), ("--calibration", "calibration_data"),
+                ("--calibration-samples", "calibration_samples"), ("--calibration-seq-len", "calibration_seq_len"),
+                ("--calibration-steps", "calibration_steps"))
+
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cache options (a MODEL already quantized with QuantMLA takes only the first five)")
+    g.add_argument("--content-bits", type=int, default=None, choices=(2, 4, 8, 16),
+                   help=f"(default {_DEFAULTS['content_bits']})")
+    g.add_argument("--rope-bits", type=int, default=None, choices=(4, 8, 16),
+                   help=f"(default {_DEFAULTS['rope_bits']})")
+    g.add_argument("--group-size", type=int, default=None, help=f"(default {_DEFAULTS['group_size']})")
+    g.add_argument("--sink-tokens", type=int, default=None, help=f"(default {_DEFAULTS['sink_tokens']})")
+    g.add_argument("--recent-tokens", type=int, default=None, help=f"(default {_DEFAULTS['recent_tokens']})")
+    g.add_argument("--transform", default=None, choices=("auto", "learned", "hadamard", "smooth", "none"),
+                   help="(default auto: learned when --calibration is large enough to beat RTN, else none (RTN), "
+                        "said in the output)")
     g.add_argument("--calibration", metavar="FILE", default=None, help="UTF-8 text for learned/smooth transforms")
-    g.add_argument("--calibration-samples", type=int, default=64)
-    g.add_argument("--calibration-seq-len", type=int, default=512)
-    g.add_argument("--calibration-steps", type=int, default=100)
+    g.add_argument("--calibration-samples", type=int, default=None,
+                   help=f"(default {_DEFAULTS['calibration_samples']})")
+    g.add_argument("--calibration-seq-len", type=int, default=None,
+                   help=f"(default {_DEFAULTS['calibration_seq_len']})")
+    g.add_argument("--calibration-steps", type=int, default=None, help=f"(default {_DEFAULTS['calibration_steps']})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="quantize an MLA checkpoint and save it (optionally push it to the Hub)")
     _add_model_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
     p.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload to this Hub repo")
-    _add_cache_args(p, "auto")
+    _add_cache_args(p)
 
     p = sub.add_parser("generate", help="generate text with the QuantMLA cache")
     _add_model_args(p)
@@ -67,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--seed", type=int, default=0)
-    _add_cache_args(p, "none")
+    _add_cache_args(p)
 
     p = sub.add_parser("eval", help="decode perplexity on a text file: DynamicCache (model dtype) vs QuantMLA cache")
     _add_model_args(p)
@@ -80,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--floor", default=None, action=argparse.BooleanOptionalAction,
                    help="also score a lossless C16R16 cache: what the attention arithmetic alone moves "
                         "(default: on in bfloat16/float16)")
-    _add_cache_args(p, "none")
+    _add_cache_args(p)
 
     p = sub.add_parser("analyze", help="dual-path (content vs RoPE) matched-error analysis: table + PNG")
     _add_model_args(p)
@@ -99,40 +135,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _dtype(name: str):
-    import torch
-
     return "auto" if name == "auto" else getattr(torch, name)
 
 
-def _quant_config(args):
-    from .config import QuantMLAConfig
+def _given(args, flags) -> dict:
+    """The QuantMLAConfig fields of `flags` given on the command line (not left to their default)."""
+    return {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in flags
+            if getattr(args, flag[2:].replace("-", "_"), None) is not None}
 
+
+def _quant_config(args):
+    """The QuantMLAConfig of the command line's options ("auto" resolved and said, as the API logs it)."""
     if args.calibration is not None:
         args.calibration = str(Path(args.calibration).expanduser())
-    transform = args.transform
-    if transform == "auto":
-        from .calibration.defaults import resolve_transform
-        from .calibration_check import CLI_NAMES, read_calibration_text
-
+    options = {**_given(args, CACHE_FLAGS), **_given(args, WEIGHT_FLAGS)}
+    if options.get("transform", "auto") == "auto":
         texts = None
         if args.calibration is not None:
             try:  # a missing, binary or non-UTF-8 file is refused here, naming it and the flag
                 texts = [read_calibration_text(args.calibration, CLI_NAMES)]
             except (OSError, ValueError) as err:
                 raise CLIError(str(err)) from err
-        transform, why = resolve_transform("auto", texts, _load_tokenizer(args.model) if texts else None)
+        options["transform"], why = resolve_transform("auto", texts, _load_tokenizer(args.model) if texts else None)
         print(why)
-    return QuantMLAConfig(
-        content_bits=args.content_bits, rope_bits=args.rope_bits, group_size=args.group_size,
-        sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens, transform=transform,
-        calibration_data=args.calibration, calibration_samples=args.calibration_samples,
-        calibration_seq_len=args.calibration_seq_len, calibration_steps=args.calibration_steps,
-    )
+    return QuantMLAConfig(**options)
+
+
+def _cache_options_for_checkpoint(args):
+    """A QuantMLAConfig of the cache flags given for a MODEL already quantized with QuantMLA (None if none given);
+    a flag that would change its weights is an error naming it."""
+    weight_flags = [flag for flag, field in WEIGHT_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is not None]
+    if weight_flags:
+        raise CLIError(f"{args.model} is already quantized with QuantMLA (its transform is fused into the weights); "
+                       f"{', '.join(weight_flags)} cannot change it: drop {'it' if len(weight_flags) == 1 else 'them'}, "
+                       "or quantize the unquantized model. Cache options (--content-bits, --rope-bits, --group-size, "
+                       "--sink-tokens, --recent-tokens) do apply")
+    given = _given(args, CACHE_FLAGS)
+    return QuantMLAConfig(**given) if given else None
 
 
 def _load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as err:
@@ -145,24 +187,21 @@ def load_quantized(args, quantize_if_needed: bool = True, need_tokenizer: bool =
     Everything that can be checked without the weights (the options, the calibration file and its token count)
     is checked before they load. With `need_tokenizer=False` a checkpoint without a tokenizer gives `None`.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .calibration_check import CLI_NAMES, check_calibration_inputs
-    from .config import QUANT_METHOD
-
-    config = AutoConfig.from_pretrained(args.model)
+    config = _load_config(args.model)
     saved = getattr(config, "quantization_config", None)
     method = saved.get("quant_method") if isinstance(saved, dict) else getattr(saved, "quant_method", None)
     kwargs = {"dtype": _dtype(args.dtype)}
     if args.device_map:
         kwargs["device_map"] = args.device_map
     tokenizer = None
+    if method == QUANT_METHOD and hasattr(args, "content_bits"):
+        cache_options = _cache_options_for_checkpoint(args)
+        if cache_options is not None:
+            kwargs["quantization_config"] = cache_options
     if method != QUANT_METHOD:
         if saved is not None:
             raise CLIError(f"{args.model} is already quantized with {method!r}; QuantMLA needs an unquantized checkpoint")
         if quantize_if_needed:
-            from .mla import mla_dims
-
             mla_dims(config)  # not an MLA model: say so before loading it
             qconfig = _quant_config(args)
             if qconfig.needs_calibration and args.calibration is not None:
@@ -171,7 +210,9 @@ def load_quantized(args, quantize_if_needed: bool = True, need_tokenizer: bool =
             kwargs["quantization_config"] = qconfig
     if tokenizer is None and need_tokenizer:
         tokenizer = _load_tokenizer(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs).eval()
+    with warnings.catch_warnings():  # the cache options given were checked above; transformers' merge note is noise
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs).eval()
     if tokenizer is None:
         try:
             tokenizer = _load_tokenizer(args.model)
@@ -180,28 +221,41 @@ def load_quantized(args, quantize_if_needed: bool = True, need_tokenizer: bool =
     return model, tokenizer
 
 
+def _load_config(model: str):
+    """MODEL's config, or a one-line error: a path that does not exist is said to be one (not a bad Hub id)."""
+    looks_local = model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", os.sep, 1) \
+        or model.count("/") > 1 or (os.altsep is not None and os.altsep in model and os.altsep != "/")
+    if looks_local and not os.path.exists(os.path.expanduser(model)):
+        raise CLIError(f"{model}: no such directory (give a local checkpoint folder or a Hub id owner/name)")
+    try:
+        return AutoConfig.from_pretrained(model)
+    except HFValidationError as err:
+        raise CLIError(f"{model} is neither an existing local folder nor a valid Hub id (owner/name): {err}") from err
+
+
 def cmd_quantize(args) -> int:
+    check_destination(args.out, args.overwrite, "--overwrite")  # before loading or calibrating anything
     model, tokenizer = load_quantized(args, need_tokenizer=False)
-    out = Path(args.out)
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
     qconfig = model.config.quantization_config
-    print(f"saved {qconfig.name} (transform={qconfig.transform}, calibrated={qconfig.calibrated}) to {out}"
-          + ("" if tokenizer is not None else f" (no tokenizer: {args.model} has none)"))
+    repo_id = None
     if args.push_to_hub:
-        info = model.push_to_hub(args.push_to_hub)
+        api = HfApi()
+        repo_id = api.create_repo(args.push_to_hub, exist_ok=True).repo_id
+    with staged_directory(args.out, args.overwrite, "--overwrite") as staged:
+        model.save_pretrained(staged.path)
         if tokenizer is not None:
-            tokenizer.push_to_hub(args.push_to_hub)
-        print(f"pushed to {getattr(info, 'repo_url', args.push_to_hub)}")
+            tokenizer.save_pretrained(staged.path)
+        if repo_id is not None:
+            write_model_card(model, staged.path, overwrite=True, repo_id=repo_id)
+    print(f"saved {qconfig.name} (transform={qconfig.transform}, calibrated={qconfig.calibrated}) to {args.out}"
+          + ("" if tokenizer is not None else f" (no tokenizer: {args.model} has none)"))
+    if repo_id is not None:
+        info = upload_saved_files(api, repo_id, staged.destination, staged.files, "Upload QuantMLA model")
+        print(f"pushed to {getattr(info, 'commit_url', None) or repo_id}")
     return 0
 
 
 def cmd_generate(args) -> int:
-    import torch
-
-    from .integration import generated_cache
-
     empty = [i for i, p in enumerate(args.prompt) if not p.strip()]
     if empty:
         raise CLIError(f"--prompt number {empty[0] + 1} is empty; give some text to continue, e.g. --prompt \"The\"")
@@ -233,13 +287,6 @@ def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride:
     `floor`, also a lossless C16R16 QuantMLA cache: same attention path, nothing quantized, so its difference to
     the baseline is the attention arithmetic alone (in bf16/fp16 the latent-space path rounds differently).
     """
-    from tqdm.auto import tqdm
-    from transformers import DynamicCache
-
-    from .evaluation import decode_perplexity
-    from .integration import build_cache
-    from .mla import text_config
-
     if token_ids.numel() < window:
         raise CLIError(f"the text has {token_ids.numel()} tokens, fewer than one window of {window}; "
                        "pass a longer text or a smaller --window")
@@ -275,16 +322,17 @@ def check_window_reads_quantized(window: int, sink_tokens: int, recent_tokens: i
 
 
 def cmd_eval(args) -> int:
-    from transformers import AutoConfig
-
     text = Path(args.text)
     if not text.is_file():
         raise CLIError(f"--text {args.text}: no such file")
     if args.prefill < 1 or args.window <= args.prefill + 1:
         raise CLIError(f"need 1 <= --prefill < --window - 1, got prefill={args.prefill}, window={args.window}")
-    saved = getattr(AutoConfig.from_pretrained(args.model), "quantization_config", None)
+    if args.json:
+        check_file_destination(args.json)  # before the evaluation, not after it
+    saved = getattr(_load_config(args.model), "quantization_config", None)
     if saved is None:  # quantized here with the cache options: check them before loading
-        check_window_reads_quantized(args.window, args.sink_tokens, args.recent_tokens)
+        options = {**_DEFAULTS, **_given(args, CACHE_FLAGS)}
+        check_window_reads_quantized(args.window, options["sink_tokens"], options["recent_tokens"])
     model, tokenizer = load_quantized(args)
     qconfig = model.config.quantization_config
     check_window_reads_quantized(args.window, qconfig.sink_tokens, qconfig.recent_tokens, flags=saved is None)
@@ -315,13 +363,11 @@ def cmd_eval(args) -> int:
     print(f"{res['tokens_scored']} tokens decoded in {res['windows']} windows of {args.window} "
           f"({args.prefill} prefilled, stride {stride})")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_text_atomic(args.json, json.dumps(res, indent=2) + "\n")
     return 0
 
 
 def torch_dtype(name: str):
-    import torch
-
     return getattr(torch, name)
 
 
@@ -333,23 +379,23 @@ def cmd_analyze(args) -> int:
         raise CLIError(f"the dual-path analysis (quantmla_hf.analysis) is not available in this installation: {err}")
     if not Path(args.calibration).is_file():
         raise CLIError(f"--calibration {args.calibration}: no such file")
+    if args.out:
+        check_destination(args.out)  # before the analysis, not after it
     model, tokenizer = load_quantized(args, quantize_if_needed=False)
     ids = calibration_token_ids(args.calibration, tokenizer, args.samples, args.seq_len, 0,
                                 getattr(model.config.get_text_config(decoder=True), "vocab_size", None))
     report = analyze(model, ids, bits=args.bits, group_size=args.group_size)
     print(report.to_markdown())
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-        (out / "report.md").write_text(report.to_markdown() + "\n", encoding="utf-8")
-        print(f"plot: {report.save_plot(str(out / 'dual_path.png'))}")
+        with staged_directory(args.out) as staged:
+            (staged.path / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+            (staged.path / "report.md").write_text(report.to_markdown() + "\n", encoding="utf-8")
+            plot = Path(report.save_plot(str(staged.path / "dual_path.png")))
+        print(f"plot: {staged.destination / plot.name}")
     return 0
 
 
 def cmd_demo(argv: list[str]) -> int:
-    from .demo import main as demo_main
-
     return int(demo_main(argv) or 0)
 
 
@@ -359,9 +405,6 @@ def set_hub_timeout(seconds: float) -> None:
     huggingface_hub's shared HTTP client waits forever by default for API calls (create_repo, upload): a Hub that
     accepts the connection and never answers would hang the command.
     """
-    import huggingface_hub
-    from huggingface_hub.utils import _http
-
     stock = _http.default_client_factory
 
     def client_with_timeout():
@@ -379,8 +422,6 @@ def _hub_error(err: BaseException) -> bool:
 
 
 def _hub_message(err: BaseException) -> str:
-    from huggingface_hub import constants
-
     detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
     kind = type(err).__name__
     if "Timeout" in kind or "timed out" in detail.lower():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -12,8 +13,18 @@ QUANT_METHOD = "quantmla"
 
 CONTENT_BITS = (2, 4, 8, 16)
 ROPE_BITS = (4, 8, 16)
-TRANSFORMS = ("learned", "hadamard", "smooth", "none")
+TRANSFORMS = ("auto", "learned", "hadamard", "smooth", "none")
 KERNELS = ("auto", "triton", "torch")
+# Version of the `quantization_config` layout this library writes (the `format_version` key of config.json). A
+# config without the key predates versioning and is read as version 1; a higher version is refused (newer library).
+FORMAT_VERSION = 1
+# Options that only shape the cache at run time: a loaded checkpoint takes them from a `QuantMLAConfig` passed to
+# `from_pretrained` (its weights do not depend on them). The other options describe the weights (transform,
+# calibrated) or how they were made (calibration_*, seed) and come from the checkpoint.
+CACHE_OPTIONS = (
+    "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "kernel", "cache_block_size",
+    "static_cache",
+)
 
 
 # Keys the library itself writes into a config (they round-trip through config.json). Anything else given to the
@@ -40,6 +51,17 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _check_format_version(version: Any) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"quantization_config has format_version {version!r}, which no quantmla-hf release writes; "
+                         "the config was edited or damaged: restore config.json from the checkpoint's source")
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"this checkpoint's quantization_config has format_version {version}, written by a newer quantmla-hf; "
+            f"this installation reads format_version <= {FORMAT_VERSION}: pip install -U quantmla-hf"
+        )
+
+
 def _closest(name: str, valid) -> str:
     match = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.5)
     return f"; did you mean {match[0]!r}?" if match else ""
@@ -56,8 +78,10 @@ class QuantMLAConfig(QuantizationConfigMixin):
             the group (MiniCPM3's d_R = 32) is one group. Must divide d_c and d_R otherwise.
         sink_tokens: the first real tokens of each sequence kept in the model dtype beside their packed copy.
         recent_tokens: the most recent tokens kept in the model dtype beside their packed copy.
-        transform: how the latent is prepared for quantization: "learned" (QuantMLA: learned rotation and
-            scale, fused offline), "hadamard" (QuaRot-style), "smooth" (SmoothQuant-style scaling) or "none" (RTN).
+        transform: how the latent is prepared for quantization: "auto" (default: "learned" when the calibration
+            data is large enough to beat RTN, else "none", said in the log), "learned" (QuantMLA: learned rotation
+            and scale, fused offline), "hadamard" (QuaRot-style), "smooth" (SmoothQuant-style scaling) or "none"
+            (RTN).
         kernel: "triton" for the Triton kernels, "torch" for the PyTorch reference, "auto" for Triton on CUDA
             and PyTorch elsewhere.
         calibration_data: text used to learn the transforms: a list of strings, a path to a text file, or
@@ -85,7 +109,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
         group_size: int = 64,
         sink_tokens: int = 4,
         recent_tokens: int = 128,
-        transform: str = "learned",
+        transform: str = "auto",
         kernel: str = "auto",
         calibration_data: str | list[str] | None = None,
         calibration_samples: int = 64,
@@ -101,6 +125,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
     ):
         object.__setattr__(self, "_validating", False)
         self.quant_method = QUANT_METHOD
+        _check_format_version(kwargs.pop("format_version", 1))
         unknown = [k for k in kwargs if k != "quant_method" and k not in LIBRARY_KEYS]
         if unknown:
             key = unknown[0]
@@ -207,6 +232,11 @@ class QuantMLAConfig(QuantizationConfigMixin):
             raise ValueError(f"static_cache must be 'auto', True or False, got {self.static_cache!r}")
         if not (self.decode_graphs == "auto" or isinstance(self.decode_graphs, bool)):
             raise ValueError(f"decode_graphs must be 'auto', True or False, got {self.decode_graphs!r}")
+        if self.static_cache is True and self.recent_tokens < 1:
+            raise ValueError(
+                "static_cache=True needs recent_tokens >= 1 (each compiled decode step is written through the recent "
+                "window), got recent_tokens=0; keep recent_tokens >= 1 or use static_cache='auto' or False"
+            )
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"calibrated must be True or False, got {self.calibrated!r}")
         if not isinstance(self.extra, dict):
@@ -222,9 +252,32 @@ class QuantMLAConfig(QuantizationConfigMixin):
         """True when a data-dependent transform still has to be learned and fused."""
         return self.transform in ("learned", "smooth") and not self.calibrated
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs):
+        """The config of a dict (config.json's `quantization_config`); remembers which keys the dict held, so a
+        checkpoint's config can be checked for completeness (`check_checkpoint_config`)."""
+        config = cls(**config_dict)
+        object.__setattr__(config, "_loaded_keys", frozenset(config_dict))
+        unused = {k: v for k, v in kwargs.items() if not hasattr(config, k)}
+        for k, v in kwargs.items():
+            if hasattr(config, k):
+                setattr(config, k, v)
+        return (config, unused) if return_unused_kwargs else config
+
+    def get_loading_attributes(self) -> dict[str, Any]:
+        """What this config, passed to `from_pretrained` for an already quantized checkpoint, changes in the
+        checkpoint's config (transformers' loading attributes): the cache options set here (those that differ from
+        the defaults). The other options set here cannot change weights already saved; they travel under
+        `_requested_options` and `check_checkpoint_config` names each one that differs from the checkpoint."""
+        changed = {k: getattr(self, k) for k in FIELDS if getattr(self, k) != _DEFAULTS[k]}
+        cache = {k: v for k, v in changed.items() if k in CACHE_OPTIONS}
+        others = {k: v for k, v in changed.items() if k not in CACHE_OPTIONS}
+        return {**cache, "_requested_options": others} if others else cache
+
     def to_dict(self) -> dict[str, Any]:
         out = {
             "quant_method": self.quant_method,
+            "format_version": FORMAT_VERSION,
             "content_bits": self.content_bits,
             "rope_bits": self.rope_bits,
             "group_size": self.group_size,
@@ -253,7 +306,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
     def get(self, key: str, default: Any = None) -> Any:
         """Dict-style read of a serialized field. transformers reads a model config's `quantization_config` with
         `.get` (it expects config.json's dict) also when the config object of a loaded QuantMLA model is passed back,
-        as in `AutoModel.from_pretrained(path, config=model.config)` (#16)."""
+        as in `AutoModel.from_pretrained(path, config=model.config)`."""
         return self.to_dict().get(key, default)
 
     def __repr__(self) -> str:
@@ -277,6 +330,49 @@ class QuantMLAConfig(QuantizationConfigMixin):
         return f"QuantMLAConfig({', '.join(parts)})"
 
 
+# Keys every quantization_config written by quantmla-hf holds; a checkpoint's config without one was edited.
+REQUIRED_CHECKPOINT_KEYS = ("content_bits", "rope_bits", "group_size", "transform", "calibrated")
+
+
+def check_checkpoint_config(config: QuantMLAConfig) -> list[str]:
+    """Refuse a `quantization_config` read from a checkpoint that could start work or read local files.
+
+    A downloaded config.json must not choose files on this machine or make loading calibrate: calibration data
+    named in it, or a transform it claims but whose weights were never calibrated, are refused with the fix.
+    Keys a checkpoint always holds must be present (else the weights' transform is unknown). Returns one sentence
+    per option passed to `from_pretrained` that cannot change this checkpoint (see `get_loading_attributes`).
+    """
+    loaded = getattr(config, "_loaded_keys", None)
+    if loaded is not None:
+        missing = [k for k in REQUIRED_CHECKPOINT_KEYS if k not in loaded]
+        if missing:
+            raise ValueError(
+                f"this checkpoint's quantization_config lacks {', '.join(missing)}, which quantmla-hf always writes: "
+                "config.json was edited or truncated, and without them the transform held by the weights is unknown. "
+                "Restore config.json from where the checkpoint came from, or quantize the unquantized model again"
+            )
+    # A config object handed back from a live calibrated model (from_pretrained(path, config=model.config)) may still
+    # hold the text it was calibrated with, unused from then on; a config read from config.json may hold nothing.
+    if config.calibration_data is not None and (loaded is not None or not config.calibrated):
+        named = config.calibration_data if isinstance(config.calibration_data, str) else "a list of texts"
+        raise ValueError(
+            f"this checkpoint's quantization_config names calibration data ({named!r}); a loaded checkpoint never "
+            "reads local files or calibrates. Delete calibration_data from its config.json, or calibrate yourself: "
+            "from_pretrained(UNQUANTIZED_MODEL, quantization_config=QuantMLAConfig(calibration_data=...))"
+        )
+    if config.transform not in ("none", "auto") and not config.calibrated:
+        raise ValueError(
+            f"this checkpoint's quantization_config claims transform={config.transform!r} with calibrated=false: its "
+            "weights hold no fused transform, and loading it would calibrate, which a loaded checkpoint never does. "
+            "Quantize the unquantized model yourself (quantmla_hf.quantize(model, QuantMLAConfig(transform="
+            f"{config.transform!r}), calibration_data=...)), or set transform to \"none\" in config.json if its weights "
+            "are the stock ones"
+        )
+    requested = getattr(config, "_requested_options", None) or {}
+    return [f"{k}={v!r} (the checkpoint has {getattr(config, k)!r})" for k, v in requested.items()
+            if v != getattr(config, k)]
+
+
 FIELDS = (
     "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "transform", "kernel",
     "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_steps", "calibration_lr", "seed",
@@ -284,6 +380,6 @@ FIELDS = (
 )
 _DEFAULTS = {
     name: p.default
-    for name, p in __import__("inspect").signature(QuantMLAConfig.__init__).parameters.items()
+    for name, p in inspect.signature(QuantMLAConfig.__init__).parameters.items()
     if name in FIELDS
 }

@@ -11,6 +11,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from .cache import QuantMLACache
+from .calibration.defaults import resolve_transform
+from .config import QuantMLAConfig
+from .evaluation import decode_perplexity
+from .integration import GENERATE_CACHE_KWARG
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 REFERENCE_MODEL = ASSETS / "reference_model"
@@ -38,8 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(path: str, dtype: torch.dtype, quantization_config=None):
-    from transformers import AutoModelForCausalLM
-
     kwargs = {"dtype": dtype}
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
@@ -49,15 +54,8 @@ def _load(path: str, dtype: torch.dtype, quantization_config=None):
 def _complete(model, tokenizer, prompt: str, max_new_tokens: int, cache) -> str:
     """Greedy continuation of `prompt` generated with `cache`."""
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **{_cache_kwarg(): cache})
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **{GENERATE_CACHE_KWARG: cache})
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
-def _cache_kwarg() -> str:
-    import transformers
-    from packaging import version
-
-    return "past_key_values" if version.parse(transformers.__version__) < version.parse("5.18") else "cache"
 
 
 def _measured_bytes_per_token(make_cache, dtype: torch.dtype, n_tokens: int) -> tuple[float, float]:
@@ -75,17 +73,10 @@ def _measured_bytes_per_token(make_cache, dtype: torch.dtype, n_tokens: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoTokenizer, DynamicCache
-
-    from . import QuantMLACache, QuantMLAConfig
-    from .evaluation import decode_perplexity
-
     args = build_parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    from .calibration.defaults import resolve_transform
-
     transform, why = resolve_transform(args.transform, str(CALIBRATION_TEXT), tokenizer)
     print(why)
 
@@ -98,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         calibration_seq_len=args.calibration_seq_len,
         calibration_steps=args.calibration_steps,
     )
-    print(f"model: {args.model}")
+    print(f"model: {'the embedded reference model' if args.model == str(REFERENCE_MODEL) else args.model}")
     baseline = _load(args.model, dtype).to(device)
     t0 = time.time()
     quantized = _load(args.model, dtype, qconfig).to(device)

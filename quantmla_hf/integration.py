@@ -21,17 +21,30 @@ import types
 
 import torch
 import transformers
+from huggingface_hub import CommitOperationAdd, HfApi
 from packaging import version
+from transformers import AutoTokenizer
+from transformers.utils import logging
 
 from .attention import ATTN_IMPLEMENTATION
 from .cache import QuantMLACache
-from .calibration_check import CALIBRATION_HINT, check_calibration_inputs  # noqa: F401  (CALIBRATION_HINT re-exported)
+from .calibration import quantize as calibrate
+from .calibration.defaults import resolve_transform
+from .calibration_check import (  # noqa: F401  (CALIBRATION_HINT re-exported)
+    CALIBRATION_HINT,
+    check_calibration_inputs,
+    read_calibration_text,
+)
 from .config import QuantMLAConfig
 from .decode_graphs import compiled_call
-from .hooks import install_cache_hooks, mla_attention_modules
+from .hooks import _pre_forward, install_cache_hooks, mla_attention_modules
 from .mla import MLADims, mla_dims
-from .static_generate import generation_cache, plan_for_given_cache
+from .model_card import has_own_card, write_model_card
+from .staged_output import staged_directory
+from .static_generate import generation_cache, plan_for_given_cache, static_cache_wanted
 from .static_generate import model_qconfig as _model_qconfig
+
+logger = logging.get_logger(__name__)
 
 # transformers 5.17 passes the cache to forward as `past_key_values`; 5.18 renamed it `cache`.
 GENERATE_CACHE_KWARG = (
@@ -65,7 +78,7 @@ def build_cache(model: torch.nn.Module, quantization_config: QuantMLAConfig | No
     return QuantMLACache(config=model.config.get_text_config(decoder=True), quantization_config=qconfig)
 
 
-def _resolve_tokenizer(model, qconfig: QuantMLAConfig, tokenizer):
+def resolve_tokenizer(model, qconfig: QuantMLAConfig, tokenizer):
     """The tokenizer for calibration: the one given, `qconfig.extra['tokenizer']`, or the checkpoint's own."""
     tokenizer = tokenizer if tokenizer is not None else qconfig.extra.get("tokenizer")
     if tokenizer is not None and not isinstance(tokenizer, str):
@@ -76,8 +89,6 @@ def _resolve_tokenizer(model, qconfig: QuantMLAConfig, tokenizer):
             "calibration text needs a tokenizer, and this model was not loaded from a checkpoint that has one; "
             "pass QuantMLAConfig(..., tokenizer='name-or-path') or apply_quantmla(model, config, tokenizer=tokenizer)"
         )
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
@@ -87,15 +98,22 @@ def _resolve_tokenizer(model, qconfig: QuantMLAConfig, tokenizer):
         ) from err
 
 
-def _load_calibration():
-    try:
-        from .calibration import quantize
-    except ImportError as err:
-        raise ImportError(
-            "this QuantMLA transform is learned/fused by quantmla_hf.calibration.quantize, which is not available in "
-            f"this installation ({err}); use transform='none' or reinstall quantmla-hf"
-        ) from err
-    return quantize
+def resolve_auto_transform(qconfig: QuantMLAConfig, data=None, tokenizer=None) -> None:
+    """Replace `transform="auto"` in `qconfig` by what it picks for `data` (logged with the reason, as the CLI says).
+
+    "learned" with enough calibration tokens, else "none" (`quantmla_hf.calibration.defaults.resolve_transform`).
+    A checkpoint's config never comes here with "auto" after a save (the resolved name is saved). `tokenizer` may
+    be a callable returning one; it is called only when there is text to count.
+    """
+    if qconfig.transform != "auto":
+        return
+    if isinstance(data, (str, os.PathLike)):
+        data = [read_calibration_text(data)]  # a missing, binary or non-UTF-8 file: named, with the option
+    if data is not None and callable(tokenizer) and not hasattr(tokenizer, "encode"):
+        tokenizer = tokenizer()
+    transform, why = resolve_transform("auto", data, tokenizer)
+    logger.warning(why)
+    qconfig.transform = transform
 
 
 def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, tokenizer=None,
@@ -107,14 +125,17 @@ def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, t
     `qconfig` is the model's own copy (never the object a caller passed). `calibration_options` (batch_size,
     progress) go to `quantmla_hf.calibration.quantize`.
     """
+    data = calibration_data if calibration_data is not None else qconfig.calibration_data
+    if qconfig.transform == "auto":
+        resolve_auto_transform(qconfig, data, lambda: resolve_tokenizer(model, qconfig, tokenizer))
     if qconfig.transform == "none" or qconfig.calibrated:
         return
-    data = calibration_data if calibration_data is not None else qconfig.calibration_data
     if data is not None and isinstance(data, (str, os.PathLike, list, tuple)):
-        tokenizer = _resolve_tokenizer(model, qconfig, tokenizer)
+        tokenizer = resolve_tokenizer(model, qconfig, tokenizer)
     check_calibration_inputs(qconfig, data, tokenizer)
-    quantize = _load_calibration()
-    quantize(model, qconfig, data, tokenizer=tokenizer, **(calibration_options or {}))
+    # The calibration bar follows transformers.utils.logging.disable_progress_bar() unless the caller decides.
+    options = {"progress": logging.is_progress_bar_enabled(), **(calibration_options or {})}
+    calibrate(model, qconfig, data, tokenizer=tokenizer, **options)
     qconfig.calibrated = True
     if data is not None and "calibration_source" not in qconfig.extra:
         qconfig.extra["calibration_source"] = _calibration_source(data)
@@ -167,8 +188,6 @@ def unprepare_model(model, dtype=None):
     The weights stay as they are: with a fused transform they compute the same function as the original
     checkpoint's (under different values), so the result is an ordinary model of its family. `dtype` casts it.
     """
-    from .hooks import _pre_forward
-
     for module in model.modules():  # the model and its base model both carry the hook (`install_cache_hooks`)
         for key, hook in list(module._forward_pre_hooks.items()):
             if hook is _pre_forward:
@@ -187,78 +206,6 @@ def unprepare_model(model, dtype=None):
     return model
 
 
-def _refuse_second_transform(model, qconfig: QuantMLAConfig) -> None:
-    """A model whose weights already hold a fused transform must not get a second one on top."""
-    current = getattr(getattr(model, "config", None), "quantization_config", None)
-    if isinstance(current, dict):
-        current = QuantMLAConfig.from_dict(current) if current.get("quant_method") == "quantmla" else None
-    if not isinstance(current, QuantMLAConfig) or current.transform == "none" or not current.calibrated:
-        return
-    if qconfig.transform != "none" and not qconfig.calibrated:
-        raise ValueError(
-            f"this model is already quantized with QuantMLA ({current.name}, transform={current.transform!r} fused "
-            "into its weights); applying a second uncalibrated config would fuse another transform on top. "
-            "quantmla_hf.quantize(model, config, data) does the whole job in one call (its config is "
-            "model.config.quantization_config); start again from the unquantized model to change the cache format. "
-            "The calibration step alone is quantmla_hf.calibration.quantize"
-        )
-
-
-def apply_quantmla(model, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None,
-                   tokenizer=None, **calibration_options):
-    """Quantize the KV cache of an MLA model already in memory, as `from_pretrained(quantization_config=...)` would.
-
-    Args:
-        model: a transformers MLA causal LM (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, LongCat-Flash, MiniCPM3).
-        quantization_config: the `QuantMLAConfig` (default C4R4 with the learned transform). It is copied: the
-            model's own config (`model.config.quantization_config`) records the calibration; the object passed in
-            stays as it was, so it can configure further models.
-        calibration_data: text for a learned/smooth transform (list of strings, a text file path, or token ids
-            `[N, T]`); overrides `quantization_config.calibration_data`.
-        tokenizer: tokenizer for the calibration text (default: the one saved with the model's checkpoint).
-        calibration_options: `batch_size`, `progress` of `quantmla_hf.calibration.quantize`.
-
-    Returns the same model, quantized: `generate` uses the packed cache, `save_pretrained` writes a QuantMLA
-    checkpoint (`quantization_config` in config.json) and `push_to_hub` uploads one.
-    """
-    from .quantizer import QuantMLAHfQuantizer
-
-    qconfig = quantization_config if quantization_config is not None else QuantMLAConfig()
-    if isinstance(qconfig, dict):
-        qconfig = QuantMLAConfig.from_dict(qconfig)
-    if not isinstance(qconfig, QuantMLAConfig):
-        raise TypeError(f"quantization_config must be a QuantMLAConfig or its dict, got {type(qconfig).__name__}")
-    if qconfig.transform != "none" and not qconfig.calibrated:
-        # Sharded weights cannot take a fused transform whatever they already hold: say how to do it instead.
-        from .distributed import check_not_sharded_for_calibration
-
-        check_not_sharded_for_calibration(model, qconfig.transform)
-    _refuse_second_transform(model, qconfig)
-    quantizer = QuantMLAHfQuantizer(qconfig, pre_quantized=False)  # holds its own copy of the config
-    prepare_model(model, quantizer.quantization_config, calibration_data, tokenizer,
-                  calibration_options=calibration_options)
-    model.hf_quantizer = quantizer
-    model.is_quantized = True
-    model.quantization_method = quantizer.quantization_config.quant_method
-    return model
-
-
-def quantize(model, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None, tokenizer=None,
-             **calibration_options):
-    """Quantize `model` end to end: calibrate and fuse the transform, connect the packed cache; returns the model.
-
-    The one-call verb (what `quantmla_hf.quantize` is): the same as `apply_quantmla`. The result generates with the
-    packed cache and `save_pretrained`/`push_to_hub` write a QuantMLA checkpoint; the tokenizer for calibration
-    text is the checkpoint's own unless given. `quantization_config` is not changed (a copy records the
-    calibration). Calibration alone, without connecting the cache, is `quantmla_hf.calibration.quantize`.
-
-    Example:
-        >>> model = quantmla_hf.quantize(model, QuantMLAConfig(content_bits=4), calibration_data="calib.txt")
-        >>> model.save_pretrained("out")
-    """
-    return apply_quantmla(model, quantization_config, calibration_data, tokenizer, **calibration_options)
-
-
 # Attention implementations QuantMLA replaces: transformers' automatic default ("sdpa", what `from_pretrained` and
 # `from_config` pick when the caller names none; an explicit "sdpa" cannot be told apart from it) and none at all.
 REPLACED_ATTN_IMPLEMENTATIONS = (None, "sdpa")
@@ -275,6 +222,25 @@ def _install_attention(model) -> None:
     current = model.config._attn_implementation
     if current in REPLACED_ATTN_IMPLEMENTATIONS or current == ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def check_static_cache_length(model, generation_config, args: tuple, kwargs: dict) -> None:
+    """Refuse a `generate` call whose static cache would be preallocated past the model's position range.
+
+    A `StaticQuantMLACache` reserves `max_length` positions up front (prompt + `max_new_tokens`); a huge
+    `max_new_tokens` would allocate far beyond anything the model can attend to, and be killed for memory.
+    `args`/`kwargs` are those of `_prepare_cache_for_generation` (generation_mode, batch_size, max_cache_length).
+    """
+    if not static_cache_wanted(model, _model_qconfig(model), generation_config):
+        return
+    needed = int(kwargs.get("max_cache_length", args[2] if len(args) > 2 else generation_config.max_length))
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and needed > limit:
+        raise ValueError(
+            f"the static QuantMLA cache would preallocate {needed} positions (prompt + max_new_tokens), more than "
+            f"this model's max_position_embeddings={limit}; lower max_new_tokens to at most {limit} minus the prompt "
+            "length, or use QuantMLAConfig(static_cache=False) for a cache that grows"
+        )
 
 
 def _install_generation_default(model) -> None:
@@ -300,6 +266,7 @@ def _install_generation_default(model) -> None:
             and generation_config.use_cache is not False
             and generation_config.cache_implementation is None
         ):
+            check_static_cache_length(self, generation_config, args, kwargs)
             # A static cache (decode steps from CUDA graphs, or compiled) or the growing one: static_generate decides.
             ours = model_kwargs[GENERATE_CACHE_KWARG] = generation_cache(
                 self, generation_config, model_kwargs, args, kwargs
@@ -330,6 +297,13 @@ def _install_generation_default(model) -> None:
 HUB_SAVE_KWARGS = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision")
 
 
+def upload_saved_files(api: HfApi, repo_id: str, folder, files: list[str], commit_message: str, **commit_kwargs):
+    """One commit to `repo_id` of exactly `files` (paths relative to `folder`, as `StagedOutput.files` lists what a
+    save wrote); other files in `folder` are never read. Returns huggingface_hub's `CommitInfo`."""
+    operations = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(folder, rel)) for rel in files]
+    return api.create_commit(repo_id=repo_id, operations=operations, commit_message=commit_message, **commit_kwargs)
+
+
 def _install_model_card(model) -> None:
     """`save_pretrained` also writes the QuantMLA model card; `push_to_hub` uploads it (instead of a generic one)."""
     if getattr(model, "_quantmla_model_card", False):
@@ -337,28 +311,31 @@ def _install_model_card(model) -> None:
     stock_save = model.save_pretrained
 
     @functools.wraps(stock_save)
-    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, overwrite: bool = True, **kwargs):
+        """transformers' `save_pretrained`, written atomically (`quantmla_hf.staged_output`), with the QuantMLA card.
+
+        A checkpoint already in the folder is replaced whole, as transformers' `save_pretrained` replaces it (its
+        common tests save twice into one folder); `overwrite=False` refuses it instead (`OutputError`), which the
+        CLI does unless `--overwrite`. With `push_to_hub=True` exactly the files this save wrote are uploaded (what
+        `push_to_hub` uploads), never other files lying in the folder.
+        """
         hub_kwargs = {k: kwargs.pop(k) for k in HUB_SAVE_KWARGS if k in kwargs}
-        out = stock_save(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True):
-            return out
-        from .model_card import write_model_card
-
-        write_model_card(self, save_directory)
+            return stock_save(save_directory, *args, **kwargs)
+        repo_id = None
         if push_to_hub:
-            # transformers would upload its generic card; upload the directory with ours instead.
-            from huggingface_hub import HfApi
-
-            token = kwargs.get("token")
-            api = HfApi(token=token)
+            api = HfApi(token=kwargs.get("token"))
             repo_id = hub_kwargs.pop("repo_id", None) or os.path.basename(os.path.normpath(save_directory))
             repo_id = api.create_repo(repo_id, private=hub_kwargs.pop("private", None), exist_ok=True).repo_id
-            write_model_card(self, save_directory, repo_id=repo_id)
-            return api.upload_folder(
-                repo_id=repo_id, folder_path=save_directory,
-                commit_message=hub_kwargs.pop("commit_message", None) or "Upload QuantMLA model", **hub_kwargs,
-            )
-        return out
+        with staged_directory(save_directory, overwrite=overwrite) as staged:
+            out = stock_save(staged.path, *args, **kwargs)
+            if not has_own_card(staged.destination):
+                write_model_card(self, staged.path, repo_id=repo_id)
+        if not push_to_hub:
+            return out
+        # transformers would upload its generic card; upload this save's files, with ours, and nothing else.
+        return upload_saved_files(api, repo_id, staged.destination, staged.files,
+                                  hub_kwargs.pop("commit_message", None) or "Upload QuantMLA model", **hub_kwargs)
 
     def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
                     private: bool | None = None, token=None, revision: str | None = None, create_pr: bool = False,
@@ -369,10 +346,6 @@ def _install_model_card(model) -> None:
         Takes every argument of transformers' `push_to_hub` (passed on to the Hub as it would) and the model card's
         `base_model`, `eval_results`, `measured_tokens` (see `quantmla_hf.model_card.render_model_card`).
         """
-        from huggingface_hub import HfApi
-
-        from .model_card import write_model_card
-
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as tmp:

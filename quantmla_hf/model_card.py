@@ -15,7 +15,10 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 import torch
+from huggingface_hub import ModelCardData
+from transformers import DynamicCache
 
+from .cache import QuantMLACache
 from .config import QuantMLAConfig
 from .mla import mla_dims, text_config
 
@@ -42,10 +45,6 @@ def measure_cache_bytes(config, quantization_config: QuantMLAConfig, tokens: int
     in every cache layer; the QuantMLA figure counts what it allocated (packed planes in whole blocks plus the
     sink and recent copies), so it includes the fixed overheads at this length.
     """
-    from transformers import DynamicCache
-
-    from .cache import QuantMLACache
-
     dims = mla_dims(config)
     qconfig = QuantMLAConfig.from_dict({**quantization_config.to_dict(), "kernel": "torch"})
     quant = QuantMLACache(config=config, quantization_config=qconfig)
@@ -137,8 +136,6 @@ def render_model_card(
         tags: extra Hub tags.
         measured_tokens: tokens in the caches whose footprint the card reports.
     """
-    from huggingface_hub import ModelCardData
-
     qconfig = model.config.quantization_config
     if isinstance(qconfig, dict):
         qconfig = QuantMLAConfig.from_dict(qconfig)
@@ -187,10 +184,16 @@ def render_model_card(
     return body.rstrip() + "\n\n" + MARKER + "\n"
 
 
+def has_own_card(directory) -> bool:
+    """True when `directory` holds a README.md that QuantMLA did not write (the user's card, kept by saves)."""
+    path = Path(directory) / "README.md"
+    return path.is_file() and MARKER not in path.read_text(encoding="utf-8", errors="replace")
+
+
 def write_model_card(model, save_directory, overwrite: bool = False, **kwargs) -> Path:
     """Write README.md into `save_directory`; an existing card is kept unless QuantMLA wrote it or `overwrite`."""
     path = Path(save_directory) / "README.md"
-    if path.exists() and not overwrite and MARKER not in path.read_text(encoding="utf-8", errors="replace"):
+    if not overwrite and has_own_card(save_directory):
         return path
     path.write_text(render_model_card(model, **kwargs), encoding="utf-8")
     return path

@@ -9,10 +9,16 @@ the model before any weight is read, and once the weights are in place hands the
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
+import transformers.quantizers.auto as transformers_quantizers_auto
 from transformers.quantizers.base import HfQuantizer
+from transformers.quantizers.auto import register_quantization_config, register_quantizer
 
-from .config import QuantMLAConfig
+from .calibration_check import check_calibration_inputs
+from .config import QUANT_METHOD, QuantMLAConfig, check_checkpoint_config
+from .distributed import check_load_not_sharded_for_calibration, check_not_sharded_for_calibration
+from .integration import prepare_model, resolve_auto_transform, resolve_tokenizer, unprepare_model
 from .mla import mla_dims
 
 INSTALL_HINT = "pip install 'quantmla-hf' (it pulls torch, transformers>=5.17,<6, accelerate and safetensors)"
@@ -36,6 +42,15 @@ class QuantMLAHfQuantizer(HfQuantizer):
         elif isinstance(quantization_config, QuantMLAConfig):
             quantization_config = quantization_config.copy()
         super().__init__(quantization_config, **kwargs)
+        if self.pre_quantized:
+            ignored = check_checkpoint_config(self.quantization_config)
+            if ignored:
+                warnings.warn(
+                    "this checkpoint is already quantized; options of the QuantMLAConfig passed to from_pretrained that "
+                    f"describe its weights cannot change them and are ignored: {'; '.join(ignored)}. Its cache options "
+                    "(bits, group_size, sink/recent tokens, kernel) do apply",
+                    UserWarning, stacklevel=2,
+                )
 
     def validate_environment(self, *args, **kwargs) -> None:
         missing = [name for name in ("torch", "accelerate", "safetensors") if importlib.util.find_spec(name) is None]
@@ -49,21 +64,16 @@ class QuantMLAHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         # Fails on the skeleton (meta device), before any weight is read, for a model that is not MLA or for
         # calibration inputs that could not be used (no text, a missing/binary file, too few tokens).
-        from .calibration_check import check_calibration_inputs
-        from .integration import _resolve_tokenizer
-
         mla_dims(model.config)
-        # A transform cannot be fused into weights split across processes: refuse before they are read.
-        from .distributed import check_load_not_sharded_for_calibration
-
         qconfig = self.quantization_config
+        tokenizer = lambda: resolve_tokenizer(model, qconfig, None)  # noqa: E731  (loaded only when text is counted)
+        resolve_auto_transform(qconfig, qconfig.calibration_data, tokenizer)
+        # A transform cannot be fused into weights split across processes: refuse before they are read.
         check_load_not_sharded_for_calibration(model.config, qconfig.transform, qconfig.calibrated)
-        check_calibration_inputs(qconfig, tokenizer=lambda: _resolve_tokenizer(model, qconfig, None))
+        check_calibration_inputs(qconfig, tokenizer=tokenizer)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        from .integration import prepare_model
-
         return prepare_model(model, self.quantization_config, pre_quantized=self.pre_quantized)
 
     def _dequantize(self, model, dtype=None):
@@ -72,8 +82,6 @@ class QuantMLAHfQuantizer(HfQuantizer):
         The KV cache is the only thing QuantMLA quantizes; the weights (with any calibrated transform fused into
         them, computing the original function) stay as they are.
         """
-        from .integration import unprepare_model
-
         return unprepare_model(model, dtype)
 
     def is_serializable(self, *args, **kwargs) -> bool:
@@ -91,17 +99,83 @@ class QuantMLAHfQuantizer(HfQuantizer):
         return True
 
 
+def _refuse_second_transform(model, qconfig: QuantMLAConfig) -> None:
+    """A model whose weights already hold a fused transform must not get a second one on top."""
+    current = getattr(getattr(model, "config", None), "quantization_config", None)
+    if isinstance(current, dict):
+        current = QuantMLAConfig.from_dict(current) if current.get("quant_method") == "quantmla" else None
+    if not isinstance(current, QuantMLAConfig) or current.transform == "none" or not current.calibrated:
+        return
+    if qconfig.transform != "none" and not qconfig.calibrated:
+        raise ValueError(
+            f"this model is already quantized with QuantMLA ({current.name}, transform={current.transform!r} fused "
+            "into its weights); applying a second uncalibrated config would fuse another transform on top. "
+            "quantmla_hf.quantize(model, config, data) does the whole job in one call (its config is "
+            "model.config.quantization_config); start again from the unquantized model to change the cache format. "
+            "The calibration step alone is quantmla_hf.calibration.quantize"
+        )
+
+
+def apply_quantmla(model, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None,
+                   tokenizer=None, **calibration_options):
+    """Quantize the KV cache of an MLA model already in memory, as `from_pretrained(quantization_config=...)` would.
+
+    Args:
+        model: a transformers MLA causal LM (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, LongCat-Flash, MiniCPM3).
+        quantization_config: the `QuantMLAConfig` (default C4R4, transform="auto"). It is copied: the
+            model's own config (`model.config.quantization_config`) records the calibration; the object passed in
+            stays as it was, so it can configure further models.
+        calibration_data: text for a learned/smooth transform (list of strings, a text file path, or token ids
+            `[N, T]`); overrides `quantization_config.calibration_data`.
+        tokenizer: tokenizer for the calibration text (default: the one saved with the model's checkpoint).
+        calibration_options: `batch_size`, `progress` of `quantmla_hf.calibration.quantize`.
+
+    Returns the same model, quantized: `generate` uses the packed cache, `save_pretrained` writes a QuantMLA
+    checkpoint (`quantization_config` in config.json) and `push_to_hub` uploads one.
+    """
+    qconfig = quantization_config if quantization_config is not None else QuantMLAConfig()
+    if isinstance(qconfig, dict):
+        qconfig = QuantMLAConfig.from_dict(qconfig)
+    if not isinstance(qconfig, QuantMLAConfig):
+        raise TypeError(f"quantization_config must be a QuantMLAConfig or its dict, got {type(qconfig).__name__}")
+    if qconfig.transform != "none" and not qconfig.calibrated:
+        # Sharded weights cannot take a fused transform whatever they already hold: say how to do it instead.
+        check_not_sharded_for_calibration(model, qconfig.transform)
+    _refuse_second_transform(model, qconfig)
+    quantizer = QuantMLAHfQuantizer(qconfig, pre_quantized=False)  # holds its own copy of the config
+    prepare_model(model, quantizer.quantization_config, calibration_data, tokenizer,
+                  calibration_options=calibration_options)
+    model.hf_quantizer = quantizer
+    model.is_quantized = True
+    model.quantization_method = quantizer.quantization_config.quant_method
+    return model
+
+
+def quantize(model, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None, tokenizer=None,
+             **calibration_options):
+    """Quantize `model` end to end: calibrate and fuse the transform, connect the packed cache; returns the model.
+
+    The one-call verb (what `quantmla_hf.quantize` is): the same as `apply_quantmla`. The result generates with the
+    packed cache and `save_pretrained`/`push_to_hub` write a QuantMLA checkpoint; the tokenizer for calibration
+    text is the checkpoint's own unless given. `quantization_config` is not changed (a copy records the
+    calibration). Calibration alone, without connecting the cache, is `quantmla_hf.calibration.quantize`.
+
+    Example:
+        >>> model = quantmla_hf.quantize(model, QuantMLAConfig(content_bits=4), calibration_data="calib.txt")
+        >>> model.save_pretrained("out")
+    """
+    return apply_quantmla(model, quantization_config, calibration_data, tokenizer, **calibration_options)
+
+
 def register_quantmla() -> None:
     """Register `QuantMLAConfig` and `QuantMLAHfQuantizer` under "quantmla" with transformers (idempotent)."""
-    from transformers.quantizers.auto import (
-        AUTO_QUANTIZATION_CONFIG_MAPPING,
-        AUTO_QUANTIZER_MAPPING,
-        register_quantization_config,
-        register_quantizer,
-    )
-
-    from .config import QUANT_METHOD
-
+    mapping = transformers_quantizers_auto
+    AUTO_QUANTIZATION_CONFIG_MAPPING = mapping.AUTO_QUANTIZATION_CONFIG_MAPPING
+    AUTO_QUANTIZER_MAPPING = mapping.AUTO_QUANTIZER_MAPPING
+    # A QuantMLAConfig passed to from_pretrained for a QuantMLA checkpoint brings its cache options
+    # (QuantMLAConfig.get_loading_attributes), as GPTQ/AWQ configs bring their loading attributes.
+    kinds = mapping.LOADING_ATTRIBUTES_CONFIG_TYPES
+    mapping.LOADING_ATTRIBUTES_CONFIG_TYPES = (*(k for k in kinds if k.__name__ != "QuantMLAConfig"), QuantMLAConfig)
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not QuantMLAConfig:
         AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)  # a stale class from a reloaded module
         register_quantization_config(QUANT_METHOD)(QuantMLAConfig)

@@ -64,22 +64,34 @@ def test_native_decode_matches_stock_attention(model_type, kernel):
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash"])
 def test_several_query_tokens_against_a_cache(model_type):
-    """Prefill, then 3 tokens in one forward (assisted decoding / chunked prefill): native == stock."""
+    """Prefill, then 3 tokens in one forward (assisted decoding / chunked prefill), left padding in row 1.
+
+    With "quantmla" each query of the chunk sees what one-token decoding sees (its own recent window,
+    `quantmla_hf.chunk_attention`): equal to 3 one-token forwards. Unquantized (C16R16) that is also stock attention
+    over the history the cache returns.
+    """
     model = tiny_mla_model(model_type)
     install_cache_hooks(model)
     ids, mask = _prompt(length=10)
     more = torch.randint(3, 128, (2, 3), generator=torch.Generator().manual_seed(5))
     full_mask = torch.cat([mask, torch.ones_like(more)], 1)
-    logits = {}
-    for impl in ("sdpa", "quantmla"):
+
+    def chunk(impl, **q):
         model.set_attn_implementation(impl)
-        cache = _cache(model, "torch")
+        cache = _cache(model, "torch", **q)
         model(ids, attention_mask=mask, **{CACHE_KWARG: cache})
-        out = model(more, attention_mask=full_mask, **{CACHE_KWARG: cache})
-        logits[impl] = out.logits
-        if impl == "quantmla":
-            assert all(layer.last_update_native for layer in cache.layers)
-    assert_close("3-token chunk logits", logits["sdpa"], logits["quantmla"], TOL)
+        return model(more, attention_mask=full_mask, **{CACHE_KWARG: cache}).logits
+
+    def one_by_one(**q):
+        model.set_attn_implementation("quantmla")
+        cache = _cache(model, "torch", **q)
+        model(ids, attention_mask=mask, **{CACHE_KWARG: cache})
+        return torch.cat([model(more[:, t:t + 1], attention_mask=full_mask[:, :11 + t], **{CACHE_KWARG: cache}).logits
+                          for t in range(3)], 1)
+
+    assert_close("3-token chunk logits vs one token at a time", one_by_one(), chunk("quantmla"), TOL)
+    lossless = dict(content_bits=16, rope_bits=16)
+    assert_close("3-token chunk logits, C16R16", chunk("sdpa", **lossless), chunk("quantmla", **lossless), TOL)
 
 
 def test_beam_search_native_matches_stock():

@@ -13,7 +13,7 @@ from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_config
         (dict(content_bits=3), "content_bits must be one of 2, 4, 8, 16, got 3"),
         (dict(rope_bits=2), "rope_bits must be one of 4, 8, 16, got 2"),
         (dict(group_size=48), "group_size must be a power of two"),
-        (dict(transform="gptq"), "transform must be one of 'learned', 'hadamard', 'smooth', 'none', got 'gptq'"),
+        (dict(transform="gptq"), "transform must be one of 'auto', 'learned', 'hadamard', 'smooth', 'none', got 'gptq'"),
         (dict(kernel="cuda"), "kernel must be one of 'auto', 'triton', 'torch', got 'cuda'"),
         (dict(sink_tokens=-1), "sink_tokens must be an integer >= 0, got -1"),
         (dict(calibration_data=3), "calibration_data must be a path to a text file or a list of strings"),
@@ -116,7 +116,7 @@ def test_copy_is_independent():
 def test_repr_is_short():
     cfg = QuantMLAConfig(content_bits=2, calibration_data=["x" * 10_000] * 50, calibration={"layers": [{}] * 60})
     text = repr(cfg)
-    assert len(text) < 200 and text.startswith("QuantMLAConfig(C2R4, transform='learned'")
+    assert len(text) < 200 and text.startswith("QuantMLAConfig(C2R4, transform='auto'")
     assert "<50 texts>" in text and "extra=[calibration]" in text
 
 

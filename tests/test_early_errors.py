@@ -85,13 +85,13 @@ def test_cli_unreadable_calibration_file(corrupt_dir, tmp_path, capsys, binary_f
 
 
 def test_from_pretrained_checks_calibration_text_before_loading(corrupt_dir, binary_file):
-    short = QuantMLAConfig(calibration_data=str(CALIBRATION_TEXT))
+    short = QuantMLAConfig(transform="learned", calibration_data=str(CALIBRATION_TEXT))
     with pytest.raises(ValueError, match="fewer than 2 windows of calibration_seq_len=512"):
         AutoModelForCausalLM.from_pretrained(corrupt_dir, quantization_config=short)
     with pytest.raises(ValueError, match="is binary"):
-        AutoModelForCausalLM.from_pretrained(corrupt_dir, quantization_config=QuantMLAConfig(calibration_data=str(binary_file)))
+        AutoModelForCausalLM.from_pretrained(corrupt_dir, quantization_config=QuantMLAConfig(transform="learned", calibration_data=str(binary_file)))
     with pytest.raises(ValueError, match="holds only empty strings"):
-        AutoModelForCausalLM.from_pretrained(corrupt_dir, quantization_config=QuantMLAConfig(calibration_data=["", " "]))
+        AutoModelForCausalLM.from_pretrained(corrupt_dir, quantization_config=QuantMLAConfig(transform="learned", calibration_data=["", " "]))
 
 
 def test_transform_none_needs_no_tokenizer(tmp_path, capsys):
