@@ -19,6 +19,10 @@ from helpers import assert_close
 
 OUT_RATIO = 2e-3
 LSE_ABS = 1e-4
+# The Gluon kernels score against fp16 keys (`(code - z) * s` rounded to fp16, 11-bit mantissa): on these random
+# planes (|k| up to ~8, 576 channels) their LSE sits 1.0e-4 to 4.1e-4 from the fp64 reference (H200, every case of
+# test_hopper_kernels_at_deepseek_widths), against < 5e-5 on the benchmark's cache-like data (docs/KERNELS.md).
+LSE_ABS_FP16_KEYS = 1e-3
 
 
 def _available() -> list[str]:
@@ -76,7 +80,7 @@ def run(args, backend, capacity=None, device="cpu", **kw):
     return o.cpu(), lse.cpu()
 
 
-def check(args, backend, **kw):
+def check(args, backend, lse_abs=LSE_ABS, **kw):
     device = "cuda" if backend.startswith("gluon") or (backend == "triton" and torch.cuda.is_available()) else "cpu"
     out, lse = run(args, backend, device=device, **kw)
     ref_out, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
@@ -86,7 +90,7 @@ def check(args, backend, **kw):
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows without visible positions differ"
     finite = torch.isfinite(ref_lse)
     err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
-    assert err < LSE_ABS, f"lse max abs error {err:.2e}"
+    assert err < lse_abs, f"lse max abs error {err:.2e}"
     return out, lse
 
 
@@ -112,7 +116,7 @@ def test_hopper_kernels_at_deepseek_widths(backend, cb, rb, heads, tq):
         pytest.skip("the two-warpgroup kernel takes 2/4-bit content")
     args = list(random_case(2, 333, heads, tq, 512, 64, cb, rb, 4, 16, torch.bfloat16, [0, 37], seed=cb + heads))
     args[0], args[1] = args[0].bfloat16(), args[1].bfloat16()
-    check(tuple(args), backend)
+    check(tuple(args), backend, lse_abs=LSE_ABS_FP16_KEYS)
 
 
 @pytest.mark.parametrize("backend", PORTABLE)
