@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from . import ops
 from .cache import QuantMLACache
@@ -154,8 +156,5 @@ def quantmla_attention_forward(
 
 def register_attention() -> None:
     """Register "quantmla" with transformers' attention and mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     AttentionInterface.register(ATTN_IMPLEMENTATION, quantmla_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)

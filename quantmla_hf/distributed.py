@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from accelerate.utils import align_module_device, has_offloaded_params
 
 CALIBRATE_THEN_SHARD = (
     "calibrate in one process first, without tensor parallel (e.g. `quantmla quantize MODEL --out DIR "
@@ -76,8 +77,6 @@ def kv_b_weight(module: torch.nn.Module, num_heads: int, device: torch.device) -
     linear = module.kv_b_proj
     weight = linear.weight
     if weight.device.type == "meta":
-        from accelerate.utils import align_module_device, has_offloaded_params
-
         if not has_offloaded_params(linear):
             raise ValueError(
                 f"kv_b_proj of attention layer {module.layer_idx} is on the meta device without an accelerate "

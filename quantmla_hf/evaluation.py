@@ -8,6 +8,7 @@ model dtype, the rest dequantized) and its next-token loss is what the perplexit
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,8 +32,6 @@ class DecodePerplexity:
 
 
 def _cache_kwarg(model) -> str:
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AttentionInterface
 
 from ..absorbed import split_kv_b
 from ..cache import NATIVE_MAX_QUERY
 from ..distributed import kv_b_weight
+from ..kernels.mla_decode_paged_ref import mla_decode_paged_ref
 from .cache import PagedQuantMLACache, PagedStep
 
 PAGED_ATTN_IMPLEMENTATION = "quantmla_paged"
@@ -90,8 +92,6 @@ def _latent_attention(module, ctx: PagedForward, query: torch.Tensor, scaling: f
 
         o_lat, _ = mla_decode_paged(*args, token_request=step.token_request, max_seq_len=step.max_seq_len)
     else:
-        from ..kernels.mla_decode_paged_ref import mla_decode_paged_ref
-
         o_lat, _ = mla_decode_paged_ref(*args)
     return torch.einsum("nhc,hvc->nhv", o_lat.to(query.dtype), w_uv.to(query.dtype))
 
@@ -144,6 +144,4 @@ def register_paged_attention() -> None:
     """Register "quantmla_paged" with transformers' attention interface (idempotent). It is deliberately left out
     of the mask interface: transformers then builds no mask (its path for custom attention), and the attention
     masks each request itself."""
-    from transformers import AttentionInterface
-
     AttentionInterface.register(PAGED_ATTN_IMPLEMENTATION, paged_attention_forward)

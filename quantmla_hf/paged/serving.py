@@ -12,6 +12,7 @@ thread. A model that is not a QuantMLA MLA checkpoint is refused, never served w
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import inspect
 import queue
@@ -247,8 +248,6 @@ def make_generation_state(options: CacheOptions):
 def build_app(model: str, options: CacheOptions | None = None, device: str = "auto", dtype: str = "auto"):
     """transformers' FastAPI app serving `model` (a QuantMLA checkpoint: a hub id or a local folder) with the
     packed paged cache; returns `(app, generation_state)`."""
-    import quantmla_hf  # noqa: F401  (registers the QuantMLA quantizer so from_pretrained loads the checkpoint)
-
     _serving()
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
@@ -290,8 +289,6 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, options: CacheO
 
 def serve_main(argv: list[str]) -> int:
     """`quantmla serve MODEL [options]`: parse the options and run the server."""
-    import argparse
-
     p = argparse.ArgumentParser(
         prog="quantmla serve",
         description="Serve a QuantMLA checkpoint with transformers' OpenAI-compatible server (chat completions, "
