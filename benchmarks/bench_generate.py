@@ -189,12 +189,11 @@ def run_one(model, method, B, N, steps, recent):
 
 
 def kernel_family(name: str) -> str:
-    """The profile table's row for a kernel name (the split combine before the decode kernels: its name holds
-    `mla_decode_fast` too)."""
+    """The profile table's row for a kernel name (the split combine first: `combine_kernel`)."""
     n = name.lower()
     if "combine" in n:
         return "attention: split combine"
-    if n.startswith("mla_decode") or "mla_decode_static" in n:  # fallback, fast, strided and Gluon kernels
+    if n.startswith("mla_decode"):  # the portable Triton, Gluon and paged decode kernels
         return "attention: decode kernel"
     if "quant_pack" in n:
         return "cache write: quantize + pack"

@@ -176,7 +176,7 @@ class QuantMLAModelTest(tmc.ModelTesterMixin, *GENERATION_MIXINS):
 # training through the swapped attention) plus the cheap structural checks. Chosen with --durations: everything
 # else costs CI time without reaching QuantMLA code (see the module docstring for what is left out).
 SELECTED_TESTS = (
-    # the four of #16
+    # the four failures these tests found with QuantMLA (tests/test_transformers_suite_fixes.py)
     "test_attention_outputs",
     "test_can_set_attention_dynamically",
     "test_sdpa_can_dispatch_non_composite_models",

@@ -1,4 +1,4 @@
-"""The four failures transformers' common tests found with QuantMLA (#16), checked directly, at quantized widths and
+"""The four failures transformers' common tests found with QuantMLA, checked directly, at quantized widths and
 without the transformers sources (these run on a network-less box too; test_transformers_suite.py runs the
 upstream tests themselves).
 """
@@ -30,7 +30,7 @@ def _ids(batch=2, length=9, seed=0):
 def test_heads_that_cannot_generate_load_a_quantmla_checkpoint(tmp_path):
     model = apply_quantmla(tiny_mla_model("deepseek_v3"), c4r4())
     model.save_pretrained(tmp_path)
-    head = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3)  # AttributeError before #16
+    head = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3)  # an AttributeError before the fix
     assert not head.can_generate() and not getattr(head, "_quantmla_generation_default", False)
     assert head.config._attn_implementation == ATTN_IMPLEMENTATION
     assert head(_ids(batch=1)).logits.shape == (1, 3)
@@ -113,6 +113,6 @@ def test_quantized_config_object_passed_back_as_config(tmp_path):
     assert model.config.quantization_config.get("no_such_field", 7) == 7
     from transformers import AutoModel
 
-    base = AutoModel.from_pretrained(tmp_path, config=model.config)  # AttributeError 'get' before #16
+    base = AutoModel.from_pretrained(tmp_path, config=model.config)  # AttributeError 'get' before the fix
     assert base.config._attn_implementation == ATTN_IMPLEMENTATION
     assert tiny_config("glm4_moe_lite").model_type == base.config.model_type
