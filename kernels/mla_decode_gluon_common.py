@@ -806,6 +806,30 @@ def flat_grid(NS: int, fmt: CacheFormat, M: int, block_m: int, B: int) -> tuple[
     return (B * -(-M // block_m) * (NS + copy_programs(fmt)),)
 
 
+def launch_flat(kernel, what: str, smem_need: int, fallback: str, block_m: int, q, qr, cp, rp, fmt: CacheFormat,
+                sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, split_target, NS, qk_scale,
+                **meta):
+    """Launch a decode kernel of this family on `flat_grid` with the arguments every one of them takes: the queries
+    `[B, M, d_c]` / `[B, M, d_R]`, the code planes viewed as int32 words with their scale/zero planes, the sink and
+    recent copies, left padding, the device-side length and the partial outputs. `meta` holds the kernel's own
+    constexprs and launch options. Refuses a format whose tiles need more than `SMEM_LIMIT` bytes of shared memory
+    (`smem_need`), naming `fallback`."""
+    if smem_need > SMEM_LIMIT:
+        raise ValueError(f"the {what} needs {smem_need} bytes of shared memory for {fmt.name}, more than {SMEM_LIMIT}: "
+                         f"use backend={fallback!r}")
+    cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
+    kernel[flat_grid(NS, fmt, M, block_m, q.shape[0])](
+        q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
+        sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
+        M, Tq, split_target, NS, qk_scale,
+        q.stride(0), qr.stride(0), cw.stride(0), cp["scale"].stride(0), rw.stride(0), rp["scale"].stride(0),
+        sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
+        recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
+        GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
+        R=fmt.recent_tokens, BM=block_m, **meta,
+    )
+
+
 def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tuple[int, int, int]:
     """`(split, head block, batch row)` of program `pid` of a flat grid of `n_programs` (`flat_grid`): the packed
     splits `0 .. NS - 1` of every (row, head block) first, split fastest, then the `nd` copy programs (splits `NS ..

@@ -31,7 +31,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat
 
-from .mla_decode_gluon_common import (BLOCK_T, GROUP, HAVE_GLUON, SMEM_LIMIT, _jit_dynamic, dense_layout, flat_grid,
+from .mla_decode_gluon_common import (BLOCK_T, GROUP, HAVE_GLUON, _jit_dynamic, dense_layout, launch_flat,
                                       words_layout)
 
 if HAVE_GLUON:
@@ -78,8 +78,6 @@ def mla_decode_gluon_regs_kernel(
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
                                               rank=2)
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    HALF_C: gl.constexpr = 1 << (C_BITS - 1)
-    HALF_R: gl.constexpr = 1 << (R_BITS - 1)
 
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
     i_s, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
@@ -228,23 +226,12 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
                 split_target, NS, qk_scale):
     """Launch `mla_decode_gluon_regs_kernel` on `flat_grid` (`B * cdiv(M, 16) * (NS + copy_programs(fmt))`
     programs, the partials holding `NS + copy_programs(fmt)` slots), one warpgroup per program."""
-    B = q.shape[0]
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
-    need = smem_bytes(fmt, q_split)
-    if need > SMEM_LIMIT:
-        raise ValueError(f"the register-operand Gluon decode kernel needs {need} bytes of shared memory for "
-                         f"{fmt.name}, more than {SMEM_LIMIT}: use backend='triton'")
-    cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
-    grid = flat_grid(NS, fmt, M, BLOCK_M, B)
-    mla_decode_gluon_regs_kernel[grid](
-        q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
-        sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
-        M, Tq, split_target, NS, qk_scale,
-        q.stride(0), qr.stride(0), cw.stride(0), cp["scale"].stride(0), rw.stride(0), rp["scale"].stride(0),
-        sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
-        recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
-        GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
-        R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=INFLIGHT[fmt.content.bits],
+    launch_flat(
+        mla_decode_gluon_regs_kernel, "register-operand Gluon decode kernel", smem_bytes(fmt, q_split), "triton",
+        BLOCK_M, q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
+        split_target, NS, qk_scale,
+        Q_SPLIT=q_split, INFLIGHT=INFLIGHT[fmt.content.bits],
         WC_L=words_layout(fmt.content.bits // 2), WP_L=words_layout(fmt.content.bits),
         WR_L=words_layout(fmt.rope.bits // 2), XL=dense_layout(),
         num_warps=4,

@@ -29,7 +29,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat
 
-from .mla_decode_gluon_common import (BLOCK_T, HAVE_GLUON, SMEM_LIMIT, _jit, _jit_dynamic, dense_layout, flat_grid,
+from .mla_decode_gluon_common import (BLOCK_T, HAVE_GLUON, _jit, _jit_dynamic, dense_layout, launch_flat,
                                       words_layout)
 
 if HAVE_GLUON:
@@ -222,7 +222,6 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     HF: gl.constexpr = 0 if LEAD else 1
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
     HM: gl.constexpr = BM // 2  # the rows whose softmax this warpgroup runs: [HF * HM, + HM)
     acc_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HM, 16])
@@ -452,22 +451,11 @@ def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
                 split_target, NS, qk_scale):
     """Launch `mla_decode_gluon_wide_kernel` on `flat_grid` (`B * cdiv(M, 32) * (NS + copy_programs(fmt))`
     programs): 8 warps per program at `LAUNCH_REGS` registers, the worker at `WORKER_REGS` after `setmaxnreg`."""
-    B = q.shape[0]
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
-    need = smem_bytes(fmt, q_split)
-    if need > SMEM_LIMIT:
-        raise ValueError(f"the two-warpgroup Gluon decode kernel needs {need} bytes of shared memory for {fmt.name}, "
-                         f"more than {SMEM_LIMIT}: use backend='gluon_regs'")
-    cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
-    grid = flat_grid(NS, fmt, M, BLOCK_M, B)
-    mla_decode_gluon_wide_kernel[grid](
-        q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
-        sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
-        M, Tq, split_target, NS, qk_scale,
-        q.stride(0), qr.stride(0), cw.stride(0), cp["scale"].stride(0), rw.stride(0), rp["scale"].stride(0),
-        sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
-        recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
-        GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
-        R=fmt.recent_tokens, BM=BLOCK_M, Q_SPLIT=q_split, INFLIGHT=INFLIGHT, W_REGS=WORKER_REGS,
+    launch_flat(
+        mla_decode_gluon_wide_kernel, "two-warpgroup Gluon decode kernel", smem_bytes(fmt, q_split), "gluon_regs",
+        BLOCK_M, q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
+        split_target, NS, qk_scale,
+        Q_SPLIT=q_split, INFLIGHT=INFLIGHT, W_REGS=WORKER_REGS,
         num_warps=4, maxnreg=LAUNCH_REGS,
     )

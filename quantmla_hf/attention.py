@@ -24,7 +24,7 @@ from . import ops
 from .cache import QuantMLACache
 from .chunk_attention import chunk_window_attention
 from .distributed import device_guard
-from .masks import expected_mask, layer_mask_is_padding_causal  # noqa: F401  (expected_mask re-exported)
+from .masks import layer_mask_is_padding_causal
 from .static_attention import (
     expand_latent,
     latent_query,

@@ -30,8 +30,7 @@ from .attention import ATTN_IMPLEMENTATION
 from .cache import QuantMLACache
 from .calibration import quantize as calibrate
 from .calibration.defaults import resolve_transform
-from .calibration_check import (  # noqa: F401  (CALIBRATION_HINT re-exported)
-    CALIBRATION_HINT,
+from .calibration_check import (
     check_calibration_inputs,
     read_calibration_text,
 )

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks
-from quantmla_hf.attention import expected_mask
+from quantmla_hf.masks import expected_mask
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
 
 from helpers import CACHE_KWARG, assert_close

@@ -339,3 +339,43 @@ def test_sass_script_counts_both_packed_loops():
     assert re.search(r"^worker packed loop: \d+ .*\(64 unpacking multiplies\)\n.*HGMMA\.64x32x16 32", out.stdout, re.M), \
         out.stdout
     assert "STACK:0" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+@pytest.mark.parametrize("which", ["regs", "wide"])
+def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
+    """`launch_regs` / `launch_wide` (through `launch_flat`) give their kernel every parameter of its signature, by
+    name, once, and launch `flat_grid` programs: the kernel is replaced by a binder of its own signature, since it
+    cannot launch without a GPU."""
+    import inspect
+
+    from quantmla_hf.kernels import mla_decode_gluon_regs as mr
+
+    module = {"regs": mr, "wide": mw}[which]
+    name = f"mla_decode_gluon_{which}_kernel"
+    kernel = getattr(module, name)
+    params = inspect.signature(kernel.fn).parameters
+    seen = {}
+
+    class Binder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                options = {k: kwargs.pop(k) for k in ("num_warps", "maxnreg") if k in kwargs}
+                seen.update(grid=grid, bound=inspect.signature(kernel.fn).bind(*args, **kwargs), options=options)
+            return launch
+
+    monkeypatch.setattr(module, name, Binder())
+    fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64), 4, 128)
+    B, M, cap, NS = 2, 16 if which == "regs" else 64, 300, 5
+    cp = {"codes": torch.zeros(B, cap, 256, dtype=torch.uint8), "scale": torch.zeros(B, cap, 8, dtype=torch.float16),
+          "zero": torch.zeros(B, cap, 8, dtype=torch.int8)}
+    rp = {"codes": torch.zeros(B, cap, 32, dtype=torch.uint8), "scale": torch.zeros(B, cap, 1, dtype=torch.float16),
+          "zero": torch.zeros(B, cap, 1, dtype=torch.int8)}
+    copies = [torch.zeros(B, n, d, dtype=torch.bfloat16) for n, d in ((4, 512), (4, 64), (128, 512), (128, 64))]
+    launcher = getattr(module, f"launch_{which}")
+    launcher(torch.zeros(B, M, 512, dtype=torch.bfloat16), torch.zeros(B, M, 64, dtype=torch.bfloat16), cp, rp, fmt,
+             *copies, torch.zeros(B, dtype=torch.int64), torch.tensor([cap]), torch.zeros(B, M, NS + 3, 512),
+             torch.zeros(B, M, NS + 3), M, 1, 8, NS, 0.1)
+    assert set(seen["bound"].arguments) == set(params), set(params) ^ set(seen["bound"].arguments)
+    assert seen["grid"] == mc.flat_grid(NS, fmt, M, module.BLOCK_M, B)
+    assert seen["bound"].arguments["BM"] == module.BLOCK_M and seen["options"]["num_warps"] == 4
