@@ -237,13 +237,12 @@ def calibrated_variant(base, variant: str, ids: torch.Tensor, steps: int, protec
                        base_digest: str = ""):
     """`(model, info)`: `base` with the transform of `variant` fused, calibrated on `ids: [N, T]` (`steps` steps per
     layer and path, learning rate `LR`, seed `SEED`, batch `BATCH`, `calibration_protection=protection`) with every
-    layer's inputs captured in one pass; reused from `cache_dir` when a model of the same key
+    calibrated layer by layer as the library does; reused from `cache_dir` when a model of the same key
     (`accuracy.calibration_key`) is stored there, and a stored file of another key is refused.
     `info` as `accuracy.calibrate_variant` returns it (seconds, loaded, record, key)."""
     recipe = harness.CalibrationRecipe(ids=ids, steps=steps, lr=LR, seed=SEED, batch_size=BATCH,
                                        protection=protection)
-    with one_pass_capture():
-        return harness.calibrate_variant(base, variant, recipe, cache_dir, base_digest)
+    return harness.calibrate_variant(base, variant, recipe, cache_dir, base_digest)
 
 
 def chat_prompts(tokenizer) -> list[torch.Tensor]:

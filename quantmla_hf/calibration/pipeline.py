@@ -235,10 +235,11 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
 def apply_transforms(module, layout, transforms: dict) -> None:
     """Fuse the transforms `calibrate_module` returned (`{"content": (rotation, scale), "rope": (theta, scale)}`,
     either absent when its path is not transformed) into `module`'s weights."""
+    device = module.kv_a_layernorm.weight.device  # materialised: the transforms are kept on the CPU
     if "content" in transforms:
-        fuse_content(module, *transforms["content"])
+        fuse_content(module, *(t.to(device) for t in transforms["content"]))
     if "rope" in transforms:
-        fuse_rope(module, layout, *transforms["rope"])
+        fuse_rope(module, layout, *(t.to(device) for t in transforms["rope"]))
 
 
 def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transform: str, settings: LearnSettings,
