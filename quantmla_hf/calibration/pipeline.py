@@ -191,38 +191,42 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
         fused_any = False
         for index, (layer, attention) in enumerate(layers):
             saved = checkpoint.load(index) if checkpoint is not None else None
-            try:
-                if saved is not None:
-                    for m, item in zip(attention, saved, strict=True):
-                        fused_any = True
-                        with materialized(m):
-                            apply_transforms(m, layout, item["transforms"])
-                        record["layers"].append({**item["entry"], "resumed": True})
-                else:
-                    done = []
-                    for m in attention:
-                        start = time.perf_counter()
-                        inputs = capture_within(layer, layer_inputs, m)
-                        with materialized(m):
-                            entry, transforms = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform,
-                                                                 settings, train, held)
+            inside = {id(sub) for m in attention for sub in m.modules()}
+            # The layer's offloaded weights (if any) come to the GPU once for capture, learning and propagation;
+            # only its attention modules' (fused) weights go back to the offload map.
+            with materialized(layer, write_back=lambda sub: id(sub) in inside):
+                try:
+                    if saved is not None:
+                        for m, item in zip(attention, saved, strict=True):
                             fused_any = True
-                            apply_transforms(m, layout, transforms)
-                        del inputs
-                        entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
-                        done.append({"transforms": transforms, "entry": entry})
-                        record["layers"].append(entry)
-                        # A 16-bit path is not learned and has no entry.
-                        bar.set_postfix({path: f"{entry[path]['heldout_rtn']:.2e}->{entry[path]['heldout_best']:.2e}"
-                                         for path in ("content", "rope") if path in entry})
-                    if checkpoint is not None:
-                        checkpoint.save(index, done)
-                if index + 1 < len(layers):
-                    layer_inputs = replace(layer_inputs, hidden=propagate(layer, layer_inputs))
-            except BaseException:
-                if fused_any:  # the weights in memory are now neither the original nor the calibrated ones
-                    model._quantmla_partially_fused = index
-                raise
+                            with materialized(m):
+                                apply_transforms(m, layout, item["transforms"])
+                            record["layers"].append({**item["entry"], "resumed": True})
+                    else:
+                        done = []
+                        for m in attention:
+                            start = time.perf_counter()
+                            inputs = capture_within(layer, layer_inputs, m)
+                            with materialized(m):
+                                entry, transforms = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform,
+                                                                     settings, train, held)
+                                fused_any = True
+                                apply_transforms(m, layout, transforms)
+                            del inputs
+                            entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
+                            done.append({"transforms": transforms, "entry": entry})
+                            record["layers"].append(entry)
+                            # A 16-bit path is not learned and has no entry.
+                            bar.set_postfix({p: f"{entry[p]['heldout_rtn']:.2e}->{entry[p]['heldout_best']:.2e}"
+                                             for p in ("content", "rope") if p in entry})
+                        if checkpoint is not None:
+                            checkpoint.save(index, done)
+                    if index + 1 < len(layers):
+                        layer_inputs = replace(layer_inputs, hidden=propagate(layer, layer_inputs))
+                except BaseException:
+                    if fused_any:  # the weights in memory are now neither the original nor the calibrated ones
+                        model._quantmla_partially_fused = index
+                    raise
             bar.update(1)
         bar.close()
         del layer_inputs
