@@ -300,8 +300,13 @@ def main(argv=None) -> int:
     p.add_argument("--needle-methods", default="bf16")
     p.add_argument("--needle-text", default="/work/shared/data/wiki_en_val.txt.xz")
     p.add_argument("--ratio-windows", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the models run and calibrate, e.g. cuda (perplexity and "
+                   "KL rows only; greedy, needle and ratio run on cpu)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.device != "cpu" and (args.greedy_steps or args.needle_lengths or args.ratio_windows):
+        p.error("--device other than cpu scores the perplexity/KL rows only; run --greedy-steps, --needle-lengths "
+                "and --ratio-windows with --device cpu")
     torch.set_num_threads(1)
     import quantmla_hf  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -324,8 +329,9 @@ def main(argv=None) -> int:
         out.write_text(markdown(results))
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    llama = AutoModelForCausalLM.from_pretrained(args.llama, dtype=torch.float32).eval() if args.llama else None
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
+    llama = AutoModelForCausalLM.from_pretrained(args.llama, dtype=torch.float32).to(args.device).eval() \
+        if args.llama else None
     families = [m.strip() for m in args.methods.split(",") if m.strip()]
     protect = [{"on": True, "off": False}[x] for x in args.protect.split(",")]
     # One calibration seed (0), and row names without "(seed 0)" (the names of the published rows).
@@ -418,8 +424,10 @@ def main(argv=None) -> int:
             for w in range(len(row["windows"]), n_win):
                 seq = ids[w * args.window : (w + 1) * args.window]
                 exact = method == "llama" or method.family == "bf16"
-                lp = window_logprobs_exact(model, seq, args.prefill) if exact else \
-                    window_logprobs(model, seq, make, args.prefill, args.chunk)
+                on = seq.to(args.device)
+                lp = window_logprobs_exact(model, on, args.prefill) if exact else \
+                    window_logprobs(model, on, make, args.prefill, args.chunk)
+                lp = lp.cpu()
                 ref_path = ref_dir / f"{w}.pt"
                 if method != "llama" and method.family == "bf16":
                     torch.save(lp, ref_path)
