@@ -302,3 +302,23 @@ def test_calibrated_variant_is_keyed_by_the_protection_it_models(tmp_path):
                     "SmoothQuant† C2R4, no protection": "off", "QuantMLA C2R4": "on", "QuantMLA C2R4, no protection": "off",
                     "RTN + content transform C2R4": "on", "RTN + content transform C2R4, no protection": "off"}
     assert _json.dumps(info_on["key"])  # the key is plain data (written to the results json)
+
+
+def test_pair_rows_pairs_two_outputs_window_by_window(tmp_path, capsys):
+    """benchmarks/real_model/pair_rows.py: the KL ratio of two rows of two evaluate.py outputs, paired by window."""
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "real_model"))
+    try:
+        import pair_rows
+    finally:
+        sys.path.pop(0)
+    kl = torch.rand(8, generator=torch.Generator().manual_seed(0)) + 0.5
+    for name, scale in (("a", 1.5), ("b", 1.0)):
+        rows = {"R": {"windows": [{"nll": 100.0 * scale, "n": 128, "kl": float(k) * scale} for k in kl]}}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"texts": {"t.txt": {"rows": rows}}}))
+    out = pair_rows.main([str(tmp_path / "a.json"), "R", str(tmp_path / "b.json"), "R"])
+    assert out["windows"] == 8 and abs(out["kl_ratio"].value - 1.5) < 1e-12
+    assert out["kl_ratio"].low <= 1.5 <= out["kl_ratio"].high and "t.txt, 8 windows" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no row"):
+        pair_rows.main([str(tmp_path / "a.json"), "missing", str(tmp_path / "b.json"), "R"])
