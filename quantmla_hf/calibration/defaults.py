@@ -5,14 +5,14 @@ they fit those windows and do worse than plain rounding on other text (docs/ACCU
 959-token text gave learned transforms worse than RTN on held-out text). `transform="auto"` therefore resolves to
 "learned" only from `MIN_LEARNED_TOKENS` calibration tokens up, and to "none" (RTN, which needs no data and cannot
 overfit) below that, saying why. 4096 tokens is the smallest calibration measured not to lose to RTN on held-out text:
-with 16 x 256 tokens learned C4R4 had lower KL than RTN in 55-62 of 64 windows (issue #13); with 8 x 512 tokens
+with 16 x 256 tokens learned C4R4 had lower KL than RTN in 55-62 of 64 windows; with 8 x 512 tokens
 learned C4R4 had 0.78x RTN's KL [0.73, 0.82] and learned C2R4 tied RTN, over three seeds (docs/ACCURACY.md); with the
-demo's 959 tokens learned lost to RTN at both widths (issue #13). Hadamard is not the fallback: at 2 content bits it
+demo's 959 tokens learned lost to RTN at both widths. Hadamard is not the fallback: at 2 content bits it
 had twice RTN's KL on the reference model (docs/ACCURACY.md).
 
 Without user text the transforms that need data calibrate on the package's default text
 (`assets/calibration_default/general_text.txt.xz`: The Devil's Dictionary and one entry in three of the Jargon File
-4.4.7, both public domain; provenance in that folder's README.md), about 170 K tokens with a Llama-style tokenizer,
+4.4.7, both public domain; provenance in that folder's README.md), 195 K tokens with SmolLM2's tokenizer,
 so "auto" resolves to "learned" for any model whose tokenizer is at hand. It is read with `lzma` and tokenized with
 the model's own tokenizer when calibration runs.
 """
