@@ -443,7 +443,7 @@ def main(argv=None) -> int:
                 row["windows"].append(window_stats(lp, seq[args.prefill :], ref))
             row["seconds"] = time.time() - start
             save()
-            s = res["summary"]["rows"].get(name, {})
+            s = res["summary"].get("rows", {}).get(name, {})  # no summary without a BF16 row in this --out
             log(f"{Path(text).name} | {name}: ppl {s.get('ppl', float('nan')):.3f} "
                 f"dppl {100 * s.get('dppl', float('nan')):+.2f}% kl {s.get('kl', float('nan')):.4f} "
                 f"({row['seconds']:.0f} s)")
