@@ -156,12 +156,11 @@ def test_norm_margin_bounds_every_input(convert):
 
 
 def test_one_pass_capture_serves_the_inputs_the_library_captures():
-    """benchmarks/real_model/one_pass_capture.py: calibrating with all layers' inputs from one pass gives the weights
-    the library's per-layer capture gives (fusion keeps each layer's function, so the inputs agree to rounding)."""
-    import copy
-
-    from quantmla_hf import QuantMLAConfig
-    from quantmla_hf.calibration import quantize
+    """benchmarks/real_model/one_pass_capture.py: the analysis' per-layer capture, served from one pass, gives the
+    inputs the library's own capture gives (hidden states, RoPE tables, batch)."""
+    from quantmla_hf import analysis
+    from quantmla_hf.calibration.capture import capture_inputs
+    from quantmla_hf.hooks import mla_attention_modules
     from quantmla_hf.tiny_models import tiny_mla_model
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks", "real_model"))
@@ -171,15 +170,16 @@ def test_one_pass_capture_serves_the_inputs_the_library_captures():
         sys.path.pop(0)
     model = tiny_mla_model("deepseek_v3", seed=0)
     ids = torch.randint(0, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(6))
-    cfg = dict(content_bits=4, rope_bits=4, transform="smooth", calibration_samples=4, calibration_seq_len=24)
-    a, b = copy.deepcopy(model), copy.deepcopy(model)
-    quantize(a, QuantMLAConfig(**cfg), ids, progress=False)
+    modules = mla_attention_modules(model)
+    assert len(modules) >= 2
     with one_pass_capture():
-        quantize(b, QuantMLAConfig(**cfg), ids, progress=False)
-    assert len(model.model.layers) >= 2
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert torch.allclose(pa, pb, atol=1e-4, rtol=1e-4), name
-    assert any(not torch.equal(pa, pm) for pa, pm in zip(a.parameters(), model.parameters()))  # it did calibrate
+        served = [analysis.capture_inputs(model, m, ids, 2) for m in modules]
+    assert analysis.capture_inputs is capture_inputs  # restored
+    for m, got in zip(modules, served):
+        want = capture_inputs(model, m, ids, 2)
+        assert torch.equal(got.hidden, want.hidden) and got.batch_size == want.batch_size
+        for a, b in zip(got.kwargs["position_embeddings"], want.kwargs["position_embeddings"]):
+            assert torch.equal(a, b)
 
 
 def test_exact_rows_score_what_chunked_decode_scores():
@@ -302,3 +302,23 @@ def test_calibrated_variant_is_keyed_by_the_protection_it_models(tmp_path):
                     "SmoothQuant† C2R4, no protection": "off", "QuantMLA C2R4": "on", "QuantMLA C2R4, no protection": "off",
                     "RTN + content transform C2R4": "on", "RTN + content transform C2R4, no protection": "off"}
     assert _json.dumps(info_on["key"])  # the key is plain data (written to the results json)
+
+
+def test_pair_rows_pairs_two_outputs_window_by_window(tmp_path, capsys):
+    """benchmarks/real_model/pair_rows.py: the KL ratio of two rows of two evaluate.py outputs, paired by window."""
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "real_model"))
+    try:
+        import pair_rows
+    finally:
+        sys.path.pop(0)
+    kl = torch.rand(8, generator=torch.Generator().manual_seed(0)) + 0.5
+    for name, scale in (("a", 1.5), ("b", 1.0)):
+        rows = {"R": {"windows": [{"nll": 100.0 * scale, "n": 128, "kl": float(k) * scale} for k in kl]}}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"texts": {"t.txt": {"rows": rows}}}))
+    out = pair_rows.main([str(tmp_path / "a.json"), "R", str(tmp_path / "b.json"), "R"])
+    assert out["windows"] == 8 and abs(out["kl_ratio"].value - 1.5) < 1e-12
+    assert out["kl_ratio"].low <= 1.5 <= out["kl_ratio"].high and "t.txt, 8 windows" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no row"):
+        pair_rows.main([str(tmp_path / "a.json"), "missing", str(tmp_path / "b.json"), "R"])

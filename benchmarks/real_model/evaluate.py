@@ -234,16 +234,15 @@ def calibration_protection_for(method, protected_setting: str) -> str:
 
 
 def calibrated_variant(base, variant: str, ids: torch.Tensor, steps: int, protection: str, cache_dir: Path | None,
-                       base_digest: str = ""):
+                       base_digest: str = "", seed: int = SEED):
     """`(model, info)`: `base` with the transform of `variant` fused, calibrated on `ids: [N, T]` (`steps` steps per
-    layer and path, learning rate `LR`, seed `SEED`, batch `BATCH`, `calibration_protection=protection`) with every
-    layer's inputs captured in one pass; reused from `cache_dir` when a model of the same key
+    layer and path, learning rate `LR`, `seed`, batch `BATCH`, `calibration_protection=protection`) with every
+    calibrated layer by layer as the library does; reused from `cache_dir` when a model of the same key
     (`accuracy.calibration_key`) is stored there, and a stored file of another key is refused.
     `info` as `accuracy.calibrate_variant` returns it (seconds, loaded, record, key)."""
-    recipe = harness.CalibrationRecipe(ids=ids, steps=steps, lr=LR, seed=SEED, batch_size=BATCH,
+    recipe = harness.CalibrationRecipe(ids=ids, steps=steps, lr=LR, seed=seed, batch_size=BATCH,
                                        protection=protection)
-    with one_pass_capture():
-        return harness.calibrate_variant(base, variant, recipe, cache_dir, base_digest)
+    return harness.calibrate_variant(base, variant, recipe, cache_dir, base_digest)
 
 
 def chat_prompts(tokenizer) -> list[torch.Tensor]:
@@ -282,7 +281,11 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--bootstrap", type=int, default=2000)
-    p.add_argument("--calibration", help="calibration text (wiki_en_train); never an evaluation text")
+    p.add_argument("--calibration", help="calibration text (wiki_en_train; never an evaluation text), or 'default': "
+                   "the package's default calibration text (quantmla_hf/assets/calibration_default)")
+    p.add_argument("--seeds", default="0", help="calibration seeds, e.g. 0,1,2: with one seed (0) the first "
+                   "--calibration-samples windows are used in order; with several, each seed draws its windows "
+                   "(accuracy.calibration_windows) and seeds Adam, and each seed is its own row")
     p.add_argument("--calibration-chars", type=int, default=1_500_000)
     p.add_argument("--calibration-samples", type=int, default=8)
     p.add_argument("--calibration-seq-len", type=int, default=256)
@@ -297,8 +300,13 @@ def main(argv=None) -> int:
     p.add_argument("--needle-methods", default="bf16")
     p.add_argument("--needle-text", default="/work/shared/data/wiki_en_val.txt.xz")
     p.add_argument("--ratio-windows", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the models run and calibrate, e.g. cuda (perplexity and "
+                   "KL rows only; greedy, needle and ratio run on cpu)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.device != "cpu" and (args.greedy_steps or args.needle_lengths or args.ratio_windows):
+        p.error("--device other than cpu scores the perplexity/KL rows only; run --greedy-steps, --needle-lengths "
+                "and --ratio-windows with --device cpu")
     torch.set_num_threads(1)
     import quantmla_hf  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -321,18 +329,26 @@ def main(argv=None) -> int:
         out.write_text(markdown(results))
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    llama = AutoModelForCausalLM.from_pretrained(args.llama, dtype=torch.float32).eval() if args.llama else None
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
+    llama = AutoModelForCausalLM.from_pretrained(args.llama, dtype=torch.float32).to(args.device).eval() \
+        if args.llama else None
     families = [m.strip() for m in args.methods.split(",") if m.strip()]
     protect = [{"on": True, "off": False}[x] for x in args.protect.split(",")]
     # One calibration seed (0), and row names without "(seed 0)" (the names of the published rows).
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     methods = harness.expand_methods([f for f in families if f != "llama"], harness.parse_bits(args.bits), protect,
-                                     seeds=[None])
-    calib = None
+                                     seeds=[None] if seeds == [0] else seeds)
+    calib = calib_flat = None
     if args.calibration:
-        ids = harness.token_ids(tok, harness.read_text(args.calibration, args.calibration_chars))
-        n = ids.numel() // args.calibration_seq_len
-        calib = ids[: n * args.calibration_seq_len].view(n, args.calibration_seq_len)
+        if args.calibration == "default":
+            from quantmla_hf.calibration.defaults import default_calibration_text
+
+            text = default_calibration_text()[: args.calibration_chars]
+        else:
+            text = harness.read_text(args.calibration, args.calibration_chars)
+        calib_flat = harness.token_ids(tok, text)
+        n = calib_flat.numel() // args.calibration_seq_len
+        calib = calib_flat[: n * args.calibration_seq_len].view(n, args.calibration_seq_len)
     cache_dir = Path(args.calibrated_dir) if args.calibrated_dir else None
     base_digest = harness.model_digest(base)
     loaded = {}
@@ -340,12 +356,18 @@ def main(argv=None) -> int:
     def variant(method):
         """The model `method` runs on, calibrated for its cache's protection (or reused from --calibrated-dir)."""
         protection = calibration_protection_for(method, args.calibration_protection)
+        seed = method.seed or 0
         if (method.variant, protection) not in loaded:
             if calib is None and method.variant not in ("base", "hadamard"):
                 raise ValueError(f"variant {method.variant} needs --calibration")
-            sel = calib[: args.calibration_samples] if calib is not None else torch.zeros(2, 8, dtype=torch.long)
+            if calib is None:
+                sel = torch.zeros(2, 8, dtype=torch.long)
+            elif seeds == [0]:
+                sel = calib[: args.calibration_samples]
+            else:
+                sel = harness.calibration_windows(calib_flat, args.calibration_samples, args.calibration_seq_len, seed)
             model, info = calibrated_variant(base, method.variant, sel, args.calibration_steps, protection, cache_dir,
-                                             base_digest)
+                                             base_digest, seed)
             loaded[(method.variant, protection)] = model
             if method.variant != "base":
                 record = info.get("record") or {}
@@ -402,8 +424,10 @@ def main(argv=None) -> int:
             for w in range(len(row["windows"]), n_win):
                 seq = ids[w * args.window : (w + 1) * args.window]
                 exact = method == "llama" or method.family == "bf16"
-                lp = window_logprobs_exact(model, seq, args.prefill) if exact else \
-                    window_logprobs(model, seq, make, args.prefill, args.chunk)
+                on = seq.to(args.device)
+                lp = window_logprobs_exact(model, on, args.prefill) if exact else \
+                    window_logprobs(model, on, make, args.prefill, args.chunk)
+                lp = lp.cpu()
                 ref_path = ref_dir / f"{w}.pt"
                 if method != "llama" and method.family == "bf16":
                     torch.save(lp, ref_path)
@@ -419,7 +443,7 @@ def main(argv=None) -> int:
                 row["windows"].append(window_stats(lp, seq[args.prefill :], ref))
             row["seconds"] = time.time() - start
             save()
-            s = res["summary"]["rows"].get(name, {})
+            s = res["summary"].get("rows", {}).get(name, {})  # no summary without a BF16 row in this --out
             log(f"{Path(text).name} | {name}: ppl {s.get('ppl', float('nan')):.3f} "
                 f"dppl {100 * s.get('dppl', float('nan')):+.2f}% kl {s.get('kl', float('nan')):.4f} "
                 f"({row['seconds']:.0f} s)")

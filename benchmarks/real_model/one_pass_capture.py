@@ -1,11 +1,10 @@
-"""Capture the calibration inputs of every attention layer in ONE forward pass (CPU-time saver for 30 layers).
+"""Capture the inputs of every attention layer in ONE forward pass for the dual-path analysis (CPU-time saver).
 
-`quantmla_hf.calibration.quantize` (and `analysis.analyze`) call `capture_inputs(model, module, ids, batch)` once per
-layer, which runs the model from the embeddings up to that layer: L(L+1)/2 layer-forwards, 465 for SmolLM2's 30
-layers. Calibration fuses each layer's transform before capturing the next, but a fused transform leaves the layer's
-full-precision function unchanged (docs/CALIBRATION.md; it only changes what is cached), so the inputs of layer m are
-the same with or without the earlier fusions, up to float rounding. `one_pass_capture()` therefore runs the model
-once, keeps every layer's inputs and serves them; it patches the two call sites for the duration of a `with` block.
+`quantmla_hf.analysis.analyze` calls `capture_inputs(model, module, ids, batch)` once per layer, which runs the model
+from the embeddings up to that layer: L(L+1)/2 layer-forwards, 465 for SmolLM2's 30 layers. The analysis changes no
+weight, so `one_pass_capture()` runs the model once, keeps every layer's inputs and serves them; it patches the
+analysis' call site for the duration of a `with` block. (Calibration itself runs layer by layer, one layer-forward
+per layer, and needs no patch.)
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import contextlib
 import torch
 
 from quantmla_hf import analysis
-from quantmla_hf.calibration import capture, pipeline
+from quantmla_hf.calibration import capture
 from quantmla_hf.hooks import mla_attention_modules
 
 
@@ -56,9 +55,9 @@ def one_pass_capture():
             kwargs={k: capture._to(v, device, dtype) for k, v in f["kwargs"].items()}, batch_size=f["batch"],
             cache_kwarg=capture.cache_kwarg_name(module), hidden_in_kwargs=f["in_kwargs"])
 
-    saved = pipeline.capture_inputs, analysis.capture_inputs
-    pipeline.capture_inputs = analysis.capture_inputs = capture_all
+    saved = analysis.capture_inputs
+    analysis.capture_inputs = capture_all
     try:
         yield
     finally:
-        pipeline.capture_inputs, analysis.capture_inputs = saved
+        analysis.capture_inputs = saved

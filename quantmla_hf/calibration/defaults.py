@@ -5,17 +5,44 @@ they fit those windows and do worse than plain rounding on other text (docs/ACCU
 959-token text gave learned transforms worse than RTN on held-out text). `transform="auto"` therefore resolves to
 "learned" only from `MIN_LEARNED_TOKENS` calibration tokens up, and to "none" (RTN, which needs no data and cannot
 overfit) below that, saying why. 4096 tokens is the smallest calibration measured not to lose to RTN on held-out text:
-with 16 x 256 tokens learned C4R4 had lower KL than RTN in 55-62 of 64 windows (issue #13); with 8 x 512 tokens
+with 16 x 256 tokens learned C4R4 had lower KL than RTN in 55-62 of 64 windows; with 8 x 512 tokens
 learned C4R4 had 0.78x RTN's KL [0.73, 0.82] and learned C2R4 tied RTN, over three seeds (docs/ACCURACY.md); with the
-demo's 959 tokens learned lost to RTN at both widths (issue #13). Hadamard is not the fallback: at 2 content bits it
+demo's 959 tokens learned lost to RTN at both widths. Hadamard is not the fallback: at 2 content bits it
 had twice RTN's KL on the reference model (docs/ACCURACY.md).
+
+Without user text the transforms that need data calibrate on the package's default text
+(`assets/calibration_default/general_text.txt.xz`: The Devil's Dictionary and one entry in three of the Jargon File
+4.4.7, both public domain; provenance in that folder's README.md), 195 K tokens with SmolLM2's tokenizer,
+so "auto" resolves to "learned" for any model whose tokenizer is at hand. It is read with `lzma` and tokenized with
+the model's own tokenizer when calibration runs.
 """
 
 from __future__ import annotations
 
+import lzma
 import os
+from functools import lru_cache
+from pathlib import Path
 
 MIN_LEARNED_TOKENS = 4096
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "assets" / "calibration_default" / "general_text.txt.xz"
+DEFAULT_SOURCE = "the default calibration text (The Devil's Dictionary and the Jargon File 4.4.7, public domain)"
+DATA_TRANSFORMS = ("auto", "learned", "smooth")
+
+
+@lru_cache(maxsize=1)
+def default_calibration_text() -> str:
+    """The package's default calibration text (about 784 K characters of public-domain English), decompressed."""
+    with lzma.open(DEFAULT_TEXT, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+def calibration_data_or_default(transform: str, data):
+    """`(data, source)`: `data` as given (source None), or, when it is None and `transform` learns from data,
+    the default text as a one-string list with `DEFAULT_SOURCE`."""
+    if data is None and transform in DATA_TRANSFORMS:
+        return [default_calibration_text()], DEFAULT_SOURCE
+    return data, None
 
 
 def calibration_token_count(data, tokenizer) -> int:
@@ -34,12 +61,20 @@ def calibration_token_count(data, tokenizer) -> int:
 
 def resolve_transform(transform: str, data, tokenizer, min_tokens: int = MIN_LEARNED_TOKENS) -> tuple[str, str]:
     """`(transform, why)`: `transform` unchanged unless it is "auto", which becomes "learned" with at least
-    `min_tokens` calibration tokens and "none" (RTN) otherwise; `why` is a sentence for the user."""
+    `min_tokens` calibration tokens and "none" (RTN) otherwise; `why` is a sentence for the user.
+
+    `data=None` with a `tokenizer` counts the default text (`calibration_data_or_default`), which is what
+    `quantize` then calibrates on; without a tokenizer no text can be counted and "auto" is RTN.
+    """
     if transform != "auto":
         return transform, f"transform={transform!r} (as asked)"
+    source = None
+    if tokenizer is not None:
+        data, source = calibration_data_or_default(transform, data)
     n = calibration_token_count(data, tokenizer)
     if n >= min_tokens:
-        return "learned", f"transform='learned': {n} calibration tokens (>= {min_tokens}, enough to learn from)"
+        return "learned", (f"transform='learned': {n} calibration tokens (>= {min_tokens}, enough to learn from)"
+                           + (f" from {source}" if source else ""))
     what = "no calibration text" if n == 0 else f"only {n} calibration tokens"
     return "none", (f"transform='none' (RTN): {what}, fewer than the {min_tokens} below which learned transforms lost "
                     "to RTN on held-out text (docs/CALIBRATION.md); pass more text, or ask for transform='learned' to "

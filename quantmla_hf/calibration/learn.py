@@ -159,7 +159,7 @@ class ContentLearner:
     def loss_sums(self, rotation: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor):
         """`(sum |err|^2, sum |teacher|^2)` on windows `rows`, differentiable in `rotation`, `scale`."""
         overrides = content_weights(self.runner.module, rotation, scale, self.base)
-        h = self.runner.inputs.hidden[rows.to(self.runner.inputs.hidden.device)]
+        h = self.runner.inputs.select(rows)
         out = self.runner(h, overrides, self._hook(), attention_mask=self.mask)
         ref = self.teacher[rows.to(self.teacher.device)]
         return (out - ref).pow(2).sum(), ref.pow(2).sum()

@@ -8,6 +8,7 @@ hooks load from, so the next forward runs the fused weights.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
+from typing import Callable
 
 import torch
 
@@ -41,9 +42,14 @@ def _offload_store(module: torch.nn.Module, name: str) -> tuple[dict, str]:
 
 
 @contextmanager
-def materialized(module: torch.nn.Module):
-    """Within the block every offloaded parameter of `module` is real; on a normal exit the (fused) values are
-    written back to the offload maps before the hooks release them again."""
+def materialized(module: torch.nn.Module, write_back: Callable[[torch.nn.Module], bool] | None = None):
+    """Within the block every offloaded parameter of `module` is real, loaded once (forwards inside the block do
+    not reload it); on a normal exit the values of the submodules `write_back` accepts (all by default: the fused
+    ones) are written back to the offload maps before the hooks release them again.
+
+    Calibration holds one decoder layer materialised while it captures the layer's attention inputs and runs the
+    layer on the windows, writing back only its attention modules: the layer's weights cross to the GPU once.
+    """
     subs = _offloaded_submodules(module)
     if not subs:
         yield
@@ -58,6 +64,8 @@ def materialized(module: torch.nn.Module):
             stack.callback(setattr, sub._hf_hook, "offload", True)
         yield
         for sub in subs:
+            if write_back is not None and not write_back(sub):
+                continue
             for name, param in sub.named_parameters(recurse=False):
                 store, key = _offload_store(sub, name)
                 store[key] = param.detach().to("cpu")

@@ -1,12 +1,14 @@
-"""`quantize`: calibrate and fuse the QuantMLA transforms of a model, one attention module at a time."""
+"""`quantize`: calibrate and fuse the QuantMLA transforms of a model, one decoder layer at a time (resumable)."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from ..config import QuantMLAConfig
 from ..distributed import check_not_sharded_for_calibration
@@ -14,7 +16,9 @@ from ..format import CacheFormat
 from ..hooks import mla_attention_modules
 from ..mla import mla_dims, text_config
 from .baselines import hadamard_content, smooth_content, smooth_rope
-from .capture import AttentionRunner, LatentHook, capture_inputs
+from .defaults import calibration_data_or_default, resolve_transform
+from .capture import AttentionRunner, LatentHook, capture_inputs, capture_within, decoder_layers, propagate
+from .checkpoint import CalibrationCheckpoint, fingerprint
 from .fusion import fuse_content, fuse_rope
 from .learn import ContentLearner, LearnSettings, RopeLearner, rope_streams, teacher_outputs
 from .offload import materialized
@@ -99,19 +103,29 @@ def protection_to_model(protection: str, seq_len: int, sink: int, recent: int) -
 
 def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None,
              tokenizer=None, *, batch_size: int = DEFAULT_BATCH, progress: bool = True,
-             calibration_protection: str = "auto") -> torch.nn.Module:
+             calibration_protection: str = "auto", checkpoint_dir: str | os.PathLike | None = None) -> torch.nn.Module:
     """Calibrate the cache transform of `quantization_config.transform` and fuse it into `model`'s weights.
+
+    Decoder layer by decoder layer: the hidden states entering layer `k` (`[N, T, hidden]`, in the model's dtype)
+    are the only activations kept between layers; each of the layer's MLA attention modules is captured from them,
+    calibrated (fp32) and fused, then the layer is run on them to give layer `k + 1`'s inputs.
 
     Args:
         model: a transformers MLA model (any supported family); its weights change in place.
         quantization_config: `QuantMLAConfig` (or its dict); `calibrated` and `extra["calibration"]` are set.
+            `transform="auto"` is resolved here (`defaults.resolve_transform`) and written back.
         calibration_data: token ids `[N, T]`, a list of strings or a text-file path (strings need `tokenizer`);
-            defaults to `quantization_config.calibration_data`. Not needed for "none" and "hadamard".
+            defaults to `quantization_config.calibration_data`, then (with a tokenizer) to the package's default
+            text (`defaults.default_calibration_text`). Not needed for "none" and "hadamard".
         batch_size: calibration windows per forward and per optimisation step.
-        progress: show a tqdm bar over attention modules.
+        progress: a tqdm bar over decoder layers with its ETA (also off when transformers' progress bars are
+            disabled, `transformers.utils.logging.disable_progress_bar()`).
         calibration_protection: whether the objectives model the cache's sink/recent protection ("on": a query
             reads the quantized copy only of the keys the cache holds quantized for it; "off": every cached token
             quantized; "auto": on when the calibration windows are long enough, see `protection_to_model`).
+        checkpoint_dir: where to keep the transforms of finished layers (`checkpoint.py`); a run interrupted
+            (killed, out of memory) and started again on the original weights with the same directory, data and
+            settings resumes after the last finished layer.
 
     Returns:
         `model`, whose fused weights compute the same full-precision function and cache the transformed paths.
@@ -120,6 +134,19 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
     cfg = QuantMLAConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
     if cfg.calibrated:
         return model
+    if getattr(model, "_quantmla_partially_fused", None) is not None:
+        raise ValueError(f"this model's attention weights were partly fused by a calibration that stopped in decoder "
+                         f"layer {model._quantmla_partially_fused}; reload the original weights and calibrate again "
+                         "(with the same checkpoint_dir to resume from the last finished layer)")
+    data = calibration_data if calibration_data is not None else cfg.calibration_data
+    if cfg.transform == "auto" or (data is None and cfg.transform in ("smooth", "learned") and tokenizer is not None):
+        data, source = calibration_data_or_default(cfg.transform, data)
+        if cfg.transform == "auto":
+            transform, why = resolve_transform("auto", data, tokenizer)
+            cfg.transform = transform
+            cfg.extra["transform_choice"] = why
+        if source is not None and cfg.transform != "none":
+            cfg.extra.setdefault("calibration_source", source)
     if cfg.transform != "none":
         check_not_sharded_for_calibration(model, cfg.transform)  # tensor parallel: calibrate in one process
     dims = mla_dims(model.config)
@@ -133,9 +160,9 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
             with materialized(m):
                 fuse_content(m, *hadamard_content(m.kv_a_layernorm.weight.detach()))
     elif cfg.transform in ("smooth", "learned"):
-        data = calibration_data if calibration_data is not None else cfg.calibration_data
         if data is None:
-            raise ValueError(f"transform={cfg.transform!r} needs calibration_data (token ids, strings or a text file)")
+            raise ValueError(f"transform={cfg.transform!r} needs calibration_data (token ids, strings or a text file) "
+                             "or a tokenizer to calibrate on the default text")
         ids = calibration_token_ids(data, tokenizer, cfg.calibration_samples, cfg.calibration_seq_len, cfg.seed,
                                     getattr(text_config(model.config), "vocab_size", None))
         fmt = CacheFormat.from_config(dims.kv_lora_rank, dims.rope_dim, cfg)
@@ -148,62 +175,118 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
         record.update(windows=list(ids.shape), heldout_windows=int(held.numel()), steps=cfg.calibration_steps,
                       lr=cfg.calibration_lr, batch_size=batch_size, protection_modelled=[sink, recent],
                       protection=why)
+        checkpoint = None
+        if checkpoint_dir is not None:
+            keys = ("transform", "content_bits", "rope_bits", "group_size", "calibration_steps", "calibration_lr",
+                    "seed")
+            checkpoint = CalibrationCheckpoint(checkpoint_dir, fingerprint(
+                model.config, {**{k: getattr(cfg, k, None) for k in keys}, "batch_size": batch_size,
+                               "protection_modelled": [sink, recent]}, ids))
         was_training = model.training
         model.eval()
-        bar = tqdm(modules, desc=f"QuantMLA {cfg.transform} {cfg.name}", disable=not progress)
-        for m in bar:
-            start = time.perf_counter()
-            inputs = capture_inputs(model, m, ids, batch_size)
-            with materialized(m):
-                entry = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform, settings, train, held)
-            entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
-            record["layers"].append(entry)
-            # A 16-bit path is not learned and has no entry.
-            bar.set_postfix({path: f"{entry[path]['heldout_rtn']:.2e}->{entry[path]['heldout_best']:.2e}"
-                             for path in ("content", "rope") if path in entry})
-            del inputs
+        layers = decoder_layers(model, modules)
+        show = progress and logging.is_progress_bar_enabled()
+        bar = tqdm(total=len(layers), desc=f"QuantMLA {cfg.transform} {cfg.name}", unit="layer", disable=not show)
+        layer_inputs = capture_inputs(model, layers[0][0], ids, batch_size, dtype=None)
+        fused_any = False
+        for index, (layer, attention) in enumerate(layers):
+            saved = checkpoint.load(index) if checkpoint is not None else None
+            inside = {id(sub) for m in attention for sub in m.modules()}
+            # The layer's offloaded weights (if any) come to the GPU once for capture, learning and propagation;
+            # only its attention modules' (fused) weights go back to the offload map.
+            with materialized(layer, write_back=lambda sub: id(sub) in inside):
+                try:
+                    if saved is not None:
+                        for m, item in zip(attention, saved, strict=True):
+                            fused_any = True
+                            with materialized(m):
+                                apply_transforms(m, layout, item["transforms"])
+                            record["layers"].append({**item["entry"], "resumed": True})
+                    else:
+                        done = []
+                        for m in attention:
+                            start = time.perf_counter()
+                            inputs = capture_within(layer, layer_inputs, m)
+                            with materialized(m):
+                                entry, transforms = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform,
+                                                                     settings, train, held)
+                                fused_any = True
+                                apply_transforms(m, layout, transforms)
+                            del inputs
+                            entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
+                            done.append({"transforms": transforms, "entry": entry})
+                            record["layers"].append(entry)
+                            # A 16-bit path is not learned and has no entry.
+                            bar.set_postfix({p: f"{entry[p]['heldout_rtn']:.2e}->{entry[p]['heldout_best']:.2e}"
+                                             for p in ("content", "rope") if p in entry})
+                        if checkpoint is not None:
+                            checkpoint.save(index, done)
+                    if index + 1 < len(layers):
+                        layer_inputs = replace(layer_inputs, hidden=propagate(layer, layer_inputs))
+                except BaseException:
+                    if fused_any:  # the weights in memory are now neither the original nor the calibrated ones
+                        model._quantmla_partially_fused = index
+                    raise
+            bar.update(1)
+        bar.close()
+        del layer_inputs
         model.train(was_training)
     cfg.calibrated = True
     cfg.extra["calibration"] = record
     return model
 
 
+def apply_transforms(module, layout, transforms: dict) -> None:
+    """Fuse the transforms `calibrate_module` returned (`{"content": (rotation, scale), "rope": (theta, scale)}`,
+    either absent when its path is not transformed) into `module`'s weights."""
+    device = module.kv_a_layernorm.weight.device  # materialised: the transforms are kept on the CPU
+    if "content" in transforms:
+        fuse_content(module, *(t.to(device) for t in transforms["content"]))
+    if "rope" in transforms:
+        fuse_rope(module, layout, *(t.to(device) for t in transforms["rope"]))
+
+
 def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transform: str, settings: LearnSettings,
-                     train: torch.Tensor, held: torch.Tensor) -> dict:
-    """Calibrate and fuse one attention module from its captured inputs; returns what was done."""
+                     train: torch.Tensor, held: torch.Tensor) -> tuple[dict, dict]:
+    """Calibrate one attention module from its captured inputs: `(record entry, transforms)`; fusing the
+    transforms (`apply_transforms`) is left to the caller. The RoPE objective does not depend on the content
+    transform, so both are learned from the unfused module."""
     runner = AttentionRunner(module, inputs)
     q, k = rope_streams(runner, kind)
     w = module.kv_a_layernorm.weight.detach().float()
     if transform == "smooth":
-        latent_max = _latent_absmax(runner, inputs, w)
-        fuse_content(module, *smooth_content(latent_max, runner.params["kv_b_proj.weight"], w))
-        fuse_rope(module, layout, torch.zeros(layout.n_pairs), smooth_rope(q, k, layout))
-        return {}
-    entry = {}
+        latent_max = _latent_absmax(runner, w)
+        return {}, {"content": _cpu(smooth_content(latent_max, runner.params["kv_b_proj.weight"], w)),
+                    "rope": _cpu((torch.zeros(layout.n_pairs), smooth_rope(q, k, layout)))}
+    entry, transforms = {}, {}
     if fmt.content.quantized:
         teacher = teacher_outputs(runner)
         learner = ContentLearner(runner, teacher, fmt.content, settings.sink, settings.recent)
         candidates = {name: (r0, _start_scale(name, r0, w)) for name, r0 in start_rotations(w).items()}
-        latent_max = _latent_absmax(runner, inputs, w)
+        latent_max = _latent_absmax(runner, w)
         candidates["smooth"] = smooth_content(latent_max, runner.params["kv_b_proj.weight"], w)
         rotation, scale, report = learner.learn(candidates, train, held, settings)
-        fuse_content(module, rotation, scale)
+        transforms["content"] = _cpu((rotation, scale))
         entry["content"] = report.to_dict()
         del teacher
     if fmt.rope.quantized:
         learner = RopeLearner(q, k, layout, fmt.rope, inputs.batch_size, settings.sink, settings.recent)
         starts = {"identity": torch.ones(layout.n_pairs, device=q.device), "smooth": smooth_rope(q, k, layout)}
         theta, scale, report = learner.learn(starts, train, held, settings)
-        fuse_rope(module, layout, theta, scale)
+        transforms["rope"] = _cpu((theta, scale))
         entry["rope"] = report.to_dict()
-    return entry
+    return entry, transforms
+
+
+def _cpu(pair) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(t.detach().float().cpu().contiguous() for t in pair)
 
 
 @torch.no_grad()
-def _latent_absmax(runner: AttentionRunner, inputs, w: torch.Tensor) -> torch.Tensor:
+def _latent_absmax(runner: AttentionRunner, w: torch.Tensor) -> torch.Tensor:
     """Per-channel max |c| of the cached latent over all calibration windows: `[d_c]` fp32."""
     latent_max = torch.zeros_like(w)
-    for _, h in inputs.batches():
+    for _, h in runner.inputs.batches():
         hook = LatentHook()
         runner(h, None, hook)
         latent_max = torch.maximum(latent_max, hook.latent.abs().flatten(0, -2).amax(0).float())
