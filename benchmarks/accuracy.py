@@ -8,7 +8,7 @@ history as the cache holds it.
 Methods (`--methods`, each run at every `--bits` setting and `--protect` choice where it applies):
     bf16        unquantized latent cache (transformers `DynamicCache`); the reference of KL and agreement
     rtn         QuantMLA cache, no transform (round-to-nearest, per-token groups of 64)
-    smooth      SmoothQuant-style scales, calibrated and fused (`quantmla_hf.calibration.quantize`, "smooth")
+    smooth      SmoothQuant-style scales, calibrated and fused (`quantmla_hf.calibration.calibrate`, "smooth")
     quarot      QuaRot-style Hadamard (content fused, RoPE rotated online in the cache)
     quantmla    learned transform, calibrated per bit setting and fused ("learned"), objectives as
                 --calibration-protection says
@@ -176,7 +176,7 @@ class CalibrationRecipe:
     lr: float
     seed: int
     batch_size: int = 8
-    protection: str = "auto"  # quantize(calibration_protection=...)
+    protection: str = "auto"  # calibrate(calibration_protection=...)
     machine: str = ""  # CPU kernel set and threads the calibration ran with (`machine_tag`); "" = this process's
 
 
@@ -228,7 +228,7 @@ def calibrate_variant(base, variant: str, recipe: CalibrationRecipe, cache_dir: 
     reused), `record` (the calibration record) and `key`.
     """
     from quantmla_hf import QuantMLAConfig
-    from quantmla_hf.calibration import quantize
+    from quantmla_hf.calibration import calibrate
 
     if variant == "base":
         return base, {"seconds": 0.0, "loaded": False, "record": {}, "key": {}}
@@ -270,7 +270,7 @@ def calibrate_variant(base, variant: str, recipe: CalibrationRecipe, cache_dir: 
                          calibration_seq_len=recipe.ids.shape[1], calibration_steps=recipe.steps,
                          calibration_lr=recipe.lr, seed=recipe.seed)
     start = time.time()
-    quantize(model, cfg, recipe.ids, batch_size=recipe.batch_size, progress=False,
+    calibrate(model, cfg, recipe.ids, batch_size=recipe.batch_size, progress=False,
              calibration_protection=recipe.protection)
     seconds = time.time() - start
     record = cfg.extra.get("calibration", {})

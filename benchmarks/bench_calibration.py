@@ -1,4 +1,4 @@
-"""Calibration time and peak memory of `quantmla_hf.calibration.quantize`, on models built with random weights.
+"""Calibration time and peak memory of `quantmla_hf.calibration.calibrate`, on models built with random weights.
 
     python benchmarks/bench_calibration.py [--model v2-lite smollm2-mla] [--layers N] [--samples 64] \\
         [--seq-len 512] [--steps 100] [--batch-size 8] [--dtype bfloat16] [--json OUT.json]
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from quantmla_hf.calibration import quantize
+from quantmla_hf.calibration import calibrate
 from quantmla_hf.config import QuantMLAConfig
 
 HERE = Path(__file__).resolve().parent
@@ -81,7 +81,7 @@ def run(name: str, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     ckpt = Path(args.checkpoint_dir) / name if args.checkpoint_dir else None  # one directory per model
-    quantize(model, cfg, ids, batch_size=args.batch_size, progress=args.progress, checkpoint_dir=ckpt)
+    calibrate(model, cfg, ids, batch_size=args.batch_size, progress=args.progress, checkpoint_dir=ckpt)
     if device == "cuda":
         torch.cuda.synchronize()
     total = time.perf_counter() - start

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from .calibration.defaults import calibration_data_or_default
 from .config import QuantMLAConfig
 
 # How an error names each option: as a `QuantMLAConfig` keyword, or as the `quantmla` command-line flag.
@@ -66,6 +67,15 @@ def count_tokens_up_to(texts: list[str], tokenizer, needed: int) -> int:
     return len(tokenizer(joined, add_special_tokens=False)["input_ids"])
 
 
+def no_tokenizer_for_default_text(transform: str, why: str, names: dict) -> str:
+    """The message for a data-dependent transform with no text given and no tokenizer to read the default text."""
+    return (
+        f"{names['transform'].format(transform)} with no calibration text learns from the package's default text, "
+        f"which needs the model's tokenizer, and none was found ({why}); add the tokenizer to the checkpoint (or pass "
+        "one), or use " + " / ".join(names["transform"].format(t) for t in ("hadamard", "none")) + ", which need no text"
+    )
+
+
 def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None, names: dict = PYTHON_NAMES) -> None:
     """Fail now, with the option to change, when `qconfig`'s calibration could not run.
 
@@ -79,6 +89,7 @@ def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None,
     if not qconfig.needs_calibration:
         return
     data = data if data is not None else qconfig.calibration_data
+    data, default_source = calibration_data_or_default(qconfig.transform, data)
     transform = names["transform"].format(qconfig.transform)
     if data is None and names is PYTHON_NAMES:
         raise ValueError(
@@ -105,7 +116,12 @@ def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None,
     else:
         raise ValueError("calibration_data must be a text-file path, a non-empty list of strings or token ids [N, T]")
     if callable(tokenizer) and not hasattr(tokenizer, "encode"):
-        tokenizer = tokenizer()
+        try:
+            tokenizer = tokenizer()
+        except ValueError as err:
+            if default_source is None:
+                raise
+            raise ValueError(no_tokenizer_for_default_text(qconfig.transform, str(err), names)) from err
     if tokenizer is None:
         return
     seq_len = qconfig.calibration_seq_len

@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.utils.logging import tqdm  # honours transformers.utils.logging.disable_progress_bar()
 
 from .calibration.defaults import resolve_transform
-from .calibration_check import CLI_NAMES, check_calibration_inputs, read_calibration_text
+from .calibration_check import CLI_NAMES, check_calibration_inputs, no_tokenizer_for_default_text, read_calibration_text
 from .config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig
 from .demo import main as demo_main
 from .evaluation import decode_perplexity
@@ -156,7 +156,13 @@ def _quant_config(args):
                 texts = [read_calibration_text(args.calibration, CLI_NAMES)]
             except (OSError, ValueError) as err:
                 raise CLIError(str(err)) from err
-        options["transform"], why = resolve_transform("auto", texts, _load_tokenizer(args.model) if texts else None)
+        try:  # without --calibration, the package's default text is counted with the model's tokenizer
+            tokenizer = _load_tokenizer(args.model)
+        except CLIError:
+            if texts is not None:
+                raise
+            tokenizer = None  # nothing can be counted: "auto" is RTN, and says so
+        options["transform"], why = resolve_transform("auto", texts, tokenizer)
         print(why)
     return QuantMLAConfig(**options)
 
@@ -204,8 +210,13 @@ def load_quantized(args, quantize_if_needed: bool = True, need_tokenizer: bool =
         if quantize_if_needed:
             mla_dims(config)  # not an MLA model: say so before loading it
             qconfig = _quant_config(args)
-            if qconfig.needs_calibration and args.calibration is not None:
-                tokenizer = _load_tokenizer(args.model)
+            if qconfig.needs_calibration:
+                try:
+                    tokenizer = _load_tokenizer(args.model)
+                except CLIError as err:
+                    if args.calibration is not None:
+                        raise
+                    raise CLIError(no_tokenizer_for_default_text(qconfig.transform, str(err), CLI_NAMES)) from err
             check_calibration_inputs(qconfig, tokenizer=tokenizer, names=CLI_NAMES)
             kwargs["quantization_config"] = qconfig
     if tokenizer is None and need_tokenizer:

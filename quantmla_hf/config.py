@@ -360,7 +360,7 @@ def check_checkpoint_config(config: QuantMLAConfig) -> list[str]:
             "reads local files or calibrates. Delete calibration_data from its config.json, or calibrate yourself: "
             "from_pretrained(UNQUANTIZED_MODEL, quantization_config=QuantMLAConfig(calibration_data=...))"
         )
-    if config.transform not in ("none", "auto") and not config.calibrated:
+    if config.transform != "none" and not config.calibrated:
         raise ValueError(
             f"this checkpoint's quantization_config claims transform={config.transform!r} with calibrated=false: its "
             "weights hold no fused transform, and loading it would calibrate, which a loaded checkpoint never does. "

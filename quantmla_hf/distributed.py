@@ -15,7 +15,7 @@ where that layer's latents are computed (`QuantMLALayer.lazy_initialization`), T
 device of their tensors (`device_guard`), and the decode reads `kv_b_proj`'s weight on the execution device
 (`kv_b_weight`).
 
-Learned, smooth and Hadamard transforms are fused into the attention weights by `calibration.quantize`, one
+Learned, smooth and Hadamard transforms are fused into the attention weights by `calibration.calibrate`, one
 process over whole weights; a sharded model is refused (`check_not_sharded_for_calibration`): calibrate in one
 process, `save_pretrained`, and load that fused checkpoint with tensor parallel.
 """

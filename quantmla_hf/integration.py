@@ -28,8 +28,8 @@ from transformers.utils import logging
 
 from .attention import ATTN_IMPLEMENTATION
 from .cache import QuantMLACache
-from .calibration import quantize as calibrate
-from .calibration.defaults import resolve_transform
+from .calibration import calibrate
+from .calibration.defaults import calibration_data_or_default, resolve_transform
 from .calibration_check import (
     check_calibration_inputs,
     read_calibration_text,
@@ -100,16 +100,22 @@ def resolve_tokenizer(model, qconfig: QuantMLAConfig, tokenizer):
 def resolve_auto_transform(qconfig: QuantMLAConfig, data=None, tokenizer=None) -> None:
     """Replace `transform="auto"` in `qconfig` by what it picks for `data` (logged with the reason, as the CLI says).
 
-    "learned" with enough calibration tokens, else "none" (`quantmla_hf.calibration.defaults.resolve_transform`).
-    A checkpoint's config never comes here with "auto" after a save (the resolved name is saved). `tokenizer` may
-    be a callable returning one; it is called only when there is text to count.
+    "learned" with enough calibration tokens (the package's default text when `data` is None), else "none"
+    (`quantmla_hf.calibration.defaults.resolve_transform`). A checkpoint's config never comes here with "auto"
+    (the resolved name is saved, and a loaded "auto" is refused). `tokenizer` may be a callable returning one; a
+    model without a tokenizer cannot count text, and "auto" is then RTN.
     """
     if qconfig.transform != "auto":
         return
     if isinstance(data, (str, os.PathLike)):
         data = [read_calibration_text(data)]  # a missing, binary or non-UTF-8 file: named, with the option
-    if data is not None and callable(tokenizer) and not hasattr(tokenizer, "encode"):
-        tokenizer = tokenizer()
+    if callable(tokenizer) and not hasattr(tokenizer, "encode"):
+        try:
+            tokenizer = tokenizer()
+        except ValueError:
+            if data is not None:
+                raise  # text was given: counting it needs the tokenizer the message names
+            tokenizer = None
     transform, why = resolve_transform("auto", data, tokenizer)
     logger.warning(why)
     qconfig.transform = transform
@@ -119,16 +125,18 @@ def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, t
                         calibration_options: dict | None = None) -> None:
     """Learn and fuse the transform that `qconfig` asks for, once (sets `qconfig.calibrated`).
 
-    "none" needs nothing; "hadamard" is data-free; "learned" and "smooth" need calibration text, from
-    `calibration_data` or `qconfig.calibration_data`, or they fail with an error saying how to provide it.
+    "none" needs nothing; "hadamard" is data-free; "learned" and "smooth" learn from `calibration_data`, else
+    `qconfig.calibration_data`, else the package's default text (`calibration.defaults`), tokenized with the
+    model's tokenizer.
     `qconfig` is the model's own copy (never the object a caller passed). `calibration_options` (batch_size,
-    progress) go to `quantmla_hf.calibration.quantize`.
+    progress) go to `quantmla_hf.calibration.calibrate`.
     """
     data = calibration_data if calibration_data is not None else qconfig.calibration_data
     if qconfig.transform == "auto":
         resolve_auto_transform(qconfig, data, lambda: resolve_tokenizer(model, qconfig, tokenizer))
     if qconfig.transform == "none" or qconfig.calibrated:
         return
+    data, default_source = calibration_data_or_default(qconfig.transform, data)
     if data is not None and isinstance(data, (str, os.PathLike, list, tuple)):
         tokenizer = resolve_tokenizer(model, qconfig, tokenizer)
     check_calibration_inputs(qconfig, data, tokenizer)
@@ -137,7 +145,7 @@ def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, t
     calibrate(model, qconfig, data, tokenizer=tokenizer, **options)
     qconfig.calibrated = True
     if data is not None and "calibration_source" not in qconfig.extra:
-        qconfig.extra["calibration_source"] = _calibration_source(data)
+        qconfig.extra["calibration_source"] = default_source or _calibration_source(data)
     if not isinstance(qconfig.extra.get("tokenizer"), (str, type(None))):
         del qconfig.extra["tokenizer"]  # a tokenizer object cannot go into config.json
 

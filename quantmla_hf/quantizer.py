@@ -112,7 +112,7 @@ def _refuse_second_transform(model, qconfig: QuantMLAConfig) -> None:
             "into its weights); applying a second uncalibrated config would fuse another transform on top. "
             "quantmla_hf.quantize(model, config, data) does the whole job in one call (its config is "
             "model.config.quantization_config); start again from the unquantized model to change the cache format. "
-            "The calibration step alone is quantmla_hf.calibration.quantize"
+            "The calibration step alone is quantmla_hf.calibration.calibrate"
         )
 
 
@@ -128,7 +128,7 @@ def apply_quantmla(model, quantization_config: QuantMLAConfig | dict | None = No
         calibration_data: text for a learned/smooth transform (list of strings, a text file path, or token ids
             `[N, T]`); overrides `quantization_config.calibration_data`.
         tokenizer: tokenizer for the calibration text (default: the one saved with the model's checkpoint).
-        calibration_options: `batch_size`, `progress` of `quantmla_hf.calibration.quantize`.
+        calibration_options: `batch_size`, `progress` of `quantmla_hf.calibration.calibrate`.
 
     Returns the same model, quantized: `generate` uses the packed cache, `save_pretrained` writes a QuantMLA
     checkpoint (`quantization_config` in config.json) and `push_to_hub` uploads one.
@@ -158,7 +158,7 @@ def quantize(model, quantization_config: QuantMLAConfig | dict | None = None, ca
     The one-call verb (what `quantmla_hf.quantize` is): the same as `apply_quantmla`. The result generates with the
     packed cache and `save_pretrained`/`push_to_hub` write a QuantMLA checkpoint; the tokenizer for calibration
     text is the checkpoint's own unless given. `quantization_config` is not changed (a copy records the
-    calibration). Calibration alone, without connecting the cache, is `quantmla_hf.calibration.quantize`.
+    calibration). Calibration alone, without connecting the cache, is `quantmla_hf.calibration.calibrate`.
 
     Example:
         >>> model = quantmla_hf.quantize(model, QuantMLAConfig(content_bits=4), calibration_data="calib.txt")

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from quantmla_hf import QuantMLACache
 from quantmla_hf.analysis import quantized_attention_error
-from quantmla_hf.calibration import calibration_token_ids, quantize
+from quantmla_hf.calibration import calibrate, calibration_token_ids
 from quantmla_hf.config import QuantMLAConfig
 from quantmla_hf.hadamard import hadamard_matrix
 from quantmla_hf.hooks import mla_attention_modules
@@ -81,7 +81,7 @@ def test_learned_beats_rtn_and_objectives_fall(base, content_bits, gain):
     rtn_decode = decode_error(model, decode_ids, content_bits)
     cfg = QuantMLAConfig(transform="learned",
                          content_bits=content_bits, rope_bits=4, calibration_steps=40, calibration_lr=1e-2)
-    quantize(model, cfg, ids(16, seed=0), batch_size=4, progress=False)
+    calibrate(model, cfg, ids(16, seed=0), batch_size=4, progress=False)
     learned = quantized_attention_error(model, test_ids, content_bits, 4, 64)
     assert rel(logits(model, test_ids), ref) <= 1e-5  # the fused model computes the same function
     assert sum(learned) < gain * sum(rtn), (learned, rtn)
@@ -100,12 +100,12 @@ def test_smooth_and_hadamard_baselines(base):
     ref = logits(base, test_ids)
     rtn = sum(quantized_attention_error(base, test_ids, 4, 4, 64))
     smooth = copy.deepcopy(base)
-    quantize(smooth, QuantMLAConfig(transform="smooth"), ids(8, seed=0), batch_size=4, progress=False)
+    calibrate(smooth, QuantMLAConfig(transform="smooth"), ids(8, seed=0), batch_size=4, progress=False)
     assert rel(logits(smooth, test_ids), ref) <= 1e-5
     assert sum(quantized_attention_error(smooth, test_ids, 4, 4, 64)) < 0.5 * rtn
     had = copy.deepcopy(base)
     cfg = QuantMLAConfig(transform="hadamard")
-    quantize(had, cfg, progress=False)  # no data needed
+    calibrate(had, cfg, progress=False)  # no data needed
     assert rel(logits(had, test_ids), ref) <= 1e-5 and cfg.calibrated
     assert sum(quantized_attention_error(had, test_ids, 4, 4, 64, rope_rotation=hadamard_matrix(16))) < rtn
     c0 = mla_attention_modules(base)[0].kv_a_proj_with_mqa.weight[:D_C]
@@ -116,7 +116,7 @@ def test_smooth_and_hadamard_baselines(base):
 def test_hadamard_needs_power_of_two_latent():
     model = tiny_mla_model("deepseek_v3", kv_lora_rank=48)
     with pytest.raises(ValueError, match="power-of-two kv_lora_rank"):
-        quantize(model, QuantMLAConfig(transform="hadamard", group_size=16), progress=False)
+        calibrate(model, QuantMLAConfig(transform="hadamard", group_size=16), progress=False)
 
 
 def test_a_16_bit_rope_path_learns_only_the_content_path():
@@ -125,7 +125,7 @@ def test_a_16_bit_rope_path_learns_only_the_content_path():
     ref = logits(model, x)
     cfg = QuantMLAConfig(transform="learned",
                          content_bits=2, rope_bits=16, group_size=16, calibration_steps=2, calibration_seq_len=16)
-    quantize(model, cfg, x, batch_size=3, progress=True)
+    calibrate(model, cfg, x, batch_size=3, progress=True)
     assert all(set(entry) >= {"content"} and "rope" not in entry for entry in cfg.extra["calibration"]["layers"])
     assert rel(logits(model, x), ref) <= 1e-5
 
@@ -143,14 +143,14 @@ def test_offloaded_attention_weights_are_calibrated_and_written_back(offload, tm
     cfg = dict(transform="learned", content_bits=2, group_size=16, calibration_steps=2, calibration_seq_len=16)
     resident = tiny_mla_model("deepseek_v3")
     ref = logits(resident, x)
-    quantize(resident, QuantMLAConfig(**cfg), x, batch_size=3, progress=False)
+    calibrate(resident, QuantMLAConfig(**cfg), x, batch_size=3, progress=False)
     model = tiny_mla_model("deepseek_v3")
     if offload == "cpu":
         cpu_offload(model, execution_device="cpu")
     else:
         disk_offload(model, str(tmp_path), execution_device="cpu")
     assert mla_attention_modules(model)[0].kv_b_proj.weight.device.type == "meta"
-    quantize(model, QuantMLAConfig(**cfg), x, batch_size=3, progress=False)
+    calibrate(model, QuantMLAConfig(**cfg), x, batch_size=3, progress=False)
     assert rel(logits(model, x), ref) <= 1e-5
     for fused, m in zip(mla_attention_modules(resident), mla_attention_modules(model)):
         with materialized(m):
@@ -164,7 +164,7 @@ def test_none_is_a_no_op():
     model = tiny_mla_model("minicpm3")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = QuantMLAConfig(transform="none")
-    assert quantize(model, cfg) is model and cfg.calibrated
+    assert calibrate(model, cfg) is model and cfg.calibrated
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
@@ -177,7 +177,7 @@ def test_longcat_is_deterministic_and_keeps_its_function():
         model = tiny_mla_model("longcat_flash")
         cfg = QuantMLAConfig(transform="learned",
                              content_bits=2, group_size=16, calibration_steps=4, calibration_seq_len=16)
-        quantize(model, cfg, x, batch_size=3, progress=False)
+        calibrate(model, cfg, x, batch_size=3, progress=False)
         assert len(cfg.extra["calibration"]["layers"]) == 4
         assert rel(logits(model, x), ref) <= 1e-5
         runs.append(model.state_dict())
@@ -188,17 +188,17 @@ def test_bad_data_and_weights_raise():
     model = tiny_mla_model("deepseek_v2")
     cfg = QuantMLAConfig(transform="learned")
     with pytest.raises(ValueError, match="NaN or inf"):
-        quantize(model, cfg, torch.full((4, 16), float("nan")))
+        calibrate(model, cfg, torch.full((4, 16), float("nan")))
     with pytest.raises(ValueError, match="needs a tokenizer"):
-        quantize(model, cfg, ["some text"])
+        calibrate(model, cfg, ["some text"])
     with pytest.raises(ValueError, match="needs calibration_data"):
-        quantize(model, cfg)
+        calibrate(model, cfg)
     with pytest.raises(ValueError, match=r"in \[0, 128\)"):
-        quantize(model, cfg, torch.full((4, 16), 500))
+        calibrate(model, cfg, torch.full((4, 16), 500))
     with torch.no_grad():
         mla_attention_modules(model)[1].kv_b_proj.weight[0, 0] = float("inf")
     with pytest.raises(ValueError, match="kv_b_proj.weight of attention layer 1 contains NaN or inf"):
-        quantize(model, cfg, ids(4, seed=0))
+        calibrate(model, cfg, ids(4, seed=0))
 
 
 @pytest.mark.skipif(not os.path.exists(TOKENIZER), reason="reference tokenizer asset not built yet")

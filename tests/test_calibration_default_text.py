@@ -4,7 +4,7 @@ learn, tokenized with the model's own tokenizer, and used by `quantize` when no 
 import pytest
 from transformers import AutoTokenizer
 
-from quantmla_hf.calibration import quantize
+from quantmla_hf.calibration import calibrate
 from quantmla_hf.calibration.defaults import (DEFAULT_SOURCE, DEFAULT_TEXT, MIN_LEARNED_TOKENS,
                                               default_calibration_text, resolve_transform)
 from quantmla_hf.config import TRANSFORMS, QuantMLAConfig
@@ -42,17 +42,33 @@ def test_auto_learns_from_the_default_text_with_the_models_tokenizer(tokenizer):
 def test_quantize_without_text_calibrates_on_the_default_text(tokenizer):
     model = tiny_mla_model("deepseek_v3", seed=3, vocab_size=len(tokenizer))
     cfg = QuantMLAConfig(transform="learned", calibration_samples=4, calibration_seq_len=64, calibration_steps=2)
-    quantize(model, cfg, tokenizer=tokenizer, progress=False)
+    calibrate(model, cfg, tokenizer=tokenizer, progress=False)
     record = cfg.extra["calibration"]
     assert record["transform"] == "learned" and record["windows"] == [4, 64]
     assert cfg.extra["calibration_source"] == DEFAULT_SOURCE
     with pytest.raises(ValueError, match="needs calibration_data"):
-        quantize(tiny_mla_model("deepseek_v3"), QuantMLAConfig(transform="learned"), progress=False)
+        calibrate(tiny_mla_model("deepseek_v3"), QuantMLAConfig(transform="learned"), progress=False)
 
 
 @pytest.mark.skipif("auto" not in TRANSFORMS, reason="this QuantMLAConfig does not take transform='auto'")
 def test_auto_config_resolves_to_learned_on_the_default_text(tokenizer):
     cfg = QuantMLAConfig(transform="auto", calibration_samples=4, calibration_seq_len=64, calibration_steps=2)
-    quantize(tiny_mla_model("deepseek_v3", seed=3, vocab_size=len(tokenizer)), cfg, tokenizer=tokenizer,
+    calibrate(tiny_mla_model("deepseek_v3", seed=3, vocab_size=len(tokenizer)), cfg, tokenizer=tokenizer,
              progress=False)
     assert cfg.transform == "learned" and "default calibration text" in cfg.extra["transform_choice"]
+
+
+def test_from_pretrained_with_the_default_config_learns_on_the_default_text(tokenizer, tmp_path):
+    """`from_pretrained(path, quantization_config=QuantMLAConfig())` on a checkpoint with a tokenizer and no text of
+    the user's: learned transforms calibrated on the default text (calibration sizes shrunk to keep the test short),
+    recorded in the saved config."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_mla_model("deepseek_v3", seed=4, vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    config = QuantMLAConfig(calibration_samples=4, calibration_seq_len=64, calibration_steps=2)
+    assert config.transform == "auto"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)
+    saved = model.config.quantization_config
+    assert saved.transform == "learned" and saved.calibrated
+    assert saved.extra["calibration_source"] == DEFAULT_SOURCE

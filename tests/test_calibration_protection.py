@@ -16,7 +16,7 @@ from helpers import CACHE_KWARG
 from test_calibration import ids, planted
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig
-from quantmla_hf.calibration import quantize
+from quantmla_hf.calibration import calibrate
 from quantmla_hf.calibration.capture import AttentionRunner, LatentHook, capture_inputs
 from quantmla_hf.calibration.defaults import MIN_LEARNED_TOKENS, resolve_transform
 from quantmla_hf.calibration.fusion import content_weights
@@ -127,7 +127,7 @@ def test_learning_with_protection_lowers_the_error_on_unseen_windows_and_beats_r
     cfg = QuantMLAConfig(transform="learned",
                          content_bits=2, rope_bits=4, sink_tokens=sink, recent_tokens=recent, calibration_steps=30,
                          calibration_lr=1e-2)
-    quantize(model, cfg, ids(12, seed=0, t=40), batch_size=4, progress=False, calibration_protection="on")
+    calibrate(model, cfg, ids(12, seed=0, t=40), batch_size=4, progress=False, calibration_protection="on")
     record = cfg.extra["calibration"]
     assert record["protection_modelled"] == [sink, recent]
     for layer in record["layers"]:

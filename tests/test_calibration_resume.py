@@ -9,7 +9,7 @@ import torch
 from test_calibration import ids, planted
 from transformers.utils import logging
 
-from quantmla_hf.calibration import pipeline, quantize
+from quantmla_hf.calibration import calibrate, pipeline
 from quantmla_hf.calibration.capture import capture_inputs, decoder_layers, propagate
 from quantmla_hf.config import QuantMLAConfig
 from quantmla_hf.hooks import mla_attention_modules
@@ -37,7 +37,7 @@ def test_resume_after_a_kill_gives_bitwise_the_uninterrupted_weights(tmp_path, m
     base = planted(family) if family == "deepseek_v3" else tiny_mla_model(family, seed=2, num_layers=2)
     data = ids(8, seed=0)
     whole = copy.deepcopy(base)
-    quantize(whole, _cfg(), data, batch_size=4, progress=False)
+    calibrate(whole, _cfg(), data, batch_size=4, progress=False)
     expected = _attention_state(whole)
 
     kill_at = len(decoder_layers(base, mla_attention_modules(base))) - 1  # the last layer: earlier ones finished
@@ -54,16 +54,16 @@ def test_resume_after_a_kill_gives_bitwise_the_uninterrupted_weights(tmp_path, m
     first = copy.deepcopy(base)
     monkeypatch.setattr(pipeline, "calibrate_module", killed_inside)
     with pytest.raises(_Killed):
-        quantize(first, _cfg(), data, batch_size=4, progress=False, checkpoint_dir=tmp_path / "ckpt")
+        calibrate(first, _cfg(), data, batch_size=4, progress=False, checkpoint_dir=tmp_path / "ckpt")
     files = sorted(p.name for p in (tmp_path / "ckpt").glob("layer_*"))
     assert files == [f"layer_{i:05d}.pt" for i in range(kill_at)]  # whole layers only, no temporary file
     monkeypatch.setattr(pipeline, "calibrate_module", real)
     with pytest.raises(ValueError, match="partly fused"):
-        quantize(first, _cfg(), data, batch_size=4, progress=False)
+        calibrate(first, _cfg(), data, batch_size=4, progress=False)
 
     resumed = copy.deepcopy(base)  # a new process: the original weights again
     cfg = _cfg()
-    quantize(resumed, cfg, data, batch_size=4, progress=False, checkpoint_dir=tmp_path / "ckpt")
+    calibrate(resumed, cfg, data, batch_size=4, progress=False, checkpoint_dir=tmp_path / "ckpt")
     got = _attention_state(resumed)
     assert got.keys() == expected.keys()
     for k in expected:
@@ -76,10 +76,10 @@ def test_resume_after_a_kill_gives_bitwise_the_uninterrupted_weights(tmp_path, m
 
 def test_a_checkpoint_of_other_data_is_refused(tmp_path):
     base = planted()
-    quantize(copy.deepcopy(base), _cfg(calibration_steps=0), ids(4, seed=0), batch_size=4, progress=False,
+    calibrate(copy.deepcopy(base), _cfg(calibration_steps=0), ids(4, seed=0), batch_size=4, progress=False,
              checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match="token_ids_sha256"):
-        quantize(copy.deepcopy(base), _cfg(calibration_steps=0), ids(4, seed=1), batch_size=4, progress=False,
+        calibrate(copy.deepcopy(base), _cfg(calibration_steps=0), ids(4, seed=1), batch_size=4, progress=False,
                  checkpoint_dir=tmp_path)
 
 
@@ -98,10 +98,10 @@ def test_progress_bar_follows_transformers_switch(capsys):
     model = tiny_mla_model("deepseek_v3", seed=1)
     logging.disable_progress_bar()
     try:
-        quantize(model, _cfg(calibration_steps=0), ids(4, seed=0), batch_size=4, progress=True)
+        calibrate(model, _cfg(calibration_steps=0), ids(4, seed=0), batch_size=4, progress=True)
     finally:
         logging.enable_progress_bar()
     assert "QuantMLA" not in capsys.readouterr().err
-    quantize(tiny_mla_model("deepseek_v3", seed=1), _cfg(calibration_steps=0), ids(4, seed=0), batch_size=4)
+    calibrate(tiny_mla_model("deepseek_v3", seed=1), _cfg(calibration_steps=0), ids(4, seed=0), batch_size=4)
     err = capsys.readouterr().err
     assert "QuantMLA learned" in err and "layer" in err

@@ -73,7 +73,6 @@ def test_analyze_writes_table_and_plot(base_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["quantize", "{base}", "--out", "{tmp}/x", "--transform", "learned"], "pass --calibration FILE"),
         (["quantize", "{tmp}/missing", "--out", "{tmp}/x"], "missing"),
         (["eval", "{base}", "--text", "{tmp}/nope.txt", "--transform", "none"], "nope.txt: no such file"),
         (["eval", "{base}", "--text", "{text}", "--window", "10", "--prefill", "9"], "--prefill"),

@@ -50,9 +50,11 @@ def _run(capsys, argv):
     return rc, capsys.readouterr().err
 
 
-def test_cli_learned_without_text_refuses_before_loading_and_says_what_to_pass(corrupt_dir, tmp_path, capsys):
-    rc, err = _run(capsys, ["quantize", str(corrupt_dir), "--out", str(tmp_path / "q"), "--transform", "learned"])
-    assert rc == 1 and "--calibration FILE" in err and "--transform hadamard" in err
+def test_cli_learned_without_text_or_tokenizer_refuses_before_loading_and_says_what_to_do(tmp_path, capsys):
+    """No --calibration: the default text is used, which needs the model's tokenizer; without one, one line."""
+    bare = _checkpoint(tmp_path / "bare", tokenizer=False, corrupt=True)
+    rc, err = _run(capsys, ["quantize", str(bare), "--out", str(tmp_path / "q"), "--transform", "learned"])
+    assert rc == 1 and "default text" in err and "--transform hadamard" in err and "tokenizer" in err
     assert "safetensors" not in err.lower()
 
 

@@ -93,7 +93,7 @@ def test_the_old_two_step_idiom_is_refused_not_fused_twice():
 
 
 def test_calibration_only_function_stays_in_calibration():
-    from quantmla_hf.calibration import quantize as calibrate
+    from quantmla_hf.calibration import calibrate
 
     assert calibrate is not quantmla_hf.quantize
     model = calibrate(tiny_mla_model(seed=0), QuantMLAConfig(transform="hadamard", group_size=16), progress=False)

@@ -1,6 +1,6 @@
 """Resumable calibration: the transforms of every finished decoder layer, one file per layer.
 
-`quantize(..., checkpoint_dir=DIR)` writes, after each decoder layer, `DIR/layer_{index:05d}.pt` holding for each of
+`calibrate(..., checkpoint_dir=DIR)` writes, after each decoder layer, `DIR/layer_{index:05d}.pt` holding for each of
 its MLA attention modules the transforms it fused (content `rotation [d_c, d_c]`, `scale [d_c]`; RoPE
 `theta [d_R/2]`, `scale [d_R/2]`, fp32 as learned) and the calibration record entry. Files are written to a
 temporary name and renamed (atomic on POSIX), so a killed run leaves only whole layers. `DIR/manifest.json` holds a

@@ -46,7 +46,7 @@ def calibration_data_or_default(transform: str, data):
 
 
 def calibration_token_count(data, tokenizer) -> int:
-    """Tokens of `data` (a text-file path, a list of strings or token ids `[N, T]`) as `quantize` would cut them."""
+    """Tokens of `data` (a text-file path, a list of strings or token ids `[N, T]`) as `calibrate` would cut them."""
     if data is None:
         return 0
     if hasattr(data, "numel"):
@@ -64,7 +64,7 @@ def resolve_transform(transform: str, data, tokenizer, min_tokens: int = MIN_LEA
     `min_tokens` calibration tokens and "none" (RTN) otherwise; `why` is a sentence for the user.
 
     `data=None` with a `tokenizer` counts the default text (`calibration_data_or_default`), which is what
-    `quantize` then calibrates on; without a tokenizer no text can be counted and "auto" is RTN.
+    `calibrate` then learns from; without a tokenizer no text can be counted and "auto" is RTN.
     """
     if transform != "auto":
         return transform, f"transform={transform!r} (as asked)"

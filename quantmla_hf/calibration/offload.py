@@ -11,13 +11,11 @@ from contextlib import ExitStack, contextmanager
 from typing import Callable
 
 import torch
+from accelerate.utils import align_module_device, has_offloaded_params
+from accelerate.utils.offload import OffloadedWeightsLoader, PrefixedDataset
 
 
 def _offloaded_submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    try:
-        from accelerate.utils import has_offloaded_params
-    except ImportError:  # accelerate is a dependency, but a model without hooks needs nothing from it
-        return []
     return [m for m in module.modules() if has_offloaded_params(m)]
 
 
@@ -32,8 +30,6 @@ def execution_device(module: torch.nn.Module) -> torch.device:
 
 def _offload_store(module: torch.nn.Module, name: str) -> tuple[dict, str]:
     """The dict the hook of `module` loads parameter `name` from, and its key there."""
-    from accelerate.utils.offload import OffloadedWeightsLoader, PrefixedDataset
-
     store, key = module._hf_hook.weights_map, name
     while isinstance(store, PrefixedDataset):
         store, key = store.dataset, store.prefix + key
@@ -54,8 +50,6 @@ def materialized(module: torch.nn.Module, write_back: Callable[[torch.nn.Module]
     if not subs:
         yield
         return
-    from accelerate.utils import align_module_device
-
     with ExitStack() as stack:
         for sub in subs:
             stack.enter_context(align_module_device(sub))

@@ -1,4 +1,4 @@
-"""`quantize`: calibrate and fuse the QuantMLA transforms of a model, one decoder layer at a time (resumable)."""
+"""`calibrate`: learn and fuse the QuantMLA transforms of a model, one decoder layer at a time (resumable)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def calibration_token_ids(data, tokenizer, samples: int, seq_len: int, seed: int
     if not isinstance(data, (list, tuple)) or not data or not all(isinstance(t, str) for t in data):
         raise ValueError("calibration_data must be token ids [N, T], a non-empty list of strings or a text-file path")
     if tokenizer is None:
-        raise ValueError("calibration_data given as text needs a tokenizer: quantize(model, config, texts, tokenizer=tok)")
+        raise ValueError("calibration_data given as text needs a tokenizer: calibrate(model, config, texts, tokenizer=tok)")
     ids = torch.tensor(tokenizer("\n\n".join(data), add_special_tokens=False)["input_ids"], dtype=torch.long)
     n = ids.numel() // seq_len
     if n < 2:
@@ -101,7 +101,7 @@ def protection_to_model(protection: str, seq_len: int, sink: int, recent: int) -
     return sink, recent, f"auto: on ({fraction:.0%} of the pairs quantized)"
 
 
-def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None,
+def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None,
              tokenizer=None, *, batch_size: int = DEFAULT_BATCH, progress: bool = True,
              calibration_protection: str = "auto", checkpoint_dir: str | os.PathLike | None = None) -> torch.nn.Module:
     """Calibrate the cache transform of `quantization_config.transform` and fuse it into `model`'s weights.
@@ -139,14 +139,11 @@ def quantize(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict 
                          f"layer {model._quantmla_partially_fused}; reload the original weights and calibrate again "
                          "(with the same checkpoint_dir to resume from the last finished layer)")
     data = calibration_data if calibration_data is not None else cfg.calibration_data
-    if cfg.transform == "auto" or (data is None and cfg.transform in ("smooth", "learned") and tokenizer is not None):
+    if cfg.transform == "auto":  # counts the default text when no text is given (and says so)
+        cfg.transform, cfg.extra["transform_choice"] = resolve_transform("auto", data, tokenizer)
+    if data is None and cfg.transform in ("smooth", "learned") and tokenizer is not None:
         data, source = calibration_data_or_default(cfg.transform, data)
-        if cfg.transform == "auto":
-            transform, why = resolve_transform("auto", data, tokenizer)
-            cfg.transform = transform
-            cfg.extra["transform_choice"] = why
-        if source is not None and cfg.transform != "none":
-            cfg.extra.setdefault("calibration_source", source)
+        cfg.extra.setdefault("calibration_source", source)
     if cfg.transform != "none":
         check_not_sharded_for_calibration(model, cfg.transform)  # tensor parallel: calibrate in one process
     dims = mla_dims(model.config)
