@@ -156,13 +156,13 @@ def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
 
 
 def test_growing_and_static_caches_agree_bit_for_bit_fp32_fallback():
-    """fp32 model: the fast kernels do not take fp32 copies, so both caches decode through the fallback kernel
-    (`kernels/mla_decode.py`), the growing one with a host length, the static one with the device length and a
-    larger grid. Its splits are sized from the length too and its combine is the grid-independent one, so every
-    step's logits (fp32 all the way: nothing rounds the last bits away) and the greedy tokens are identical. A
-    140-token prompt gives several non-empty splits, and the 8192-position static cache a grid whose old
-    capacity-sized splits (128 positions) differed from the growing cache's (80): with them the logits differed
-    at the second decode step by 6e-8."""
+    """fp32 model: the Gluon kernels do not take fp32 copies, so both caches decode through the portable Triton
+    kernel's fp32 path (`select_backend` in `kernels/mla_decode.py`), the growing one with a capacity just above
+    its length, the static one with 8192 positions and a larger grid. Its splits are sized from the device-side
+    length and its combine is grid-independent, so every step's logits (fp32 all the way: nothing rounds the last
+    bits away) and the greedy tokens are identical. A 140-token prompt gives several non-empty splits, and the
+    8192-position static cache a grid whose capacity-sized splits would be 128 positions against the growing
+    cache's 80: splits sized that way made the logits differ at the second decode step by 6e-8."""
     ids, mask = _prompt(length=140, seed=9)
     model = tiny_mla_model("deepseek_v3", num_hidden_layers=1, dtype=torch.float32)
     install_cache_hooks(model)
