@@ -213,10 +213,6 @@ class GraphPool:
         self.sizes.pop(key, None)
         return self.entries.pop(key, None)
 
-    def clear(self) -> None:
-        self.entries.clear()
-        self.sizes.clear()
-
     def nbytes(self) -> int:
         return sum(self.sizes.values())
 
@@ -252,7 +248,6 @@ class CapturedStep:
     graph: object  # torch.cuda.CUDAGraph
     inputs: dict  # static copies of the tensor arguments (and the plain ones), as captured
     output: object  # the forward's output; its tensors are the graph's
-    n_new: int
     nbytes: int
 
 
@@ -307,7 +302,7 @@ class DecodeGraphStep:
         step = graphs.get(key)
         if step is None:
             try:
-                step = self._capture(cache, kwargs, n_new)
+                step = self._capture(cache, kwargs)
             except RuntimeError as err:
                 log_fallback(f"capturing the decode step failed ({err})")
                 self.eager_caches.add(id(cache))
@@ -324,7 +319,7 @@ class DecodeGraphStep:
         self.stats.replays += 1
         return step.output
 
-    def _capture(self, cache: StaticQuantMLACache, kwargs: dict, n_new: int) -> CapturedStep:
+    def _capture(self, cache: StaticQuantMLACache, kwargs: dict) -> CapturedStep:
         start = time.perf_counter()
         n = cache.host_length()
         inputs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
@@ -336,7 +331,7 @@ class DecodeGraphStep:
             cache.set_host_length(n)  # warm-ups rewound, and the capture ran no kernel: the counters stay at n
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - start
-        return CapturedStep(graph, inputs, output, n_new, nbytes)
+        return CapturedStep(graph, inputs, output, nbytes)
 
     def _warm_up(self, cache: StaticQuantMLACache, inputs: dict, n: int) -> None:
         """Run the step `WARMUP_STEPS` times on a side stream (kernel compilation, cuBLAS workspaces), rewinding
