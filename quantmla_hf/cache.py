@@ -37,6 +37,13 @@ NATIVE_MAX_QUERY = 16
 # Longest chunk after the first forward for which a layer keeps `chunk_window` (draft verification in assisted and
 # prompt-lookup decoding; `quantmla_hf.chunk_attention`): (R + T) model-dtype rows per layer, freed at the next update.
 CHUNK_WINDOW_MAX_QUERY = 256
+# The forward argument that carries the cache: transformers >= 5.18 says `cache`, 5.17 `past_key_values`.
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def cache_argument(kwargs: dict):
+    """The cache passed in a forward's (or `generate`'s model) keyword arguments, or None."""
+    return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
 
 
 def _use_triton(kernel: str, device: torch.device) -> bool:

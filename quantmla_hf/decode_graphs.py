@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers.utils import logging
 
-from .cache import NATIVE_MAX_QUERY
+from .cache import CACHE_KWARGS, NATIVE_MAX_QUERY, cache_argument
 from .masks import mask_is_padding_causal
 from .static_cache import StaticQuantMLACache
 
 logger = logging.get_logger(__name__)
 
-CACHE_KWARGS = ("cache", "past_key_values")  # transformers >= 5.18 says `cache`, 5.17 `past_key_values`
 WARMUP_STEPS = 2
 GRAPHS_PER_CACHE = 8
 CACHES_PER_MODEL = 4
@@ -125,7 +124,7 @@ def log_fallback(reason: str | None) -> None:
 def uncapturable(args: tuple, kwargs: dict, device_type: str = "cuda") -> str | None:
     """Why the forward `model(*args, **kwargs)` cannot be a replayed decode step ("" for an ordinary eager step
     such as the prefill, which is not worth a log line), or None when it can."""
-    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    cache = cache_argument(kwargs)
     if not isinstance(cache, StaticQuantMLACache):
         return "" if cache is None else f"the cache is a {type(cache).__name__}, not a StaticQuantMLACache"
     if args:
@@ -281,7 +280,7 @@ class DecodeGraphStep:
 
     def __call__(self, *args, **kwargs):
         why = uncapturable(args, kwargs, self.device_type)
-        cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+        cache = cache_argument(kwargs)
         if why is not None or id(cache) in self.eager_caches:
             log_fallback(why)
             self.stats.eager_steps += 1

@@ -17,9 +17,7 @@ from __future__ import annotations
 import torch
 
 from .attention import ATTN_IMPLEMENTATION, QuantMLAState
-from .cache import QuantMLACache
-
-CACHE_KWARGS = ("cache", "past_key_values")  # transformers >= 5.18 says `cache`, 5.17 `past_key_values`
+from .cache import QuantMLACache, cache_argument
 
 
 def is_mla_attention(module: torch.nn.Module) -> bool:
@@ -32,7 +30,7 @@ def mla_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _pre_forward(model, args, kwargs):
-    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    cache = cache_argument(kwargs)
     state: QuantMLAState = model._quantmla_state
     state.cache = cache if isinstance(cache, QuantMLACache) else None
     state.mask_key = None  # the mask check is made once per forward (masks.layer_mask_is_padding_causal)
