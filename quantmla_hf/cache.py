@@ -68,6 +68,7 @@ class QuantMLALayer(CacheLayerMixin):
         fmt: cache format (both paths, sink and recent sizes).
         kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.kernel`).
         block_size: allocation granularity of the packed planes, in tokens.
+        rope_rotation: optional `[d_R, d_R]` online rotation of the RoPE key (Hadamard baseline).
     """
 
     is_compileable = False
@@ -85,7 +86,6 @@ class QuantMLALayer(CacheLayerMixin):
         self.rope_rotation = rope_rotation
         self.kernel = kernel
         self.block_size = block_size
-        self.length = 0
         self.pending_padding: torch.Tensor | None = None
         # Set by the "quantmla" attention implementation: short chunks then skip the history reconstruction.
         self.native = False

@@ -23,7 +23,7 @@ growing cache and the eager step (`plan_decode`).
 
 Memory: a graph holds its own pool of the step's intermediate tensors (measured per graph as `nbytes`, the growth
 of the reserved memory during its capture); the caches generate builds are kept on the model in a `GraphPool` keyed
-by (batch size, first length bucket), least recently used first out past `max_entries` or `max_bytes`
+by (batch size, first length bucket, graphs or compiled), least recently used first out past `max_entries` or `max_bytes`
 (cache bytes + their graphs' bytes).
 """
 

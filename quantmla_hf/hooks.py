@@ -7,7 +7,8 @@ A pre-hook on the top-level model sees the cache and the 2D attention mask that 
 - it records whether the forward asks for attention weights (`output_attentions`), which that implementation then
   computes eagerly (latent-space decode off for that forward);
 - it forgets the previous forward's mask check (the first MLA layer checks the new mask, once for all layers).
-Nothing here synchronises with the device: a static cache reports whether it holds tokens from a host-side flag.
+Nothing here synchronises with the device on a decode step: a static cache reports whether it holds tokens from a
+host-side flag (only the prefill of a reused static cache reads its new left padding back, once).
 A decode step replayed from a CUDA graph (`quantmla_hf.decode_graphs`) runs no hook at all.
 The hook sits on the model and on its base model (`model.model`), so a direct call to the latter is seen too.
 """

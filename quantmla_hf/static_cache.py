@@ -73,6 +73,7 @@ class StaticQuantMLALayer(QuantMLALayer):
     """
 
     is_compileable = True
+    buffers_moved = False  # set when a batch change reallocated the buffers (`StaticQuantMLACache.moved_buffers`)
 
     def __init__(self, fmt: CacheFormat, max_cache_len: int, kernel: str = "auto",
                  rope_rotation: torch.Tensor | None = None):
@@ -296,8 +297,6 @@ class StaticQuantMLALayer(QuantMLALayer):
         super()._apply_batch(fn)
         self._mark_all_static()
         self.buffers_moved = True
-
-    buffers_moved = False
 
     def nbytes(self) -> int:
         n = super().nbytes()
