@@ -66,9 +66,10 @@ def static_cache_wanted(model, qconfig: QuantMLAConfig, generation_config=None) 
 def first_cache_length(needed: int, prompt_length: int | None, growable: bool) -> int:
     """Positions a static cache is built with for a call that may reach `needed` positions (see the module
     docstring)."""
-    if not growable or prompt_length is None:
-        return cache_length_bucket(needed) if not growable else cache_length_bucket(min(needed, FIRST_ROOM))
-    return cache_length_bucket(min(needed, prompt_length + max(prompt_length, FIRST_ROOM)))
+    if not growable:
+        return cache_length_bucket(needed)
+    room = FIRST_ROOM if prompt_length is None else prompt_length + max(prompt_length, FIRST_ROOM)
+    return cache_length_bucket(min(needed, room))
 
 
 def _prompt_length(model_kwargs: dict) -> int | None:
