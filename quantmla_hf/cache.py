@@ -395,7 +395,7 @@ class QuantMLACache(Cache):
 
     Example:
         >>> cache = QuantMLACache(config=model.config, quantization_config=QuantMLAConfig(content_bits=4))
-        >>> model.generate(**inputs, past_key_values=cache)
+        >>> model.generate(**inputs, cache=cache)  # transformers 5.17: past_key_values=cache
     """
 
     def __init__(self, config=None, quantization_config: QuantMLAConfig | None = None, **kwargs):

@@ -315,7 +315,9 @@ class StaticQuantMLACache(QuantMLACache):
 
     Example:
         >>> cache = StaticQuantMLACache(config=model.config, max_cache_len=4096 + 256)
-        >>> model.generate(**inputs, past_key_values=cache, max_new_tokens=256)  # decode compiled on CUDA
+        >>> model.generate(**inputs, cache=cache, max_new_tokens=256)  # transformers 5.17: past_key_values=cache
+        # by default, on one CUDA device, the decode steps replay from CUDA graphs (`quantmla_hf.decode_graphs`);
+        # with compile_config=... transformers compiles them
     """
 
     def __init__(self, config=None, quantization_config=None, max_cache_len: int | None = None,
