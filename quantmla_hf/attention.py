@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from . import ops
-from .cache import QuantMLACache
+from .cache import QuantMLACache, _use_triton
 from .chunk_attention import chunk_window_attention
 from .distributed import device_guard
 from .masks import layer_mask_is_padding_causal
@@ -46,12 +46,6 @@ class QuantMLAState:
     mask_is_padding_causal: bool = False
     # The forward in flight asked for attention weights (`output_attentions`): attend eagerly, return them.
     output_attentions: bool = False
-
-
-def _kernel_is_triton(layer, device: torch.device) -> bool:
-    if layer.kernel == "torch":
-        return False
-    return layer.kernel == "triton" or device.type == "cuda"
 
 
 def _mask_is_padding_causal(state, layer, attention_mask, q_len: int) -> bool:
@@ -82,10 +76,9 @@ def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, 
     # Model-dtype queries go to the kernel as they are: bf16/fp16 values are exact in its fp16 operands (one dot),
     # where fp32 queries need a high/low split (two dots).
     q_lat, q_rot = latent_query(layer, q_nope, q_rot, w_uk)
-    use_triton = _kernel_is_triton(layer, query.device)
+    use_triton = _use_triton(layer.kernel, query.device)
     with device_guard(query.device):  # device maps: Triton launches on the current device, make it this layer's
-        # The static cache's dispatch (the same kernel, split boundaries from the length): eager and static decoding
-        # agree bit for bit. The length goes as a device tensor (a fill, no synchronisation).
+        # The length goes as a device tensor (a fill, no synchronisation).
         length = torch.full((1,), layer.length, dtype=torch.int64, device=query.device)
         o_lat, _ = ops.decode_device_length(
             q_lat, q_rot, layer.content.planes, layer.rope.planes, layer.fmt, layer.sink_content, layer.sink_rope,

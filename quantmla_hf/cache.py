@@ -37,6 +37,13 @@ NATIVE_MAX_QUERY = 16
 # Longest chunk after the first forward for which a layer keeps `chunk_window` (draft verification in assisted and
 # prompt-lookup decoding; `quantmla_hf.chunk_attention`): (R + T) model-dtype rows per layer, freed at the next update.
 CHUNK_WINDOW_MAX_QUERY = 256
+# The forward argument that carries the cache: transformers >= 5.18 says `cache`, 5.17 `past_key_values`.
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def cache_argument(kwargs: dict):
+    """The cache passed in a forward's (or `generate`'s model) keyword arguments, or None."""
+    return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
 
 
 def _use_triton(kernel: str, device: torch.device) -> bool:
@@ -61,6 +68,7 @@ class QuantMLALayer(CacheLayerMixin):
         fmt: cache format (both paths, sink and recent sizes).
         kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.kernel`).
         block_size: allocation granularity of the packed planes, in tokens.
+        rope_rotation: optional `[d_R, d_R]` online rotation of the RoPE key (Hadamard baseline).
     """
 
     is_compileable = False
@@ -78,7 +86,6 @@ class QuantMLALayer(CacheLayerMixin):
         self.rope_rotation = rope_rotation
         self.kernel = kernel
         self.block_size = block_size
-        self.length = 0
         self.pending_padding: torch.Tensor | None = None
         # Set by the "quantmla" attention implementation: short chunks then skip the history reconstruction.
         self.native = False
@@ -388,7 +395,7 @@ class QuantMLACache(Cache):
 
     Example:
         >>> cache = QuantMLACache(config=model.config, quantization_config=QuantMLAConfig(content_bits=4))
-        >>> model.generate(**inputs, past_key_values=cache)
+        >>> model.generate(**inputs, cache=cache)  # transformers 5.17: past_key_values=cache
     """
 
     def __init__(self, config=None, quantization_config: QuantMLAConfig | None = None, **kwargs):

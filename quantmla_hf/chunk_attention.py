@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .absorbed import split_kv_b
-from .distributed import kv_b_weight
 from .kernels.mla_decode_ref import history_ref
+from .static_attention import expand_latent, latent_query, latent_weights
 
 
 def chunk_window_attention(module, layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -35,17 +34,13 @@ def chunk_window_attention(module, layer, query: torch.Tensor, scaling: float) -
     causal (`attention._mask_is_padding_causal`).
     """
     lo, win_c, win_r = layer.chunk_window
-    nope = module.qk_nope_head_dim
     B, H, Tq, _ = query.shape
     L, fmt = layer.length, layer.fmt
     S, R = fmt.sink_tokens, fmt.recent_tokens
-    w_uk, w_uv = split_kv_b(kv_b_weight(module, H, query.device), H, nope, module.v_head_dim)
-    q_nope, q_rot = query[..., :nope], query[..., nope:]
+    q_nope, q_rot, w_uk, w_uv = latent_weights(module, query)
     # As `attention.latent_decode_attention`: the latent query in the model dtype, the rotated RoPE query.
-    q_lat = torch.matmul(q_nope, w_uk.to(q_nope.dtype).unsqueeze(0)).float()  # [B, H, Tq, d_c]
-    q_rot = q_rot.float()
-    if layer.rope_rotation is not None:
-        q_rot = q_rot @ layer.rope_rotation.to(device=q_rot.device, dtype=torch.float32).T
+    q_lat, q_rot = latent_query(layer, q_nope, q_rot, w_uk)
+    q_lat, q_rot = q_lat.float(), q_rot.float()  # [B, H, Tq, d_c], [B, H, Tq, d_R]
     pos = torch.arange(L, device=query.device)
     query_pos = L - Tq + torch.arange(Tq, device=query.device)  # p_t
     # Positions each query reads from the model-dtype window: [p_t + 1 - R, p_t]; with R = 0 one-token decoding
@@ -69,5 +64,4 @@ def chunk_window_attention(module, layer, query: torch.Tensor, scaling: float) -
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-padding row attends to nothing
         o_lat[b] = (probs * ~use_window) @ c + (probs * use_window) @ c_win
-    out = torch.matmul(o_lat.to(query.dtype), w_uv.to(query.dtype).transpose(1, 2).unsqueeze(0))  # [B, H, Tq, d_v]
-    return out.transpose(1, 2)
+    return expand_latent(o_lat, w_uv, query.dtype)

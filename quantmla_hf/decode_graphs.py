@@ -23,7 +23,7 @@ growing cache and the eager step (`plan_decode`).
 
 Memory: a graph holds its own pool of the step's intermediate tensors (measured per graph as `nbytes`, the growth
 of the reserved memory during its capture); the caches generate builds are kept on the model in a `GraphPool` keyed
-by (batch size, first length bucket), least recently used first out past `max_entries` or `max_bytes`
+by (batch size, first length bucket, graphs or compiled), least recently used first out past `max_entries` or `max_bytes`
 (cache bytes + their graphs' bytes).
 """
 
@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers.utils import logging
 
-from .cache import NATIVE_MAX_QUERY
+from .cache import CACHE_KWARGS, NATIVE_MAX_QUERY, cache_argument
 from .masks import mask_is_padding_causal
 from .static_cache import StaticQuantMLACache
 
 logger = logging.get_logger(__name__)
 
-CACHE_KWARGS = ("cache", "past_key_values")  # transformers >= 5.18 says `cache`, 5.17 `past_key_values`
 WARMUP_STEPS = 2
 GRAPHS_PER_CACHE = 8
 CACHES_PER_MODEL = 4
@@ -125,7 +124,7 @@ def log_fallback(reason: str | None) -> None:
 def uncapturable(args: tuple, kwargs: dict, device_type: str = "cuda") -> str | None:
     """Why the forward `model(*args, **kwargs)` cannot be a replayed decode step ("" for an ordinary eager step
     such as the prefill, which is not worth a log line), or None when it can."""
-    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    cache = cache_argument(kwargs)
     if not isinstance(cache, StaticQuantMLACache):
         return "" if cache is None else f"the cache is a {type(cache).__name__}, not a StaticQuantMLACache"
     if args:
@@ -213,10 +212,6 @@ class GraphPool:
         self.sizes.pop(key, None)
         return self.entries.pop(key, None)
 
-    def clear(self) -> None:
-        self.entries.clear()
-        self.sizes.clear()
-
     def nbytes(self) -> int:
         return sum(self.sizes.values())
 
@@ -252,7 +247,6 @@ class CapturedStep:
     graph: object  # torch.cuda.CUDAGraph
     inputs: dict  # static copies of the tensor arguments (and the plain ones), as captured
     output: object  # the forward's output; its tensors are the graph's
-    n_new: int
     nbytes: int
 
 
@@ -286,7 +280,7 @@ class DecodeGraphStep:
 
     def __call__(self, *args, **kwargs):
         why = uncapturable(args, kwargs, self.device_type)
-        cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+        cache = cache_argument(kwargs)
         if why is not None or id(cache) in self.eager_caches:
             log_fallback(why)
             self.stats.eager_steps += 1
@@ -307,7 +301,7 @@ class DecodeGraphStep:
         step = graphs.get(key)
         if step is None:
             try:
-                step = self._capture(cache, kwargs, n_new)
+                step = self._capture(cache, kwargs)
             except RuntimeError as err:
                 log_fallback(f"capturing the decode step failed ({err})")
                 self.eager_caches.add(id(cache))
@@ -324,7 +318,7 @@ class DecodeGraphStep:
         self.stats.replays += 1
         return step.output
 
-    def _capture(self, cache: StaticQuantMLACache, kwargs: dict, n_new: int) -> CapturedStep:
+    def _capture(self, cache: StaticQuantMLACache, kwargs: dict) -> CapturedStep:
         start = time.perf_counter()
         n = cache.host_length()
         inputs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
@@ -336,7 +330,7 @@ class DecodeGraphStep:
             cache.set_host_length(n)  # warm-ups rewound, and the capture ran no kernel: the counters stay at n
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - start
-        return CapturedStep(graph, inputs, output, n_new, nbytes)
+        return CapturedStep(graph, inputs, output, nbytes)
 
     def _warm_up(self, cache: StaticQuantMLACache, inputs: dict, n: int) -> None:
         """Run the step `WARMUP_STEPS` times on a side stream (kernel compilation, cuBLAS workspaces), rewinding

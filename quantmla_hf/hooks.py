@@ -7,7 +7,8 @@ A pre-hook on the top-level model sees the cache and the 2D attention mask that 
 - it records whether the forward asks for attention weights (`output_attentions`), which that implementation then
   computes eagerly (latent-space decode off for that forward);
 - it forgets the previous forward's mask check (the first MLA layer checks the new mask, once for all layers).
-Nothing here synchronises with the device: a static cache reports whether it holds tokens from a host-side flag.
+Nothing here synchronises with the device on a decode step: a static cache reports whether it holds tokens from a
+host-side flag (only the prefill of a reused static cache reads its new left padding back, once).
 A decode step replayed from a CUDA graph (`quantmla_hf.decode_graphs`) runs no hook at all.
 The hook sits on the model and on its base model (`model.model`), so a direct call to the latter is seen too.
 """
@@ -17,9 +18,7 @@ from __future__ import annotations
 import torch
 
 from .attention import ATTN_IMPLEMENTATION, QuantMLAState
-from .cache import QuantMLACache
-
-CACHE_KWARGS = ("cache", "past_key_values")  # transformers >= 5.18 says `cache`, 5.17 `past_key_values`
+from .cache import QuantMLACache, cache_argument
 
 
 def is_mla_attention(module: torch.nn.Module) -> bool:
@@ -32,7 +31,7 @@ def mla_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _pre_forward(model, args, kwargs):
-    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    cache = cache_argument(kwargs)
     state: QuantMLAState = model._quantmla_state
     state.cache = cache if isinstance(cache, QuantMLACache) else None
     state.mask_key = None  # the mask check is made once per forward (masks.layer_mask_is_padding_causal)

@@ -11,15 +11,13 @@ decode step without graph breaks and `mode="reduce-overhead"` captures it as one
         absorbed attention over the static cache; `length` int64 `[1]` and `left_padding` `[B]` on the device.
         A quantized path passes its `codes, scale, zero` planes; a 16-bit path passes its `values` plane as
         `codes` (c0 / r0) and empty tensors for scale and zero.
-    torch.ops.quantmla.lse_combine(o_part [B, M, NSP, d_c], lse_part [B, M, NSP]) -> (o [B, M, d_c], lse [B, M])
-        merge split-K partials by log-sum-exp (`-inf` partials are empty splits).
 
 `mla_decode` runs `kernels/mla_decode.py`'s `mla_decode_static`, whose `select_backend` picks the kernel (the
 PyTorch reference when `use_triton` is False: the layer's kernel is "torch", or CPU without the interpreter). The
 growing `QuantMLACache` calls the same `decode_device_length`, so eager and static decoding run the same kernel with
 the same split boundaries and agree bit for bit. None of them synchronises with the host. Every op has a fake (meta)
-implementation giving its output shapes, and the decode and combine outputs are fresh tensors (no aliasing), as
-`torch.library.opcheck` requires.
+implementation giving its output shapes, and the decode outputs are fresh tensors (no aliasing), as
+`torch.library.opcheck` requires (the split-K combine runs inside `mla_decode`).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import functools
 import torch
 
 from .format import CacheFormat, PathFormat
-from .kernels.mla_decode_ref import combine_ref, mla_decode_static_ref
+from .kernels.mla_decode_ref import mla_decode_static_ref
 from .kernels.quant_pack_ref import quantize_pack_at_ref
 
 # The Triton-backed kernel modules are imported where they run: Triton is a dependency on Linux only (pyproject.toml),
@@ -105,20 +103,4 @@ def _(q_lat, q_rot, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, 
       scaling, c_bits, c_group, r_bits, r_group, sink_tokens, recent_tokens, use_triton):
     B, H, Tq, d_c = q_lat.shape
     return q_lat.new_empty((B, H, Tq, d_c), dtype=torch.float32), q_lat.new_empty((B, H, Tq), dtype=torch.float32)
-
-
-# ---------------------------------------------------------------------------------------------- combine
-@torch.library.custom_op(f"{LIB}::lse_combine", mutates_args=())
-def lse_combine(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if o_part.is_cuda:
-        from .kernels.mla_decode_combine import combine
-
-        return combine(o_part.contiguous(), lse_part.contiguous())
-    return combine_ref(o_part, lse_part)
-
-
-@lse_combine.register_fake
-def _(o_part, lse_part):
-    B, M, _, D = o_part.shape
-    return o_part.new_empty((B, M, D), dtype=torch.float32), o_part.new_empty((B, M), dtype=torch.float32)
 

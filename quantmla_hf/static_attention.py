@@ -1,4 +1,5 @@
-"""Latent-space decode attention: the glue both QuantMLA caches share, and the static cache's step.
+"""Latent-space decode attention: the glue both QuantMLA caches (and `chunk_attention`) share, and the static
+cache's step.
 
 Decode attends in the latent space: absorb W_UK into the query (`latent_query`), attend over the packed cache,
 expand the output through W_UV (`expand_latent`); a mask other than left padding + causal goes through the

@@ -73,6 +73,7 @@ class StaticQuantMLALayer(QuantMLALayer):
     """
 
     is_compileable = True
+    buffers_moved = False  # set when a batch change reallocated the buffers (`StaticQuantMLACache.moved_buffers`)
 
     def __init__(self, fmt: CacheFormat, max_cache_len: int, kernel: str = "auto",
                  rope_rotation: torch.Tensor | None = None):
@@ -297,8 +298,6 @@ class StaticQuantMLALayer(QuantMLALayer):
         self._mark_all_static()
         self.buffers_moved = True
 
-    buffers_moved = False
-
     def nbytes(self) -> int:
         n = super().nbytes()
         return n + (self.cumulative_length.numel() * 8 if self.is_initialized else 0)
@@ -316,7 +315,9 @@ class StaticQuantMLACache(QuantMLACache):
 
     Example:
         >>> cache = StaticQuantMLACache(config=model.config, max_cache_len=4096 + 256)
-        >>> model.generate(**inputs, past_key_values=cache, max_new_tokens=256)  # decode compiled on CUDA
+        >>> model.generate(**inputs, cache=cache, max_new_tokens=256)  # transformers 5.17: past_key_values=cache
+        # by default, on one CUDA device, the decode steps replay from CUDA graphs (`quantmla_hf.decode_graphs`);
+        # with compile_config=... transformers compiles them
     """
 
     def __init__(self, config=None, quantization_config=None, max_cache_len: int | None = None,

@@ -20,9 +20,9 @@ one shape replay the same graphs.
 
 from __future__ import annotations
 
-from .cache import QuantMLACache
+from .cache import QuantMLACache, cache_argument
 from .config import QuantMLAConfig
-from .decode_graphs import CACHE_KWARGS, DecodePlan, cache_pool, graph_bytes, log_fallback, plan_decode
+from .decode_graphs import DecodePlan, cache_pool, graph_bytes, log_fallback, plan_decode
 from .static_cache import StaticQuantMLACache, cache_length_bucket
 
 FIRST_ROOM = 4096  # new positions a CUDA-graph cache holds from the start (at least the prompt's length)
@@ -64,10 +64,12 @@ def static_cache_wanted(model, qconfig: QuantMLAConfig, generation_config=None) 
 
 
 def first_cache_length(needed: int, prompt_length: int | None, growable: bool) -> int:
-    """Positions a static cache is built with for a call that may reach `needed` positions (see the docstring)."""
-    if not growable or prompt_length is None:
-        return cache_length_bucket(needed) if not growable else cache_length_bucket(min(needed, FIRST_ROOM))
-    return cache_length_bucket(min(needed, prompt_length + max(prompt_length, FIRST_ROOM)))
+    """Positions a static cache is built with for a call that may reach `needed` positions (see the module
+    docstring)."""
+    if not growable:
+        return cache_length_bucket(needed)
+    room = FIRST_ROOM if prompt_length is None else prompt_length + max(prompt_length, FIRST_ROOM)
+    return cache_length_bucket(min(needed, room))
 
 
 def _prompt_length(model_kwargs: dict) -> int | None:
@@ -113,7 +115,7 @@ def generation_cache(model, generation_config, model_kwargs: dict, args: tuple, 
 def plan_for_given_cache(model, generation_config, model_kwargs: dict, args: tuple, kwargs: dict) -> DecodePlan:
     """The plan of a `generate` call given its own cache (`_prepare_cache_for_generation`'s arguments): CUDA graphs
     only for a `StaticQuantMLACache` (transformers compiles any other compileable cache itself)."""
-    cache = next((model_kwargs[k] for k in CACHE_KWARGS if model_kwargs.get(k) is not None), None)
+    cache = cache_argument(model_kwargs)
     if not isinstance(cache, StaticQuantMLACache):
         return DecodePlan(False)
     plan = plan_decode(model, model_qconfig(model), generation_config, kwargs.get("generation_mode", args[0] if args else None))
