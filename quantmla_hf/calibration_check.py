@@ -52,7 +52,7 @@ def read_calibration_text(path: str | os.PathLike, names: dict = PYTHON_NAMES) -
         raise ValueError(f"{option}: the file is not UTF-8 text (byte {err.start} cannot be decoded); "
                          "convert it to UTF-8") from err
     if not text.strip():
-        raise ValueError(f"{option}: the file is empty")
+        raise ValueError(f"{option}: the file is empty; give a UTF-8 text file with the calibration text")
     return text
 
 
@@ -112,7 +112,7 @@ def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None,
     elif isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
         texts = list(data)
         if not any(t.strip() for t in texts):
-            raise ValueError("calibration_data holds only empty strings")
+            raise ValueError("calibration_data holds only empty strings; give at least one non-empty text")
     else:
         raise ValueError("calibration_data must be a text-file path, a non-empty list of strings or token ids [N, T]")
     if callable(tokenizer) and not hasattr(tokenizer, "encode"):
