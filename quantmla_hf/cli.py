@@ -29,6 +29,8 @@ from huggingface_hub.utils import _http
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils.logging import tqdm  # honours transformers.utils.logging.disable_progress_bar()
 
+from .analysis import analyze
+from .calibration import calibration_token_ids
 from .calibration.defaults import resolve_transform
 from .calibration_check import CLI_NAMES, check_calibration_inputs, no_tokenizer_for_default_text, read_calibration_text
 from .config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig
@@ -349,7 +351,7 @@ def cmd_eval(args) -> int:
     check_window_reads_quantized(args.window, qconfig.sink_tokens, qconfig.recent_tokens, flags=saved is None)
     ids = tokenizer(text.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"][0]
     stride = args.stride or args.window - args.prefill
-    low_precision = model.dtype in (torch_dtype("bfloat16"), torch_dtype("float16"))
+    low_precision = model.dtype in (torch.bfloat16, torch.float16)
     floor = args.floor if args.floor is not None else low_precision
     floor = floor and (qconfig.content_bits, qconfig.rope_bits) != (16, 16)
     res = perplexity_side_by_side(model, ids, args.window, args.prefill, stride, args.max_windows, floor=floor)
@@ -378,16 +380,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def torch_dtype(name: str):
-    return getattr(torch, name)
-
-
 def cmd_analyze(args) -> int:
-    try:
-        from .analysis import analyze
-        from .calibration import calibration_token_ids
-    except ImportError as err:
-        raise CLIError(f"the dual-path analysis (quantmla_hf.analysis) is not available in this installation: {err}")
     if not Path(args.calibration).is_file():
         raise CLIError(f"--calibration {args.calibration}: no such file")
     if args.out:
