@@ -77,15 +77,15 @@ def _versions() -> dict:
     return out
 
 
-def _base_model(model, qconfig: QuantMLAConfig, base_model: str | None) -> str | None:
-    """A Hub id for the card's `base_model`: given, recorded at quantization time, or the loaded name if a Hub id."""
-    if base_model:
-        return base_model
-    recorded = qconfig.extra.get("base_model")
-    if recorded:
-        return recorded
+def hub_id_of(model) -> str | None:
+    """The name `model` was loaded under when it is a Hub id (owner/name, not a local folder), else None."""
     name = getattr(model.config, "name_or_path", "") or ""
     return name if name.count("/") == 1 and not os.path.exists(name) else None
+
+
+def _base_model(model, qconfig: QuantMLAConfig, base_model: str | None) -> str | None:
+    """A Hub id for the card's `base_model`: given, recorded at quantization time, or the loaded name if a Hub id."""
+    return base_model or qconfig.extra.get("base_model") or hub_id_of(model)
 
 
 def _calibration_text(qconfig: QuantMLAConfig) -> str:
