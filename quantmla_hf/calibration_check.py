@@ -37,9 +37,14 @@ MIN_SEQ_LEN = 8
 _PREFIX_CHARS_PER_TOKEN = 16
 
 
+def _data_option(path, names: dict) -> str:
+    """How a message names the calibration file option: `calibration_data='x.txt'` or `--calibration x.txt`."""
+    return names["calibration_data"].format(repr(str(path)) if names is PYTHON_NAMES else str(path))
+
+
 def read_calibration_text(path: str | os.PathLike, names: dict = PYTHON_NAMES) -> str:
     """The UTF-8 text of `path`, or a `ValueError`/`FileNotFoundError` naming the file and the option."""
-    option = names["calibration_data"].format(repr(str(path)) if names is PYTHON_NAMES else str(path))
+    option = _data_option(path, names)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{option}: no such file; give a UTF-8 text file (or, in Python, a list of strings)")
     with open(path, "rb") as f:
@@ -107,7 +112,7 @@ def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None,
         return  # token ids: their shape and range are checked by the calibration itself
     source = None
     if isinstance(data, (str, os.PathLike)):
-        source = names["calibration_data"].format(repr(str(data)) if names is PYTHON_NAMES else str(data))
+        source = _data_option(data, names)
         texts = [read_calibration_text(data, names)]
     elif isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
         texts = list(data)
