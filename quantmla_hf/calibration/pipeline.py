@@ -259,7 +259,7 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
     if fmt.content.quantized:
         teacher = teacher_outputs(runner)
         learner = ContentLearner(runner, teacher, fmt.content, settings.sink, settings.recent)
-        candidates = {name: (r0, _start_scale(name, r0, w)) for name, r0 in start_rotations(w).items()}
+        candidates = {name: (r0, _start_scale(name, w)) for name, r0 in start_rotations(w).items()}
         latent_max = _latent_absmax(runner, w)
         candidates["smooth"] = smooth_content(latent_max, runner.params["kv_b_proj.weight"], w)
         rotation, scale, report = learner.learn(candidates, train, held, settings)
@@ -290,7 +290,7 @@ def _latent_absmax(runner: AttentionRunner, w: torch.Tensor) -> torch.Tensor:
     return latent_max
 
 
-def _start_scale(name: str, r0: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _start_scale(name: str, w: torch.Tensor) -> torch.Tensor:
     if name == "identity":
         return w.abs().clamp_min(1e-8)
     return torch.full_like(w, float(w.pow(2).mean().sqrt().clamp_min(1e-8)))
