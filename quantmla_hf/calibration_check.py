@@ -26,11 +26,6 @@ CLI_NAMES = {
     "calibration_seq_len": "--calibration-seq-len {}",
     "transform": "--transform {}",
 }
-CALIBRATION_HINT = (
-    "pass the text in the config, e.g. QuantMLAConfig(transform={transform!r}, calibration_data=['some text', ...]) "
-    "or QuantMLAConfig(transform={transform!r}, calibration_data='/path/to/calibration.txt') (from the command line: "
-    "`quantmla quantize MODEL --out DIR --calibration FILE`); or pick transform='hadamard' or 'none', which need no data"
-)
 # The shortest calibration window QuantMLAConfig accepts (calibration_seq_len).
 MIN_SEQ_LEN = 8
 # Characters tokenized first when counting: enough for two windows in any tokenizer we know of (>= 1 char/token).
@@ -95,19 +90,7 @@ def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None,
         return
     data = data if data is not None else qconfig.calibration_data
     data, default_source = calibration_data_or_default(qconfig.transform, data)
-    transform = names["transform"].format(qconfig.transform)
-    if data is None and names is PYTHON_NAMES:
-        raise ValueError(
-            f"transform={qconfig.transform!r} learns its transform from calibration text, but none was given: "
-            + CALIBRATION_HINT.format(transform=qconfig.transform)
-        )
-    if data is None:
-        raise ValueError(
-            f"{transform} learns its transform from calibration text, but none was given: pass "
-            f"{names['calibration_data'].format('FILE' if names is CLI_NAMES else repr('calibration.txt'))} "
-            f"(UTF-8 text of at least 2 x {qconfig.calibration_seq_len} tokens), or "
-            f"{names['transform'].format('hadamard')} / {names['transform'].format('none')}, which need no data"
-        )
+    # `data` is never None here: without text, learned and smooth read the default text.
     if isinstance(data, torch.Tensor):
         return  # token ids: their shape and range are checked by the calibration itself
     source = None
