@@ -55,7 +55,7 @@ def calibration_token_count(data, tokenizer) -> int:
         with open(data, encoding="utf-8") as f:
             data = [f.read()]
     if tokenizer is None:
-        raise ValueError("counting calibration text needs a tokenizer")
+        raise ValueError("counting calibration text needs a tokenizer; pass the model's tokenizer")
     return len(tokenizer("\n\n".join(data), add_special_tokens=False)["input_ids"])
 
 

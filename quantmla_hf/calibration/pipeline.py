@@ -44,7 +44,8 @@ def calibration_token_ids(data, tokenizer, samples: int, seq_len: int, seed: int
         if data.dim() != 2 or data.shape[0] < 2:
             raise ValueError(f"calibration token ids must be [N, T] with N >= 2, got {tuple(data.shape)}")
         if vocab_size is not None and (int(data.min()) < 0 or int(data.max()) >= vocab_size):
-            raise ValueError(f"calibration token ids must lie in [0, {vocab_size}), got [{int(data.min())}, {int(data.max())}]")
+            raise ValueError(f"calibration token ids must lie in [0, {vocab_size}), got [{int(data.min())}, "
+                             f"{int(data.max())}]; tokenize the calibration text with this model's tokenizer")
         return data.long()
     if isinstance(data, (str, os.PathLike)):
         if not os.path.isfile(data):
