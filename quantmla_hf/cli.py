@@ -142,8 +142,12 @@ def _dtype(name: str):
 
 def _given(args, flags) -> dict:
     """The QuantMLAConfig fields of `flags` given on the command line (not left to their default)."""
-    return {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in flags
-            if getattr(args, flag[2:].replace("-", "_"), None) is not None}
+    return {field: getattr(args, _dest(flag)) for flag, field in flags if getattr(args, _dest(flag), None) is not None}
+
+
+def _dest(flag: str) -> str:
+    """The attribute argparse stores `flag` under ("--content-bits" -> "content_bits")."""
+    return flag[2:].replace("-", "_")
 
 
 def _quant_config(args):
@@ -172,7 +176,7 @@ def _quant_config(args):
 def _cache_options_for_checkpoint(args):
     """A QuantMLAConfig of the cache flags given for a MODEL already quantized with QuantMLA (None if none given);
     a flag that would change its weights is an error naming it."""
-    weight_flags = [flag for flag, field in WEIGHT_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is not None]
+    weight_flags = [flag for flag, _ in WEIGHT_FLAGS if getattr(args, _dest(flag), None) is not None]
     if weight_flags:
         raise CLIError(f"{args.model} is already quantized with QuantMLA (its transform is fused into the weights); "
                        f"{', '.join(weight_flags)} cannot change it: drop {'it' if len(weight_flags) == 1 else 'them'}, "
