@@ -26,20 +26,20 @@ CLI_NAMES = {
     "calibration_seq_len": "--calibration-seq-len {}",
     "transform": "--transform {}",
 }
-CALIBRATION_HINT = (
-    "pass the text in the config, e.g. QuantMLAConfig(transform={transform!r}, calibration_data=['some text', ...]) "
-    "or QuantMLAConfig(transform={transform!r}, calibration_data='/path/to/calibration.txt') (from the command line: "
-    "`quantmla quantize MODEL --out DIR --calibration FILE`); or pick transform='hadamard' or 'none', which need no data"
-)
 # The shortest calibration window QuantMLAConfig accepts (calibration_seq_len).
 MIN_SEQ_LEN = 8
 # Characters tokenized first when counting: enough for two windows in any tokenizer we know of (>= 1 char/token).
 _PREFIX_CHARS_PER_TOKEN = 16
 
 
+def _data_option(path, names: dict) -> str:
+    """How a message names the calibration file option: `calibration_data='x.txt'` or `--calibration x.txt`."""
+    return names["calibration_data"].format(repr(str(path)) if names is PYTHON_NAMES else str(path))
+
+
 def read_calibration_text(path: str | os.PathLike, names: dict = PYTHON_NAMES) -> str:
     """The UTF-8 text of `path`, or a `ValueError`/`FileNotFoundError` naming the file and the option."""
-    option = names["calibration_data"].format(repr(str(path)) if names is PYTHON_NAMES else str(path))
+    option = _data_option(path, names)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{option}: no such file; give a UTF-8 text file (or, in Python, a list of strings)")
     with open(path, "rb") as f:
@@ -52,7 +52,7 @@ def read_calibration_text(path: str | os.PathLike, names: dict = PYTHON_NAMES) -
         raise ValueError(f"{option}: the file is not UTF-8 text (byte {err.start} cannot be decoded); "
                          "convert it to UTF-8") from err
     if not text.strip():
-        raise ValueError(f"{option}: the file is empty")
+        raise ValueError(f"{option}: the file is empty; give a UTF-8 text file with the calibration text")
     return text
 
 
@@ -90,29 +90,17 @@ def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None,
         return
     data = data if data is not None else qconfig.calibration_data
     data, default_source = calibration_data_or_default(qconfig.transform, data)
-    transform = names["transform"].format(qconfig.transform)
-    if data is None and names is PYTHON_NAMES:
-        raise ValueError(
-            f"transform={qconfig.transform!r} learns its transform from calibration text, but none was given: "
-            + CALIBRATION_HINT.format(transform=qconfig.transform)
-        )
-    if data is None:
-        raise ValueError(
-            f"{transform} learns its transform from calibration text, but none was given: pass "
-            f"{names['calibration_data'].format('FILE' if names is CLI_NAMES else repr('calibration.txt'))} "
-            f"(UTF-8 text of at least 2 x {qconfig.calibration_seq_len} tokens), or "
-            f"{names['transform'].format('hadamard')} / {names['transform'].format('none')}, which need no data"
-        )
+    # `data` is never None here: without text, learned and smooth read the default text.
     if isinstance(data, torch.Tensor):
         return  # token ids: their shape and range are checked by the calibration itself
     source = None
     if isinstance(data, (str, os.PathLike)):
-        source = names["calibration_data"].format(repr(str(data)) if names is PYTHON_NAMES else str(data))
+        source = _data_option(data, names)
         texts = [read_calibration_text(data, names)]
     elif isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
         texts = list(data)
         if not any(t.strip() for t in texts):
-            raise ValueError("calibration_data holds only empty strings")
+            raise ValueError("calibration_data holds only empty strings; give at least one non-empty text")
     else:
         raise ValueError("calibration_data must be a text-file path, a non-empty list of strings or token ids [N, T]")
     if callable(tokenizer) and not hasattr(tokenizer, "encode"):

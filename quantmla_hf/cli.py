@@ -29,6 +29,8 @@ from huggingface_hub.utils import _http
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils.logging import tqdm  # honours transformers.utils.logging.disable_progress_bar()
 
+from .analysis import analyze
+from .calibration import calibration_token_ids
 from .calibration.defaults import resolve_transform
 from .calibration_check import CLI_NAMES, check_calibration_inputs, no_tokenizer_for_default_text, read_calibration_text
 from .config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig
@@ -140,8 +142,12 @@ def _dtype(name: str):
 
 def _given(args, flags) -> dict:
     """The QuantMLAConfig fields of `flags` given on the command line (not left to their default)."""
-    return {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in flags
-            if getattr(args, flag[2:].replace("-", "_"), None) is not None}
+    return {field: getattr(args, _dest(flag)) for flag, field in flags if getattr(args, _dest(flag), None) is not None}
+
+
+def _dest(flag: str) -> str:
+    """The attribute argparse stores `flag` under ("--content-bits" -> "content_bits")."""
+    return flag[2:].replace("-", "_")
 
 
 def _quant_config(args):
@@ -170,7 +176,7 @@ def _quant_config(args):
 def _cache_options_for_checkpoint(args):
     """A QuantMLAConfig of the cache flags given for a MODEL already quantized with QuantMLA (None if none given);
     a flag that would change its weights is an error naming it."""
-    weight_flags = [flag for flag, field in WEIGHT_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is not None]
+    weight_flags = [flag for flag, _ in WEIGHT_FLAGS if getattr(args, _dest(flag), None) is not None]
     if weight_flags:
         raise CLIError(f"{args.model} is already quantized with QuantMLA (its transform is fused into the weights); "
                        f"{', '.join(weight_flags)} cannot change it: drop {'it' if len(weight_flags) == 1 else 'them'}, "
@@ -349,7 +355,7 @@ def cmd_eval(args) -> int:
     check_window_reads_quantized(args.window, qconfig.sink_tokens, qconfig.recent_tokens, flags=saved is None)
     ids = tokenizer(text.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"][0]
     stride = args.stride or args.window - args.prefill
-    low_precision = model.dtype in (torch_dtype("bfloat16"), torch_dtype("float16"))
+    low_precision = model.dtype in (torch.bfloat16, torch.float16)
     floor = args.floor if args.floor is not None else low_precision
     floor = floor and (qconfig.content_bits, qconfig.rope_bits) != (16, 16)
     res = perplexity_side_by_side(model, ids, args.window, args.prefill, stride, args.max_windows, floor=floor)
@@ -378,16 +384,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def torch_dtype(name: str):
-    return getattr(torch, name)
-
-
 def cmd_analyze(args) -> int:
-    try:
-        from .analysis import analyze
-        from .calibration import calibration_token_ids
-    except ImportError as err:
-        raise CLIError(f"the dual-path analysis (quantmla_hf.analysis) is not available in this installation: {err}")
     if not Path(args.calibration).is_file():
         raise CLIError(f"--calibration {args.calibration}: no such file")
     if args.out:

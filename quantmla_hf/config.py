@@ -79,13 +79,14 @@ class QuantMLAConfig(QuantizationConfigMixin):
         sink_tokens: the first real tokens of each sequence kept in the model dtype beside their packed copy.
         recent_tokens: the most recent tokens kept in the model dtype beside their packed copy.
         transform: how the latent is prepared for quantization: "auto" (default: "learned" when the calibration
-            data is large enough to beat RTN, else "none", said in the log), "learned" (QuantMLA: learned rotation
-            and scale, fused offline), "hadamard" (QuaRot-style), "smooth" (SmoothQuant-style scaling) or "none"
-            (RTN).
+            data, or the default text when none is given, is large enough to beat RTN, else "none", said in the
+            log), "learned" (QuantMLA: learned rotation and scale, fused offline), "hadamard" (QuaRot-style),
+            "smooth" (SmoothQuant-style scaling) or "none" (RTN).
         kernel: "triton" for the Triton kernels, "torch" for the PyTorch reference, "auto" for Triton on CUDA
             and PyTorch elsewhere.
         calibration_data: text used to learn the transforms: a list of strings, a path to a text file, or
-            `None` (then a transform other than "none" cannot be calibrated at load time).
+            `None` (then "learned" and "smooth" learn from the package's default text, read with the model's
+            tokenizer: `quantmla_hf.calibration.defaults`).
         calibration_samples: number of calibration sequences (the last ~10% are held out for checkpoint selection).
         calibration_seq_len: tokens per calibration sequence.
         calibration_steps: optimisation steps per layer and path.
@@ -311,7 +312,6 @@ class QuantMLAConfig(QuantizationConfigMixin):
 
     def __repr__(self) -> str:
         """Short: the cache name and the options that differ from the defaults; extra keys by name only."""
-        defaults = _DEFAULTS
         parts = [self.name]
         for k in FIELDS:
             if k in ("content_bits", "rope_bits"):
@@ -323,7 +323,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
             if k == "calibration_data" and isinstance(v, (list, tuple)):
                 v = f"<{len(v)} texts>"
                 parts.append(f"{k}={v}")
-            elif v != defaults[k]:
+            elif v != _DEFAULTS[k]:
                 parts.append(f"{k}={v!r}")
         if self.extra:
             parts.append(f"extra=[{', '.join(sorted(self.extra))}]")

@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from .cache import QuantMLACache
 from .calibration.defaults import resolve_transform
 from .config import QuantMLAConfig
 from .evaluation import decode_perplexity
-from .integration import GENERATE_CACHE_KWARG
+from .integration import GENERATE_CACHE_KWARG, build_cache
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 REFERENCE_MODEL = ASSETS / "reference_model"
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nprompt: {args.prompt!r}")
     text = _complete(baseline, tokenizer, args.prompt, args.max_new_tokens, DynamicCache(config=baseline.config))
     print(f"  unquantized cache: {text!r}")
-    cache = QuantMLACache(config=quantized.config, quantization_config=quantized.config.quantization_config)
-    text = _complete(quantized, tokenizer, args.prompt, args.max_new_tokens, cache)
+    text = _complete(quantized, tokenizer, args.prompt, args.max_new_tokens, build_cache(quantized))
     print(f"  {qconfig.name} cache:    {text!r}")
 
     ids = tokenizer(EVALUATION_TEXT.read_text(), return_tensors="pt")["input_ids"][0]
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ppl_ref = decode_perplexity(baseline, ids, window=window, prefill=128, chunk=args.decode_chunk)
 
     def make_cache():
-        return QuantMLACache(config=quantized.config, quantization_config=quantized.config.quantization_config)
+        return build_cache(quantized)
 
     ppl_q = decode_perplexity(quantized, ids, make_cache=make_cache, window=window, prefill=128, chunk=args.decode_chunk)
 

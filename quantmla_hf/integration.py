@@ -38,7 +38,7 @@ from .config import QuantMLAConfig
 from .decode_graphs import compiled_call
 from .hooks import _pre_forward, install_cache_hooks, mla_attention_modules
 from .mla import MLADims, mla_dims
-from .model_card import has_own_card, write_model_card
+from .model_card import has_own_card, hub_id_of, write_model_card
 from .staged_output import staged_directory
 from .static_generate import generation_cache, plan_for_given_cache, static_cache_wanted
 from .static_generate import model_qconfig as _model_qconfig
@@ -167,9 +167,9 @@ def prepare_model(model, qconfig: QuantMLAConfig, calibration_data=None, tokeniz
     `pre_quantized` says the checkpoint already carried this config (then its name is not the base model).
     """
     check_mla_model(model)
-    name = getattr(model.config, "name_or_path", "") or ""
-    if not pre_quantized and "base_model" not in qconfig.extra and name.count("/") == 1 and not os.path.exists(name):
-        qconfig.extra["base_model"] = name  # a Hub id: the model card's base_model
+    base_model = hub_id_of(model)
+    if not pre_quantized and "base_model" not in qconfig.extra and base_model:
+        qconfig.extra["base_model"] = base_model  # the model card's base_model
     calibrate_if_needed(model, qconfig, calibration_data, tokenizer, calibration_options)
     model.config.quantization_config = qconfig
     install_cache_hooks(model)

@@ -58,7 +58,8 @@ class QuantMLAHfQuantizer(HfQuantizer):
             raise ImportError(f"QuantMLA needs {', '.join(missing)}: {INSTALL_HINT}")
         if not isinstance(self.quantization_config, QuantMLAConfig):
             raise TypeError(
-                f"quant_method 'quantmla' needs a QuantMLAConfig, got {type(self.quantization_config).__name__}"
+                f"quant_method 'quantmla' needs a QuantMLAConfig, got {type(self.quantization_config).__name__}; pass "
+                "from_pretrained(..., quantization_config=QuantMLAConfig(...)) or its dict"
             )
 
     def _process_model_before_weight_loading(self, model, **kwargs):

@@ -87,12 +87,16 @@ def check_destination(path, overwrite: bool = False, overwrite_hint: str = "over
     if holds_checkpoint(path) and not overwrite:
         raise OutputError(f"{path} already holds a checkpoint; pass {overwrite_hint} to replace it, or choose a "
                           "new folder")
-    existing = _nearest_existing(path.parent if not path.exists() else path)
+    _check_writable(_nearest_existing(path.parent if not path.exists() else path), path)
+    return path
+
+
+def _check_writable(existing: Path, path: Path) -> None:
+    """Refuse `path` when `existing` (the nearest existing folder on its way) is a file or cannot be written."""
     if not existing.is_dir():
-        raise OutputError(f"cannot create {path}: {existing} is a file, not a folder")
+        raise OutputError(f"cannot create {path}: {existing} is a file, not a folder; choose another location")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write to {existing} (read-only or no permission); choose a writable folder")
-    return path
 
 
 def describe_os_error(err: OSError, path) -> str:
@@ -178,9 +182,7 @@ def check_file_destination(path) -> Path:
     path = Path(path).expanduser()
     if path.is_dir():
         raise OutputError(f"{path} is a folder; give a file name")
-    existing = _nearest_existing(path.parent)
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write to {existing} (read-only or no permission); choose a writable folder")
+    _check_writable(_nearest_existing(path.parent), path)
     return path
 
 

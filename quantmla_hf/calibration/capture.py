@@ -106,7 +106,8 @@ def _keep_call(store: dict, hidden: list, device, dtype):
     return hook
 
 
-def _captured(module, hidden: list, first: dict, device, dtype, what: str) -> CapturedInputs:
+def _captured(module, hidden: list, first: dict, device, what: str) -> CapturedInputs:
+    """The `CapturedInputs` of `module` from what `_keep_call` kept; `what` names the module in errors."""
     if not hidden:
         raise ValueError(f"the model never called {type(module).__name__} ({what}) on the calibration data")
     h = torch.cat(hidden, 0)
@@ -144,7 +145,7 @@ def capture_inputs(model: torch.nn.Module, module: torch.nn.Module, token_ids: t
                 pass
     finally:
         handle.remove()
-    return _captured(module, hidden, first, device, dtype, f"layer_idx={getattr(module, 'layer_idx', '?')}")
+    return _captured(module, hidden, first, device, f"layer_idx={getattr(module, 'layer_idx', '?')}")
 
 
 @torch.no_grad()
@@ -162,7 +163,7 @@ def capture_within(layer: torch.nn.Module, layer_inputs: CapturedInputs, module:
                 pass
     finally:
         handle.remove()
-    return _captured(module, hidden, first, device, None, f"attention layer {getattr(module, 'layer_idx', '?')}")
+    return _captured(module, hidden, first, device, f"attention layer {getattr(module, 'layer_idx', '?')}")
 
 
 @torch.no_grad()

@@ -55,13 +55,13 @@ def calibration_token_count(data, tokenizer) -> int:
         with open(data, encoding="utf-8") as f:
             data = [f.read()]
     if tokenizer is None:
-        raise ValueError("counting calibration text needs a tokenizer")
+        raise ValueError("counting calibration text needs a tokenizer; pass the model's tokenizer")
     return len(tokenizer("\n\n".join(data), add_special_tokens=False)["input_ids"])
 
 
-def resolve_transform(transform: str, data, tokenizer, min_tokens: int = MIN_LEARNED_TOKENS) -> tuple[str, str]:
+def resolve_transform(transform: str, data, tokenizer) -> tuple[str, str]:
     """`(transform, why)`: `transform` unchanged unless it is "auto", which becomes "learned" with at least
-    `min_tokens` calibration tokens and "none" (RTN) otherwise; `why` is a sentence for the user.
+    `MIN_LEARNED_TOKENS` calibration tokens and "none" (RTN) otherwise; `why` is a sentence for the user.
 
     `data=None` with a `tokenizer` counts the default text (`calibration_data_or_default`), which is what
     `calibrate` then learns from; without a tokenizer no text can be counted and "auto" is RTN.
@@ -72,10 +72,10 @@ def resolve_transform(transform: str, data, tokenizer, min_tokens: int = MIN_LEA
     if tokenizer is not None:
         data, source = calibration_data_or_default(transform, data)
     n = calibration_token_count(data, tokenizer)
-    if n >= min_tokens:
-        return "learned", (f"transform='learned': {n} calibration tokens (>= {min_tokens}, enough to learn from)"
+    if n >= MIN_LEARNED_TOKENS:
+        return "learned", (f"transform='learned': {n} calibration tokens (>= {MIN_LEARNED_TOKENS}, enough to learn from)"
                            + (f" from {source}" if source else ""))
     what = "no calibration text" if n == 0 else f"only {n} calibration tokens"
-    return "none", (f"transform='none' (RTN): {what}, fewer than the {min_tokens} below which learned transforms lost "
+    return "none", (f"transform='none' (RTN): {what}, fewer than the {MIN_LEARNED_TOKENS} below which learned transforms lost "
                     "to RTN on held-out text (docs/CALIBRATION.md); pass more text, or ask for transform='learned' to "
                     "learn anyway")

@@ -20,7 +20,7 @@ import torch
 
 from quantmla_hf.format import PathFormat
 
-from .capture import AttentionRunner, CapturedInputs, LatentHook
+from .capture import AttentionRunner, LatentHook
 from .fusion import content_weights, original_weights, query_projection
 from .objectives import fake_quantize, output_nmse, positional_qk_nmse
 from .protection import dual_history, dual_history_mask, quantized_pairs

@@ -44,7 +44,8 @@ def calibration_token_ids(data, tokenizer, samples: int, seq_len: int, seed: int
         if data.dim() != 2 or data.shape[0] < 2:
             raise ValueError(f"calibration token ids must be [N, T] with N >= 2, got {tuple(data.shape)}")
         if vocab_size is not None and (int(data.min()) < 0 or int(data.max()) >= vocab_size):
-            raise ValueError(f"calibration token ids must lie in [0, {vocab_size}), got [{int(data.min())}, {int(data.max())}]")
+            raise ValueError(f"calibration token ids must lie in [0, {vocab_size}), got [{int(data.min())}, "
+                             f"{int(data.max())}]; tokenize the calibration text with this model's tokenizer")
         return data.long()
     if isinstance(data, (str, os.PathLike)):
         if not os.path.isfile(data):
@@ -259,7 +260,7 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
     if fmt.content.quantized:
         teacher = teacher_outputs(runner)
         learner = ContentLearner(runner, teacher, fmt.content, settings.sink, settings.recent)
-        candidates = {name: (r0, _start_scale(name, r0, w)) for name, r0 in start_rotations(w).items()}
+        candidates = {name: (r0, _start_scale(name, w)) for name, r0 in start_rotations(w).items()}
         latent_max = _latent_absmax(runner, w)
         candidates["smooth"] = smooth_content(latent_max, runner.params["kv_b_proj.weight"], w)
         rotation, scale, report = learner.learn(candidates, train, held, settings)
@@ -290,7 +291,7 @@ def _latent_absmax(runner: AttentionRunner, w: torch.Tensor) -> torch.Tensor:
     return latent_max
 
 
-def _start_scale(name: str, r0: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _start_scale(name: str, w: torch.Tensor) -> torch.Tensor:
     if name == "identity":
         return w.abs().clamp_min(1e-8)
     return torch.full_like(w, float(w.pow(2).mean().sqrt().clamp_min(1e-8)))

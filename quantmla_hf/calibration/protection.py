@@ -23,7 +23,8 @@ def quantized_pairs(T: int, sink: int, recent: int, device=None) -> torch.Tensor
 
 
 def dual_history_mask(T: int, sink: int, recent: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """Additive mask `[1, 1, T, 2T]` over the doubled history `[quantized (T) | exact (T)]` (0 = attend, -inf not)."""
+    """Additive mask `[1, 1, T, 2T]` over the doubled history `[quantized (T) | exact (T)]` (0 = attend, the dtype's
+    lowest value = not)."""
     quant = quantized_pairs(T, sink, recent, device)
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     allowed = torch.cat([quant, causal & ~quant], dim=1)

@@ -96,7 +96,8 @@ def rope_kind(config) -> str:
         return "half"
     if model_type in ("deepseek_v3", "glm4_moe_lite"):
         return "interleave" if getattr(cfg, "rope_interleave", True) else "half"
-    raise ValueError(f"no known RoPE layout for model_type {model_type!r}")
+    raise ValueError(f"no known RoPE layout for model_type {model_type!r} (known: deepseek_v2, deepseek_v3, "
+                     "glm4_moe_lite, longcat_flash, minicpm3); quantize this model with transform='none'")
 
 
 def rope_layout(config, rope_dim: int) -> RopeLayout:

@@ -127,12 +127,12 @@ class ContinuousBatcher:
         """Queue a request; it may be admitted from step `arrival_step` on. `eos_token_id` (an id or ids) adds to
         the batcher's own end tokens; `sampling` defaults to greedy."""
         if not input_ids:
-            raise ValueError(f"request {request_id!r} has an empty prompt")
+            raise ValueError(f"request {request_id!r} has an empty prompt; give at least one input token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         known = {r.request_id for r in self.waiting} | {r.request_id for r in self.running} | set(self.finished)
         if request_id in known:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
         eos = set(self.eos)
         if eos_token_id is not None:
             eos |= {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)

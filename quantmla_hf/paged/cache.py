@@ -31,7 +31,7 @@ from ..config import QuantMLAConfig
 from ..format import SCALE_DTYPE, ZERO_DTYPE, CacheFormat, PathFormat
 from ..kernels.quant_pack_ref import dequantize_ref, quantize_ref
 from ..mla import mla_dims
-from .allocator import CacheBudgetExceeded, PageAllocator, page_bytes, pages_for_budget, protected_bytes_per_request
+from .allocator import CacheBudgetExceeded, PageAllocator, pages_for_budget, protected_bytes_per_request
 
 
 @dataclass
@@ -163,10 +163,6 @@ class PagedQuantMLACache:
         }
 
     # ---- budget -----------------------------------------------------------------------------------------------
-    @property
-    def bytes_per_page(self) -> int:
-        return page_bytes(self.format, self.num_layers, self.page_size, self.dtype)
-
     def nbytes(self) -> int:
         """Bytes the cache holds: every page plane and every sink/recent row."""
         tensors = [t for layer in self.content + self.rope for t in layer.values()]

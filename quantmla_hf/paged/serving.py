@@ -81,7 +81,7 @@ class BatcherThread:
         """Queue a request; `on_token(token)` runs for each new token and `on_done(tokens, error)` once at the end,
         both on the batcher thread."""
         if self.error is not None:
-            raise RuntimeError(f"the batcher stopped on an error: {self.error}")
+            raise RuntimeError(f"the batcher stopped on an error: {self.error}; restart the server")
         self._inbox.put(("add", request_id, input_ids, max_new_tokens, eos_token_id, sampling, on_token, on_done))
 
     def cancel(self, request_id: str) -> None:
@@ -142,6 +142,14 @@ class BatcherThread:
                 self._callbacks.pop(rid)[1](req.generated, None)
 
 
+def _prompt_ids(inputs) -> list[int]:
+    """The one prompt's token ids from the server's `inputs["input_ids"]`: a `[1, T]` tensor, `[[...]]` or `[...]`."""
+    ids = inputs["input_ids"]
+    if isinstance(ids, torch.Tensor):
+        return ids[0].tolist()
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
 def make_generation_state(options: CacheOptions):
     """transformers' `GenerationState` whose every request goes to the paged QuantMLA continuous batcher."""
     utils = _serving()
@@ -169,8 +177,7 @@ def make_generation_state(options: CacheOptions):
             self.thread = BatcherThread(ContinuousBatcher(model, self.cache, options.max_batch_tokens))
 
         def _submit(self, inputs, gen_config, request_id, on_token, on_done) -> None:
-            ids = inputs["input_ids"]
-            ids = ids[0].tolist() if isinstance(ids, torch.Tensor) else list(ids[0] if ids and isinstance(ids[0], list) else ids)
+            ids = _prompt_ids(inputs)
             self.thread.submit(request_id, ids, gen_config.max_new_tokens or 256, gen_config.eos_token_id,
                                Sampling.from_generation_config(gen_config), on_token, on_done)
 
@@ -210,9 +217,7 @@ def make_generation_state(options: CacheOptions):
 
             self._submit(inputs, gen_config, request_id, lambda token: None, on_done)
             tokens = await future
-            ids = inputs["input_ids"]
-            input_len = ids.shape[-1] if isinstance(ids, torch.Tensor) else len(ids)
-            return processor.decode(tokens, skip_special_tokens=True), input_len, tokens
+            return processor.decode(tokens, skip_special_tokens=True), len(_prompt_ids(inputs)), tokens
 
         def stop(self) -> None:
             if self.thread is not None:
