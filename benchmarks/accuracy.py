@@ -24,8 +24,8 @@ windows (`quantmla_hf.intervals`), and every non-RTN row is compared with RTN at
 "better" / "worse" / "tie"), per seed and as the mean over `--seeds`.
 
 Example (what docs/ACCURACY.md ran):
-    python benchmarks/accuracy.py --text /work/shared/data/wikitext-2-raw-test.raw \\
-        --calibration /work/shared/data/wiki_en_train.txt.xz --calibration-chars 1500000 \\
+    python benchmarks/accuracy.py --text ../shared/data/wikitext-2-raw-test.raw \\
+        --calibration ../shared/data/wiki_en_train.txt.xz --calibration-chars 1500000 \\
         --calibration-samples 8 --calibration-seq-len 512 --calibration-steps 30 --methods bf16,rtn,quantmla \\
         --bits C2R4 --protect on --calibrated-dir /tmp/acc --out results.md
 """
@@ -39,6 +39,7 @@ import inspect
 import json
 import lzma
 import math
+import os
 import random
 import re
 import sys
@@ -721,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     protect = [{"on": True, "off": False}[p.strip()] for p in args.protect.split(",")]
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     methods = expand_methods(families, parse_bits(args.bits), protect, seeds)
-    results = {"command": "python " + " ".join([sys.argv[0].split("/work/main/")[-1]] + sys.argv[1:]),
+    results = {"command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "texts": {}, "calibration": {}}
     out = Path(args.out)
 

@@ -78,7 +78,8 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sink-tokens", type=int, default=None, help=f"(default {_DEFAULTS['sink_tokens']})")
     g.add_argument("--recent-tokens", type=int, default=None, help=f"(default {_DEFAULTS['recent_tokens']})")
     g.add_argument("--transform", default=None, choices=("auto", "learned", "hadamard", "smooth", "none"),
-                   help="(default auto: learned when --calibration is large enough to beat RTN, else none (RTN), "
+                   help="(default auto: learned when the calibration text (--calibration, else the package's default text, "
+                        "read with the model's tokenizer) is large enough to beat RTN, else none (RTN), "
                         "said in the output)")
     g.add_argument("--calibration", metavar="FILE", default=None, help="UTF-8 text for learned/smooth transforms")
     g.add_argument("--calibration-samples", type=int, default=None,

@@ -43,7 +43,7 @@ residual, the converted model computes the original function up to the norm fact
 
 Usage:
     python benchmarks/real_model/convert.py --out /tmp/realmodel/mla-dc256 --kv-lora-rank 256 \\
-        --calibration /work/shared/data/wiki_en_train.txt.xz --save-llama /tmp/realmodel/llama
+        --calibration ../shared/data/wiki_en_train.txt.xz --save-llama /tmp/realmodel/llama
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from `quantmla_hf.intervals.bootstrap` on the same resamples; "tie" when it cont
 
 Example:
     python benchmarks/real_model/evaluate.py --model /tmp/realmodel/mla-dc256 --llama /tmp/realmodel/llama \\
-        --text /work/shared/data/wiki_en_val.txt.xz --calibration /work/shared/data/wiki_en_train.txt.xz \\
+        --text ../shared/data/wiki_en_val.txt.xz --calibration ../shared/data/wiki_en_train.txt.xz \\
         --calibrated-dir /tmp/realmodel/calibrated-dc256 --out /tmp/realmodel/val.md
 """
 
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
     p.add_argument("--greedy-steps", type=int, default=0, help="greedy agreement Llama vs converted (0: skip)")
     p.add_argument("--needle-lengths", default="")
     p.add_argument("--needle-methods", default="bf16")
-    p.add_argument("--needle-text", default="/work/shared/data/wiki_en_val.txt.xz")
+    p.add_argument("--needle-text", default="../shared/data/wiki_en_val.txt.xz")
     p.add_argument("--ratio-windows", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the models run and calibrate, e.g. cuda (perplexity and "
                    "KL rows only; greedy, needle and ratio run on cpu)")
