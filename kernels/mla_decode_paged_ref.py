@@ -20,6 +20,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 
+from .mla_decode_ref import overlay_copies
 from .quant_pack_ref import dequantize_ref
 
 
@@ -42,15 +43,7 @@ def paged_history_ref(
 ) -> torch.Tensor:
     """One path of one request as attention sees it: `[length, dim]` (sink, then recent, then pages)."""
     x = gather_paged_path(planes, fmt, pages, length, dtype).clone()
-    S, R = sink.shape[1], recent.shape[1]
-    if R:
-        lo = max(0, length - R)
-        pos = torch.arange(lo, length, device=x.device)
-        x[lo:length] = recent[row, pos % R].to(dtype)
-    n_sink = min(S, length)
-    if n_sink:
-        x[:n_sink] = sink[row, :n_sink].to(dtype)
-    return x
+    return overlay_copies(x, sink[row], recent[row], 0, sink.shape[1], recent.shape[1])
 
 
 def mla_decode_paged_ref(
