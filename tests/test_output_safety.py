@@ -61,12 +61,19 @@ def test_existing_checkpoint_is_refused_before_loading_unless_overwrite(base_dir
     assert json.loads((out / "config.json").read_text())["quantization_config"]["content_bits"] == 2
 
 
-def test_read_only_destination_is_refused_before_loading(base_dir, tmp_path, capsys, monkeypatch):
+def read_only_folder(tmp_path, monkeypatch):
+    """A folder the output checks see as read-only (`os.access` says so: the tests run as root, whom chmod does
+    not stop)."""
     parent = tmp_path / "readonly"
     parent.mkdir()
     real_access = quantmla_hf.staged_output.os.access
     monkeypatch.setattr(quantmla_hf.staged_output.os, "access",
                         lambda p, mode: False if str(p) == str(parent) else real_access(p, mode))
+    return parent
+
+
+def test_read_only_destination_is_refused_before_loading(base_dir, tmp_path, capsys, monkeypatch):
+    parent = read_only_folder(tmp_path, monkeypatch)
     no_loading(monkeypatch)
     rc, err, _ = quantize(base_dir, parent / "q", capsys)
     assert rc == 1 and len(err.splitlines()) == 1
@@ -183,11 +190,7 @@ def test_save_pretrained_replaces_a_checkpoint_as_transformers_does_or_refuses_w
 def test_eval_json_destination_is_checked_before_the_evaluation(base_dir, tmp_path, capsys, monkeypatch):
     from quantmla_hf.demo import EVALUATION_TEXT
 
-    parent = tmp_path / "readonly"
-    parent.mkdir()
-    real_access = quantmla_hf.staged_output.os.access
-    monkeypatch.setattr(quantmla_hf.staged_output.os, "access",
-                        lambda p, mode: False if str(p) == str(parent) else real_access(p, mode))
+    parent = read_only_folder(tmp_path, monkeypatch)
     no_loading(monkeypatch)
     rc = main(["eval", str(base_dir), "--text", str(EVALUATION_TEXT), "--json", str(parent / "r.json")])
     err = capsys.readouterr().err.strip()
