@@ -43,7 +43,7 @@ def paged_history_ref(
 ) -> torch.Tensor:
     """One path of one request as attention sees it: `[length, dim]` (sink, then recent, then pages)."""
     x = gather_paged_path(planes, fmt, pages, length, dtype).clone()
-    return overlay_copies(x, sink[row], recent[row], 0, sink.shape[1], recent.shape[1])
+    return overlay_copies(x, sink, recent, row, 0, sink.shape[1], recent.shape[1])
 
 
 def mla_decode_paged_ref(

@@ -31,22 +31,23 @@ def history_ref(
     length: int, sink_tokens: int, recent_tokens: int, dtype=torch.float32,
 ) -> torch.Tensor:
     """Row `b` of one path as attention sees it: `[length, dim]` (positions before `lp` are left as stored)."""
-    return overlay_copies(_read_path(planes, fmt, b, length, dtype).clone(), sink[b], recent[b], lp, sink_tokens,
+    return overlay_copies(_read_path(planes, fmt, b, length, dtype).clone(), sink, recent, b, lp, sink_tokens,
                           recent_tokens)
 
 
-def overlay_copies(x: torch.Tensor, sink: torch.Tensor, recent: torch.Tensor, lp: int, S: int, R: int) -> torch.Tensor:
-    """The model-dtype copies over the dequantized positions `x: [length, dim]` (in place, returned): the last `R`
-    positions from the recent ring `recent: [R, dim]` (position `p` in slot `p % R`), then the first `S` positions
-    from `lp` on from `sink: [S, dim]`."""
+def overlay_copies(x: torch.Tensor, sink: torch.Tensor, recent: torch.Tensor, b: int, lp: int, S: int,
+                   R: int) -> torch.Tensor:
+    """Row `b`'s model-dtype copies over its dequantized positions `x: [length, dim]` (in place, returned): the last
+    `R` positions from the recent ring `recent: [rows, R, dim]` (position `p` in slot `p % R`), then the first `S`
+    positions from `lp` on from `sink: [rows, S, dim]` (a path that keeps no copies may hold no rows at all)."""
     length = x.shape[0]
     rlo = max(0, length - R)
     if R:
         pos = torch.arange(rlo, length, device=x.device)
-        x[rlo:length] = recent[pos % R].to(x.dtype)
+        x[rlo:length] = recent[b, pos % R].to(x.dtype)
     n_sink = max(0, min(S, length - lp))
     if n_sink:
-        x[lp : lp + n_sink] = sink[:n_sink].to(x.dtype)
+        x[lp : lp + n_sink] = sink[b, :n_sink].to(x.dtype)
     return x
 
 
