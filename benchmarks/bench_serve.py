@@ -111,7 +111,9 @@ def check(model, args) -> bool:
     for fmt in args.formats:
         pages = sum(-(-(len(p) + args.check_tokens) // args.page_size) for p in reqs)
         row, batcher = run_batcher(model, fmt, reqs, args.check_tokens, args, num_pages=pages, arrivals=arrivals)
+        t0 = time.perf_counter()
         want = [generate_alone(model, p, args.check_tokens, fmt) for p in reqs]
+        generate_s = time.perf_counter() - t0
         got = [batcher.results[str(i)] for i in range(len(reqs))]
         equal = sum(a == b for a, b in zip(got, want))
         ok &= equal == len(reqs)
@@ -120,7 +122,8 @@ def check(model, args) -> bool:
         first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(got, want)]
         emit(args.out, dict(bench="check", format=fmt, dtype=str(model.dtype), equal=f"{equal}/{len(reqs)}",
                             first_difference=first, new_tokens=args.check_tokens, prompt_lens=[len(p) for p in reqs],
-                            arrivals=arrivals, peak_running=row["peak_running"]))
+                            arrivals=arrivals, peak_running=row["peak_running"], batcher_s=row["wall_s"],
+                            batcher_steps=row["steps"], generate_alone_s=generate_s))
     return ok
 
 

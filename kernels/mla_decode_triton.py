@@ -375,6 +375,11 @@ def pipeline_stages(fmt: CacheFormat, M: int) -> int:
     return 1 if fmt.content.quantized else 3
 
 
+def num_warps(fmt: CacheFormat, M: int) -> int:
+    """Warps per program: 4 (docs/KERNELS.md "The portable Triton kernel")."""
+    return 4
+
+
 def block_rows(M: int) -> int:
     """Query rows per program: 16 up to 32 rows, else 32 (each token tile unpacked once per block)."""
     return 16 if M <= 32 else 32
@@ -391,7 +396,7 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
                   split_target, NS, qk_scale):
     """Launch `mla_decode_triton_kernel` on the grid `(NS + 1, cdiv(M, block_rows(M)), B)`: `q: [B, M, d_c]`,
     `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32. Launch measured
-    on the H200 (docs/KERNELS.md): 32-token tiles, 4 warps, `pipeline_stages`."""
+    on the H200 (docs/KERNELS.md): `BLOCK_T`-token tiles, `block_rows`, `num_warps`, `pipeline_stages`."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
     GC, GROUP_C = path_tiling(fmt.content, 8)
@@ -408,5 +413,5 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
         D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
         S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=block_m, BLOCK_T=BLOCK_T,
         Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=sink_c.dtype == torch.float32,
-        num_warps=4, num_stages=pipeline_stages(fmt, M),
+        num_warps=num_warps(fmt, M), num_stages=pipeline_stages(fmt, M),
     )

@@ -32,7 +32,10 @@ def latent_weights(module, query: torch.Tensor):
 def latent_query(layer, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk: torch.Tensor):
     """`q_lat[b, h, t] = q_nope[b, h, t] @ W_UK[h]`: `[B, H, Tq, d_c]` in the model dtype (as the stock
     projections); `q_rot` rotated like the stored k_R copies when the layer has an online RoPE rotation (then fp32)."""
-    q_lat = torch.matmul(q_nope, w_uk.to(q_nope.dtype).unsqueeze(0))
+    B, H, T, _ = q_nope.shape
+    # One matrix per head with the batch folded into its rows: a broadcast `matmul` over B would copy W_UK B times.
+    q_lat = torch.bmm(q_nope.transpose(0, 1).reshape(H, B * T, -1), w_uk.to(q_nope.dtype))
+    q_lat = q_lat.view(H, B, T, -1).transpose(0, 1)
     if layer.rope_rotation is not None:
         # The stored k_R copies are k_R @ rot.T; rotating the query the same way leaves q . k unchanged.
         q_rot = q_rot.float() @ layer.rope_rotation.to(device=q_rot.device, dtype=torch.float32).T
@@ -41,8 +44,9 @@ def latent_query(layer, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk: torch.T
 
 def expand_latent(o_lat: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`o_lat: [B, H, Tq, d_c]` through W_UV: `[B, Tq, H, d_v]`."""
-    out = torch.matmul(o_lat.to(dtype), w_uv.to(dtype).transpose(1, 2).unsqueeze(0))  # [B, H, Tq, d_v]
-    return out.transpose(1, 2)
+    B, H, T, _ = o_lat.shape
+    out = torch.bmm(o_lat.to(dtype).transpose(0, 1).reshape(H, B * T, -1), w_uv.to(dtype).transpose(1, 2))
+    return out.view(H, B, T, -1).permute(1, 2, 0, 3)  # [B, Tq, H, d_v]
 
 
 def reference_decode(layer, q_nope, q_rot, w_uk, w_uv, scaling: float, attention_mask) -> torch.Tensor:
