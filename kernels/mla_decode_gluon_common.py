@@ -37,6 +37,7 @@ from quantmla_hf.format import CacheFormat
 
 GROUP = 64  # elements per quantization group the kernels take (content and RoPE)
 BLOCK_T = 64  # tokens per tile: the M of one warpgroup's wgmma
+MIN_SPLIT_TILES = 4  # fewest tiles in a split (`_split_range`): 16 splits at B1 4K beat 31 (docs/KERNELS.md)
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KB)
 SMEM_PER_SM = 233472  # bytes of shared memory of one sm_90 multiprocessor (228 KB); each block also reserves 1 KB
 
@@ -92,7 +93,7 @@ def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: 
     (`i_s >= num_splits`) get no packed tiles."""
     covered = gl.maximum(length - R, 0)
     tokens_per_split = (covered + split_target - 1) // split_target
-    tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 2 * BT)
+    tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 4 * BT)  # at least MIN_SPLIT_TILES tiles
     base = i_s * tokens_per_split
     lo = gl.maximum(base, S)
     hi = gl.where(i_s >= num_splits, lo, gl.minimum(base + tokens_per_split, length - R))

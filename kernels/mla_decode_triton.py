@@ -341,16 +341,19 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def path_tiling(path: PathFormat, max_groups: int) -> tuple[int, int] | None:
+WIDE_16 = 512  # widest group of a 16-bit path outside fp32 models
+
+
+def path_tiling(path: PathFormat, max_groups: int, widest: int = 64) -> tuple[int, int] | None:
     """`(groups, group width)` the kernel takes a path in, or None: a packed path in its own groups (powers of two,
-    at least 16 elements, at most `max_groups`); a 16-bit path in the fewest power-of-two groups of at most 64
-    elements that `max_groups` allows."""
+    at least 16 elements, at most `max_groups`); a 16-bit path in the fewest power-of-two groups of at most
+    `widest` elements that `max_groups` allows."""
     if not _pow2(path.dim) or path.dim < 16:
         return None
     if path.quantized:
         g, w = path.n_groups, path.group
     else:
-        w = max(16, min(64, path.dim), path.dim // max_groups)
+        w = max(16, min(widest, path.dim), path.dim // max_groups)
         g = path.dim // w
     if not (_pow2(w) and w >= 16 and _pow2(g) and g <= max_groups):
         return None
@@ -399,7 +402,9 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
     on the H200 (docs/KERNELS.md): `BLOCK_T`-token tiles, `block_rows`, `num_warps`, `pipeline_stages`."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
-    GC, GROUP_C = path_tiling(fmt.content, 8)
+    exact = sink_c.dtype == torch.float32
+    # A 16-bit content path in one group (one [BM, d_c] accumulator and one dot per tile) outside fp32 models.
+    GC, GROUP_C = path_tiling(fmt.content, 8, 64 if exact else WIDE_16)
     block_m = block_rows(M)
     c0, c1, c2 = _plane3(cp, fmt.content)
     r0, r1, r2 = _plane3(rp, fmt.rope)
@@ -412,6 +417,6 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
         S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=block_m, BLOCK_T=BLOCK_T,
-        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=sink_c.dtype == torch.float32,
+        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=exact,
         num_warps=num_warps(fmt, M), num_stages=pipeline_stages(fmt, M),
     )
