@@ -4,14 +4,17 @@ Same function and arguments as `mla_decode_paged_ref.mla_decode_paged_ref` (see 
 requests of different lengths in one launch, packed without padding (`cu_seqlens_q`), each token read by
 indirection (its page from the request's `page_table` row, its slot `p % page_size`).
 
-One program per (query token, block of heads, split of the history) walks its share of the request's visible
-positions in blocks of `BLOCK_N`:
-each position's page comes from the page table, its packed bytes, scale and zero point are loaded from that page and
-dequantized in fp32 as `quant_pack_ref.dequantize_ref` does (`(q - z) * s`), sink and recent positions are read from
-their model-dtype copies instead, and the scores and the weighted sum are fp32 IEEE dots with an online softmax.
-That is the reference's arithmetic in a streaming order (equal up to fp32 rounding of the softmax); the splits' partial
-results are merged by their log-sum-exp. Page planes must
-be contiguous `[P, page_size, width]`; offsets are int64.
+The arithmetic is the portable decode kernel's (`mla_decode_triton.py`: its query staging, token tile and stores):
+a page plane viewed as `[P * page_size, width]` is a plane whose rows are addressed by slot, so the kernel hands the
+tile each position's flat slot `page * page_size + p % page_size` where the contiguous kernel hands it the position.
+One program per (split, head block, query token):
+
+    splits 0 .. NS-1   `tokens_per_split` packed positions each of `[S, min(length - R, limit))`, sized from the
+                       request's length (`limit`: the token's causal bound, `length - q_len + t + 1`)
+    split NS           the request's sink copies (positions `[0, S)`) and recent ring (`[length - R, length)`,
+                       slot `p % R`), causal per token
+
+and writes its normalised partial and lse; `mla_decode_combine.combine` merges the splits of each (token, head).
 """
 
 from __future__ import annotations
@@ -22,107 +25,148 @@ import triton.language as tl
 
 from quantmla_hf.format import CacheFormat, PathFormat
 
-LOG2E = 1.4426950408889634
+from .mla_decode_combine import combine
+from .mla_decode_triton import (
+    BLOCK_T,
+    WIDE_16,
+    _load_query_group,
+    _row_scale,
+    _store_group,
+    _tile,
+    block_rows,
+    num_warps,
+    path_tiling,
+    pipeline_stages,
+    triton_handles,
+)
+
+PROGRAMS_PER_SM = 8  # splits: about 8 programs per multiprocessor, as the portable kernel
 
 
-@triton.jit
-def _load_path(p0, p1, p2, slot, m_n, pos, row, p_sink, p_recent, S, R, length,
-               D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr):
-    """Positions `pos` (`[BN]`, page slots `slot`) of one path as attention reads them: `[BN, DP]` fp32."""
-    o_d = tl.arange(0, DP)
-    m_d = o_d < D
-    m = m_n[:, None] & m_d[None, :]
-    if BITS == 16:
-        x = tl.load(p0 + slot[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    else:
-        CB: tl.constexpr = D * BITS // 8
-        HALF: tl.constexpr = 1 << (BITS - 1)
-        QMAX: tl.constexpr = (1 << BITS) - 1
-        byte = tl.load(p0 + slot[:, None] * CB + (o_d * BITS // 8)[None, :], mask=m, other=0).to(tl.int32)
-        q = ((byte >> ((o_d * BITS) % 8)[None, :]) & QMAX).to(tl.float32)
-        g = o_d // GROUP
-        s = tl.load(p1 + slot[:, None] * G + g[None, :], mask=m, other=0.0).to(tl.float32)
-        z = tl.load(p2 + slot[:, None] * G + g[None, :], mask=m, other=0).to(tl.float32) + HALF
-        x = (q - z) * s
-    is_recent = m_n & (pos >= length - R)
-    rec = tl.load(p_recent + (row * R + pos % tl.maximum(R, 1))[:, None] * D + o_d[None, :],
-                  mask=is_recent[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-    x = tl.where(is_recent[:, None], rec, x)
-    is_sink = m_n & (pos < S)
-    snk = tl.load(p_sink + (row * S + pos)[:, None] * D + o_d[None, :], mask=is_sink[:, None] & m_d[None, :],
-                  other=0.0).to(tl.float32)
-    return tl.where(is_sink[:, None], snk, x)
-
-
-@triton.jit(do_not_specialize=["S", "R", "max_pages", "scaling", "split_len"])
+@triton.jit(do_not_specialize=["max_pages", "split_target", "num_splits"])
 def mla_decode_paged_kernel(
-    q_lat_ptr, q_rot_ptr, o_ptr, lse_ptr,
+    q_ptr, qr_ptr,
     c0, c1, c2, r0, r1, r2,
-    sink_c_ptr, sink_r_ptr, recent_c_ptr, recent_r_ptr,
+    snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
     page_table_ptr, rows_ptr, cu_q_ptr, seq_lens_ptr, token_request_ptr,
-    S, R, max_pages, scaling, H, Nq, split_len,
-    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_C: tl.constexpr, D_CP: tl.constexpr, BITS_C: tl.constexpr, GROUP_C: tl.constexpr, G_C: tl.constexpr,
-    D_R: tl.constexpr, D_RP: tl.constexpr, BITS_R: tl.constexpr, GROUP_R: tl.constexpr, G_R: tl.constexpr,
+    o_ptr, lse_ptr,
+    H, max_pages, split_target, num_splits, qk_scale,
+    s_ct, s_cmt, s_rt, s_rmt, s_snc, s_snr, s_rcc, s_rcr,
+    D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
+    D_R: tl.constexpr, R_BITS: tl.constexpr, S: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    h0 = tl.program_id(1) * BLOCK_H
-    split = tl.program_id(2).to(tl.int64)
+    """Partials `o: [Nq, H, num_splits + 1, D_C]`, `lse: [Nq, H, num_splits + 1]` (natural log, -inf when empty).
+    Copies are `[rows, S or R, d]` with row strides `s_snc` .. `s_rcr` and contiguous rows of `d`."""
+    i_s = tl.program_id(0).to(tl.int64)
+    i_hb = tl.program_id(1).to(tl.int64)
+    tok = tl.program_id(2).to(tl.int64)
+
     i_req = tl.load(token_request_ptr + tok).to(tl.int64)
-    q_start = tl.load(cu_q_ptr + i_req)
-    q_len = tl.load(cu_q_ptr + i_req + 1) - q_start
-    length = tl.load(seq_lens_ptr + i_req)
+    q_start = tl.load(cu_q_ptr + i_req).to(tl.int64)
+    q_len = tl.load(cu_q_ptr + i_req + 1).to(tl.int64) - q_start
+    length = tl.load(seq_lens_ptr + i_req).to(tl.int64)
     row = tl.load(rows_ptr + i_req).to(tl.int64)
-    limit = length - q_len + (tok - q_start) + 1  # positions < limit are visible
+    limit = length - q_len + (tok - q_start) + 1  # positions < limit are visible to this token
 
-    o_h = h0 + tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    o_c = tl.arange(0, D_CP)
-    o_r = tl.arange(0, D_RP)
-    q_c = tl.load(q_lat_ptr + (tok * H + o_h)[:, None] * D_C + o_c[None, :],
-                  mask=m_h[:, None] & (o_c[None, :] < D_C), other=0.0).to(tl.float32)
-    q_r = tl.load(q_rot_ptr + (tok * H + o_h)[:, None] * D_R + o_r[None, :],
-                  mask=m_h[:, None] & (o_r[None, :] < D_R), other=0.0).to(tl.float32)
+    o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)  # heads
+    m_m = o_m < H
+    p_q = q_ptr + tok * H * D_C
+    p_qr = qr_ptr + tok * H * D_R
+    fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, EXACT)
+    fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, EXACT)
+    fc = fc * qk_scale
+    fr = fr * qk_scale
+    qh0, ql0 = _load_query_group(p_q, o_m, m_m, inv_fc, 0, GROUP_C, D_C, GC, EXACT)
+    qh1, ql1 = _load_query_group(p_q, o_m, m_m, inv_fc, 1, GROUP_C, D_C, GC, EXACT)
+    qh2, ql2 = _load_query_group(p_q, o_m, m_m, inv_fc, 2, GROUP_C, D_C, GC, EXACT)
+    qh3, ql3 = _load_query_group(p_q, o_m, m_m, inv_fc, 3, GROUP_C, D_C, GC, EXACT)
+    qh4, ql4 = _load_query_group(p_q, o_m, m_m, inv_fc, 4, GROUP_C, D_C, GC, EXACT)
+    qh5, ql5 = _load_query_group(p_q, o_m, m_m, inv_fc, 5, GROUP_C, D_C, GC, EXACT)
+    qh6, ql6 = _load_query_group(p_q, o_m, m_m, inv_fc, 6, GROUP_C, D_C, GC, EXACT)
+    qh7, ql7 = _load_query_group(p_q, o_m, m_m, inv_fc, 7, GROUP_C, D_C, GC, EXACT)
+    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, 1, EXACT)
 
-    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D_CP), tl.float32)
-    qk_scale = scaling * 1.4426950408889634
-    # This program's share of the positions: [split * split_len, (split + 1) * split_len) (a multiple of BLOCK_N).
-    lo = split * split_len
-    hi = tl.minimum(limit, lo + split_len)
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        m_n = pos < hi
-        page = tl.load(page_table_ptr + i_req * max_pages + pos // PAGE, mask=m_n, other=0).to(tl.int64)
-        slot = page * PAGE + pos % PAGE
-        b_c = _load_path(c0, c1, c2, slot, m_n, pos, row, sink_c_ptr, recent_c_ptr, S, R, length,
-                         D_C, D_CP, BITS_C, GROUP_C, G_C)
-        b_r = _load_path(r0, r1, r2, slot, m_n, pos, row, sink_r_ptr, recent_r_ptr, S, R, length,
-                         D_R, D_RP, BITS_R, GROUP_R, G_R)
-        s = tl.dot(q_c, tl.trans(b_c), input_precision="ieee") + tl.dot(q_r, tl.trans(b_r), input_precision="ieee")
-        s = tl.where(m_n[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, b_c, input_precision="ieee")
-        m_i = m_new
-    # An empty split (past its token's limit) stores o = 0 and lse = -inf, which the combine weighs by zero.
-    out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-    row = split * Nq * H + tok * H + o_h
-    tl.store(o_ptr + row[:, None] * D_C + o_c[None, :], out, mask=m_h[:, None] & (o_c[None, :] < D_C))
-    lse = tl.where(l_i > 0, (m_i + tl.log2(tl.maximum(l_i, 1e-30))) / 1.4426950408889634, float("-inf"))
-    tl.store(lse_ptr + row, lse, mask=m_h)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    a0 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a1 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a2 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a3 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a4 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a5 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a6 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    a7 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    is_copies = i_s == num_splits
+
+    # Packed positions: this split's share of [S, length - R), cut at the token's causal limit (which only bites
+    # for a cache without copies, R = 0: quantized formats take at most R new tokens natively).
+    packed_len = tl.maximum(length - R - S, 0)
+    tokens_per_split = (packed_len + split_target - 1) // split_target
+    tokens_per_split = tl.maximum((tokens_per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T, 2 * BLOCK_T)
+    lo_s = S + i_s * tokens_per_split
+    hi_s = tl.where(is_copies, lo_s, tl.minimum(lo_s + tokens_per_split, tl.minimum(length - R, limit)))
+    p_table = page_table_ptr + i_req * max_pages
+    o_bt = tl.arange(0, BLOCK_T).to(tl.int64)
+    for start in range(lo_s, hi_s, BLOCK_T):
+        o_p = start + o_bt
+        m_t = o_p < hi_s
+        page = tl.load(p_table + o_p // PAGE, mask=m_t, other=0).to(tl.int64)
+        slot = page * PAGE + o_p % PAGE
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, slot, m_t, m_m[:, None] & m_t[None, :],
+            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, EXACT)
+
+    # The last split: the sink copies (slot j = position j) and the recent ring (positions [length - R, length)
+    # past the sink, slot p % R), causal per token.
+    n_sink = tl.where(is_copies, S, 0)
+    p_snc = snc_ptr + row * s_snc
+    p_snr = snr_ptr + row * s_snr
+    for start in range(0, n_sink, BLOCK_T):
+        o_j = start + o_bt
+        m_t = (o_j < S) & (o_j < length) & (o_j < limit)
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, D_C, D_C, D_R, D_R, o_j, m_t, m_m[:, None] & m_t[None, :],
+            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
+    r_lo = tl.maximum(length - R, 0)
+    r_hi = tl.where(is_copies, length, r_lo)
+    p_rcc = rcc_ptr + row * s_rcc
+    p_rcr = rcr_ptr + row * s_rcr
+    for start in range(r_lo, r_hi, BLOCK_T):
+        o_p = start + o_bt
+        m_t = (o_p < r_hi) & (o_p >= S) & (o_p < limit)
+        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, D_C, D_C, D_R, D_R, o_p % tl.maximum(R, 1), m_t,
+            m_m[:, None] & m_t[None, :],
+            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
+
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_row = (tok * H + o_m) * (num_splits + 1) + i_s
+    _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a1, inv_l, 1, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a2, inv_l, 2, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a3, inv_l, 3, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a4, inv_l, 4, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a5, inv_l, 5, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a6, inv_l, 6, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a7, inv_l, 7, GROUP_C, D_C, GC)
+    tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
-def _path_args(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:
+def _flat_planes(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:
+    """A path's page planes `[P, page_size, width]` as row-addressed planes `[P * page_size, width]`."""
     for name, plane in planes.items():
         if not plane.is_contiguous():
             raise ValueError(f"page plane {name!r} must be contiguous [P, page_size, width]")
+    flat = {k: v.view(-1, v.shape[-1]) for k, v in planes.items()}
     if fmt.quantized:
-        return (planes["codes"], planes["scale"], planes["zero"])
-    return (planes["values"],) * 3
+        return flat["codes"], flat["scale"], flat["zero"]
+    return (flat["values"],) * 3
 
 
 def mla_decode_paged(
@@ -141,17 +185,16 @@ def mla_decode_paged(
     seq_lens: torch.Tensor,
     scaling: float,
     token_request: torch.Tensor | None = None,
-    block_n: int | None = None,
+    block_t: int | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `mla_decode_paged_ref.mla_decode_paged_ref`; returns `o_lat: [Nq, H, d_c]`, `lse: [Nq, H]` (fp32).
 
     `token_request` (int32 `[Nq]`, each query token's request) is derived from `cu_seqlens_q` when not given (the
-    paged cache's `PagedStep.token_request` is that tensor). Long histories are split: `num_splits` programs per
-    (token, head block) each take a contiguous share of the positions and their partial results are merged by
-    their log-sum-exp (default: enough splits for about 4 programs per SM, shares of at least 256 positions).
-    `max_seq_len` (the longest `seq_lens`) saves reading it back from the device.
+    paged cache's `PagedStep.token_request` is that tensor). `num_splits` overrides the split target (default: about
+    8 programs per multiprocessor); `block_t` the token tile (default `mla_decode_triton.BLOCK_T`); `max_seq_len`
+    (the longest `seq_lens`) saves reading it back from the device.
     """
     Nq, H, d_c = q_lat.shape
     if q_rot.shape != (Nq, H, fmt.rope.dim) or d_c != fmt.content.dim:
@@ -167,6 +210,15 @@ def mla_decode_paged(
         )
     if sink_content.shape[1] and sink_content.shape[0] == 0:
         raise ValueError("sink copies are [rows, S, d]: give one row per request row in use")
+    # The model dtype: of the copies, else of a 16-bit content plane, else of the queries.
+    if sink_content.numel():
+        copy_dtype = sink_content.dtype
+    else:
+        copy_dtype = q_lat.dtype if fmt.content.quantized else content["values"].dtype
+    exact = copy_dtype == torch.float32
+    if not triton_handles(fmt, copy_dtype):
+        raise ValueError(f"the paged Triton kernel does not take {fmt.name} (power-of-two widths, at most 8 content "
+                         "groups and one RoPE group): use mla_decode_paged_ref")
     if token_request is None:
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
@@ -174,41 +226,34 @@ def mla_decode_paged(
         return (torch.empty((0, H, d_c), dtype=torch.float32, device=q_lat.device),
                 torch.empty((0, H), dtype=torch.float32, device=q_lat.device))
     page_size = next(iter(content.values())).shape[1]
-    wide = fmt.content.dim >= 256  # a [BLOCK_N, d_c] fp32 tile per step: keep it small at DeepSeek widths
-    if block_n is None:
-        block_n = 16 if wide else 32
-    block_h = max(16, min(64, triton.next_power_of_2(H)))
-    head_blocks = triton.cdiv(H, block_h)
-    longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    if num_splits is None:
-        programs = 4 * (torch.cuda.get_device_properties(q_lat.device).multi_processor_count
-                        if q_lat.is_cuda else 4)
-        num_splits = max(1, min(triton.cdiv(programs, Nq * head_blocks), triton.cdiv(longest, 256)))
-    split_len = triton.cdiv(triton.cdiv(max(longest, 1), num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max(longest, 1), split_len)
-    o = torch.empty((num_splits, Nq, H, d_c), dtype=torch.float32, device=q_lat.device)
-    lse = torch.empty((num_splits, Nq, H), dtype=torch.float32, device=q_lat.device)
-    grid = (Nq, head_blocks, num_splits)
     S, R = sink_content.shape[1], recent_content.shape[1]
+    bt = block_t or BLOCK_T
+    GC, GROUP_C = path_tiling(fmt.content, 8, 64 if exact else WIDE_16)
+    block_m = block_rows(H)
+    head_blocks = triton.cdiv(H, block_m)
+    longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    sms = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 8
+    target = max(1, int(num_splits or triton.cdiv(PROGRAMS_PER_SM * sms, Nq * head_blocks)))
+    NS = max(1, min(target, triton.cdiv(max(longest - R - S, 0), 2 * bt)))  # splits that can hold positions
+    o_part = torch.empty((Nq, H, NS + 1, d_c), dtype=torch.float32, device=q_lat.device)
+    lse_part = torch.empty((Nq, H, NS + 1), dtype=torch.float32, device=q_lat.device)
     # An empty copy tensor has no storage to point at: pass the queries (never read, the masks are all false).
-    sinks = [t if t.numel() else q_lat for t in (sink_content, sink_rope, recent_content, recent_rope)]
-    mla_decode_paged_kernel[grid](
-        q_lat.contiguous(), q_rot.contiguous(), o, lse,
-        *_path_args(content, fmt.content), *_path_args(rope, fmt.rope),
-        *[t.contiguous() for t in sinks],
+    snc, snr, rcc, rcr = (t.contiguous() if t.numel() else q_lat
+                          for t in (sink_content, sink_rope, recent_content, recent_rope))
+    c0, c1, c2 = _flat_planes(content, fmt.content)
+    r0, r1, r2 = _flat_planes(rope, fmt.rope)
+    q, qr = q_lat.contiguous(), q_rot.contiguous()
+    mla_decode_paged_kernel[(NS + 1, head_blocks, Nq)](
+        q, qr, c0, c1, c2, r0, r1, r2, snc, snr, rcc, rcr,
         page_table.to(torch.int32).contiguous(), rows.to(torch.int32).contiguous(),
         cu_seqlens_q.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
-        token_request.to(torch.int32).contiguous(),
-        S, R, page_table.shape[1], float(scaling), H, Nq, split_len,
-        PAGE=page_size, BLOCK_H=block_h, BLOCK_N=block_n,
-        D_C=fmt.content.dim, D_CP=triton.next_power_of_2(fmt.content.dim), BITS_C=fmt.content.bits,
-        GROUP_C=fmt.content.group, G_C=max(fmt.content.n_groups, 1),
-        D_R=fmt.rope.dim, D_RP=triton.next_power_of_2(fmt.rope.dim), BITS_R=fmt.rope.bits,
-        GROUP_R=fmt.rope.group, G_R=max(fmt.rope.n_groups, 1),
-        num_warps=8 if wide else 4,
+        token_request.to(torch.int32).contiguous(), o_part, lse_part,
+        H, page_table.shape[1], target, NS, float(scaling) * 1.4426950408889634,
+        c0.stride(0), c1.stride(0), r0.stride(0), r1.stride(0), snc.stride(0), snr.stride(0), rcc.stride(0),
+        rcr.stride(0),
+        D_C=d_c, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=fmt.rope.dim, R_BITS=fmt.rope.bits,
+        S=S, R=R, PAGE=page_size, BLOCK_M=block_m, BLOCK_T=bt,
+        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=exact,
+        num_warps=num_warps(fmt, H), num_stages=pipeline_stages(fmt, H),
     )
-    if num_splits == 1:
-        return o[0], lse[0]
-    total = torch.logsumexp(lse, dim=0)  # [Nq, H]; every token sees position 0, so it is finite
-    weights = torch.exp(lse - total.unsqueeze(0)).nan_to_num(0.0)
-    return (weights.unsqueeze(-1) * o).sum(0), total
+    return combine(o_part, lse_part, 1, None)

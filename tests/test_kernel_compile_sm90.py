@@ -1,9 +1,12 @@
-"""The portable Triton decode kernel compiles for sm_90 (Hopper) on a machine without a GPU.
+"""The portable and paged Triton decode kernels compile for sm_90 (Hopper) on a machine without a GPU, within its
+shared memory.
 
-The CPU tests run the kernel in the Triton interpreter, which does not type-check the way the compiler does (an
-fp32 model's launch once paired fp16 operands with fp32 IEEE dots and failed to compile on the H200 only). This
-compiles the launches `launch_triton` makes for a bf16 and an fp32 model, C4R4 and C16R16, ahead of time for sm_90
-(Triton's own ptxas, no driver), in a subprocess because the test session runs Triton in interpreter mode.
+The CPU tests run the kernels in the Triton interpreter, which neither type-checks the way the compiler does (an
+fp32 model's launch once paired fp16 operands with fp32 IEEE dots and failed to compile on the H200 only) nor
+counts shared memory (a paged launch once needed 253,952 bytes of the 232,448 a program may use, and failed on the
+H200 only). This compiles the launches `launch_triton` and `mla_decode_paged` make (their tiling, warps and
+stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; the paged kernel in bf16) ahead of time for
+sm_90 (Triton's own ptxas, no driver), in a subprocess because the test session runs Triton in interpreter mode.
 """
 
 import os
@@ -18,29 +21,44 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from quantmla_hf.format import CacheFormat, PathFormat
+    from quantmla_hf.kernels import mla_decode_paged as paged
     from quantmla_hf.kernels import mla_decode_triton as mod
 
-    fn = mod.mla_decode_triton_kernel
-    for bits, exact in ((4, False), (4, True), (16, False)):
+    SMEM = 232448  # bytes of shared memory one H100/H200 program may use
+
+    def compile_launch(fn, bits, exact, rows, extra_const, ptr):
+        fmt = CacheFormat(PathFormat(512, bits, 64), PathFormat(64, bits, 64), 4, 128)
+        gc, group = mod.path_tiling(fmt.content, 8, 64 if exact else mod.WIDE_16)
+        const = dict(D_C=512, GC=gc, GROUP_C=group, C_BITS=bits, D_R=64, R_BITS=bits, S=4, R=128,
+                     BLOCK_M=mod.block_rows(rows), BLOCK_T=mod.BLOCK_T, Q_SPLIT=exact, EXACT=exact, **extra_const)
+        sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
+               for n in fn.arg_names}
+        src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+        options = dict(num_warps=mod.num_warps(fmt, rows), num_stages=mod.pipeline_stages(fmt, rows))
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        assert ".target sm_90" in kernel.asm["ptx"]
+        assert kernel.metadata.shared <= SMEM, (fn.__name__, bits, exact, rows, kernel.metadata.shared)
+
+    for bits, exact, rows in ((4, False, 16), (4, True, 16), (16, False, 16), (16, False, 128)):
         copy = "*fp32" if exact else "*bf16"
-        const = dict(D_C=512, GC=8, GROUP_C=64, C_BITS=bits, D_R=64, R_BITS=bits, S=4, R=128, BLOCK_M=16,
-                     BLOCK_T=mod.BLOCK_T, Q_SPLIT=exact, EXACT=exact)
         plane = copy if bits == 16 else "*u8"
         meta = (copy, copy) if bits == 16 else ("*fp16", "*i8")
         ptr = dict(q_ptr=copy, qr_ptr=copy, cc_ptr=plane, cs_ptr=meta[0], cz_ptr=meta[1], rc_ptr=plane,
                    rs_ptr=meta[0], rz_ptr=meta[1], snc_ptr=copy, snr_ptr=copy, rcc_ptr=copy, rcr_ptr=copy,
                    lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
-        sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
-               for n in fn.arg_names}
-        src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
-        assert ".target sm_90" in kernel.asm["ptx"]
+        compile_launch(mod.mla_decode_triton_kernel, bits, exact, rows, {}, ptr)
+        ptr = dict(q_ptr=copy, qr_ptr=copy, c0=plane, c1=meta[0], c2=meta[1], r0=plane, r1=meta[0], r2=meta[1],
+                   snc_ptr=copy, snr_ptr=copy, rcc_ptr=copy, rcr_ptr=copy, page_table_ptr="*i32", rows_ptr="*i32",
+                   cu_q_ptr="*i32", seq_lens_ptr="*i32", token_request_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
+        if rows == 16 and not exact:
+            compile_launch(paged.mla_decode_paged_kernel, bits, exact, rows, dict(PAGE=64), ptr)
     print("compiled")
     """
 )
 
 
-def test_portable_kernel_compiles_for_sm90():
+def test_decode_kernels_compile_for_sm90_within_shared_memory():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="0")
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,

@@ -58,10 +58,12 @@ def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float
 
 
 def check(args, **kw):
+    """fp32 copies: fp32 IEEE dots (the contiguous kernel's exact path); bf16: fp16 operands, one rounding of the
+    values (its bound in tests/test_mla_decode.py)."""
     out, lse = mla_decode_paged(*args, **kw)
     ref_out, ref_lse = mla_decode_paged_ref(*args, dtype=torch.float64)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
-    assert_close("o_lat", ref_out, out, 2e-5)
+    assert_close("o_lat", ref_out, out, 2e-5 if args[5].dtype == torch.float32 else 2e-3)
     assert (lse - ref_lse).abs().max().item() < 1e-4
     return out, lse
 
@@ -93,8 +95,8 @@ def test_bf16_copies_and_pages():
 
 def test_block_size_and_splits_do_not_change_the_result():
     args = paged_case([45, 7, 100], [3, 1, 1])
-    a, la = mla_decode_paged(*args, block_n=16, num_splits=1)
-    for kw in (dict(block_n=64, num_splits=1), dict(block_n=16, num_splits=3), dict(block_n=16, num_splits=7)):
+    a, la = mla_decode_paged(*args, block_t=16, num_splits=1)
+    for kw in (dict(block_t=64, num_splits=1), dict(block_t=16, num_splits=3), dict(block_t=16, num_splits=7)):
         b, lb = mla_decode_paged(*args, **kw)
         assert_close("o_lat", a, b, 1e-6)
         assert (la - lb).abs().max() < 1e-5
@@ -102,7 +104,7 @@ def test_block_size_and_splits_do_not_change_the_result():
 
 def test_split_history_matches_the_reference():
     # 7 splits of 16 positions over lengths 100 and 5: the short request's later splits are empty
-    check(paged_case([100, 5, 33], [1, 2, 3]), block_n=16, num_splits=7)
+    check(paged_case([100, 5, 33], [1, 2, 3]), block_t=16, num_splits=7)
 
 
 def _contiguous(planes, table_row, length):
