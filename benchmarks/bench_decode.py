@@ -11,7 +11,8 @@ fetched separately and never committed) and the stock transformers step (`--stoc
     python benchmarks/bench_decode.py --repeat ROUNDS --points H:B:N,... --formats C4R4,... [--baseline-path DIR]
         every method replayed from a CUDA graph, in turns, ROUNDS times: 95% intervals of each time and of the
         ratio new / baseline (`--baseline-path`: the kernels of an older tree, e.g. `git archive REV | tar -x -C DIR`,
-        imported side by side in the same process and run through that tree's dispatch)
+        imported side by side in the same process and run through that tree's dispatch; `--paged`: the paged kernel
+        on the same cache laid out in pages of 64)
     python benchmarks/bench_decode.py --profile H:B:N:FORMAT [--backends B] [--iters 20]
         one point run a few times for a profiler to attach (`ncu -k regex:mla_decode -s 2 -c 1 ...`)
     TRITON_INTERPRET=1 python benchmarks/bench_decode.py --tiny     # CPU smoke run of the script itself
@@ -41,6 +42,7 @@ from triton.testing import do_bench
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.intervals import t_interval
 from quantmla_hf.kernels.mla_decode import BACKENDS, mla_decode_static, select_backend
+from quantmla_hf.kernels.mla_decode_paged import mla_decode_paged
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
 D_C, D_R, D_NOPE, D_V, HIDDEN = 512, 64, 128, 128, 2048
@@ -400,11 +402,34 @@ def summarize_rounds(times: dict, target: float | None = None) -> tuple[list[dic
     return rows, "met" if m.high < target else ("missed" if m.low > target else "tie (the interval holds it)")
 
 
-def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None):
+def paged_fn(args, page_size=64):
+    """The same cache laid out in pages (`kernels/mla_decode_paged.py`): each batch row one request of N positions
+    in consecutive pages of `page_size`, one query token each; a callable returning `(o [B, H, 1, d_c], lse)`."""
+    q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, scaling = args
+    B, H = q_lat.shape[:2]
+    if N % page_size:
+        raise ValueError(f"--paged needs N divisible by the page size {page_size}, got {N}")
+    pages = {k: {n: v.view(-1, page_size, v.shape[-1]) for n, v in planes.items()} for k, planes in
+             (("c", cp), ("r", rp))}
+    table = torch.arange(B * N // page_size, device=DEVICE, dtype=torch.int32).view(B, -1)
+    rows = torch.arange(B, device=DEVICE, dtype=torch.int32)
+    lens = torch.full((B,), N, device=DEVICE, dtype=torch.int32)
+    ql, qr = q_lat[:, :, 0].contiguous(), q_rot[:, :, 0].contiguous()
+    cu = torch.arange(B + 1, device=DEVICE, dtype=torch.int32)
+
+    def run():
+        return mla_decode_paged(ql, qr, pages["c"], pages["r"], fmt, sc, sr, rc, rr, table, rows, cu, lens, scaling,
+                                token_request=rows, max_seq_len=N)
+
+    return run
+
+
+def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False):
     """Per point: the default dispatch for each format (`new-FMT`), the baseline tree's (`old-FMT`, given
-    `baseline`) and the torch bmm on a BF16 latent, each captured once in a CUDA graph, the replays timed `rounds`
-    times in turns (the order rotated each round) in one process; reported by `summarize_rounds` (ratios to the
-    first method) and, per format, the ratio new / old with its interval and a verdict."""
+    `baseline`), the paged kernel on the same cache in pages (`paged-FMT`, given `paged`) and the torch bmm on a
+    BF16 latent, each captured once in a CUDA graph, the replays timed `rounds` times in turns (the order rotated
+    each round) in one process; reported by `summarize_rounds` (ratios to the first method) and, per format, the
+    ratio new / old with its interval and a verdict."""
     out = []
     for H, B, N in points:
         q_lat, q_rot, lp = _queries(B, H)
@@ -416,6 +441,10 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             for tag, fn in makers:
                 keep.append((fn, args))  # a graph reads the tensors it was captured with
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
+            if paged:
+                run = paged_fn(args)
+                keep.append((run, args))
+                replays[f"paged-{name}"] = graphed(run)
         kv = torch.randn(B, N, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
         q = torch.randn(B, H, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
         replays["torch-bmm-bf16"] = graphed(lambda: torch_absorbed(q, kv, SCALING))
@@ -470,6 +499,14 @@ def run_tiny():
     assert run_check(lines, cases=[("C4R4", 4, 2, 150, 1)], R=16)
     step = stock_step_fn(*stock_layer(4), 2, 64)
     print("tiny stock step", tuple(step()[0].shape))
+    fmt, cp, rp, sc, sr, rc, rr = make_cache("C4R4", 2, 256, R=8, device="cpu")
+    q_lat, q_rot = torch.randn(2, 4, 1, D_C), torch.randn(2, 4, 1, D_R)
+    args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, torch.zeros(2, dtype=torch.long), 256, SCALING)
+    o_paged = paged_fn(args)()[0]
+    o_ref = mla_decode_ref(*args)[0][:, :, 0].float()
+    err = ((o_paged - o_ref).norm() / o_ref.norm()).item()
+    assert err < 2e-3, f"paged layout differs from the reference: {err:.2e}"
+    print(f"tiny paged layout ok ({err:.1e})")
     q = torch.randn(2, 4, D_C + D_R, dtype=torch.bfloat16)
     print("tiny torch absorbed", tuple(torch_absorbed(q, torch.randn(2, 64, D_C + D_R, dtype=torch.bfloat16), 0.1).shape))
 
@@ -488,6 +525,7 @@ def main():
     ap.add_argument("--bf16-kernel", default=os.environ.get("BF16_MLA_KERNEL", ""),
                     help="path to a local copy of vLLM's triton_decode_attention.py (not part of this repository)")
     ap.add_argument("--repeat", type=int, default=0, help="ROUNDS of every method in turns (CUDA-graph replays)")
+    ap.add_argument("--paged", action="store_true", help="--repeat: also the paged kernel on the same cache in pages")
     ap.add_argument("--baseline-path", default="", help="--repeat: root of an older tree whose kernels to compare")
     ap.add_argument("--target-ms", type=float, default=None, help="--repeat: where the first method stands")
     ap.add_argument("--profile", default="", help="H:B:N:FORMAT: run one point --iters times (first of --backends)")
@@ -514,7 +552,7 @@ def main():
         result["capacity_ok"] = check_capacity_invariance(lines, backends)
     if a.repeat:
         baseline = load_baseline(a.baseline_path) if a.baseline_path else None
-        result["repeats"] = run_repeats(lines, points, formats, baseline, a.repeat, a.target_ms)
+        result["repeats"] = run_repeats(lines, points, formats, baseline, a.repeat, a.target_ms, a.paged)
     if a.bench:
         bf16 = load_bf16_kernel(a.bf16_kernel)
         lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")
