@@ -28,7 +28,6 @@ from quantmla_hf.format import CacheFormat, PathFormat
 from .mla_decode_combine import combine
 from .mla_decode_triton import (
     BLOCK_T,
-    WIDE_16,
     _load_query_group,
     _row_scale,
     _store_group,
@@ -228,7 +227,7 @@ def mla_decode_paged(
     page_size = next(iter(content.values())).shape[1]
     S, R = sink_content.shape[1], recent_content.shape[1]
     bt = block_t or BLOCK_T
-    GC, GROUP_C = path_tiling(fmt.content, 8, 64 if exact else WIDE_16)
+    GC, GROUP_C = path_tiling(fmt.content, 8)
     block_m = block_rows(H)
     head_blocks = triton.cdiv(H, block_m)
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len

@@ -341,19 +341,16 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-WIDE_16 = 512  # widest group of a 16-bit path outside fp32 models
-
-
-def path_tiling(path: PathFormat, max_groups: int, widest: int = 64) -> tuple[int, int] | None:
+def path_tiling(path: PathFormat, max_groups: int) -> tuple[int, int] | None:
     """`(groups, group width)` the kernel takes a path in, or None: a packed path in its own groups (powers of two,
-    at least 16 elements, at most `max_groups`); a 16-bit path in the fewest power-of-two groups of at most
-    `widest` elements that `max_groups` allows."""
+    at least 16 elements, at most `max_groups`); a 16-bit path in the fewest power-of-two groups of at most 64
+    elements that `max_groups` allows (one 512-wide group measured 1.2x slower for C16R16: docs/KERNELS.md)."""
     if not _pow2(path.dim) or path.dim < 16:
         return None
     if path.quantized:
         g, w = path.n_groups, path.group
     else:
-        w = max(16, min(widest, path.dim), path.dim // max_groups)
+        w = max(16, min(64, path.dim), path.dim // max_groups)
         g = path.dim // w
     if not (_pow2(w) and w >= 16 and _pow2(g) and g <= max_groups):
         return None
@@ -403,8 +400,7 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
     exact = sink_c.dtype == torch.float32
-    # A 16-bit content path in one group (one [BM, d_c] accumulator and one dot per tile) outside fp32 models.
-    GC, GROUP_C = path_tiling(fmt.content, 8, 64 if exact else WIDE_16)
+    GC, GROUP_C = path_tiling(fmt.content, 8)
     block_m = block_rows(M)
     c0, c1, c2 = _plane3(cp, fmt.content)
     r0, r1, r2 = _plane3(rp, fmt.rope)

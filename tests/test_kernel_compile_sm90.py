@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
 
     def compile_launch(fn, bits, exact, rows, extra_const, ptr):
         fmt = CacheFormat(PathFormat(512, bits, 64), PathFormat(64, bits, 64), 4, 128)
-        gc, group = mod.path_tiling(fmt.content, 8, 64 if exact else mod.WIDE_16)
+        gc, group = mod.path_tiling(fmt.content, 8)
         const = dict(D_C=512, GC=gc, GROUP_C=group, C_BITS=bits, D_R=64, R_BITS=bits, S=4, R=128,
                      BLOCK_M=mod.block_rows(rows), BLOCK_T=mod.BLOCK_T, Q_SPLIT=exact, EXACT=exact, **extra_const)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")

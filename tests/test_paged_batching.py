@@ -83,6 +83,22 @@ def test_preemption_under_pressure_recomputes_and_counts():
     assert batcher.stats.peak_pages <= 9
 
 
+def test_long_prompts_wait_for_room_instead_of_thrashing():
+    """Two 20-token prompts chunked 8 tokens a forward, pages for one and a half of them: the second is admitted only
+    once the first finished (it would otherwise take pages chunk by chunk, run out half-way and be recomputed again
+    and again), so nothing is preempted and each prompt is computed once."""
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(16))
+    ps = prompts(lens=(20, 20))
+    cache = PagedQuantMLACache(model.config, qconfig(16), page_size=4, max_requests=2, num_pages=8, dtype=model.dtype)
+    batcher = ContinuousBatcher(model, cache, max_batch_tokens=8)
+    for i, p in enumerate(ps):
+        batcher.add_request(str(i), p, 4)
+    results = batcher.run()
+    assert [results[str(i)] for i in range(2)] == [alone(model, p, 4) for p in ps]
+    assert batcher.stats.preemptions == 0 and batcher.stats.peak_running == 1
+    assert batcher.stats.forward_tokens == 2 * (20 + 3)
+
+
 def test_request_larger_than_the_cache_is_refused():
     model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
     cache = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=2, num_pages=2, dtype=model.dtype)

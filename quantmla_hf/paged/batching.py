@@ -5,15 +5,17 @@ row (`[1, N]`, positions per token): decode steps of running requests and prefil
 lengths, without padding. The policy is the one of transformers' own continuous batching (FIFO) and vLLM's:
 
 - running requests first, one token each (or their next prefill chunk), then waiting requests in arrival order,
-  admitted while the step's token budget (`max_batch_tokens`) and the cache's pages allow. A prompt that fits one
-  forward is prefilled whole (it waits for a step with room), so its tokens attend to exact latents as in
-  `generate`; only a prompt longer than `max_batch_tokens` is chunked, and then, in a quantized format, a chunk
-  reads the earlier chunks from the cache (dequantized outside the sink and recent window), which a one-shot
-  `generate` prefill does not;
+  admitted while the step's token budget (`max_batch_tokens`) and the cache's pages allow: a request is admitted
+  only when the pages left hold all its tokens and its next one (then chunks of a long prompt do not run out of
+  pages half-way). A prompt that fits one forward is prefilled whole (it waits for a step with room), so its tokens
+  attend to exact latents as in `generate`; only a prompt longer than `max_batch_tokens` is chunked, and then, in a
+  quantized format, a chunk reads the earlier chunks from the cache (dequantized outside the sink and recent
+  window), which a one-shot `generate` prefill does not;
 - when the running requests' next tokens do not fit the pages left, the most recently admitted request is preempted:
   its pages are freed and it waits again at the head of the queue, to be recomputed from its prompt and the tokens
-  it already generated (`preemptions` counts these);
-- a request that does not fit an empty cache on its own is refused with `CacheBudgetExceeded`.
+  it already generated (`preemptions` counts these); a step that preempted admits no one (vLLM's rule);
+- a request whose tokens (and next token) do not fit an empty cache on its own is refused with
+  `CacheBudgetExceeded`.
 """
 
 from __future__ import annotations
@@ -177,23 +179,30 @@ class ContinuousBatcher:
             plan.append((req, min(len(req.tokens) - req.cached, budget)))
             budget -= plan[-1][1]
         # Running requests that no longer fit: preempt the most recently admitted until the others do.
+        preempted = False
         while plan and self._pages(plan) > self.cache.allocator.num_free:
             victim = self.running[-1]
             budget += sum(q for r, q in plan if r is victim)
             plan = [(r, q) for r, q in plan if r is not victim]
             self._preempt(victim)
+            preempted = True
+        if preempted:
+            return plan  # no admission in a step that preempted (vLLM's rule): the pages went to running requests
         rows_free = self.cache.free_rows
         while self.waiting and budget > 0 and rows_free > 0 and self.waiting[0].arrival_step <= self.stats.steps:
             req = self.waiting[0]
             if budget < len(req.tokens) <= self.max_batch_tokens:
                 break  # a prompt that fits one forward is prefilled whole, in a later step
             q = min(len(req.tokens), budget)
-            if self._pages(plan + [(req, q)]) > self.cache.allocator.num_free:
+            # Admitted only when all its tokens (and its next one) fit beside this step's: a long prompt let in chunk
+            # by chunk without room to finish would be preempted and recomputed over and over.
+            whole = self.cache.pages_needed(None, len(req.tokens) + 1)
+            if self._pages(plan) + whole > self.cache.allocator.num_free:
                 if not plan and not self.running:
                     raise CacheBudgetExceeded(
-                        f"request {req.request_id!r} ({len(req.tokens)} tokens) does not fit the empty cache "
-                        f"({self.cache.num_pages} pages of {self.cache.page_size} tokens); build the cache with a "
-                        "larger budget or shorten the request"
+                        f"request {req.request_id!r} ({len(req.tokens)} tokens and its next one) does not fit the "
+                        f"empty cache ({self.cache.num_pages} pages of {self.cache.page_size} tokens); build the "
+                        "cache with a larger budget or shorten the request"
                     )
                 break
             self.waiting.popleft()
