@@ -4,7 +4,7 @@ through the same pages) under cache pressure, and against `generate` with static
     python benchmarks/bench_serve.py --out DIR [--layers 27] [--tiny] [--check]
         [--pressure] [--pressure-requests 5] [--pressure-input 32768] [--pressure-output 1024] [--budget-gib G]
         [--scale 64,256] [--scale-min 4096] [--scale-max 32768] [--scale-output 256] [--static-batch 8]
-        [--formats C16R16,C4R4] [--page-size 64] [--max-batch-tokens 8192]
+        [--formats C16R16,C4R4] [--page-size 64] [--max-batch-tokens 8192] [--eager]
 
 Model: the DeepSeek-V2-Lite attention shape (`bench_generate.v2_lite`: 16 heads, d_c 512, d_R 64, dense MLPs,
 random bf16 weights, `--layers` layers); `--tiny` swaps in a 4-head toy for a CPU smoke run. Prompts are random
@@ -24,7 +24,9 @@ token ids; generation is greedy with no end token, so every request yields exact
   new tokens: C4R4 continuous batching vs `generate` (C4R4 `QuantMLACache`, "quantmla" attention) over static
   batches of `--static-batch` of the same requests, left-padded, one batch after another.
 
-Rows are printed as JSON lines as they finish and all of them written to `DIR/bench_serve.json`.
+Continuous batching replays its decode-only steps from CUDA graphs (`quantmla_hf.paged.graphs`; `graph_steps` and
+`graph_captures` in each row) unless `--eager`. Rows are printed as JSON lines as they finish and all of them
+written to `DIR/bench_serve.json`.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def run_batcher(model, fmt: str, reqs: list[list[int]], new_tokens: int, args, b
                 arrivals=None) -> tuple[dict, ContinuousBatcher]:
     cache = PagedQuantMLACache(model.config, qconfig(fmt), page_size=args.page_size, max_requests=len(reqs),
                                budget_bytes=budget_bytes, num_pages=num_pages, dtype=model.dtype, device=DEVICE)
-    batcher = ContinuousBatcher(model, cache, args.max_batch_tokens)
+    batcher = ContinuousBatcher(model, cache, args.max_batch_tokens, decode_graphs=False if args.eager else "auto")
     for i, p in enumerate(reqs):
         batcher.add_request(str(i), p, new_tokens, arrivals[i] if arrivals else 0)
     sync()
@@ -96,7 +98,7 @@ def run_batcher(model, fmt: str, reqs: list[list[int]], new_tokens: int, args, b
     row = dict(format=fmt, requests=len(reqs), cache_tokens=cache.capacity_tokens(), cache_gib=cache.nbytes() / 2**30,
                wall_s=wall, generated=s.generated_tokens, out_tok_s=s.generated_tokens / wall, steps=s.steps,
                forward_tokens=s.forward_tokens, preemptions=s.preemptions, peak_running=s.peak_running,
-               peak_pages=s.peak_pages)
+               peak_pages=s.peak_pages, graph_steps=s.graph_steps, graph_captures=s.graph_captures)
     batcher.results = results
     del cache
     return row, batcher
@@ -197,6 +199,7 @@ def main() -> int:
     ap.add_argument("--formats", default="C16R16,C4R4")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--eager", action="store_true", help="continuous batching without CUDA-graph decode steps")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--check-dtype", default="float32", choices=("float32", "model"),

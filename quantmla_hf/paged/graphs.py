@@ -1,0 +1,203 @@
+"""CUDA-graph decode steps of continuous batching: a step whose requests all decode one token is replayed.
+
+An eager forward of a 27-layer model spends ~100 ms of host work per step whatever the batch; the GPU work of a
+decode step is a few milliseconds. `PagedDecodeGraphs` captures the forward of a decode-only step once per bucket
+`(requests rounded up to a power of two, page-table width rounded up to a power of two)` and replays it:
+
+- the captured step reads static buffers (`[1, nb]` input ids and positions; the `PagedStep` index tensors of `nb`
+  one-token requests: lengths, page table, rows, write slots, recent-ring writes), filled before every replay from
+  the step `PagedQuantMLACache.begin_step` built (pages are reserved on the host as in an eager step);
+- rows past the real requests are padding: a token at position 0 of a scratch request that owns one reserved page
+  and one reserved sink/recent row, so it writes and reads only those (its logits are dropped);
+- the split grid of the paged kernel is fixed by the bucket's page-table width (`max_seq_len` = width x page size;
+  the kernel sizes its splits from each request's device-side length);
+- prefill chunks, a request whose new token still enters the sink copy, and a step whose capture failed run eagerly
+  (the failure is logged once and graphs are off for the batcher).
+
+Graphs share one memory pool (they are replayed one at a time); a capture is two eager warm-up forwards on the
+step's own inputs (their cache writes are the ones the replay repeats) and the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .attention import PagedForward
+from .cache import PagedQuantMLACache, PagedStep
+
+logger = logging.getLogger(__name__)
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above `n` (request count or page-table width of a captured step)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass
+class CapturedStep:
+    """One captured decode step of `nb` requests with page tables `width` pages wide."""
+
+    graph: torch.cuda.CUDAGraph | None
+    step: PagedStep
+    ctx: PagedForward
+    input_ids: torch.Tensor  # [1, nb]
+    position_ids: torch.Tensor  # [1, nb]
+    logits_to_keep: torch.Tensor  # [nb]
+    logits: torch.Tensor | None = None  # [nb, V], the captured forward's output
+
+
+def unsupported_reason(model, cache: PagedQuantMLACache) -> str | None:
+    """Why decode steps of this model and cache cannot be captured, or None."""
+    if cache.device.type != "cuda":
+        return f"the paged cache is on {cache.device}, not a CUDA device"
+    if not cache._use_triton():
+        return f"the paged cache's kernel is {cache.kernel!r}; captured steps need the Triton kernels"
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if devices != {cache.device}:
+        return f"the model's weights are on {sorted(map(str, devices))}, not only on the cache's {cache.device}"
+    if cache.quantization_config.decode_graphs is False:
+        return "the model's QuantMLAConfig has decode_graphs=False"
+    return None
+
+
+class PagedDecodeGraphs:
+    """The captured decode steps of one `ContinuousBatcher` (its model, cache and forward call)."""
+
+    def __init__(self, model, cache: PagedQuantMLACache, forward):
+        self.model, self.cache, self.forward = model, cache, forward
+        self.captured: dict[tuple[int, int], CapturedStep] = {}
+        self.pool = None
+        self.scratch_page: int | None = None
+        self.scratch_row: int | None = None
+        self.disabled: str | None = None
+        self.captures = 0
+        self.replays = 0
+
+    # ---- when -------------------------------------------------------------------------------------------------
+    def eligible(self, plan) -> bool:
+        """A step of requests that each decode one token past the sink window (prompt fully cached)."""
+        if self.disabled is not None:
+            return False
+        first = max(1, self.cache.sink_tokens)
+        return all(q == 1 and r.cached >= first and r.cached == len(r.tokens) - 1 for r, q in plan)
+
+    def _reserve_scratch(self) -> bool:
+        """One page and one sink/recent row for the padding rows, held until `release`."""
+        if self.scratch_page is None:
+            if not self.cache.allocator.can_allocate(1):
+                return False
+            self.scratch_page = self.cache.allocator.allocate(1)[0]
+        if self.scratch_row is None and self.cache.sink_tokens + self.cache.recent_tokens:
+            if not self.cache._free_rows:
+                return False
+            self.scratch_row = self.cache._free_rows.pop()
+        return True
+
+    def release(self) -> None:
+        """Return the scratch page and row to the cache (the captured graphs stay for later steps)."""
+        if self.scratch_page is not None:
+            self.cache.allocator.free([self.scratch_page])
+            self.scratch_page = None
+        if self.scratch_row is not None:
+            self.cache._free_rows.append(self.scratch_row)
+            self.scratch_row = None
+        # The graphs read the scratch slots they were filled with: capture again after a release.
+        self.captured.clear()
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def run(self, plan, step: PagedStep) -> torch.Tensor | None:
+        """Logits `[n, V]` of the decode step `step` (built by `begin_step` for `plan`), replayed from the graph of
+        its bucket (captured first when new); None when the step must run eagerly (no scratch room, or capture
+        failed)."""
+        n = len(plan)
+        key = (bucket(n), bucket(step.page_table.shape[1]))
+        entry = self.captured.get(key)
+        if entry is None:
+            if not self._reserve_scratch():
+                return None
+            entry = self._new_entry(*key)
+        self._fill(entry, plan, step)
+        if entry.graph is None:
+            try:
+                self._capture(entry)
+            except Exception as err:  # noqa: BLE001 - any capture failure sends the batcher back to eager steps
+                self.disabled = f"capturing a decode step failed ({type(err).__name__}: {err})"
+                logger.warning("quantmla continuous batching: %s; decode steps run eagerly from now on",
+                               self.disabled)
+                torch.cuda.synchronize()
+                return None
+            self.captured[key] = entry
+        entry.graph.replay()
+        self.replays += 1
+        return entry.logits[:n]
+
+    def _new_entry(self, nb: int, width: int) -> CapturedStep:
+        cache, dev = self.cache, self.cache.device
+        arange = torch.arange(nb + 1, device=dev, dtype=torch.int32)
+        R = cache.recent_tokens
+        step = PagedStep(
+            request_ids=[f"<graph {i}>" for i in range(nb)], past_lens=[width * cache.page_size - 1] * nb,
+            query_lens=[1] * nb, cu_seqlens_q=arange, cu_seqlens_k=arange.clone(),
+            seq_lens=torch.ones(nb, device=dev, dtype=torch.int32),
+            page_table=torch.zeros((nb, width), device=dev, dtype=torch.int32),
+            rows=torch.zeros(nb, device=dev, dtype=torch.int32), token_request=arange[:nb].clone(),
+            slots=torch.zeros(nb, device=dev, dtype=torch.long), positions=torch.zeros(nb, device=dev, dtype=torch.long),
+            sink_writes=torch.zeros((3, 0), device=dev, dtype=torch.long),
+            recent_writes=torch.zeros((3, nb if R else 0), device=dev, dtype=torch.long),
+        )
+        if R:
+            step.recent_writes[0] = torch.arange(nb, device=dev)
+        ctx = PagedForward(cache, step, list(range(nb)), [])
+        ctx.native_step = step
+        ctx.native_tokens = torch.arange(nb, device=dev)
+        return CapturedStep(None, step, ctx, torch.zeros((1, nb), device=dev, dtype=torch.long),
+                            torch.zeros((1, nb), device=dev, dtype=torch.long), torch.arange(nb, device=dev))
+
+    def _fill(self, entry: CapturedStep, plan, step: PagedStep) -> None:
+        """Copy the real step into the static buffers; rows past it become scratch padding."""
+        cache, s = self.cache, entry.step
+        n, nb, ps = len(plan), entry.input_ids.shape[1], cache.page_size
+        R = cache.recent_tokens
+        scratch_row = self.scratch_row if self.scratch_row is not None else 0
+        host = torch.zeros((5, nb), dtype=torch.long)
+        host[2] = 1  # padding: one token at position 0 of the scratch request
+        host[3] = scratch_row
+        for i, (req, _) in enumerate(plan):
+            p = req.cached
+            host[0, i], host[1, i], host[2, i] = req.tokens[p], p, p + 1
+            host[3, i] = cache.requests[req.request_id].row
+            host[4, i] = p % R if R else 0
+        dev = host.to(cache.device)
+        entry.input_ids.copy_(dev[0:1])
+        entry.position_ids.copy_(dev[1:2])
+        s.positions.copy_(dev[1])
+        s.seq_lens.copy_(dev[2])
+        s.rows.copy_(dev[3])
+        if R:
+            s.recent_writes[1:].copy_(dev[3:5])
+        s.slots[:n].copy_(step.slots)
+        s.slots[n:] = self.scratch_page * ps
+        s.page_table[:n, : step.page_table.shape[1]].copy_(step.page_table)
+        s.page_table[n:, 0] = self.scratch_page
+
+    def _forward(self, entry: CapturedStep) -> torch.Tensor:
+        entry.ctx.new_latents.clear()
+        return self.forward(entry.ctx, entry.input_ids, entry.position_ids, entry.logits_to_keep)
+
+    def _capture(self, entry: CapturedStep) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernel compilation and library start-up, on the step's own inputs
+                self._forward(entry)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            entry.logits = self._forward(entry)
+        entry.graph = graph
+        self.captures += 1

@@ -1,0 +1,86 @@
+"""Captured decode steps of continuous batching (`quantmla_hf.paged.graphs`), on the CPU.
+
+What runs on the CPU is everything but the CUDA graph itself: when a step is captured, the static buffers filled from
+each real step, the scratch padding of a bucket, the release of the scratch page and row. The graph is stood in for
+by a replay that runs the captured forward again on the same buffers (what a CUDA graph replays), so the tokens must
+equal `generate` on each request alone, with request counts that fill buckets partly (3 of 4, then 2, then 1).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from quantmla_hf import QuantMLAConfig, apply_quantmla
+from quantmla_hf.paged import PagedQuantMLACache
+from quantmla_hf.paged.batching import ContinuousBatcher
+from quantmla_hf.paged.graphs import PagedDecodeGraphs, bucket, unsupported_reason
+from quantmla_hf.tiny_models import tiny_mla_model
+
+
+class BufferReplay(PagedDecodeGraphs):
+    """The captured forward replayed by running it again on its static buffers (no CUDA on this machine)."""
+
+    def _capture(self, entry):
+        entry.logits = self._forward(entry)
+        entry.graph = SimpleNamespace(replay=lambda: entry.logits.copy_(self._forward(entry)))
+        self.captures += 1
+
+
+def qconfig(bits):
+    return QuantMLAConfig(content_bits=bits, rope_bits=bits, group_size=16, sink_tokens=2, recent_tokens=4,
+                          kernel="torch", transform="none")
+
+
+def alone(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 200)] == [1, 2, 4, 4, 8, 8, 16, 256]
+
+
+def test_off_where_a_graph_cannot_run():
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
+    cache = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=2, num_pages=8, dtype=model.dtype)
+    assert "not a CUDA device" in unsupported_reason(model, cache)
+    assert ContinuousBatcher(model, cache).graphs is None  # "auto": eager on the CPU, silently
+    with pytest.raises(ValueError, match="decode_graphs=True, but the paged cache is on cpu"):
+        ContinuousBatcher(model, cache, decode_graphs=True)
+    with pytest.raises(ValueError, match="decode_graphs must be"):
+        ContinuousBatcher(model, cache, decode_graphs="yes")
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_replayed_decode_steps_equal_generate_alone(bits):
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(bits))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 3, 12)]
+    new = [9, 4, 6]  # finishing at different steps: 3 requests (bucket 4), then 2, then 1
+    cache = PagedQuantMLACache(model.config, qconfig(bits), page_size=4, max_requests=4, num_pages=20,
+                               dtype=model.dtype)
+    batcher = ContinuousBatcher(model, cache, max_batch_tokens=32, decode_graphs=False)
+    batcher.graphs = BufferReplay(model, cache, batcher._forward)
+    for i, (p, n) in enumerate(zip(prompts, new)):
+        batcher.add_request(str(i), p, n)
+    results = batcher.run()
+    assert [results[str(i)] for i in range(3)] == [alone(model, p, n) for p, n in zip(prompts, new)]
+    stats = batcher.stats
+    # the first step prefills; every later step decodes and is replayed
+    assert stats.graph_steps == stats.steps - 1 == max(new) - 1
+    buckets = {(bucket(k), bucket(w)) for k, w in [(3, 4), (2, 4), (1, 4)]}
+    assert stats.graph_captures >= len({b for b, _ in buckets})
+    assert cache.allocator.num_used == 0 and not cache.requests and cache.free_rows == 4  # scratch returned
+
+
+def test_prefill_chunks_and_sink_positions_run_eagerly():
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
+    cache = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=2, num_pages=8, dtype=model.dtype)
+    graphs = BufferReplay(model, cache, lambda *a: None)
+    decoding = SimpleNamespace(cached=5, tokens=list(range(6)))
+    assert graphs.eligible([(decoding, 1)])
+    assert not graphs.eligible([(decoding, 1), (SimpleNamespace(cached=0, tokens=[1, 2, 3]), 3)])  # a prefill
+    assert not graphs.eligible([(SimpleNamespace(cached=1, tokens=[1, 2]), 1)])  # its token enters the sink (S = 2)
+    graphs.disabled = "capture failed"
+    assert not graphs.eligible([(decoding, 1)])
