@@ -21,8 +21,9 @@ token ids; generation is greedy with no end token, so every request yields exact
   ratio, preemptions and the peak number of running requests. Then the same without pressure (a budget C16R16 also
   fits, C4R4 must be at least as fast).
 - `--scale N,M`: N (then M) concurrent requests, prompts uniform in `[--scale-min, --scale-max]`, `--scale-output`
-  new tokens: C4R4 continuous batching vs `generate` (C4R4 `QuantMLACache`, "quantmla" attention) over static
-  batches of `--static-batch` of the same requests, left-padded, one batch after another.
+  new tokens: C4R4 continuous batching vs plain `generate` (the model's C4R4 config: static cache, CUDA-graph
+  decode steps on a GPU) over static batches of `--static-batch` of the same requests, left-padded, one batch after
+  another.
 
 Continuous batching replays its decode-only steps from CUDA graphs (`quantmla_hf.paged.graphs`; `graph_steps` and
 `graph_captures` in each row) unless `--eager`. Rows are printed as JSON lines as they finish and all of them
@@ -43,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generate import DEVICE, v2_lite  # noqa: E402
 
-from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks  # noqa: E402
+from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla  # noqa: E402
 from quantmla_hf.attention import ATTN_IMPLEMENTATION  # noqa: E402
 from quantmla_hf.paged import PagedQuantMLACache, page_bytes, protected_bytes_per_request  # noqa: E402
 from quantmla_hf.paged.batching import CACHE_KWARG, ContinuousBatcher  # noqa: E402
@@ -156,7 +157,8 @@ def pressure(model, args) -> None:
 
 
 def static_generate(model, reqs: list[list[int]], new_tokens: int, batch: int) -> float:
-    """Wall time of `generate` over static batches of `batch` requests (left-padded), one after another."""
+    """Wall time of plain `generate` (the model's C4R4 config: a static cache in buckets, decode steps replayed from
+    CUDA graphs on a GPU) over static batches of `batch` requests (left-padded), one after another."""
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     sync()
     t0 = time.perf_counter()
@@ -168,10 +170,8 @@ def static_generate(model, reqs: list[list[int]], new_tokens: int, batch: int) -
         for j, p in enumerate(chunk):
             ids[j, width - len(p):] = torch.tensor(p)
             mask[j, width - len(p):] = 1
-        cache = QuantMLACache(config=model.config, quantization_config=qconfig("C4R4"))
         model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=new_tokens, do_sample=False,
-                       pad_token_id=0, **{CACHE_KWARG: cache})
-        del cache
+                       pad_token_id=0)
     sync()
     return time.perf_counter() - t0
 
@@ -222,7 +222,7 @@ def main() -> int:
     # No end token: every request yields exactly its output length (continuous batching stops on none either), and
     # generate does not have to suppress one (min_new_tokens would change its greedy choice).
     model.generation_config.eos_token_id = None
-    install_cache_hooks(model)
+    apply_quantmla(model, qconfig("C4R4"))  # what plain `generate` uses; the paged caches carry their own format
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     import transformers
 
@@ -234,7 +234,7 @@ def main() -> int:
         if args.check_dtype == "float32" and model.dtype != torch.float32:
             reference = v2_lite(args.layers, tiny=args.tiny).float()  # the same weights (seeded), in fp32
             reference.generation_config.eos_token_id = None
-            install_cache_hooks(reference)
+            apply_quantmla(reference, qconfig("C4R4"))
             reference.set_attn_implementation(ATTN_IMPLEMENTATION)
             ok = check(reference, args)
             del reference
