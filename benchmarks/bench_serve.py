@@ -126,7 +126,7 @@ def check(model, args) -> bool:
         emit(args.out, dict(bench="check", format=fmt, dtype=str(model.dtype), equal=f"{equal}/{len(reqs)}",
                             first_difference=first, new_tokens=args.check_tokens, prompt_lens=[len(p) for p in reqs],
                             arrivals=arrivals, peak_running=row["peak_running"], batcher_s=row["wall_s"],
-                            batcher_steps=row["steps"], generate_alone_s=generate_s))
+                            batcher_steps=row["steps"], graph_steps=row["graph_steps"], generate_alone_s=generate_s))
     return ok
 
 

@@ -14,7 +14,7 @@ import torch
 from quantmla_hf import QuantMLAConfig, apply_quantmla
 from quantmla_hf.paged import PagedQuantMLACache
 from quantmla_hf.paged.batching import ContinuousBatcher
-from quantmla_hf.paged.graphs import PagedDecodeGraphs, bucket, unsupported_reason
+from quantmla_hf.paged.graphs import PagedDecodeGraphs, bucket, device_key, unsupported_reason
 from quantmla_hf.tiny_models import tiny_mla_model
 
 
@@ -39,6 +39,13 @@ def alone(model, prompt, n):
 
 def test_buckets_are_powers_of_two():
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 200)] == [1, 2, 4, 4, 8, 8, 16, 256]
+
+
+def test_a_cuda_device_without_index_is_the_current_one():
+    # a cache built on "cuda" and weights on "cuda:0" share a device when device 0 is current
+    assert device_key("cuda", 0) == device_key("cuda:0", 0) == ("cuda", 0)
+    assert device_key("cuda", 1) != device_key("cuda:0", 1)
+    assert device_key("cpu", 0) == ("cpu", None)
 
 
 def test_off_where_a_graph_cannot_run():

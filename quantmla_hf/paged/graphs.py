@@ -49,15 +49,24 @@ class CapturedStep:
     logits: torch.Tensor | None = None  # [nb, V], the captured forward's output
 
 
+def device_key(device, current_index: int) -> tuple[str, int | None]:
+    """`(type, index)` of a device, a CUDA device without an index read as `current_index` ("cuda" is "cuda:0"
+    when device 0 is current)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None or device.type != "cuda" else current_index
+    return device.type, index
+
+
 def unsupported_reason(model, cache: PagedQuantMLACache) -> str | None:
     """Why decode steps of this model and cache cannot be captured, or None."""
     if cache.device.type != "cuda":
         return f"the paged cache is on {cache.device}, not a CUDA device"
     if not cache._use_triton():
         return f"the paged cache's kernel is {cache.kernel!r}; captured steps need the Triton kernels"
-    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
-    if devices != {cache.device}:
-        return f"the model's weights are on {sorted(map(str, devices))}, not only on the cache's {cache.device}"
+    current = torch.cuda.current_device()
+    devices = {device_key(t.device, current) for t in (*model.parameters(), *model.buffers())}
+    if devices != {device_key(cache.device, current)}:
+        return f"the model's weights are on {sorted(devices)}, not only on the cache's {cache.device}"
     if cache.quantization_config.decode_graphs is False:
         return "the model's QuantMLAConfig has decode_graphs=False"
     return None
