@@ -137,7 +137,7 @@ def pressure(model, args) -> None:
     c4 = PagedQuantMLACache(model.config, qconfig("C4R4"), num_pages=1, max_requests=1, dtype=model.dtype)
     pages_each = -(-(lin + lout) // args.page_size)
     need = n * pages_each * page_bytes(c4.format, layers, args.page_size, model.dtype)
-    need += n * protected_bytes_per_request(c4.format, layers, model.dtype)
+    need += (n + 1) * protected_bytes_per_request(c4.format, layers, model.dtype)  # and the cache's scratch row
     del c4
     pressured = int(args.budget_gib * 2**30) if args.budget_gib else int(need * 1.02)
     c16 = PagedQuantMLACache(model.config, qconfig("C16R16"), num_pages=1, max_requests=1, dtype=model.dtype)

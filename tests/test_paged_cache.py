@@ -129,7 +129,9 @@ def test_c16r16_keeps_no_protected_rows():
     _, _, c16 = _cache(16)
     _, _, c4 = _cache(4)
     assert c16.sink_tokens == c16.recent_tokens == 0 and c16.sink_content[0].numel() == 0
-    assert c4.sink_content[0].shape == (4, 2, 64) and c4.recent_rope[0].shape == (4, 5, 16)
+    # one row per request plus the scratch row of captured decode steps, never given to a request
+    assert c4.sink_content[0].shape == (5, 2, 64) and c4.recent_rope[0].shape == (5, 5, 16)
+    assert c4.scratch_row == 4 and c4.free_rows == 4 and 4 not in c4._free_rows
 
 
 def test_bad_inputs_are_refused_clearly():

@@ -5,8 +5,11 @@ Storage, per cache layer (one tensor per plane, pages along the first dimension)
     content planes   codes uint8 [P, page_size, d_c * bits / 8], scale fp16 [P, page_size, G], zero int8 [P, page_size, G]
                      (16 bits: values [P, page_size, d_c] in the model dtype)
     rope planes      the same for the RoPE key, `d_R` wide
-    sink copies      [max_requests, S, d_c] and [max_requests, S, d_R] in the model dtype (quantized formats only)
-    recent rings     [max_requests, R, d_c] and [max_requests, R, d_R] in the model dtype (position p in slot p % R)
+    sink copies      [max_requests + 1, S, d_c] and [.., S, d_R] in the model dtype (quantized formats only)
+    recent rings     [max_requests + 1, R, d_c] and [.., R, d_R] in the model dtype (position p in slot p % R)
+
+(row `max_requests` of the copies is the scratch row: the padding tokens of captured decode steps,
+`graphs.py`, write and read it and nothing else),
 
 A page is `page_size` consecutive tokens of one request; the bytes of one token inside a page are exactly those of
 the contiguous cache (`quantmla_hf/format.py`: a page plane `[page_size, width]` is one row of the contiguous
@@ -134,7 +137,8 @@ class PagedQuantMLACache:
         if (num_pages is None) == (budget_bytes is None):
             raise ValueError("give exactly one of num_pages and budget_bytes")
         if num_pages is None:
-            num_pages = pages_for_budget(budget_bytes, self.format, self.num_layers, page_size, max_requests, dtype)
+            num_pages = pages_for_budget(budget_bytes, self.format, self.num_layers, page_size, max_requests + 1,
+                                         dtype)
         self.num_pages = num_pages
         self.allocator = PageAllocator(num_pages)
         self.protected = self.format.content.quantized or self.format.rope.quantized
@@ -144,12 +148,13 @@ class PagedQuantMLACache:
         self.sink_tokens, self.recent_tokens = S, R
 
         def dense(n: int, d: int) -> list[torch.Tensor]:
-            return [torch.zeros((max_requests if n else 0, n, d), dtype=dtype, device=self.device)
+            return [torch.zeros((max_requests + 1 if n else 0, n, d), dtype=dtype, device=self.device)
                     for _ in range(self.num_layers)]
 
         self.sink_content, self.sink_rope = dense(S, self.format.content.dim), dense(S, self.format.rope.dim)
         self.recent_content, self.recent_rope = dense(R, self.format.content.dim), dense(R, self.format.rope.dim)
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        self.scratch_row = max_requests  # never given to a request
         self.requests: dict[str, PagedRequest] = {}
 
     def _planes(self, fmt: PathFormat) -> dict[str, torch.Tensor]:

@@ -7,8 +7,9 @@ decode step is a few milliseconds. `PagedDecodeGraphs` captures the forward of a
 - the captured step reads static buffers (`[1, nb]` input ids and positions; the `PagedStep` index tensors of `nb`
   one-token requests: lengths, page table, rows, write slots, recent-ring writes), filled before every replay from
   the step `PagedQuantMLACache.begin_step` built (pages are reserved on the host as in an eager step);
-- rows past the real requests are padding: a token at position 0 of a scratch request that owns one reserved page
-  and one reserved sink/recent row, so it writes and reads only those (its logits are dropped);
+- rows past the real requests are padding: a token at position 0 of a scratch request on one page reserved from
+  the allocator and the cache's scratch sink/recent row, so it writes and reads only those (its logits are
+  dropped);
 - the split grid of the paged kernel is fixed by the bucket's page-table width (`max_seq_len` = width x page size;
   the kernel sizes its splits from each request's device-side length);
 - prefill chunks, a request whose new token still enters the sink copy, and a step whose capture failed run eagerly
@@ -80,7 +81,6 @@ class PagedDecodeGraphs:
         self.captured: dict[tuple[int, int], CapturedStep] = {}
         self.pool = None
         self.scratch_page: int | None = None
-        self.scratch_row: int | None = None
         self.disabled: str | None = None
         self.captures = 0
         self.replays = 0
@@ -94,26 +94,18 @@ class PagedDecodeGraphs:
         return all(q == 1 and r.cached >= first and r.cached == len(r.tokens) - 1 for r, q in plan)
 
     def _reserve_scratch(self) -> bool:
-        """One page and one sink/recent row for the padding rows, held until `release`."""
+        """One page for the padding rows, held until `release` (False when none is free: the step runs eagerly)."""
         if self.scratch_page is None:
             if not self.cache.allocator.can_allocate(1):
                 return False
             self.scratch_page = self.cache.allocator.allocate(1)[0]
-        if self.scratch_row is None and self.cache.sink_tokens + self.cache.recent_tokens:
-            if not self.cache._free_rows:
-                return False
-            self.scratch_row = self.cache._free_rows.pop()
         return True
 
     def release(self) -> None:
-        """Return the scratch page and row to the cache (the captured graphs stay for later steps)."""
+        """Return the scratch page to the cache and drop the graphs (they write to that page)."""
         if self.scratch_page is not None:
             self.cache.allocator.free([self.scratch_page])
             self.scratch_page = None
-        if self.scratch_row is not None:
-            self.cache._free_rows.append(self.scratch_row)
-            self.scratch_row = None
-        # The graphs read the scratch slots they were filled with: capture again after a release.
         self.captured.clear()
 
     # ---- one step ---------------------------------------------------------------------------------------------
@@ -170,10 +162,9 @@ class PagedDecodeGraphs:
         cache, s = self.cache, entry.step
         n, nb, ps = len(plan), entry.input_ids.shape[1], cache.page_size
         R = cache.recent_tokens
-        scratch_row = self.scratch_row if self.scratch_row is not None else 0
         host = torch.zeros((5, nb), dtype=torch.long)
         host[2] = 1  # padding: one token at position 0 of the scratch request
-        host[3] = scratch_row
+        host[3] = cache.scratch_row
         for i, (req, _) in enumerate(plan):
             p = req.cached
             host[0, i], host[1, i], host[2, i] = req.tokens[p], p, p + 1
