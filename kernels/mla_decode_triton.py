@@ -344,7 +344,7 @@ def _pow2(n: int) -> bool:
 def path_tiling(path: PathFormat, max_groups: int) -> tuple[int, int] | None:
     """`(groups, group width)` the kernel takes a path in, or None: a packed path in its own groups (powers of two,
     at least 16 elements, at most `max_groups`); a 16-bit path in the fewest power-of-two groups of at most 64
-    elements that `max_groups` allows (one 512-wide group measured 1.2x slower for C16R16: docs/KERNELS.md)."""
+    elements that `max_groups` allows."""
     if not _pow2(path.dim) or path.dim < 16:
         return None
     if path.quantized:

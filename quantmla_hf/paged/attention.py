@@ -83,7 +83,7 @@ def _latent_attention(module, ctx: PagedForward, query: torch.Tensor, scaling: f
     H = query.shape[1]
     q = query[0].transpose(0, 1)[ctx.native_tokens]  # [n, H, d_qk]
     w_uk, w_uv = split_kv_b(kv_b_weight(module, H, query.device), H, nope, module.v_head_dim)
-    q_lat = torch.einsum("nhd,hdc->nhc", q[..., :nope], w_uk.to(q.dtype))
+    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1)  # one matrix per head
     args = (q_lat, q[..., nope:], paged.content[layer], paged.rope[layer], paged.format,
             paged.sink_content[layer], paged.sink_rope[layer], paged.recent_content[layer], paged.recent_rope[layer],
             step.page_table, step.rows, step.cu_seqlens_q, step.seq_lens, scaling)
@@ -93,7 +93,7 @@ def _latent_attention(module, ctx: PagedForward, query: torch.Tensor, scaling: f
         o_lat, _ = mla_decode_paged(*args, token_request=step.token_request, max_seq_len=step.max_seq_len)
     else:
         o_lat, _ = mla_decode_paged_ref(*args)
-    return torch.einsum("nhc,hvc->nhv", o_lat.to(query.dtype), w_uv.to(query.dtype))
+    return torch.bmm(o_lat.to(query.dtype).transpose(0, 1), w_uv.to(query.dtype).transpose(1, 2)).transpose(0, 1)
 
 
 def _expand(module, c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

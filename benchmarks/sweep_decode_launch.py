@@ -1,0 +1,96 @@
+"""Launch sweeps behind the decode kernels' launch choices, against an older tree's kernels in the same process.
+
+    mkdir -p baseline && git archive 5b83181 kernels | tar -x -C baseline
+    python benchmarks/sweep_decode_launch.py portable16 --baseline-path baseline
+        the portable kernel on C16R16 (16 heads B32/B8 32K, 128 heads B32 32K) over token tiles {32, 64}, warps
+        {4, 8} and pipeline stages {2, 3} (and 4 at 16 heads B32), each against the baseline's dispatch
+    python benchmarks/sweep_decode_launch.py splits --baseline-path baseline
+        C4R4 and C2R4 at 16 heads, B1 4K through `gluon_regs` and `triton` with 2-64 split targets
+
+Each time is the best of 3 `do_bench` medians of a CUDA-graph replay (`bench_decode.graphed`); a launch the GPU
+cannot run (shared memory) is reported and skipped. The launch parameters are swapped in the kernel module for the
+sweep (`BLOCK_T`, `num_warps`, `pipeline_stages`) and restored after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_decode as bd  # noqa: E402
+
+from quantmla_hf.kernels import mla_decode as dispatch  # noqa: E402
+from quantmla_hf.kernels import mla_decode_triton as portable  # noqa: E402
+
+
+def best_ms(fn, args, rounds=3) -> float:
+    replay = bd.graphed(lambda: fn(*args))
+    return min(bd.bench(replay) for _ in range(rounds))
+
+
+def point_args(fmt_name, H, B, N):
+    q_lat, q_rot, lp = bd._queries(B, H)
+    fmt, cp, rp, sc, sr, rc, rr = bd.make_cache(fmt_name, B, N)
+    return (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, bd.SCALING)
+
+
+def sweep_portable16(baseline) -> None:
+    saved = (portable.BLOCK_T, portable.num_warps, portable.pipeline_stages)
+    try:
+        for H, B, N in [(16, 32, 32768), (128, 32, 32768), (16, 8, 32768)]:
+            args = point_args("C16R16", H, B, N)
+            old = best_ms(baseline(N), args)
+            stages = (2, 3, 4) if (H, B) == (16, 32) else (2, 3)
+            rows = []
+            for bt, warps, st in itertools.product((32, 64), (4, 8), stages):
+                portable.BLOCK_T = bt
+                portable.num_warps = lambda fmt, M, w=warps: w
+                portable.pipeline_stages = lambda fmt, M, s=st: s
+                try:
+                    t = best_ms(bd.decode_fn("triton", N), args)
+                except Exception as err:  # noqa: BLE001 - a launch the GPU refuses is reported, not fatal
+                    print(f"C16R16 H={H} B={B} tile={bt} warps={warps} stages={st}: {type(err).__name__}", flush=True)
+                    continue
+                rows.append((t, bt, warps, st))
+                print(f"C16R16 H={H} B={B} N={N} tile={bt} warps={warps} stages={st}: {t:.4f} ms ({t / old:.3f}x "
+                      f"baseline {old:.4f})", flush=True)
+            t, bt, warps, st = min(rows)
+            print(f"best C16R16 H={H} B={B} N={N}: {t:.4f} ms (tile {bt}, {warps} warps, {st} stages), baseline "
+                  f"{old:.4f}", flush=True)
+    finally:
+        portable.BLOCK_T, portable.num_warps, portable.pipeline_stages = saved
+
+
+def sweep_splits(baseline) -> None:
+    H, B, N = 16, 1, 4096
+    length = torch.tensor([N], dtype=torch.int64, device=bd.DEVICE)
+    for name in ("C4R4", "C2R4"):
+        args = point_args(name, H, B, N)
+        old = best_ms(baseline(N), args)
+        default = best_ms(bd.decode_fn("default", N), args)
+        print(f"{name} H={H} B={B} N={N}: baseline {old:.4f} ms, default dispatch {default:.4f}", flush=True)
+        for backend, ns in itertools.product(("gluon_regs", "triton"), (2, 4, 8, 12, 16, 24, 32, 48, 64)):
+            def run(*a, backend=backend, ns=ns):
+                return dispatch.mla_decode_static(*a[:10], length, N, a[11], backend=backend, num_splits=ns)
+            t = best_ms(run, args)
+            print(f"{name} {backend} split target {ns}: {t:.4f} ms ({t / old:.3f}x baseline)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sweep", choices=("portable16", "splits"))
+    ap.add_argument("--baseline-path", required=True, help="root of an older tree's kernels (git archive REV kernels)")
+    a = ap.parse_args()
+    if bd.DEVICE != "cuda":
+        raise SystemExit("the launch sweeps time CUDA kernels: run them on a GPU")
+    baseline = bd.load_baseline(a.baseline_path)
+    {"portable16": sweep_portable16, "splits": sweep_splits}[a.sweep](baseline)
+
+
+if __name__ == "__main__":
+    main()
