@@ -28,9 +28,9 @@ from quantmla_hf.format import CacheFormat, PathFormat
 from .mla_decode_combine import combine
 from .mla_decode_triton import (
     BLOCK_T,
-    _load_query_group,
-    _row_scale,
-    _store_group,
+    _empty_state,
+    _stage_queries,
+    _store_partial,
     _tile,
     block_rows,
     num_warps,
@@ -70,32 +70,9 @@ def mla_decode_paged_kernel(
 
     o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)  # heads
     m_m = o_m < H
-    p_q = q_ptr + tok * H * D_C
-    p_qr = qr_ptr + tok * H * D_R
-    fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, EXACT)
-    fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, EXACT)
-    fc = fc * qk_scale
-    fr = fr * qk_scale
-    qh0, ql0 = _load_query_group(p_q, o_m, m_m, inv_fc, 0, GROUP_C, D_C, GC, EXACT)
-    qh1, ql1 = _load_query_group(p_q, o_m, m_m, inv_fc, 1, GROUP_C, D_C, GC, EXACT)
-    qh2, ql2 = _load_query_group(p_q, o_m, m_m, inv_fc, 2, GROUP_C, D_C, GC, EXACT)
-    qh3, ql3 = _load_query_group(p_q, o_m, m_m, inv_fc, 3, GROUP_C, D_C, GC, EXACT)
-    qh4, ql4 = _load_query_group(p_q, o_m, m_m, inv_fc, 4, GROUP_C, D_C, GC, EXACT)
-    qh5, ql5 = _load_query_group(p_q, o_m, m_m, inv_fc, 5, GROUP_C, D_C, GC, EXACT)
-    qh6, ql6 = _load_query_group(p_q, o_m, m_m, inv_fc, 6, GROUP_C, D_C, GC, EXACT)
-    qh7, ql7 = _load_query_group(p_q, o_m, m_m, inv_fc, 7, GROUP_C, D_C, GC, EXACT)
-    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, 1, EXACT)
-
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    a0 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a1 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a2 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a3 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a4 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a5 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a6 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a7 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl = _stage_queries(
+        q_ptr + tok * H * D_C, qr_ptr + tok * H * D_R, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, EXACT)
+    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C)
     is_copies = i_s == num_splits
 
     # Packed positions: this split's share of [S, length - R), cut at the token's causal limit (which only bites
@@ -142,19 +119,8 @@ def mla_decode_paged_kernel(
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
             m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
 
-    has = l_i > 0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_row = (tok * H + o_m) * (num_splits + 1) + i_s
-    _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a1, inv_l, 1, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a2, inv_l, 2, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a3, inv_l, 3, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a4, inv_l, 4, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a5, inv_l, 5, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a6, inv_l, 6, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a7, inv_l, 7, GROUP_C, D_C, GC)
-    tl.store(lse_ptr + o_row, b_lse, mask=m_m)
+    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
 
 
 def _flat_planes(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:

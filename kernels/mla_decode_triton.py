@@ -210,6 +210,55 @@ def _store_group(o_ptr, o_row, m_m, acc, inv_l, g: tl.constexpr, GROUP: tl.const
         tl.store(o_ptr + o_row[:, None] * D + g * GROUP + o_k[None, :], acc * inv_l[:, None], mask=m_m[:, None])
 
 
+@triton.jit
+def _stage_queries(p_q, p_qr, o_m, m_m, qk_scale, D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr,
+                   D_R: tl.constexpr, EXACT: tl.constexpr):
+    """Rows `o_m` of the queries `p_q: [., D_C]`, `p_qr: [., D_R]`, staged once per program: the score factors
+    `fc, fr` (per-row powers of two times `qk_scale` = scaling * log2(e)) and the fp16 high/low parts of each
+    content group and of the RoPE group (`_load_query_group`)."""
+    fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, EXACT)
+    fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, EXACT)
+    qh0, ql0 = _load_query_group(p_q, o_m, m_m, inv_fc, 0, GROUP_C, D_C, GC, EXACT)
+    qh1, ql1 = _load_query_group(p_q, o_m, m_m, inv_fc, 1, GROUP_C, D_C, GC, EXACT)
+    qh2, ql2 = _load_query_group(p_q, o_m, m_m, inv_fc, 2, GROUP_C, D_C, GC, EXACT)
+    qh3, ql3 = _load_query_group(p_q, o_m, m_m, inv_fc, 3, GROUP_C, D_C, GC, EXACT)
+    qh4, ql4 = _load_query_group(p_q, o_m, m_m, inv_fc, 4, GROUP_C, D_C, GC, EXACT)
+    qh5, ql5 = _load_query_group(p_q, o_m, m_m, inv_fc, 5, GROUP_C, D_C, GC, EXACT)
+    qh6, ql6 = _load_query_group(p_q, o_m, m_m, inv_fc, 6, GROUP_C, D_C, GC, EXACT)
+    qh7, ql7 = _load_query_group(p_q, o_m, m_m, inv_fc, 7, GROUP_C, D_C, GC, EXACT)
+    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, 1, EXACT)
+    return (fc * qk_scale, fr * qk_scale, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6,
+            qh7, ql7, qrh, qrl)
+
+
+@triton.jit
+def _empty_state(BLOCK_M: tl.constexpr, GROUP_C: tl.constexpr):
+    """Online-softmax state before any token: running maximum, sum and the eight `[BLOCK_M, GROUP_C]` accumulators."""
+    return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+            tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
+            tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
+            tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
+            tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32))
+
+
+@triton.jit
+def _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C: tl.constexpr,
+                   D_C: tl.constexpr, GC: tl.constexpr):
+    """Rows `o_row` of the partials: `o` normalised by this split's sum, `lse` in natural log (-inf when empty)."""
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a1, inv_l, 1, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a2, inv_l, 2, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a3, inv_l, 3, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a4, inv_l, 4, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a5, inv_l, 5, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a6, inv_l, 6, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a7, inv_l, 7, GROUP_C, D_C, GC)
+    tl.store(lse_ptr + o_row, b_lse, mask=m_m)
+
+
 # Lengths and counts change every decode step: no specialisation on them (the length is read from memory anyway).
 @triton.jit(do_not_specialize=["M", "Tq", "split_target", "num_splits"])
 def mla_decode_triton_kernel(
@@ -241,32 +290,9 @@ def mla_decode_triton_kernel(
     lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
 
     # Queries, once per program: per-row powers of two, then fp16 high/low parts per group.
-    p_q = q_ptr + i_b * s_qb
-    p_qr = qr_ptr + i_b * s_qrb
-    fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, EXACT)
-    fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, EXACT)
-    fc = fc * qk_scale  # scores in base 2, pre-multiplied by scaling * log2(e)
-    fr = fr * qk_scale
-    qh0, ql0 = _load_query_group(p_q, o_m, m_m, inv_fc, 0, GROUP_C, D_C, GC, EXACT)
-    qh1, ql1 = _load_query_group(p_q, o_m, m_m, inv_fc, 1, GROUP_C, D_C, GC, EXACT)
-    qh2, ql2 = _load_query_group(p_q, o_m, m_m, inv_fc, 2, GROUP_C, D_C, GC, EXACT)
-    qh3, ql3 = _load_query_group(p_q, o_m, m_m, inv_fc, 3, GROUP_C, D_C, GC, EXACT)
-    qh4, ql4 = _load_query_group(p_q, o_m, m_m, inv_fc, 4, GROUP_C, D_C, GC, EXACT)
-    qh5, ql5 = _load_query_group(p_q, o_m, m_m, inv_fc, 5, GROUP_C, D_C, GC, EXACT)
-    qh6, ql6 = _load_query_group(p_q, o_m, m_m, inv_fc, 6, GROUP_C, D_C, GC, EXACT)
-    qh7, ql7 = _load_query_group(p_q, o_m, m_m, inv_fc, 7, GROUP_C, D_C, GC, EXACT)
-    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, 1, EXACT)
-
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    a0 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a1 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a2 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a3 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a4 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a5 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a6 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
-    a7 = tl.zeros((BLOCK_M, GROUP_C), tl.float32)
+    fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl = _stage_queries(
+        q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, EXACT)
+    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C)
     is_dense = i_s == num_splits
 
     # Packed positions: this split's share of [S, length - R), intersected with [lp + S, ...). Every one of them lies
@@ -319,22 +345,8 @@ def mla_decode_triton_kernel(
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
             m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
 
-    # Partial results: o normalised by this split's sum, lse in natural log (-inf for an empty split).
-    has = l_i > 0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_row = (i_b * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (b, m, split)
-    _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a1, inv_l, 1, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a2, inv_l, 2, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a3, inv_l, 3, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a4, inv_l, 4, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a5, inv_l, 5, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a6, inv_l, 6, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a7, inv_l, 7, GROUP_C, D_C, GC)
-    tl.store(lse_ptr + o_row, b_lse, mask=m_m)
-
-
+    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
 
 
 def _pow2(n: int) -> bool:
