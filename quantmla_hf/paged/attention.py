@@ -132,10 +132,15 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         hist_c, hist_r = ctx.paged.history(layer, sub, c_all[q0:q1], r_all[q0:q1])
         k, v = _expand(module, hist_c, hist_r)
         n, q = hist_c.shape[0], q1 - q0
-        visible = torch.arange(n, device=query.device)[None, :] <= (n - q + torch.arange(q, device=query.device))[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, q0:q1], k, v, attn_mask=visible[None, None], scale=scaling
-        )
+        if n == q:  # a whole prompt: plain causal attention (the fused causal kernels, no mask tensor)
+            o = torch.nn.functional.scaled_dot_product_attention(query[:, :, q0:q1], k, v, is_causal=True,
+                                                                 scale=scaling)
+        else:
+            visible = (torch.arange(n, device=query.device)[None, :]
+                       <= (n - q + torch.arange(q, device=query.device))[:, None])
+            o = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, q0:q1], k, v, attn_mask=visible[None, None], scale=scaling
+            )
         out[q0:q1] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
