@@ -72,7 +72,8 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
+    """Multiprocessors of CUDA device `device_index` (read once)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -213,7 +214,7 @@ def mla_decode_static(
         block_m = regs.BLOCK_M if backend == "gluon_regs" else wide.BLOCK_M
         n_tail = copy_programs(fmt)
     head_blocks = -(-M // block_m)
-    sms = _num_sms(q_lat.device.index or 0) if q_lat.is_cuda and not interpreting() else 8
+    sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda and not interpreting() else 8
     target, NS = split_plan(backend, B, head_blocks, capacity, fmt, sms, num_splits)
     NSP = NS + n_tail  # partial slots: packed splits, then the sink/recent copies
     q = q_lat.reshape(B, M, D_C).contiguous()

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from quantmla_hf.format import CacheFormat, PathFormat
 
+from .mla_decode import TRITON_PROGRAMS_PER_SM, num_sms
 from .mla_decode_combine import combine
 from .mla_decode_triton import (
     BLOCK_T,
@@ -38,9 +39,6 @@ from .mla_decode_triton import (
     pipeline_stages,
     triton_handles,
 )
-
-PROGRAMS_PER_SM = 8  # splits: about 8 programs per multiprocessor, as the portable kernel
-
 
 @triton.jit(do_not_specialize=["max_pages", "split_target", "num_splits"])
 def mla_decode_paged_kernel(
@@ -197,8 +195,8 @@ def mla_decode_paged(
     block_m = block_rows(H)
     head_blocks = triton.cdiv(H, block_m)
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    sms = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 8
-    target = max(1, int(num_splits or triton.cdiv(PROGRAMS_PER_SM * sms, Nq * head_blocks)))
+    sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 8
+    target = max(1, int(num_splits or triton.cdiv(TRITON_PROGRAMS_PER_SM * sms, Nq * head_blocks)))
     NS = max(1, min(target, triton.cdiv(max(longest - R - S, 0), 2 * bt)))  # splits that can hold positions
     o_part = torch.empty((Nq, H, NS + 1, d_c), dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty((Nq, H, NS + 1), dtype=torch.float32, device=q_lat.device)

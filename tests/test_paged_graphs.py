@@ -68,7 +68,7 @@ def test_replayed_decode_steps_equal_generate_alone(bits):
     cache = PagedQuantMLACache(model.config, qconfig(bits), page_size=4, max_requests=4, num_pages=20,
                                dtype=model.dtype)
     batcher = ContinuousBatcher(model, cache, max_batch_tokens=32, decode_graphs=False)
-    batcher.graphs = BufferReplay(model, cache, batcher._forward)
+    batcher.graphs = BufferReplay(cache, batcher._forward)
     for i, (p, n) in enumerate(zip(prompts, new)):
         batcher.add_request(str(i), p, n)
     results = batcher.run()
@@ -84,7 +84,7 @@ def test_replayed_decode_steps_equal_generate_alone(bits):
 def test_prefill_chunks_and_sink_positions_run_eagerly():
     model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
     cache = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=2, num_pages=8, dtype=model.dtype)
-    graphs = BufferReplay(model, cache, lambda *a: None)
+    graphs = BufferReplay(cache, lambda *a: None)
     decoding = SimpleNamespace(cached=5, tokens=list(range(6)))
     assert graphs.eligible([(decoding, 1)])
     assert not graphs.eligible([(decoding, 1), (SimpleNamespace(cached=0, tokens=[1, 2, 3]), 3)])  # a prefill

@@ -137,7 +137,7 @@ class ContinuousBatcher:
             if reason is not None and decode_graphs is True:
                 raise ValueError(f"decode_graphs=True, but {reason}; pass decode_graphs='auto' or False")
             if reason is None:
-                self.graphs = PagedDecodeGraphs(model, cache, self._forward)
+                self.graphs = PagedDecodeGraphs(cache, self._forward)
 
     def add_request(self, request_id: str, input_ids: list[int], max_new_tokens: int, arrival_step: int = 0,
                     eos_token_id=None, sampling: Sampling | None = None) -> None:
@@ -259,19 +259,19 @@ class ContinuousBatcher:
             return []
         cache, device = self.cache, self.cache.device
         step = cache.begin_step([r.request_id for r, _ in plan], [q for _, q in plan])
-        ids = [t for r, q in plan for t in r.tokens[r.cached : r.cached + q]]
-        positions = [p for r, q in plan for p in range(r.cached, r.cached + q)]
-        native = [i for i, (_, q) in enumerate(plan) if native_request(cache, q)]
-        dense = [i for i in range(len(plan)) if i not in native]
-        cu = [0]
-        for _, q in plan:
-            cu.append(cu[-1] + q)
         logits = None
         if self.graphs is not None and self.graphs.eligible(plan):
             logits = self.graphs.run(plan, step)
             self.stats.graph_steps += logits is not None
             self.stats.graph_captures = self.graphs.captures
         if logits is None:
+            ids = [t for r, q in plan for t in r.tokens[r.cached : r.cached + q]]
+            positions = [p for r, q in plan for p in range(r.cached, r.cached + q)]
+            native = [i for i, (_, q) in enumerate(plan) if native_request(cache, q)]
+            dense = [i for i, (_, q) in enumerate(plan) if not native_request(cache, q)]
+            cu = [0]
+            for _, q in plan:
+                cu.append(cu[-1] + q)
             ctx = PagedForward(cache, step, native, dense)
             if native:
                 ctx.native_step = cache.sub_step(step, native)
@@ -283,7 +283,7 @@ class ContinuousBatcher:
             logits = self._forward(ctx, input_ids, position_ids, last)
         cache.end_step(step)
         self.stats.steps += 1
-        self.stats.forward_tokens += len(ids)
+        self.stats.forward_tokens += sum(q for _, q in plan)
         self.stats.peak_running = max(self.stats.peak_running, len(plan))
         self.stats.peak_pages = max(self.stats.peak_pages, cache.allocator.num_used)
         greedy = logits.float().argmax(-1).tolist()  # one read-back for the whole step

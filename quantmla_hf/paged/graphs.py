@@ -1,8 +1,8 @@
 """CUDA-graph decode steps of continuous batching: a step whose requests all decode one token is replayed.
 
-An eager forward of a 27-layer model spends ~60-120 ms of host work per step whatever the batch; the GPU work of a
-decode step is a few milliseconds. `PagedDecodeGraphs` captures the forward of a decode-only step once per bucket
-`(requests rounded up to a power of two, page-table width rounded up to a power of two)` and replays it:
+An eager forward spends most of a decode step on the host (docs/SERVING.md, "Captured decode steps").
+`PagedDecodeGraphs` captures the forward of a decode-only step once per bucket `(requests rounded up to a power of
+two, page-table width rounded up to a power of two)` and replays it:
 
 - the captured step reads static buffers (`[1, nb]` input ids and positions; the `PagedStep` index tensors of `nb`
   one-token requests: lengths, page table, rows, write slots, recent-ring writes), filled before every replay from
@@ -76,8 +76,8 @@ def unsupported_reason(model, cache: PagedQuantMLACache) -> str | None:
 class PagedDecodeGraphs:
     """The captured decode steps of one `ContinuousBatcher` (its model, cache and forward call)."""
 
-    def __init__(self, model, cache: PagedQuantMLACache, forward):
-        self.model, self.cache, self.forward = model, cache, forward
+    def __init__(self, cache: PagedQuantMLACache, forward):
+        self.cache, self.forward = cache, forward
         self.captured: dict[tuple[int, int], CapturedStep] = {}
         self.pool = None
         self.scratch_page: int | None = None
@@ -138,50 +138,44 @@ class PagedDecodeGraphs:
     def _new_entry(self, nb: int, width: int) -> CapturedStep:
         cache, dev = self.cache, self.cache.device
         arange = torch.arange(nb + 1, device=dev, dtype=torch.int32)
-        R = cache.recent_tokens
+        rows = torch.arange(nb, device=dev)
+        position_ids = torch.zeros((1, nb), device=dev, dtype=torch.long)
         step = PagedStep(
             request_ids=[f"<graph {i}>" for i in range(nb)], past_lens=[width * cache.page_size - 1] * nb,
-            query_lens=[1] * nb, cu_seqlens_q=arange, cu_seqlens_k=arange.clone(),
-            seq_lens=torch.ones(nb, device=dev, dtype=torch.int32),
-            page_table=torch.zeros((nb, width), device=dev, dtype=torch.int32),
-            rows=torch.zeros(nb, device=dev, dtype=torch.int32), token_request=arange[:nb].clone(),
-            slots=torch.zeros(nb, device=dev, dtype=torch.long), positions=torch.zeros(nb, device=dev, dtype=torch.long),
-            sink_writes=torch.zeros((3, 0), device=dev, dtype=torch.long),
-            recent_writes=torch.zeros((3, nb if R else 0), device=dev, dtype=torch.long),
+            query_lens=[1] * nb, cu_seqlens_q=arange, cu_seqlens_k=arange, seq_lens=arange.new_ones(nb),
+            page_table=arange.new_zeros((nb, width)), rows=arange.new_zeros(nb), token_request=arange[:nb],
+            slots=rows.new_zeros(nb), positions=position_ids[0],
+            sink_writes=rows.new_zeros((3, 0)), recent_writes=rows.new_zeros((3, nb if cache.recent_tokens else 0)),
         )
-        if R:
-            step.recent_writes[0] = torch.arange(nb, device=dev)
+        if cache.recent_tokens:
+            step.recent_writes[0] = rows  # token i enters its request's ring
         ctx = PagedForward(cache, step, list(range(nb)), [])
         ctx.native_step = step
-        ctx.native_tokens = torch.arange(nb, device=dev)
-        return CapturedStep(None, step, ctx, torch.zeros((1, nb), device=dev, dtype=torch.long),
-                            torch.zeros((1, nb), device=dev, dtype=torch.long), torch.arange(nb, device=dev))
+        ctx.native_tokens = rows
+        return CapturedStep(None, step, ctx, rows.new_zeros((1, nb)), position_ids, rows)
 
     def _fill(self, entry: CapturedStep, plan, step: PagedStep) -> None:
-        """Copy the real step into the static buffers; rows past it become scratch padding."""
-        cache, s = self.cache, entry.step
-        n, nb, ps = len(plan), entry.input_ids.shape[1], cache.page_size
-        R = cache.recent_tokens
-        host = torch.zeros((5, nb), dtype=torch.long)
-        host[2] = 1  # padding: one token at position 0 of the scratch request
-        host[3] = cache.scratch_row
-        for i, (req, _) in enumerate(plan):
-            p = req.cached
-            host[0, i], host[1, i], host[2, i] = req.tokens[p], p, p + 1
-            host[3, i] = cache.requests[req.request_id].row
-            host[4, i] = p % R if R else 0
-        dev = host.to(cache.device)
-        entry.input_ids.copy_(dev[0:1])
-        entry.position_ids.copy_(dev[1:2])
-        s.positions.copy_(dev[1])
-        s.seq_lens.copy_(dev[2])
-        s.rows.copy_(dev[3])
-        if R:
-            s.recent_writes[1:].copy_(dev[3:5])
+        """Copy the real step (its tokens, and the indices `begin_step` built) into the static buffers; rows past
+        it become scratch padding: one token at position 0 of the scratch request."""
+        s, n = entry.step, len(plan)
+        nb = entry.input_ids.shape[1]
+        tokens = [req.tokens[req.cached] for req, _ in plan] + [0] * (nb - n)
+        entry.input_ids[0].copy_(torch.tensor(tokens))
+        s.positions[:n].copy_(step.positions)  # also the forward's position ids
+        s.seq_lens[:n].copy_(step.seq_lens)
+        s.rows[:n].copy_(step.rows)
         s.slots[:n].copy_(step.slots)
-        s.slots[n:] = self.scratch_page * ps
         s.page_table[:n, : step.page_table.shape[1]].copy_(step.page_table)
-        s.page_table[n:, 0] = self.scratch_page
+        if n < nb:
+            s.positions[n:] = 0
+            s.seq_lens[n:] = 1
+            s.rows[n:] = self.cache.scratch_row
+            s.slots[n:] = self.scratch_page * self.cache.page_size
+            s.page_table[n:, 0] = self.scratch_page
+        if self.cache.recent_tokens:  # a decode step writes each token to its ring: one write per token, in order
+            s.recent_writes[1:, :n].copy_(step.recent_writes[1:])
+            s.recent_writes[1, n:] = self.cache.scratch_row
+            s.recent_writes[2, n:] = 0
 
     def _forward(self, entry: CapturedStep) -> torch.Tensor:
         entry.ctx.new_latents.clear()
