@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 CHUNK = 8  # packed splits merged per step (fixed: the summation order must not follow the grid)
-BLOCK_D = 512  # latent columns per program
+BLOCK_D = 512  # latent columns per program at most
+MIN_BLOCK_D = 64  # and at least
+PROGRAMS_PER_SM = 2  # columns are split until the grid has about this many programs per multiprocessor
 
 
 @triton.jit(do_not_specialize=["NSP"])
@@ -72,6 +74,16 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def column_block(rows: int, d_c: int, device: torch.device) -> int:
+    """Latent columns per combine program: the whole row (up to `BLOCK_D`), halved down to `MIN_BLOCK_D` while
+    `rows` row programs leave multiprocessors idle (few rows, many splits: each program reads `NSP` partials)."""
+    block = min(triton.next_power_of_2(d_c), BLOCK_D)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    while block > MIN_BLOCK_D and rows * triton.cdiv(d_c, block) < PROGRAMS_PER_SM * sms:
+        block //= 2
+    return block
+
+
 def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`o_part: [B, M, NSP, d_c]`, `lse_part: [B, M, NSP]` -> `(o [B, M, d_c], lse [B, M])` fp32, written into
@@ -82,7 +94,7 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
         lse = torch.empty((B, M), dtype=torch.float32, device=o_part.device)
     else:
         o, lse = out
-    block_d = min(triton.next_power_of_2(D_C), BLOCK_D)
+    block_d = column_block(B * M, D_C, o_part.device)
     combine_kernel[(B * M, triton.cdiv(D_C, block_d))](
         o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=CHUNK, BLOCK_D=block_d, N_TAIL=n_tail,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from ..absorbed import split_kv_b
@@ -131,16 +132,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             sub = ctx.dense_steps[i] = ctx.paged.sub_step(step, [i])
         hist_c, hist_r = ctx.paged.history(layer, sub, c_all[q0:q1], r_all[q0:q1])
         k, v = _expand(module, hist_c, hist_r)
-        n, q = hist_c.shape[0], q1 - q0
-        if n == q:  # a whole prompt: plain causal attention (the fused causal kernels, no mask tensor)
-            o = torch.nn.functional.scaled_dot_product_attention(query[:, :, q0:q1], k, v, is_causal=True,
-                                                                 scale=scaling)
-        else:
-            visible = (torch.arange(n, device=query.device)[None, :]
-                       <= (n - q + torch.arange(q, device=query.device))[:, None])
-            o = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, q0:q1], k, v, attn_mask=visible[None, None], scale=scaling
-            )
+        # Token t of the chunk sees positions <= n - q + t: causal aligned to the bottom right, which the fused
+        # kernels apply without a mask tensor (a whole prompt, n == q, is plain causal attention).
+        causal = causal_lower_right(q1 - q0, hist_c.shape[0])
+        o = torch.nn.functional.scaled_dot_product_attention(query[:, :, q0:q1], k, v, attn_mask=causal, scale=scaling)
         out[q0:q1] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 

@@ -52,10 +52,14 @@ class GenerationRequest:
     cached: int = 0
     preemptions: int = 0
     finished: bool = False
+    tokens: list[int] = field(init=False, repr=False)  # prompt + generated, kept as one list (read every step)
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated
+    def __post_init__(self) -> None:
+        self.tokens = self.prompt + self.generated
+
+    def add_token(self, token: int) -> None:
+        self.generated.append(token)
+        self.tokens.append(token)
 
 
 @dataclass(frozen=True)
@@ -294,7 +298,7 @@ class ContinuousBatcher:
                 continue  # prefill (or recomputation) not done yet
             sampled = req.sampling is not None and req.sampling.do_sample
             token = req.sampling.choose(logits[i]) if sampled else greedy[i]
-            req.generated.append(token)
+            req.add_token(token)
             self.stats.generated_tokens += 1
             out.append((req.request_id, token))
             if len(req.generated) >= req.max_new_tokens or token in req.eos:
