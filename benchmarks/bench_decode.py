@@ -102,24 +102,26 @@ def decode_fn(backend, N, capacity=None):
 
 def load_baseline(path):
     """The decode dispatch of an older tree at `path`: its `kernels/` imported as the package `BASELINE_PACKAGE`
-    (its own relative imports; `quantmla_hf.format` is this tree's, the same byte layout), run as that tree's
-    `ops.decode_device_length` ran it: `mla_decode_fast.mla_decode_static` where `fast_supported`, else the fallback
-    `mla_decode.mla_decode_static`. Returns a `decode_fn`-like factory."""
+    (its own relative imports; `quantmla_hf.format` is this tree's, the same byte layout), run through that tree's
+    dispatch: `mla_decode.mla_decode_static` (trees with one dispatch), or, in trees that still had
+    `mla_decode_fast.py`, its `mla_decode_static` where `fast_supported` and the fallback `mla_decode` otherwise.
+    Returns a `decode_fn`-like factory."""
     init = os.path.join(path, "kernels", "__init__.py")
     spec = importlib.util.spec_from_file_location(BASELINE_PACKAGE, init,
                                                   submodule_search_locations=[os.path.dirname(init)])
     pkg = importlib.util.module_from_spec(spec)
     sys.modules[BASELINE_PACKAGE] = pkg
     spec.loader.exec_module(pkg)
-    fast = importlib.import_module(BASELINE_PACKAGE + ".mla_decode_fast")
     fallback = importlib.import_module(BASELINE_PACKAGE + ".mla_decode")
+    two_modules = os.path.exists(os.path.join(path, "kernels", "mla_decode_fast.py"))
+    fast = importlib.import_module(BASELINE_PACKAGE + ".mla_decode_fast") if two_modules else None
 
     def factory(N, capacity=None):
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
         cap = capacity or N
 
         def run(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, n, scaling):
-            mod = fast if fast.fast_supported(fmt, q_lat.dtype, q_lat.device, sc.dtype) else fallback
+            mod = fast if fast and fast.fast_supported(fmt, q_lat.dtype, q_lat.device, sc.dtype) else fallback
             return mod.mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling)
 
         return run

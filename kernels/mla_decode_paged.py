@@ -25,7 +25,7 @@ import triton.language as tl
 
 from quantmla_hf.format import CacheFormat, PathFormat
 
-from .mla_decode import TRITON_PROGRAMS_PER_SM, num_sms
+from .mla_decode import num_sms
 from .mla_decode_combine import combine
 from .mla_decode_triton import (
     BLOCK_T,
@@ -121,6 +121,14 @@ def mla_decode_paged_kernel(
     _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
 
 
+def programs_per_sm(rows: int) -> int:
+    """Programs per multiprocessor the splits aim at, from the `rows` (query token, head block) pairs of a launch:
+    the power of two at or above `rows / 4`, between 1 and 8. Few rows take few, long splits: every split adds a
+    `[H, d_c]` fp32 partial that the combine reads back, which at one to eight rows weighs as much as the packed
+    cache itself; many rows need more programs per multiprocessor to hide the loads (docs/KERNELS.md)."""
+    return min(8, 1 << max(0, -(-rows // 4) - 1).bit_length())
+
+
 def _flat_planes(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:
     """A path's page planes `[P, page_size, width]` as row-addressed planes `[P * page_size, width]`."""
     for name, plane in planes.items():
@@ -155,9 +163,9 @@ def mla_decode_paged(
     """See `mla_decode_paged_ref.mla_decode_paged_ref`; returns `o_lat: [Nq, H, d_c]`, `lse: [Nq, H]` (fp32).
 
     `token_request` (int32 `[Nq]`, each query token's request) is derived from `cu_seqlens_q` when not given (the
-    paged cache's `PagedStep.token_request` is that tensor). `num_splits` overrides the split target (default: about
-    8 programs per multiprocessor); `block_t` the token tile (default `mla_decode_triton.BLOCK_T`); `max_seq_len`
-    (the longest `seq_lens`) saves reading it back from the device.
+    paged cache's `PagedStep.token_request` is that tensor). `num_splits` overrides the split target (default:
+    `programs_per_sm` programs per multiprocessor); `block_t` the token tile (default `mla_decode_triton.BLOCK_T`);
+    `max_seq_len` (the longest `seq_lens`) saves reading it back from the device.
     """
     Nq, H, d_c = q_lat.shape
     if q_rot.shape != (Nq, H, fmt.rope.dim) or d_c != fmt.content.dim:
@@ -196,7 +204,7 @@ def mla_decode_paged(
     head_blocks = triton.cdiv(H, block_m)
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 8
-    target = max(1, int(num_splits or triton.cdiv(TRITON_PROGRAMS_PER_SM * sms, Nq * head_blocks)))
+    target = max(1, int(num_splits or triton.cdiv(programs_per_sm(Nq * head_blocks) * sms, Nq * head_blocks)))
     NS = max(1, min(target, triton.cdiv(max(longest - R - S, 0), 2 * bt)))  # splits that can hold positions
     o_part = torch.empty((Nq, H, NS + 1, d_c), dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty((Nq, H, NS + 1), dtype=torch.float32, device=q_lat.device)

@@ -3,7 +3,7 @@
 What runs on the CPU is everything but the CUDA graph itself: when a step is captured, the static buffers filled from
 each real step, the scratch padding of a bucket, the release of the scratch page and row. The graph is stood in for
 by a replay that runs the captured forward again on the same buffers (what a CUDA graph replays), so the tokens must
-equal `generate` on each request alone, with request counts that fill buckets partly (3 of 4, then 2, then 1).
+equal `generate` on each request alone, with request counts that fill a bucket partly (10 of 16) and exact ones.
 """
 
 from types import SimpleNamespace
@@ -14,7 +14,7 @@ import torch
 from quantmla_hf import QuantMLAConfig, apply_quantmla
 from quantmla_hf.paged import PagedQuantMLACache
 from quantmla_hf.paged.batching import ContinuousBatcher
-from quantmla_hf.paged.graphs import PagedDecodeGraphs, bucket, device_key, unsupported_reason
+from quantmla_hf.paged.graphs import PagedDecodeGraphs, bucket, device_key, request_bucket, unsupported_reason
 from quantmla_hf.tiny_models import tiny_mla_model
 
 
@@ -37,8 +37,9 @@ def alone(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def test_buckets_are_powers_of_two():
+def test_buckets():
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 200)] == [1, 2, 4, 4, 8, 8, 16, 256]
+    assert [request_bucket(n) for n in (1, 3, 5, 8, 9, 17, 200)] == [1, 3, 5, 8, 16, 32, 256]
 
 
 def test_a_cuda_device_without_index_is_the_current_one():
@@ -63,22 +64,23 @@ def test_off_where_a_graph_cannot_run():
 def test_replayed_decode_steps_equal_generate_alone(bits):
     model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(bits))
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 3, 12)]
-    new = [9, 4, 6]  # finishing at different steps: 3 requests (bucket 4), then 2, then 1
-    cache = PagedQuantMLACache(model.config, qconfig(bits), page_size=4, max_requests=4, num_pages=20,
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 3, 12, 5, 9, 4, 6, 8, 10, 2)]
+    # finishing at different steps: 10 requests (a graph of 16 rows, 6 of them padding), then 9, 8, ... 1 (exact)
+    new = [9, 4, 6, 3, 5, 7, 2, 8, 4, 6]
+    cache = PagedQuantMLACache(model.config, qconfig(bits), page_size=4, max_requests=10, num_pages=60,
                                dtype=model.dtype)
-    batcher = ContinuousBatcher(model, cache, max_batch_tokens=32, decode_graphs=False)
+    batcher = ContinuousBatcher(model, cache, max_batch_tokens=128, decode_graphs=False)
     batcher.graphs = BufferReplay(cache, batcher._forward)
     for i, (p, n) in enumerate(zip(prompts, new)):
         batcher.add_request(str(i), p, n)
     results = batcher.run()
-    assert [results[str(i)] for i in range(3)] == [alone(model, p, n) for p, n in zip(prompts, new)]
+    assert [results[str(i)] for i in range(len(prompts))] == [alone(model, p, n) for p, n in zip(prompts, new)]
     stats = batcher.stats
     # the first step prefills; every later step decodes and is replayed
     assert stats.graph_steps == stats.steps - 1 == max(new) - 1
-    buckets = {(bucket(k), bucket(w)) for k, w in [(3, 4), (2, 4), (1, 4)]}
-    assert stats.graph_captures >= len({b for b, _ in buckets})
-    assert cache.allocator.num_used == 0 and not cache.requests and cache.free_rows == 4  # scratch returned
+    running = [sum(n > k for n in new) for k in range(1, max(new))]  # requests in each decode step
+    assert stats.graph_captures >= len({request_bucket(k) for k in running})
+    assert cache.allocator.num_used == 0 and not cache.requests and cache.free_rows == 10  # scratch returned
 
 
 def test_prefill_chunks_and_sink_positions_run_eagerly():

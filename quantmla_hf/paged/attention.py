@@ -106,6 +106,15 @@ def _expand(module, c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, tor
     return k.unsqueeze(0), v.unsqueeze(0)
 
 
+def _flash_width(v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Values `[1, H, T, d_v]` padded with zero columns to the keys' width on a CUDA device in 16 bits, where SDPA's
+    flash kernel takes the chunk only when queries, keys and values are equally wide (it is faster than the
+    memory-efficient kernel that takes unequal widths); the extra output columns are zero and dropped."""
+    if v.shape[-1] == k.shape[-1] or not v.is_cuda or v.dtype not in (torch.float16, torch.bfloat16):
+        return v
+    return torch.nn.functional.pad(v, (0, k.shape[-1] - v.shape[-1]))
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """`AttentionInterface` entry point: `query: [1, H, N, d_qk]` of the step's packed tokens; `([1, N, H, d_v], None)`."""
     ctx: PagedForward | None = getattr(module, "_quantmla_paged", None)
@@ -135,8 +144,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # Token t of the chunk sees positions <= n - q + t: causal aligned to the bottom right, which the fused
         # kernels apply without a mask tensor (a whole prompt, n == q, is plain causal attention).
         causal = causal_lower_right(q1 - q0, hist_c.shape[0])
-        o = torch.nn.functional.scaled_dot_product_attention(query[:, :, q0:q1], k, v, attn_mask=causal, scale=scaling)
-        out[q0:q1] = o[0].transpose(0, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(query[:, :, q0:q1], k, _flash_width(v, k),
+                                                             attn_mask=causal, scale=scaling)
+        out[q0:q1] = o[0, :, :, : module.v_head_dim].transpose(0, 1)
     return out.unsqueeze(0), None
 
 

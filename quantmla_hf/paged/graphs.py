@@ -1,8 +1,8 @@
 """CUDA-graph decode steps of continuous batching: a step whose requests all decode one token is replayed.
 
 An eager forward spends most of a decode step on the host (docs/SERVING.md, "Captured decode steps").
-`PagedDecodeGraphs` captures the forward of a decode-only step once per bucket `(requests rounded up to a power of
-two, page-table width rounded up to a power of two)` and replays it:
+`PagedDecodeGraphs` captures the forward of a decode-only step once per bucket `(requests, exact up to 8 and rounded
+up to a power of two above; page-table width rounded up to a power of two)` and replays it:
 
 - the captured step reads static buffers (`[1, nb]` input ids and positions; the `PagedStep` index tensors of `nb`
   one-token requests: lengths, page table, rows, write slots, recent-ring writes), filled before every replay from
@@ -32,9 +32,18 @@ from .cache import PagedQuantMLACache, PagedStep
 logger = logging.getLogger(__name__)
 
 
+EXACT_REQUESTS = 8  # request counts up to this get a graph each; above it, powers of two
+
+
 def bucket(n: int) -> int:
-    """The power of two at or above `n` (request count or page-table width of a captured step)."""
+    """The power of two at or above `n` (the page-table width of a captured step)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def request_bucket(n: int) -> int:
+    """Rows of the graph that serves `n` requests: `n` itself up to `EXACT_REQUESTS` (the paged kernel's split count
+    follows the rows it is launched with, and few requests want long splits), else the power of two above."""
+    return int(n) if n <= EXACT_REQUESTS else bucket(n)
 
 
 @dataclass
@@ -114,7 +123,7 @@ class PagedDecodeGraphs:
         its bucket (captured first when new); None when the step must run eagerly (no scratch room, or capture
         failed)."""
         n = len(plan)
-        key = (bucket(n), bucket(step.page_table.shape[1]))
+        key = (request_bucket(n), bucket(step.page_table.shape[1]))
         entry = self.captured.get(key)
         if entry is None:
             if not self._reserve_scratch():
