@@ -172,7 +172,7 @@ def test_split_boundaries_follow_the_length_not_the_capacity():
     small = list(args)
     small[2], small[3] = ({k: v[:, :150].clone() for k, v in p.items()} for p in (args[2], args[3]))
     grids = [split_plan("triton", 2, 1, c, args[4], 8)[1] for c in (150, 4200)]
-    assert grids == [3, 4], grids  # the launches really differ
+    assert grids == [3, 32], grids  # the launches really differ
     o_big, lse_big = run(args, "triton")
     o_small, lse_small = run(small, "triton")
     assert torch.equal(o_big, o_small) and torch.equal(lse_big, lse_small)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
-from quantmla_hf.kernels.mla_decode_paged import mla_decode_paged
+from quantmla_hf.kernels.mla_decode_paged import mla_decode_paged, programs_per_sm
 from quantmla_hf.kernels.mla_decode_paged_ref import mla_decode_paged_ref
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 from quantmla_hf.kernels.quant_pack_ref import quantize_ref
@@ -100,6 +100,11 @@ def test_block_size_and_splits_do_not_change_the_result():
         b, lb = mla_decode_paged(*args, **kw)
         assert_close("o_lat", a, b, 1e-6)
         assert (la - lb).abs().max() < 1e-5
+
+
+def test_programs_per_sm_grow_with_the_rows():
+    # one to four rows: one program per multiprocessor (long splits, few partials); then doubling up to 8
+    assert [programs_per_sm(r) for r in (1, 4, 5, 8, 9, 16, 17, 32, 1000)] == [1, 1, 2, 2, 4, 4, 8, 8, 8]
 
 
 def test_split_history_matches_the_reference():
