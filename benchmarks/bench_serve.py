@@ -25,7 +25,9 @@ token ids; generation is greedy with no end token, so every request yields exact
   decode steps on a GPU) over static batches of `--static-batch` of the same requests, left-padded, one batch after
   another.
 
-Continuous batching replays its decode-only steps from CUDA graphs (`quantmla_hf.paged.graphs`; `graph_steps` and
+Before its first timed run each path runs once untimed (Triton compiles its kernels on first use): three small
+requests per format for continuous batching, two for static `generate`. Continuous batching replays its decode-only
+steps from CUDA graphs (`quantmla_hf.paged.graphs`; `graph_steps` and
 `graph_captures` in each row) unless `--eager`. Rows are printed as JSON lines as they finish and all of them
 written to `DIR/bench_serve.json`.
 """

@@ -82,9 +82,8 @@ class PagedStep:
     # History gather (positions [0, past) of every request, in batch order) and where each row goes in the output;
     # built by `history` when first needed (decode steps read the pages through the page table instead).
     hist_slots: torch.Tensor | None = None
-    hist_positions: torch.Tensor | None = None
-    hist_rows: torch.Tensor | None = None
-    hist_total: torch.Tensor | None = None
+    hist_sink: torch.Tensor | None = None  # int64 [3, k]: history row, copy row, copy slot of each sink position
+    hist_recent: torch.Tensor | None = None  # the same for the positions read from the recent rings
     hist_dst: torch.Tensor | None = None
     new_dst: torch.Tensor | None = None
 
@@ -289,11 +288,17 @@ class PagedQuantMLACache:
         offsets = torch.tensor([0] + [p + q for p, q in zip(past, step.query_lens)]).cumsum(0)[:-1]
         hist_req = torch.repeat_interleave(torch.arange(n), torch.tensor(past))
         hist_pos = torch.cat([torch.arange(p) for p in past]) if sum(past) else torch.zeros(0, dtype=torch.long)
-        rows = step.rows.long().cpu()
+        rows = step.rows.long().cpu()[hist_req]
         step.hist_slots = (pages[hist_req, hist_pos // ps] * ps + hist_pos % ps).to(dev)
-        step.hist_positions = hist_pos.to(dev)
-        step.hist_rows = rows[hist_req].to(dev)
-        step.hist_total = torch.tensor([p + q for p, q in zip(past, step.query_lens)])[hist_req].to(dev)
+        # Which history rows come from the model-dtype copies, chosen here on the host: a boolean mask on the device
+        # would make every layer wait for it (`nonzero`). Recent positions are written after sink ones (they win
+        # where both hold a position; the values are the same copies).
+        S, R = self.sink_tokens, self.recent_tokens
+        total = torch.tensor([p + q for p, q in zip(past, step.query_lens)])[hist_req]
+        for name, sel, slot in (("hist_sink", hist_pos < S, hist_pos),  # none when S = 0
+                                ("hist_recent", hist_pos >= total - R, hist_pos % max(R, 1))):  # none when R = 0
+            idx = sel.nonzero().flatten()
+            setattr(step, name, torch.stack([idx, rows[idx], slot[idx]]).to(dev))
         step.hist_dst = (offsets[hist_req] + hist_pos).to(dev)
         step.new_dst = (offsets[token_request] + query_offsets(step.query_lens)
                         + torch.tensor(past)[token_request]).to(dev)
@@ -359,14 +364,9 @@ class PagedQuantMLACache:
     def _past(self, layer_idx: int, step: PagedStep, planes, fmt, sink, recent) -> torch.Tensor:
         """Positions `[0, past)` of every request as attention sees them after the step: `[sum(past), dim]`."""
         x = self._read_path(planes[layer_idx], fmt, step.hist_slots)
-        pos, rows = step.hist_positions, step.hist_rows.long()
-        S, R = self.sink_tokens, self.recent_tokens
-        if S:
-            sel = pos < S
-            x[sel] = sink[layer_idx][rows[sel], pos[sel]]
-        if R:
-            sel = pos >= step.hist_total - R
-            x[sel] = recent[layer_idx][rows[sel], pos[sel] % R]
+        for copies, (idx, row, slot) in ((sink, step.hist_sink), (recent, step.hist_recent)):
+            if idx.numel():
+                x[idx] = copies[layer_idx][row, slot]
         return x
 
     def history(
