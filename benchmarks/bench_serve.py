@@ -28,7 +28,8 @@ token ids; generation is greedy with no end token, so every request yields exact
 Before its first timed run each path runs once untimed (Triton compiles its kernels on first use): three small
 requests per format for continuous batching, two for static `generate`. Continuous batching replays its decode-only
 steps from CUDA graphs (`quantmla_hf.paged.graphs`; `graph_steps` and
-`graph_captures` in each row) unless `--eager`. Rows are printed as JSON lines as they finish and all of them
+`graph_captures` in each row, and the wall time of the replayed and of the eager steps, `graph_s` and `eager_s`: the
+eager ones are the prefill chunks) unless `--eager`. Rows are printed as JSON lines as they finish and all of them
 written to `DIR/bench_serve.json`.
 """
 
@@ -115,7 +116,8 @@ def run_batcher(model, fmt: str, reqs: list[list[int]], new_tokens: int, args, b
     row = dict(format=fmt, requests=len(reqs), cache_tokens=cache.capacity_tokens(), cache_gib=cache.nbytes() / 2**30,
                wall_s=wall, generated=s.generated_tokens, out_tok_s=s.generated_tokens / wall, steps=s.steps,
                forward_tokens=s.forward_tokens, preemptions=s.preemptions, peak_running=s.peak_running,
-               peak_pages=s.peak_pages, graph_steps=s.graph_steps, graph_captures=s.graph_captures)
+               peak_pages=s.peak_pages, graph_steps=s.graph_steps, graph_captures=s.graph_captures,
+               graph_s=s.graph_seconds, eager_s=s.eager_seconds)
     batcher.results = results
     del cache
     return row, batcher

@@ -43,6 +43,7 @@ def test_outputs_equal_generate_alone(family, bits):
     assert outs == [alone(model, p) for p in ps]
     assert stats.preemptions == 0 and stats.generated_tokens == NEW_TOKENS * len(ps)
     assert stats.peak_running == len(ps)  # the late arrivals joined requests already decoding
+    assert stats.graph_steps == 0 and stats.graph_seconds == 0 and stats.eager_seconds > 0  # no CUDA: eager steps
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "longcat_flash"])

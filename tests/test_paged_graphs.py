@@ -78,6 +78,7 @@ def test_replayed_decode_steps_equal_generate_alone(bits):
     stats = batcher.stats
     # the first step prefills; every later step decodes and is replayed
     assert stats.graph_steps == stats.steps - 1 == max(new) - 1
+    assert stats.eager_seconds > 0 and stats.graph_seconds > 0  # the prefill step, the replayed ones
     running = [sum(n > k for n in new) for k in range(1, max(new))]  # requests in each decode step
     assert stats.graph_captures >= len({request_bucket(k) for k in running})
     assert cache.allocator.num_used == 0 and not cache.requests and cache.free_rows == 10  # scratch returned

@@ -20,6 +20,7 @@ lengths, without padding. The policy is the one of transformers' own continuous 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -104,6 +105,10 @@ class BatchingStats:
     peak_pages: int = 0
     graph_steps: int = 0  # decode steps replayed from a CUDA graph (`graphs.PagedDecodeGraphs`)
     graph_captures: int = 0
+    # Wall time of the forwarding steps, replayed and eager apart (each step ends reading its tokens back, so the
+    # device's work is inside): where a run's time goes without a profiler.
+    graph_seconds: float = 0.0
+    eager_seconds: float = 0.0
 
 
 class ContinuousBatcher:
@@ -261,6 +266,7 @@ class ContinuousBatcher:
             if self.waiting:  # nothing admitted yet (arrival in the future): let time pass
                 self.stats.steps += 1
             return []
+        start = time.perf_counter()
         cache, device = self.cache, self.cache.device
         step = cache.begin_step([r.request_id for r, _ in plan], [q for _, q in plan])
         logits = None
@@ -268,6 +274,7 @@ class ContinuousBatcher:
             logits = self.graphs.run(plan, step)
             self.stats.graph_steps += logits is not None
             self.stats.graph_captures = self.graphs.captures
+        replayed = logits is not None
         if logits is None:
             ids = [t for r, q in plan for t in r.tokens[r.cached : r.cached + q]]
             positions = [p for r, q in plan for p in range(r.cached, r.cached + q)]
@@ -291,6 +298,11 @@ class ContinuousBatcher:
         self.stats.peak_running = max(self.stats.peak_running, len(plan))
         self.stats.peak_pages = max(self.stats.peak_pages, cache.allocator.num_used)
         greedy = logits.float().argmax(-1).tolist()  # one read-back for the whole step
+        seconds = time.perf_counter() - start
+        if replayed:
+            self.stats.graph_seconds += seconds
+        else:
+            self.stats.eager_seconds += seconds
         out = []
         for i, (req, q) in enumerate(plan):
             req.cached += q
