@@ -404,9 +404,10 @@ def summarize_rounds(times: dict, target: float | None = None) -> tuple[list[dic
     return rows, "met" if m.high < target else ("missed" if m.low > target else "tie (the interval holds it)")
 
 
-def paged_fn(args, page_size=64):
+def paged_fn(args, page_size=64, num_splits=None):
     """The same cache laid out in pages (`kernels/mla_decode_paged.py`): each batch row one request of N positions
-    in consecutive pages of `page_size`, one query token each; a callable returning `(o [B, H, 1, d_c], lse)`."""
+    in consecutive pages of `page_size`, one query token each; a callable returning `(o [B, H, d_c], lse)`
+    (`num_splits`: the kernel's split target, default its own rule)."""
     q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, scaling = args
     B, H = q_lat.shape[:2]
     if N % page_size:
@@ -421,7 +422,7 @@ def paged_fn(args, page_size=64):
 
     def run():
         return mla_decode_paged(ql, qr, pages["c"], pages["r"], fmt, sc, sr, rc, rr, table, rows, cu, lens, scaling,
-                                token_request=rows, max_seq_len=N)
+                                token_request=rows, max_seq_len=N, num_splits=num_splits)
 
     return run
 

@@ -6,9 +6,13 @@
         {4, 8} and pipeline stages {2, 3} (and 4 at 16 heads B32), each against the baseline's dispatch
     python benchmarks/sweep_decode_launch.py splits --baseline-path baseline
         C4R4 and C2R4 at 16 heads, B1 4K through `gluon_regs` and `triton` with 2-64 split targets
+    python benchmarks/sweep_decode_launch.py paged
+        the paged kernel (with its combine) on C4R4 and C16R16 at 16 heads B1/B5/B8/B32 32K and 128 heads B8 32K,
+        split targets of 1, 2, 4, 8 and 16 programs per multiprocessor (`mla_decode_paged.programs_per_sm`)
 
-Each time is the best of 3 `do_bench` medians of a CUDA-graph replay (`bench_decode.graphed`); a launch the GPU
-cannot run (shared memory) is reported and skipped. The launch parameters are swapped in the kernel module for the
+Each time of `portable16` and `splits` is the best of 3 `do_bench` medians of a CUDA-graph replay
+(`bench_decode.graphed`), of `paged` the median of 5 rounds taken in turns; a launch the GPU cannot run (shared
+memory) is reported and skipped. The launch parameters are swapped in the kernel module for the
 sweep (`BLOCK_T`, `num_warps`, `pipeline_stages`) and restored after.
 """
 
@@ -25,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402
 
 from quantmla_hf.kernels import mla_decode as dispatch  # noqa: E402
+from quantmla_hf.kernels import mla_decode_paged as paged  # noqa: E402
 from quantmla_hf.kernels import mla_decode_triton as portable  # noqa: E402
 
 
@@ -81,15 +86,34 @@ def sweep_splits(baseline) -> None:
             print(f"{name} {backend} split target {ns}: {t:.4f} ms ({t / old:.3f}x baseline)", flush=True)
 
 
+def sweep_paged(baseline=None, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:
+    sms = dispatch.num_sms(0)
+    for name in ("C4R4", "C16R16"):
+        for H, B, N in [(16, 1, 32768), (16, 5, 32768), (16, 8, 32768), (16, 32, 32768), (128, 8, 32768)]:
+            args = point_args(name, H, B, N)
+            rows = B * -(-H // portable.block_rows(H))
+            replays = {k: bd.graphed(bd.paged_fn(args, num_splits=-(-k * sms // rows))) for k in per_sm}
+            times = {k: [] for k in per_sm}
+            for _ in range(rounds):
+                for k, replay in replays.items():
+                    times[k].append(bd.bench(replay))
+            med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            print(f"{name} H={H} B={B} N={N} (rule: {paged.programs_per_sm(rows)} per SM): "
+                  + "  ".join(f"{k}/SM {m:.4f}" for k, m in med.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", choices=("portable16", "splits"))
-    ap.add_argument("--baseline-path", required=True, help="root of an older tree's kernels (git archive REV kernels)")
+    ap.add_argument("sweep", choices=("portable16", "splits", "paged"))
+    ap.add_argument("--baseline-path", default="", help="root of an older tree's kernels (git archive REV kernels); "
+                    "portable16 and splits compare against it")
     a = ap.parse_args()
     if bd.DEVICE != "cuda":
         raise SystemExit("the launch sweeps time CUDA kernels: run them on a GPU")
-    baseline = bd.load_baseline(a.baseline_path)
-    {"portable16": sweep_portable16, "splits": sweep_splits}[a.sweep](baseline)
+    if a.sweep != "paged" and not a.baseline_path:
+        raise SystemExit(f"the {a.sweep} sweep compares against an older tree: give --baseline-path DIR")
+    baseline = bd.load_baseline(a.baseline_path) if a.baseline_path else None
+    {"portable16": sweep_portable16, "splits": sweep_splits, "paged": sweep_paged}[a.sweep](baseline)
 
 
 if __name__ == "__main__":
