@@ -4,7 +4,7 @@ through the same pages) under cache pressure, and against `generate` with static
     python benchmarks/bench_serve.py --out DIR [--layers 27] [--tiny] [--check]
         [--pressure] [--pressure-requests 5] [--pressure-input 32768] [--pressure-output 1024] [--budget-gib G]
         [--scale 64,256] [--scale-min 4096] [--scale-max 32768] [--scale-output 256] [--static-batch 8]
-        [--formats C16R16,C4R4] [--page-size 64] [--max-batch-tokens 8192] [--eager]
+        [--profile] [--formats C16R16,C4R4] [--page-size 64] [--max-batch-tokens 8192] [--eager]
 
 Model: the DeepSeek-V2-Lite attention shape (`bench_generate.v2_lite`: 16 heads, d_c 512, d_R 64, dense MLPs,
 random bf16 weights, `--layers` layers); `--tiny` swaps in a 4-head toy for a CPU smoke run. Prompts are random
@@ -20,6 +20,8 @@ token ids; generation is greedy with no end token, so every request yields exact
   job output throughput (generated tokens / wall time from the first arrival to the last token) per format, their
   ratio, preemptions and the peak number of running requests. Then the same without pressure (a budget C16R16 also
   fits, C4R4 must be at least as fast).
+- `--profile`: per format, the `--pressure-*` requests in a cache that holds them: the median wall time of the
+  replayed and of the eager (prefill) steps, then `torch.profiler`'s table of 3 eager decode steps.
 - `--scale N,M`: N (then M) concurrent requests, prompts uniform in `[--scale-min, --scale-max]`, `--scale-output`
   new tokens: C4R4 continuous batching vs plain `generate` (the model's C4R4 config: static cache, CUDA-graph
   decode steps on a GPU) over static batches of `--static-batch` of the same requests, left-padded, one batch after
@@ -39,6 +41,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -107,11 +110,25 @@ def run_batcher(model, fmt: str, reqs: list[list[int]], new_tokens: int, args, b
     batcher = ContinuousBatcher(model, cache, args.max_batch_tokens, decode_graphs=False if args.eager else "auto")
     for i, p in enumerate(reqs):
         batcher.add_request(str(i), p, new_tokens, arrivals[i] if arrivals else 0)
+    # Each forwarding step's wall time by kind (a step ends reading its tokens back, so no extra synchronisation).
+    batcher.step_times = {"replayed": [], "eager": []}
+    step = batcher.step
+
+    def timed_step():
+        replays, forwarded, t0 = batcher.stats.graph_steps, batcher.stats.forward_tokens, time.perf_counter()
+        out = step()
+        if batcher.stats.forward_tokens > forwarded:
+            kind = "replayed" if batcher.stats.graph_steps > replays else "eager"
+            batcher.step_times[kind].append(time.perf_counter() - t0)
+        return out
+
+    batcher.step = timed_step
     sync()
     t0 = time.perf_counter()
     results = batcher.run()
     sync()
     wall = time.perf_counter() - t0
+    batcher.step_ms_median = {k: (statistics.median(v) * 1e3 if v else None) for k, v in batcher.step_times.items()}
     s = batcher.stats
     row = dict(format=fmt, requests=len(reqs), cache_tokens=cache.capacity_tokens(), cache_gib=cache.nbytes() / 2**30,
                wall_s=wall, generated=s.generated_tokens, out_tok_s=s.generated_tokens / wall, steps=s.steps,
@@ -175,6 +192,49 @@ def pressure(model, args) -> None:
                                 preemptions_c16r16=rows["C16R16"]["preemptions"]))
 
 
+def profile(model, args) -> None:
+    """Where a decode step's time goes, per format: `--pressure-requests` requests of `--pressure-input` tokens
+    prefilled in a cache that holds them, then the wall time of each step (medians of the replayed and of the eager
+    steps over `--pressure-output` new tokens) and a `torch.profiler` table of 3 eager decode steps (kernels by
+    device time)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    n, lin, lout = args.pressure_requests, args.pressure_input, args.pressure_output
+    reqs = prompts(n, lin, lin, model.config.vocab_size, seed=2)
+    pages = n * -(-(lin + lout) // args.page_size) + 8
+    for fmt in args.formats:
+        warm_up(model, fmt, args)
+        _, batcher = run_batcher(model, fmt, reqs, lout, args, num_pages=pages)
+        s = batcher.stats
+        emit(args.out, dict(bench="profile-steps", format=fmt, requests=n, input=lin, output=lout,
+                            graph_steps=s.graph_steps, graph_s=s.graph_seconds, eager_steps=s.steps - s.graph_steps,
+                            eager_s=s.eager_seconds, step_ms_median=batcher.step_ms_median))
+        cache = PagedQuantMLACache(model.config, qconfig(fmt), page_size=args.page_size, max_requests=n,
+                                   num_pages=pages, dtype=model.dtype, device=DEVICE)
+        eager = ContinuousBatcher(model, cache, args.max_batch_tokens, decode_graphs=False)
+        for i, p in enumerate(reqs):
+            eager.add_request(str(i), p, 8)
+        with eager.paged_attention_mode():
+            while any(not r.generated for r in list(eager.running) + list(eager.waiting)):
+                eager.step()  # prefill
+            eager.step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                eager.step()
+            sync()
+            wall = (time.perf_counter() - t0) / 3
+            with torch_profile(activities=[ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    eager.step()
+                sync()
+        emit(args.out, dict(bench="profile-eager-decode-step", format=fmt, wall_ms=wall * 1e3))
+        print(prof.key_averages().table(sort_by="cuda_time_total" if DEVICE == "cuda" else "cpu_time_total",
+                                        row_limit=22, max_name_column_width=70), flush=True)
+        del cache, eager
+
+
 def static_generate(model, reqs: list[list[int]], new_tokens: int, batch: int) -> float:
     """Wall time of plain `generate` (the model's C4R4 config: a static cache in buckets, decode steps replayed from
     CUDA graphs on a GPU) over static batches of `batch` requests (left-padded), one after another."""
@@ -231,6 +291,8 @@ def main() -> int:
     ap.add_argument("--pressure-output", type=int, default=1024)
     ap.add_argument("--budget-gib", type=float, default=None)
     ap.add_argument("--scale", default="", help="concurrent request counts, e.g. 64,256")
+    ap.add_argument("--profile", action="store_true",
+                    help="step times and a profile of eager decode steps at the --pressure-* sizes (no pressure)")
     ap.add_argument("--scale-min", type=int, default=4096)
     ap.add_argument("--scale-max", type=int, default=32768)
     ap.add_argument("--scale-output", type=int, default=256)
@@ -267,6 +329,8 @@ def main() -> int:
         pressure(model, args)
     if args.scale:
         scale(model, args)
+    if args.profile:
+        profile(model, args)
     print("check:", "outputs equal per-request generate" if ok else "MISMATCH", flush=True)
     return 0 if ok else 1
 
