@@ -76,8 +76,9 @@ def _pow2(n: int) -> bool:
 
 def column_block(rows: int, d_c: int, device: torch.device) -> int:
     """Latent columns per combine program: the whole row (up to `BLOCK_D`), halved down to `MIN_BLOCK_D` while the
-    programs are fewer than half the multiprocessors (H200, 16 heads: at one batch row, 64 columns took the combine
-    of B1 32K from 0.0370 to 0.0337 ms; at five rows 128 columns were 8% slower than whole rows: docs/KERNELS.md)."""
+    programs are fewer than half the multiprocessors: at one batch row of 16 heads each program reads hundreds of
+    partials and most multiprocessors would idle; from about five rows, narrower programs measured slower
+    (docs/KERNELS.md, "Combine grid")."""
     block = min(triton.next_power_of_2(d_c), BLOCK_D)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     while block > MIN_BLOCK_D and rows * triton.cdiv(d_c, block) * SMS_PER_PROGRAM < sms:
