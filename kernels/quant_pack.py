@@ -55,6 +55,7 @@ def quant_pack_fwd_kernel(
     BITS: tl.constexpr,
     S_MIN: tl.constexpr,
     START_FROM_PTR: tl.constexpr,
+    SLOTS: tl.constexpr = False,
 ):
     # One program per (batch row, new token); int64 so that offsets past 2**31 bytes stay valid.
     pid = tl.program_id(0).to(tl.int64)
@@ -96,7 +97,9 @@ def quant_pack_fwd_kernel(
 
     # Static caches keep the write position on the device (`start_ptr`, int64 [1]); a position past the capacity
     # is not written (the host-side wrapper cannot check it without a synchronisation).
-    if START_FROM_PTR:
+    if SLOTS:  # one row of planes, each token written at its own row (`start_ptr`: int64 [T])
+        pos = tl.load(start_ptr + i_t).to(tl.int64)
+    elif START_FROM_PTR:
         pos = tl.load(start_ptr).to(tl.int64) + i_t
     else:
         pos = start + i_t
@@ -109,10 +112,12 @@ def quant_pack_fwd_kernel(
 
 
 def quant_pack_fwd(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start, fmt: PathFormat
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start, fmt: PathFormat,
+    slots: bool = False,
 ) -> None:
     """Host wrapper: launch one program per (row, token) of `x`. `start` is an int, or an int64 tensor `[1]` on the
-    device holding the first write position (read in the kernel: no host synchronisation)."""
+    device holding the first write position (read in the kernel: no host synchronisation), or with `slots` an int64
+    tensor `[T]` of each token's row in planes of one batch row."""
     B, T, _ = x.shape
     if B * T == 0:
         return
@@ -140,6 +145,7 @@ def quant_pack_fwd(
         BITS=fmt.bits,
         S_MIN=SCALE_MIN,
         START_FROM_PTR=from_ptr,
+        SLOTS=slots,
     )
 
 
@@ -182,3 +188,23 @@ def quantize_pack_at(
     if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
         raise ValueError("quantize_pack_at needs the last dimension of every tensor to be contiguous")
     quant_pack_fwd(x, codes, scale, zero, position, fmt)
+
+
+def quantize_pack_slots(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, slots: torch.Tensor,
+    fmt: PathFormat,
+) -> None:
+    """Quantize `x: [N, dim]` and write token `i` into row `slots[i]` of the planes `codes: [rows, code_bytes]`,
+    `scale, zero: [rows, G]` (the paged cache's page planes viewed as `[P * page_size, width]`); `slots`: int64 `[N]`
+    on the planes' device, each below `rows` (not checked on the device; tokens that share a row leave one of them
+    there, as the padding rows of captured decode steps do in their scratch slot). One launch for the three planes,
+    nothing staged."""
+    if not fmt.quantized:
+        raise ValueError("quantize_pack_slots handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
+    if x.dim() != 2 or x.shape[-1] != fmt.dim or slots.shape != (x.shape[0],) or slots.dtype != torch.int64:
+        raise ValueError(f"x must be [N, {fmt.dim}] and slots int64 [N], got {tuple(x.shape)} and "
+                         f"{slots.dtype} {tuple(slots.shape)}")
+    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
+        raise ValueError("quantize_pack_slots needs the last dimension of every tensor to be contiguous")
+    quant_pack_fwd(x.unsqueeze(0), codes.unsqueeze(0), scale.unsqueeze(0), zero.unsqueeze(0), slots.contiguous(), fmt,
+                   slots=True)

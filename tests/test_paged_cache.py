@@ -50,12 +50,15 @@ def test_budget_holds_more_c4r4_tokens_than_bf16_latent():
         pages_for_budget(10_000, c4, L, page, requests, torch.bfloat16)
 
 
-def _cache(bits, page_size=4, num_pages=40, max_requests=4, sink=2, recent=5, model="deepseek_v3"):
-    qc = QuantMLAConfig(content_bits=bits, rope_bits=max(bits, 4), sink_tokens=sink, recent_tokens=recent, kernel="torch")
+def _cache(bits, page_size=4, num_pages=40, max_requests=4, sink=2, recent=5, model="deepseek_v3", kernel="torch"):
+    def qconfig(kernel):
+        return QuantMLAConfig(content_bits=bits, rope_bits=max(bits, 4), sink_tokens=sink, recent_tokens=recent,
+                              kernel=kernel)
+
     config = tiny_config(model)
-    paged = PagedQuantMLACache(config, qc, page_size=page_size, max_requests=max_requests, num_pages=num_pages,
-                               dtype=torch.float32)
-    return config, qc, paged
+    paged = PagedQuantMLACache(config, qconfig(kernel), page_size=page_size, max_requests=max_requests,
+                               num_pages=num_pages, dtype=torch.float32)
+    return config, qconfig("torch"), paged  # the contiguous reference cache takes the returned config
 
 
 def test_out_of_budget_is_all_or_nothing():
@@ -73,11 +76,12 @@ def test_out_of_budget_is_all_or_nothing():
         paged.begin_step(["c", "d"], [1, 1])  # two rows asked, one free (b holds the other)
 
 
-@pytest.mark.parametrize("bits", [4, 2, 16])  # C4R4, C2R4, C16R16
-def test_paged_writes_and_reads_match_contiguous_cache(bits):
+@pytest.mark.parametrize("bits,kernel", [(4, "torch"), (2, "torch"), (16, "torch"), (4, "triton"), (2, "triton")])
+def test_paged_writes_and_reads_match_contiguous_cache(bits, kernel):
     """Requests of different lengths arriving at different steps, chunked prefills mixed with decode steps: every
-    request's packed bytes and every history the cache returns equal QuantMLACache's on that request alone."""
-    config, qc, paged = _cache(bits)
+    request's packed bytes and every history the cache returns equal QuantMLACache's on that request alone (the
+    paged writes through the reference or the Triton kernel, the contiguous cache through the reference)."""
+    config, qc, paged = _cache(bits, kernel=kernel)
     L = paged.num_layers
     torch.manual_seed(0)
     lengths = {"a": 23, "b": 9, "c": 14}

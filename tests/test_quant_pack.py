@@ -5,7 +5,7 @@ import torch
 
 from quantmla_hf.format import PathFormat
 from quantmla_hf.kernels.mla_decode_triton import mla_decode_triton_kernel
-from quantmla_hf.kernels.quant_pack import quant_pack_fwd_kernel, quantize_pack
+from quantmla_hf.kernels.quant_pack import quant_pack_fwd_kernel, quantize_pack, quantize_pack_slots
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, pack_codes, quantize_ref, unpack_codes
 
 
@@ -87,6 +87,27 @@ def test_triton_kernel_matches_reference_and_writes_only_its_rows(bits, dim, T, 
     assert (codes[:, untouched] == 0xAB).all()
     assert torch.isnan(scale[:, untouched]).all()
     assert (zero[:, untouched] == -77).all()
+
+
+@pytest.mark.parametrize("bits,dim", [(4, 512), (2, 512), (4, 64), (8, 64)])
+def test_triton_kernel_writes_tokens_at_their_slots(bits, dim):
+    """The paged cache's write: token i at row slots[i] of flat page planes, the other rows untouched."""
+    fmt = PathFormat(dim, bits, 64)
+    rows, N = 37, 9
+    x = _inputs((N, dim), "outliers")
+    slots = torch.randperm(rows)[:N]
+    codes = torch.full((rows, fmt.code_bytes), 0xAB, dtype=torch.uint8)
+    scale = torch.full((rows, fmt.n_groups), float("nan"), dtype=torch.float16)
+    zero = torch.full((rows, fmt.n_groups), -77, dtype=torch.int8)
+    quantize_pack_slots(x, codes, scale, zero, slots, fmt)
+    ref_codes, ref_scale, ref_zero = quantize_ref(x, fmt)
+    assert torch.equal(codes[slots], ref_codes) and torch.equal(scale[slots], ref_scale)
+    assert torch.equal(zero[slots], ref_zero)
+    untouched = torch.ones(rows, dtype=torch.bool)
+    untouched[slots] = False
+    assert (codes[untouched] == 0xAB).all() and torch.isnan(scale[untouched]).all() and (zero[untouched] == -77).all()
+    with pytest.raises(ValueError, match="slots int64"):
+        quantize_pack_slots(x, codes, scale, zero, slots.int(), fmt)
 
 
 def test_triton_kernel_reports_overflow():

@@ -322,16 +322,11 @@ class PagedQuantMLACache:
             flat["values"].index_copy_(0, slots, x.to(self.dtype))
             return
         if self._use_triton():
-            from ..kernels.quant_pack import quantize_pack
+            from ..kernels.quant_pack import quantize_pack_slots
 
-            N = x.shape[0]
-            codes = torch.empty((1, N, fmt.code_bytes), dtype=torch.uint8, device=x.device)
-            scale = torch.empty((1, N, fmt.n_groups), dtype=SCALE_DTYPE, device=x.device)
-            zero = torch.empty((1, N, fmt.n_groups), dtype=ZERO_DTYPE, device=x.device)
-            quantize_pack(x.unsqueeze(0).contiguous(), codes, scale, zero, 0, fmt)
-            codes, scale, zero = codes[0], scale[0], zero[0]
-        else:
-            codes, scale, zero = quantize_ref(x, fmt)
+            quantize_pack_slots(x.contiguous(), flat["codes"], flat["scale"], flat["zero"], slots, fmt)
+            return
+        codes, scale, zero = quantize_ref(x, fmt)
         flat["codes"].index_copy_(0, slots, codes)
         flat["scale"].index_copy_(0, slots, scale)
         flat["zero"].index_copy_(0, slots, zero)
