@@ -94,7 +94,7 @@ def test_triton_kernel_writes_tokens_at_their_slots(bits, dim):
     """The paged cache's write: token i at row slots[i] of flat page planes, the other rows untouched."""
     fmt = PathFormat(dim, bits, 64)
     rows, N = 37, 9
-    x = _inputs((N, dim), "outliers")
+    x = _inputs((N, dim + 64), "outliers")[:, :dim]  # strided rows, as a slice of a projection's output
     slots = torch.randperm(rows)[:N]
     codes = torch.full((rows, fmt.code_bytes), 0xAB, dtype=torch.uint8)
     scale = torch.full((rows, fmt.n_groups), float("nan"), dtype=torch.float16)

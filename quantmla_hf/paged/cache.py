@@ -324,7 +324,8 @@ class PagedQuantMLACache:
         if self._use_triton():
             from ..kernels.quant_pack import quantize_pack_slots
 
-            quantize_pack_slots(x.contiguous(), flat["codes"], flat["scale"], flat["zero"], slots, fmt)
+            x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a slice of the projection)
+            quantize_pack_slots(x, flat["codes"], flat["scale"], flat["zero"], slots, fmt)
             return
         codes, scale, zero = quantize_ref(x, fmt)
         flat["codes"].index_copy_(0, slots, codes)
