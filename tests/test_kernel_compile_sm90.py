@@ -5,8 +5,9 @@ The CPU tests run the kernels in the Triton interpreter, which neither type-chec
 fp32 model's launch once paired fp16 operands with fp32 IEEE dots and failed to compile on the H200 only) nor
 counts shared memory (a paged launch once needed 253,952 bytes of the 232,448 a program may use, and failed on the
 H200 only). This compiles the launches `launch_triton` and `mla_decode_paged` make (their tiling, warps and
-stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; the paged kernel in bf16) ahead of time for
-sm_90 (Triton's own ptxas, no driver), in a subprocess because the test session runs Triton in interpreter mode.
+stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; the paged kernel in bf16) and the
+quantize-and-pack kernel's two ways of addressing rows ahead of time for sm_90 (Triton's own ptxas, no driver), in a
+subprocess because the test session runs Triton in interpreter mode.
 """
 
 import os
@@ -53,6 +54,20 @@ SCRIPT = textwrap.dedent(
                    cu_q_ptr="*i32", seq_lens_ptr="*i32", token_request_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
         if rows == 16 and not exact:
             compile_launch(paged.mla_decode_paged_kernel, bits, exact, rows, dict(PAGE=64), ptr)
+
+    # the quantize-and-pack writes: at consecutive positions (from a device-side start) and at page slots
+    from quantmla_hf.kernels import quant_pack as qp
+    from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN
+
+    fn = qp.quant_pack_fwd_kernel
+    for bits, width, slots in ((4, 512, False), (4, 512, True), (2, 512, True), (4, 64, True)):
+        const = dict(G=width // 64, BLOCK_G=triton.next_power_of_2(width // 64), GROUP=64, BITS=bits,
+                     S_MIN=SCALE_MIN, START_FROM_PTR=True, SLOTS=slots)
+        ptr = dict(x_ptr="*bf16", codes_ptr="*u8", scale_ptr="*fp16", zero_ptr="*i8", start_ptr="*i64")
+        sig = {n: "constexpr" if n in const else ptr.get(n, "i64") for n in fn.arg_names}
+        src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        assert ".target sm_90" in kernel.asm["ptx"]
     print("compiled")
     """
 )
