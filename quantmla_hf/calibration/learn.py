@@ -85,17 +85,19 @@ def _optimise(transform: torch.nn.Module, step_loss: Callable, heldout: Callable
     best_value, best_state = heldout(), copy.deepcopy(transform.state_dict())
     report.heldout_start, report.best_step = best_value, 0
     opt = torch.optim.Adam(transform.parameters(), lr=settings.lr)
+    losses = []  # on the device: read back once at the end, so the steps between evaluations queue without waiting
     for step in range(1, settings.steps + 1):
         with torch.enable_grad():
             loss = step_loss(step)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        report.curve.append(loss.item())
+        losses.append(loss.detach())
         if step % settings.eval_every == 0 or step == settings.steps:
             value = heldout()
             if value < best_value:
                 best_value, best_state, report.best_step = value, copy.deepcopy(transform.state_dict()), step
+    report.curve.extend(torch.stack(losses).float().tolist() if losses else [])
     transform.load_state_dict(best_state)
     report.heldout_best = best_value
 
@@ -112,6 +114,16 @@ def _keep_best(trained: torch.nn.Module, starts: dict, heldouts: dict, report: P
 
 def _batches(rows: torch.Tensor, size: int):
     return [rows[i : i + size] for i in range(0, rows.numel(), size)]
+
+
+def _ratio(sums: list) -> float:
+    """`sum(num) / sum(den)` of per-batch `(num, den)` device scalars, summed in fp64 on the device and read back
+    once (one synchronisation per evaluation, not two per batch); 0 with no batch."""
+    if not sums:
+        return 0.0
+    num = torch.stack([n.double() for n, _ in sums]).sum()
+    den = torch.stack([d.double() for _, d in sums]).sum()
+    return float(num / den.clamp_min(1e-30))
 
 
 def _sampler(train: torch.Tensor, size: int, seed: int):
@@ -166,11 +178,8 @@ class ContentLearner:
 
     @torch.no_grad()
     def objective(self, rotation: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> float:
-        num = den = 0.0
-        for batch in _batches(rows, self.runner.inputs.batch_size):
-            n, d = self.loss_sums(rotation, scale, batch)
-            num, den = num + float(n), den + float(d)
-        return num / max(den, 1e-30)
+        sums = [self.loss_sums(rotation, scale, batch) for batch in _batches(rows, self.runner.inputs.batch_size)]
+        return _ratio(sums)
 
     def learn(self, candidates: dict, train: torch.Tensor, held: torch.Tensor, settings: LearnSettings):
         """Learn from the best of `candidates` (name -> `(R0 [d_c, d_c], s0 [d_c])`, first = identity).
@@ -263,11 +272,7 @@ class RopeLearner:
 
     @torch.no_grad()
     def objective(self, transform: RopeTransform, rows: torch.Tensor) -> float:
-        num = den = 0.0
-        for batch in _batches(rows, self.batch_size):
-            n, d = self.loss_sums(transform, batch)
-            num, den = num + float(n), den + float(d)
-        return num / max(den, 1e-30)
+        return _ratio([self.loss_sums(transform, batch) for batch in _batches(rows, self.batch_size)])
 
     def learn(self, candidates: dict, train: torch.Tensor, held: torch.Tensor, settings: LearnSettings):
         """Learn from the best of `candidates` (name -> key scale `[d_R / 2]`, first = identity).
