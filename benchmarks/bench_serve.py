@@ -104,31 +104,33 @@ def warm_up(model, fmt: str, args) -> None:
 
 
 def run_batcher(model, fmt: str, reqs: list[list[int]], new_tokens: int, args, budget_bytes=None, num_pages=None,
-                arrivals=None) -> tuple[dict, ContinuousBatcher]:
+                arrivals=None, step_medians=False) -> tuple[dict, ContinuousBatcher]:
+    """One continuous-batching run: its row, and the batcher (its results; with `step_medians`, `step_ms_median`:
+    the median wall time of the replayed and of the eager steps, where the stats keep only their sums)."""
     cache = PagedQuantMLACache(model.config, qconfig(fmt), page_size=args.page_size, max_requests=len(reqs),
                                budget_bytes=budget_bytes, num_pages=num_pages, dtype=model.dtype, device=DEVICE)
     batcher = ContinuousBatcher(model, cache, args.max_batch_tokens, decode_graphs=False if args.eager else "auto")
     for i, p in enumerate(reqs):
         batcher.add_request(str(i), p, new_tokens, arrivals[i] if arrivals else 0)
-    # Each forwarding step's wall time by kind (a step ends reading its tokens back, so no extra synchronisation).
-    batcher.step_times = {"replayed": [], "eager": []}
-    step = batcher.step
+    step_times = {"replayed": [], "eager": []}
+    if step_medians:  # each forwarding step's wall time by kind (a step ends reading its tokens back)
+        step = batcher.step
 
-    def timed_step():
-        replays, forwarded, t0 = batcher.stats.graph_steps, batcher.stats.forward_tokens, time.perf_counter()
-        out = step()
-        if batcher.stats.forward_tokens > forwarded:
-            kind = "replayed" if batcher.stats.graph_steps > replays else "eager"
-            batcher.step_times[kind].append(time.perf_counter() - t0)
-        return out
+        def timed_step():
+            replays, forwarded, t0 = batcher.stats.graph_steps, batcher.stats.forward_tokens, time.perf_counter()
+            out = step()
+            if batcher.stats.forward_tokens > forwarded:
+                kind = "replayed" if batcher.stats.graph_steps > replays else "eager"
+                step_times[kind].append(time.perf_counter() - t0)
+            return out
 
-    batcher.step = timed_step
+        batcher.step = timed_step
     sync()
     t0 = time.perf_counter()
     results = batcher.run()
     sync()
     wall = time.perf_counter() - t0
-    batcher.step_ms_median = {k: (statistics.median(v) * 1e3 if v else None) for k, v in batcher.step_times.items()}
+    batcher.step_ms_median = {k: (statistics.median(v) * 1e3 if v else None) for k, v in step_times.items()}
     s = batcher.stats
     row = dict(format=fmt, requests=len(reqs), cache_tokens=cache.capacity_tokens(), cache_gib=cache.nbytes() / 2**30,
                wall_s=wall, generated=s.generated_tokens, out_tok_s=s.generated_tokens / wall, steps=s.steps,
@@ -205,7 +207,7 @@ def profile(model, args) -> None:
     pages = n * -(-(lin + lout) // args.page_size) + 8
     for fmt in args.formats:
         warm_up(model, fmt, args)
-        _, batcher = run_batcher(model, fmt, reqs, lout, args, num_pages=pages)
+        _, batcher = run_batcher(model, fmt, reqs, lout, args, num_pages=pages, step_medians=True)
         s = batcher.stats
         emit(args.out, dict(bench="profile-steps", format=fmt, requests=n, input=lin, output=lout,
                             graph_steps=s.graph_steps, graph_s=s.graph_seconds, eager_steps=s.steps - s.graph_steps,

@@ -225,5 +225,5 @@ def mla_decode_static(
     launch = {"triton": portable.launch_triton, "gluon_regs": regs.launch_regs, "gluon_wide": wide.launch_wide}[backend]
     launch(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
            M, Tq, target, NS, scaling * LOG2E)
-    o, lse = combine(o_part, lse_part, n_tail, out)
+    o, lse = combine(o_part, lse_part, n_tail, out, sms)
     return o.view(B, H, Tq, D_C), lse.view(B, H, Tq)

@@ -74,29 +74,29 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def column_block(rows: int, d_c: int, device: torch.device) -> int:
+def column_block(rows: int, d_c: int, sms: int) -> int:
     """Latent columns per combine program: the whole row (up to `BLOCK_D`), halved down to `MIN_BLOCK_D` while the
     programs are fewer than half the multiprocessors: at one batch row of 16 heads each program reads hundreds of
     partials and most multiprocessors would idle; from about five rows, narrower programs measured slower
     (docs/KERNELS.md, "Combine grid")."""
     block = min(triton.next_power_of_2(d_c), BLOCK_D)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     while block > MIN_BLOCK_D and rows * triton.cdiv(d_c, block) * SMS_PER_PROGRAM < sms:
         block //= 2
     return block
 
 
 def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
-            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            out: tuple[torch.Tensor, torch.Tensor] | None = None, sms: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`o_part: [B, M, NSP, d_c]`, `lse_part: [B, M, NSP]` -> `(o [B, M, d_c], lse [B, M])` fp32, written into
-    `out` (contiguous tensors of `B * M * d_c` and `B * M` elements, any shape) when given."""
+    `out` (contiguous tensors of `B * M * d_c` and `B * M` elements, any shape) when given. `sms`: the device's
+    multiprocessors, for `column_block` (0: whole rows)."""
     B, M, NSP, D_C = o_part.shape
     if out is None:
         o = torch.empty((B, M, D_C), dtype=torch.float32, device=o_part.device)
         lse = torch.empty((B, M), dtype=torch.float32, device=o_part.device)
     else:
         o, lse = out
-    block_d = column_block(B * M, D_C, o_part.device)
+    block_d = column_block(B * M, D_C, sms)
     combine_kernel[(B * M, triton.cdiv(D_C, block_d))](
         o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=CHUNK, BLOCK_D=block_d, N_TAIL=n_tail,
     )

@@ -228,4 +228,4 @@ def mla_decode_paged(
         Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=exact,
         num_warps=num_warps(fmt, H), num_stages=pipeline_stages(fmt, H),
     )
-    return combine(o_part, lse_part, 1, None)
+    return combine(o_part, lse_part, 1, None, sms)

@@ -295,10 +295,13 @@ class PagedQuantMLACache:
         # where both hold a position; the values are the same copies).
         S, R = self.sink_tokens, self.recent_tokens
         total = torch.tensor([p + q for p, q in zip(past, step.query_lens)])[hist_req]
-        for name, sel, slot in (("hist_sink", hist_pos < S, hist_pos),  # none when S = 0
-                                ("hist_recent", hist_pos >= total - R, hist_pos % max(R, 1))):  # none when R = 0
+
+        def copy_rows(sel, slot):
             idx = sel.nonzero().flatten()
-            setattr(step, name, torch.stack([idx, rows[idx], slot[idx]]).to(dev))
+            return torch.stack([idx, rows[idx], slot[idx]]).to(dev)
+
+        step.hist_sink = copy_rows(hist_pos < S, hist_pos)  # none when S = 0
+        step.hist_recent = copy_rows(hist_pos >= total - R, hist_pos % max(R, 1))  # none when R = 0
         step.hist_dst = (offsets[hist_req] + hist_pos).to(dev)
         step.new_dst = (offsets[token_request] + query_offsets(step.query_lens)
                         + torch.tensor(past)[token_request]).to(dev)
