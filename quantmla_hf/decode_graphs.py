@@ -16,6 +16,12 @@ sampling, no `compile_config`). For every decode step the step object:
 4. copies the step's inputs into the static ones, replays, advances the cache's host-side length, and returns the
    captured output (its logits are the graph's tensor: overwritten by the next replay; `generate` copies them).
 
+`generate` builds a 4D mask before every step of a compileable cache (`create_masks_for_generate`); a replay reads
+none (the kernels mask left padding and causality themselves, checked in 1.), so once a cache's step has replayed,
+the model's `create_masks_for_generate` (`masks_for_generate`) hands the next one-token step the mask tensor its
+graph was captured with instead of building one. That build is host time the GPU waits for: generate synchronises
+at the end of every step, then prepares the next step's inputs before the replay is launched.
+
 Anything else (prefill and long chunks, a cache that is not a `StaticQuantMLACache`, attention weights or hidden
 states asked for, a mask that is not left padding + causal, a failed capture) runs the eager forward, saying why
 once in the log. Beam search (it reorders the cache every step), assisted generation and the other modes keep the
@@ -277,6 +283,8 @@ class DecodeGraphStep:
         self.stats = graph_stats(model)
         self.checked_masks: set[int] = set()  # caches whose mask was checked in this call
         self.eager_caches: set[int] = set()  # caches this call decodes eagerly (a mask the kernels cannot apply)
+        self.replay_masks: dict[int, torch.Tensor] = {}  # cache -> the mask its last replayed graph holds
+        model._quantmla_graph_step = self  # read by `masks_for_generate`; cleared when a generate call starts
 
     def __call__(self, *args, **kwargs):
         why = uncapturable(args, kwargs, self.device_type)
@@ -316,7 +324,24 @@ class DecodeGraphStep:
         step.graph.replay()
         cache.advance_host_length(n_new)
         self.stats.replays += 1
+        mask = step.inputs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            self.replay_masks[id(cache)] = mask
         return step.output
+
+    def replay_mask(self, cache, n_new: int, mask_2d: torch.Tensor | None) -> torch.Tensor | None:
+        """The 4D mask to give the next step of `cache` (`n_new` tokens, generate's `mask_2d: [B, n + n_new]` or None)
+        without building one: the tensor its last replayed graph was captured with, when that step will replay
+        the same way (same batch and chunk, room left, the 2D mask covering exactly the cached positions plus the
+        new ones); None otherwise (the stock mask is built)."""
+        mask = self.replay_masks.get(id(cache))
+        if mask is None or id(cache) in self.eager_caches or mask.shape[2] != n_new or not cache.room_for(n_new):
+            return None
+        if mask_2d is not None and (  # None: no padding (later releases drop an all-ones mask)
+            mask_2d.dim() != 2 or mask_2d.shape != (mask.shape[0], cache.host_length() + n_new)
+        ):
+            return None
+        return mask
 
     def _capture(self, cache: StaticQuantMLACache, kwargs: dict) -> CapturedStep:
         start = time.perf_counter()
@@ -355,6 +380,20 @@ class DecodeGraphStep:
         with torch.cuda.graph(graph):
             output = self.model(**inputs)
         return graph, output, torch.cuda.memory_reserved(device) - reserved
+
+
+def masks_for_generate(model, stock, **kwargs):
+    """`model.create_masks_for_generate` on a QuantMLA model (generate's keyword arguments: `inputs_embeds: [B, T,
+    0]`, the 2D `attention_mask`, the cache, ...): the captured step's own mask for a step the current
+    `DecodeGraphStep` will replay (`DecodeGraphStep.replay_mask`), `stock(**kwargs)` for every other step."""
+    step = model.__dict__.get("_quantmla_graph_step")
+    cache = cache_argument(kwargs)  # `past_key_values` (5.17) or `cache` (later releases)
+    embeds = kwargs.get("inputs_embeds")
+    if step is not None and isinstance(cache, StaticQuantMLACache) and embeds is not None:
+        mask = step.replay_mask(cache, embeds.shape[1], kwargs.get("attention_mask"))
+        if mask is not None:
+            return mask
+    return stock(**kwargs)
 
 
 def compiled_call(model, stock_get_compiled_call, compile_config):

@@ -24,6 +24,7 @@ import transformers
 from huggingface_hub import CommitOperationAdd, HfApi
 from packaging import version
 from transformers import AutoTokenizer
+from transformers.masking_utils import create_masks_for_generate
 from transformers.utils import logging
 
 from .attention import ATTN_IMPLEMENTATION
@@ -35,7 +36,7 @@ from .calibration_check import (
     read_calibration_text,
 )
 from .config import QuantMLAConfig
-from .decode_graphs import compiled_call
+from .decode_graphs import compiled_call, masks_for_generate
 from .hooks import _pre_forward, install_cache_hooks, mla_attention_modules
 from .mla import MLADims, mla_dims
 from .model_card import has_own_card, hub_id_of, write_model_card
@@ -202,7 +203,8 @@ def unprepare_model(model, dtype=None):
                 module._forward_pre_hooks_with_kwargs.pop(key, None)
         module.__dict__.pop("_quantmla_state", None)
     attn = model.__dict__.pop("_quantmla_stock_attn", None)
-    for name in ("_prepare_cache_for_generation", "get_compiled_call", "_quantmla_decode_plan", "_quantmla_cache_pool",
+    for name in ("_prepare_cache_for_generation", "get_compiled_call", "create_masks_for_generate",
+                 "_quantmla_graph_step", "_quantmla_decode_plan", "_quantmla_cache_pool",
                  "_quantmla_static_cache", "save_pretrained", "push_to_hub", "half", "float", "bfloat16",
                  "_quantmla_generation_default", "_quantmla_model_card"):
         model.__dict__.pop(name, None)
@@ -267,6 +269,7 @@ def _install_generation_default(model) -> None:
 
     @functools.wraps(stock)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        self.__dict__.pop("_quantmla_graph_step", None)  # the previous call's step object: its masks are not ours
         ours = None
         if (
             model_kwargs.get(GENERATE_CACHE_KWARG) is None
@@ -297,6 +300,13 @@ def _install_generation_default(model) -> None:
         return compiled_call(self, stock_compiled_call, compile_config)
 
     model.get_compiled_call = types.MethodType(get_compiled_call, model)
+    stock_masks = getattr(model, "create_masks_for_generate", create_masks_for_generate)
+
+    def _create_masks_for_generate(**kwargs):
+        # generate's per-step 4D mask: skipped for steps a CUDA graph replays (decode_graphs.masks_for_generate).
+        return masks_for_generate(model, stock_masks, **kwargs)
+
+    model.create_masks_for_generate = _create_masks_for_generate
     model._quantmla_generation_default = True
 
 

@@ -234,6 +234,43 @@ def test_plain_generate_replays_steps_with_the_eager_tokens(host_graphs, caplog)
     assert beams.shape == ref.shape and "beam search reorders the cache every step" in caplog.text
 
 
+def test_replayed_steps_reuse_the_captured_mask(host_graphs, monkeypatch):
+    """generate's per-step 4D mask is built for the prefill and the first decode step of each call only: later
+    steps of a replayed cache get the captured step's mask tensor; the tokens (left padding) are the eager ones."""
+    import quantmla_hf.integration as integration
+
+    calls = {"all": 0, "stock": 0}
+
+    def counting(model, stock, **kwargs):
+        def stock_counted(**kw):
+            calls["stock"] += 1
+            return stock(**kw)
+
+        calls["all"] += 1
+        return dg.masks_for_generate(model, stock_counted, **kwargs)
+
+    monkeypatch.setattr(integration, "masks_for_generate", counting)
+    model = host_graphs(_model())
+    ids = torch.randint(1, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    gen = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    cache = StaticQuantMLACache(config=model.config, max_cache_len=64)
+    ref = model.generate(ids, **gen, disable_compile=True, **{GENERATE_CACHE_KWARG: cache})
+    calls.update(all=0, stock=0)
+    for _ in range(2):  # the second call reuses the model's cache and graph: its first decode step checks again
+        assert torch.equal(model.generate(ids, **gen), ref)
+    assert calls == {"all": 16, "stock": 4}
+    assert dg.graph_stats(model).replays == 14
+    # no padding (later transformers releases drop an all-ones mask: the step gets None)
+    gen["attention_mask"] = torch.ones_like(ids)
+    cache = StaticQuantMLACache(config=model.config, max_cache_len=64)
+    ref = model.generate(ids, **gen, disable_compile=True, **{GENERATE_CACHE_KWARG: cache})
+    calls.update(all=0, stock=0)
+    assert torch.equal(model.generate(ids, **gen), ref)
+    assert calls == {"all": 8, "stock": 2}
+
+
 def test_replayed_steps_grow_and_recapture(host_graphs):
     """A cache that must grow during a replayed generation grows before the step's mask is built, captures the
     step again for its new buffers, and gives the eager static path's tokens."""
