@@ -3,6 +3,7 @@ through the same pages) under cache pressure, and against `generate` with static
 
     python benchmarks/bench_serve.py --out DIR [--layers 27] [--tiny] [--check]
         [--pressure] [--pressure-requests 5] [--pressure-input 32768] [--pressure-output 1024] [--budget-gib G]
+        [--budgets pressure,no-pressure] [--repeat 1]
         [--scale 64,256] [--scale-min 4096] [--scale-max 32768] [--scale-output 256] [--static-batch 8]
         [--profile] [--formats C16R16,C4R4] [--page-size 64] [--max-batch-tokens 8192] [--eager]
 
@@ -19,7 +20,8 @@ token ids; generation is greedy with no end token, so every request yields exact
   arriving at once. The same budget holds ~3.6x fewer C16R16 tokens, so C16R16 serves them a few at a time. Whole-
   job output throughput (generated tokens / wall time from the first arrival to the last token) per format, their
   ratio, preemptions and the peak number of running requests. Then the same without pressure (a budget C16R16 also
-  fits, C4R4 must be at least as fast).
+  fits, C4R4 must be at least as fast). `--budgets` picks either; `--repeat N` runs N rounds of each (the formats'
+  order alternating) and adds the mean ratio with its 95% Student-t interval.
 - `--profile`: per format, the `--pressure-*` requests in a cache that holds them: the median wall time of the
   replayed and of the eager (prefill) steps, then `torch.profiler`'s table of 3 eager decode steps.
 - `--scale N,M`: N (then M) concurrent requests, prompts uniform in `[--scale-min, --scale-max]`, `--scale-output`
@@ -52,6 +54,7 @@ from bench_generate import DEVICE, v2_lite  # noqa: E402
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla  # noqa: E402
 from quantmla_hf.attention import ATTN_IMPLEMENTATION  # noqa: E402
+from quantmla_hf.intervals import t_interval  # noqa: E402
 from quantmla_hf.paged import PagedQuantMLACache, page_bytes, protected_bytes_per_request  # noqa: E402
 from quantmla_hf.paged.batching import CACHE_KWARG, ContinuousBatcher  # noqa: E402
 
@@ -180,18 +183,28 @@ def pressure(model, args) -> None:
     c16 = PagedQuantMLACache(model.config, qconfig("C16R16"), num_pages=1, max_requests=1, dtype=model.dtype)
     relaxed = int(max(need, n * pages_each * page_bytes(c16.format, layers, args.page_size, model.dtype)) * 1.02)
     del c16
-    for label, budget in (("pressure", pressured), ("no-pressure", relaxed)):
-        rows = {}
+    budgets = {"pressure": pressured, "no-pressure": relaxed}
+    for label in args.budgets:
+        budget = budgets[label]
         for fmt in args.formats:
             warm_up(model, fmt, args)
-            row, _ = run_batcher(model, fmt, reqs, lout, args, budget_bytes=budget)
-            rows[fmt] = row
-            emit(args.out, dict(bench=label, budget_gib=budget / 2**30, input=lin, output=lout, **row))
-        if "C4R4" in rows and "C16R16" in rows:
-            emit(args.out, dict(bench=label + "-ratio", budget_gib=budget / 2**30,
-                                c4r4_over_c16r16=rows["C4R4"]["out_tok_s"] / rows["C16R16"]["out_tok_s"],
-                                preemptions_c4r4=rows["C4R4"]["preemptions"],
-                                preemptions_c16r16=rows["C16R16"]["preemptions"]))
+        ratios = []
+        for round_ in range(args.repeat):
+            rows = {}
+            # the order alternates between rounds, so a drift over the run does not favour one format
+            for fmt in (args.formats if round_ % 2 == 0 else args.formats[::-1]):
+                row, _ = run_batcher(model, fmt, reqs, lout, args, budget_bytes=budget)
+                rows[fmt] = row
+                emit(args.out, dict(bench=label, round=round_, budget_gib=budget / 2**30, input=lin, output=lout, **row))
+            if "C4R4" in rows and "C16R16" in rows:
+                ratios.append(rows["C4R4"]["out_tok_s"] / rows["C16R16"]["out_tok_s"])
+                emit(args.out, dict(bench=label + "-ratio", round=round_, budget_gib=budget / 2**30,
+                                    c4r4_over_c16r16=ratios[-1], preemptions_c4r4=rows["C4R4"]["preemptions"],
+                                    preemptions_c16r16=rows["C16R16"]["preemptions"]))
+        if len(ratios) >= 2:
+            ci = t_interval(torch.tensor(ratios))
+            emit(args.out, dict(bench=label + "-ratio-mean", rounds=len(ratios), c4r4_over_c16r16=ci.value,
+                                interval_95=[ci.low, ci.high]))
 
 
 def profile(model, args) -> None:
@@ -291,6 +304,11 @@ def main() -> int:
     ap.add_argument("--pressure-requests", type=int, default=5)
     ap.add_argument("--pressure-input", type=int, default=32768)
     ap.add_argument("--pressure-output", type=int, default=1024)
+    ap.add_argument("--budgets", default="pressure,no-pressure",
+                    help="which --pressure budgets run: pressure (what C4R4 needs, +2%%), no-pressure (both fit)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of each --pressure budget (formats alternating in order); >= 2 adds the mean "
+                         "C4R4 / C16R16 ratio with its 95%% Student-t interval")
     ap.add_argument("--budget-gib", type=float, default=None)
     ap.add_argument("--scale", default="", help="concurrent request counts, e.g. 64,256")
     ap.add_argument("--profile", action="store_true",
@@ -301,6 +319,10 @@ def main() -> int:
     ap.add_argument("--static-batch", type=int, default=8)
     args = ap.parse_args()
     args.formats = args.formats.split(",")
+    args.budgets = args.budgets.split(",")
+    unknown = set(args.budgets) - {"pressure", "no-pressure"}
+    if unknown or args.repeat < 1:
+        ap.error(f"--budgets takes pressure and/or no-pressure (got {sorted(unknown)}); --repeat at least 1")
     args.scale = [int(x) for x in args.scale.split(",") if x]
     os.makedirs(args.out, exist_ok=True)
     model = v2_lite(args.layers, tiny=args.tiny)

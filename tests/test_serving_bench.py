@@ -11,13 +11,19 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_serve.py"
 def test_bench_serve_check_and_pressure_on_the_toy_model(tmp_path):
     cmd = [sys.executable, str(BENCH), "--out", str(tmp_path), "--tiny", "--layers", "2", "--check",
            "--check-tokens", "4", "--pressure", "--pressure-requests", "3", "--pressure-input", "400",
-           "--pressure-output", "6", "--page-size", "16", "--max-batch-tokens", "512"]
+           "--pressure-output", "6", "--page-size", "16", "--max-batch-tokens", "512", "--repeat", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "bench_serve.json").read_text())
     checks = [r for r in rows if r["bench"] == "check"]
     assert [r["equal"] for r in checks] == ["6/6", "6/6"]
-    pressured = {r["format"]: r for r in rows if r["bench"] == "pressure"}
+    pressured = {r["format"]: r for r in rows if r["bench"] == "pressure" and r["round"] == 0}
+    for label in ("pressure", "no-pressure"):  # two rounds each, and their mean ratio with its interval
+        assert sorted((r["round"], r["format"]) for r in rows if r["bench"] == label) == [
+            (0, "C16R16"), (0, "C4R4"), (1, "C16R16"), (1, "C4R4")]
+        (mean,) = [r for r in rows if r["bench"] == label + "-ratio-mean"]
+        low, high = mean["interval_95"]
+        assert mean["rounds"] == 2 and low <= mean["c4r4_over_c16r16"] <= high
     # the same budget holds more C4R4 tokens (the toy's 4 + 128 protected tokens per request weigh more than a
     # real model's); C4R4 runs the three requests together, C16R16 cannot; every request completes in both formats
     assert pressured["C4R4"]["cache_tokens"] > pressured["C16R16"]["cache_tokens"]
