@@ -125,6 +125,22 @@ def _captured(module, hidden: list, first: dict, device, what: str) -> CapturedI
     )
 
 
+def _inputs_of(module: torch.nn.Module, device, dtype, batches, run, what: str) -> CapturedInputs:
+    """Call `run(batch)` for every batch of `batches` with a hook on `module` that keeps its inputs (hidden
+    states on `device` in `dtype`, or their own dtype when None) and stops the forward there."""
+    hidden, first = [], {}
+    handle = module.register_forward_pre_hook(_keep_call(first, hidden, device, dtype), with_kwargs=True)
+    try:
+        for batch in batches:
+            try:
+                run(batch)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return _captured(module, hidden, first, device, what)
+
+
 @torch.no_grad()
 def capture_inputs(model: torch.nn.Module, module: torch.nn.Module, token_ids: torch.Tensor, batch_size: int,
                    dtype: torch.dtype | None = torch.float32, device: torch.device | None = None) -> CapturedInputs:
@@ -134,36 +150,19 @@ def capture_inputs(model: torch.nn.Module, module: torch.nn.Module, token_ids: t
     execution device of `module`'s `kv_a_proj_with_mqa` (an attention module) or of `module`'s first parameter.
     """
     device = device if device is not None else module_device(module)
-    hidden, first = [], {}
-    handle = module.register_forward_pre_hook(_keep_call(first, hidden, device, dtype), with_kwargs=True)
-    try:
-        embed_device = execution_device(model.get_input_embeddings())
-        for i in range(0, token_ids.shape[0], batch_size):
-            try:
-                model(input_ids=token_ids[i : i + batch_size].to(embed_device), use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-    return _captured(module, hidden, first, device, f"layer_idx={getattr(module, 'layer_idx', '?')}")
+    embed_device = execution_device(model.get_input_embeddings())
+    return _inputs_of(module, device, dtype, token_ids.split(batch_size),
+                      lambda ids: model(input_ids=ids.to(embed_device), use_cache=False),
+                      f"layer_idx={getattr(module, 'layer_idx', '?')}")
 
 
 @torch.no_grad()
 def capture_within(layer: torch.nn.Module, layer_inputs: CapturedInputs, module: torch.nn.Module) -> CapturedInputs:
     """Run decoder `layer` on its captured inputs, batch by batch, until `module` (inside it) is called; keep
     `module`'s inputs in the layer inputs' dtype (`[N, T, hidden]`) on `module`'s execution device."""
-    device = module_device(module)
-    hidden, first = [], {}
-    handle = module.register_forward_pre_hook(_keep_call(first, hidden, device, None), with_kwargs=True)
-    try:
-        for i in range(0, layer_inputs.hidden.shape[0], layer_inputs.batch_size):
-            try:
-                layer_inputs.call(layer, layer_inputs.hidden[i : i + layer_inputs.batch_size])
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-    return _captured(module, hidden, first, device, f"attention layer {getattr(module, 'layer_idx', '?')}")
+    return _inputs_of(module, module_device(module), None, layer_inputs.hidden.split(layer_inputs.batch_size),
+                      lambda h: layer_inputs.call(layer, h),
+                      f"attention layer {getattr(module, 'layer_idx', '?')}")
 
 
 @torch.no_grad()
