@@ -8,10 +8,13 @@
         C4R4 and C2R4 at 16 heads, B1 4K through `gluon_regs` and `triton` with 2-64 split targets
     python benchmarks/sweep_decode_launch.py paged
         the paged kernel (with its combine) on C4R4 and C16R16 at 16 heads B1/B5/B8/B32 32K and 128 heads B8 32K,
-        split targets of 1, 2, 4, 8 and 16 programs per multiprocessor (`mla_decode_paged.programs_per_sm`)
+        split targets of 1, 2, 4, 8 and 16 programs per multiprocessor (the rule both Triton kernels take:
+        `mla_decode_triton.programs_per_sm`)
+    python benchmarks/sweep_decode_launch.py portable-splits
+        the same split targets and points for the contiguous portable kernel (`backend="triton"`)
 
 Each time of `portable16` and `splits` is the best of 3 `do_bench` medians of a CUDA-graph replay
-(`bench_decode.graphed`), of `paged` the median of 5 rounds taken in turns; a launch the GPU cannot run (shared
+(`bench_decode.graphed`), of `paged` and `portable-splits` the median of 5 rounds taken in turns; a launch the GPU cannot run (shared
 memory) is reported and skipped. The launch parameters are swapped in the kernel module for the
 sweep (`BLOCK_T`, `num_warps`, `pipeline_stages`) and restored after.
 """
@@ -29,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402
 
 from quantmla_hf.kernels import mla_decode as dispatch  # noqa: E402
-from quantmla_hf.kernels import mla_decode_paged as paged  # noqa: E402
 from quantmla_hf.kernels import mla_decode_triton as portable  # noqa: E402
 
 
@@ -86,34 +88,46 @@ def sweep_splits(baseline) -> None:
             print(f"{name} {backend} split target {ns}: {t:.4f} ms ({t / old:.3f}x baseline)", flush=True)
 
 
-def sweep_paged(baseline=None, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:
+def sweep_split_rule(layout: str, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:
+    """Split targets of `per_sm` programs per multiprocessor for the paged kernel (`layout` "paged") or the
+    contiguous portable kernel ("portable", through `mla_decode_static(backend="triton")`), with their combine."""
     sms = dispatch.num_sms(0)
     for name in ("C4R4", "C16R16"):
         for H, B, N in [(16, 1, 32768), (16, 5, 32768), (16, 8, 32768), (16, 32, 32768), (128, 8, 32768)]:
             args = point_args(name, H, B, N)
             rows = B * -(-H // portable.block_rows(H))
-            replays = {k: bd.graphed(bd.paged_fn(args, num_splits=-(-k * sms // rows))) for k in per_sm}
+            length = torch.tensor([N], dtype=torch.int64, device=bd.DEVICE)
+
+            def launch(ns, args=args, length=length, N=N):
+                if layout == "paged":
+                    return bd.paged_fn(args, num_splits=ns)
+                return lambda: dispatch.mla_decode_static(*args[:10], length, N, args[11], backend="triton",
+                                                          num_splits=ns)
+
+            replays = {k: bd.graphed(launch(-(-k * sms // rows))) for k in per_sm}
             times = {k: [] for k in per_sm}
             for _ in range(rounds):
                 for k, replay in replays.items():
                     times[k].append(bd.bench(replay))
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-            print(f"{name} H={H} B={B} N={N} (rule: {paged.programs_per_sm(rows)} per SM): "
+            print(f"{name} H={H} B={B} N={N} (rule: {portable.programs_per_sm(rows)} per SM): "
                   + "  ".join(f"{k}/SM {m:.4f}" for k, m in med.items()), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", choices=("portable16", "splits", "paged"))
+    ap.add_argument("sweep", choices=("portable16", "splits", "paged", "portable-splits"))
     ap.add_argument("--baseline-path", default="", help="root of an older tree's kernels (git archive REV kernels); "
                     "portable16 and splits compare against it")
     a = ap.parse_args()
     if bd.DEVICE != "cuda":
         raise SystemExit("the launch sweeps time CUDA kernels: run them on a GPU")
-    if a.sweep != "paged" and not a.baseline_path:
+    if a.sweep in ("portable16", "splits") and not a.baseline_path:
         raise SystemExit(f"the {a.sweep} sweep compares against an older tree: give --baseline-path DIR")
     baseline = bd.load_baseline(a.baseline_path) if a.baseline_path else None
-    {"portable16": sweep_portable16, "splits": sweep_splits, "paged": sweep_paged}[a.sweep](baseline)
+    sweeps = {"portable16": sweep_portable16, "splits": sweep_splits,
+              "paged": lambda _: sweep_split_rule("paged"), "portable-splits": lambda _: sweep_split_rule("portable")}
+    sweeps[a.sweep](baseline)
 
 
 if __name__ == "__main__":

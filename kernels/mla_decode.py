@@ -38,7 +38,6 @@ from .mla_decode_ref import mla_decode_static_ref
 
 LOG2E = 1.4426950408889634
 BACKENDS = ("gluon_regs", "gluon_wide", "triton", "torch")
-TRITON_PROGRAMS_PER_SM = 8  # the portable kernel's splits: about 8 short programs per multiprocessor
 
 
 def interpreting() -> bool:
@@ -88,8 +87,9 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
                num_splits: int | None = None) -> tuple[int, int]:
     """Packed-position splits as `(split_target, grid_splits)`.
 
-    `split_target` (or `num_splits`) depends on static sizes other than the capacity: the portable kernel about 8
-    programs per multiprocessor, the Gluon kernels `fill_splits` of their resident slots. The kernels cut the
+    `split_target` (or `num_splits`) depends on static sizes other than the capacity: the portable kernel
+    `programs_per_sm(B * head_blocks)` programs per multiprocessor (1 to 8, the paged kernel's rule), the Gluon
+    kernels `fill_splits` of their resident slots. The kernels cut the
     positions the device-side length holds, `n = length - R - first` (`first`: `S` for the portable kernel, 0 for
     the tile-aligned Gluon kernels), into `tokens_per_split = max(min_tiles * block_t, round_up(cdiv(n,
     split_target), block_t))` each (`min_tiles` 2 for the portable kernel, `GLUON_MIN_SPLIT_TILES` for the Gluon
@@ -98,7 +98,8 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
     planes can hold; splits past the data write empty partials that the combine skips."""
     if backend == "triton":
         first, block_t, min_tiles = fmt.sink_tokens, portable.BLOCK_T, 2
-        target = -(-TRITON_PROGRAMS_PER_SM * sms // max(1, B * head_blocks))
+        rows = max(1, B * head_blocks)
+        target = -(-portable.programs_per_sm(rows) * sms // rows)
     else:
         first, block_t, min_tiles = 0, GLUON_BLOCK_T, GLUON_MIN_SPLIT_TILES
         per_sm = regs.FILL_PER_SM if backend == "gluon_regs" else wide.FILL_PER_SM

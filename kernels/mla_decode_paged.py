@@ -37,6 +37,7 @@ from .mla_decode_triton import (
     num_warps,
     path_tiling,
     pipeline_stages,
+    programs_per_sm,
     triton_handles,
 )
 
@@ -119,15 +120,6 @@ def mla_decode_paged_kernel(
 
     o_row = (tok * H + o_m) * (num_splits + 1) + i_s
     _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
-
-
-def programs_per_sm(rows: int) -> int:
-    """Programs per multiprocessor the splits aim at, from the `rows` (query token, head block) pairs of a launch:
-    the power of two at or above `rows / 4`, between 1 and 8. Few rows take few, long splits: every split adds a
-    `[H, d_c]` fp32 partial that the combine reads back, which at one to eight rows weighs as much as the packed
-    pages themselves; many rows need more programs per multiprocessor to hide the loads (H200 sweep in
-    docs/KERNELS.md, "The paged kernel")."""
-    return min(8, 1 << max(0, -(-rows // 4) - 1).bit_length())
 
 
 def _flat_planes(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:

@@ -392,6 +392,15 @@ def num_warps(fmt: CacheFormat, M: int) -> int:
     return 4
 
 
+def programs_per_sm(rows: int) -> int:
+    """Programs per multiprocessor the splits aim at, from the `rows` (batch row or query token, head block) pairs
+    of a launch: the power of two at or above `rows / 4`, between 1 and 8. Few rows take few, long splits: every
+    split adds a `[rows, d_c]` fp32 partial that the combine reads back, which at one to eight rows weighs as much
+    as the packed tokens themselves; many rows need more programs per multiprocessor to hide the loads (H200 sweep
+    of the paged kernel in docs/KERNELS.md, "The paged kernel")."""
+    return min(8, 1 << max(0, -(-rows // 4) - 1).bit_length())
+
+
 def block_rows(M: int) -> int:
     """Query rows per program: 16 up to 32 rows, else 32 (each token tile unpacked once per block)."""
     return 16 if M <= 32 else 32

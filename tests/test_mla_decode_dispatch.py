@@ -65,8 +65,11 @@ def test_other_gpus_and_cpu(gpu, monkeypatch, f, rows, batch, dtype, want):
 
 def test_split_plan_and_fill_splits():
     c4r4 = fmt(4, 4)
-    # the portable kernel: about 8 programs per multiprocessor, bounded by what the capacity holds
-    assert md.split_plan("triton", 1, 1, 32768, c4r4, 132) == (1056, 510)
+    # the portable kernel: programs_per_sm of its rows (1 per SM at one row, 2 at five, 8 from 17 on), bounded by
+    # what the capacity holds
+    assert md.split_plan("triton", 1, 1, 32768, c4r4, 132) == (132, 132)
+    assert md.split_plan("triton", 5, 1, 32768, c4r4, 132) == (53, 53)
+    assert md.split_plan("triton", 1, 1, 32768, c4r4, 1000) == (1000, 510)
     assert md.split_plan("triton", 32, 1, 32768, c4r4, 132) == (33, 33)
     assert md.split_plan("triton", 1, 1, 100, c4r4, 132)[1] == 1  # too short to split
     # the Gluon kernels: their resident slots filled once (2 per SM one warpgroup, 1 two warpgroups)
