@@ -15,6 +15,7 @@ built in memory. After `prepare_model`:
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import tempfile
 import types
@@ -300,13 +301,15 @@ def _install_generation_default(model) -> None:
         return compiled_call(self, stock_compiled_call, compile_config)
 
     model.get_compiled_call = types.MethodType(get_compiled_call, model)
-    stock_masks = getattr(model, "create_masks_for_generate", create_masks_for_generate)
+    # A model class's own mask builder (a method or a staticmethod), else transformers' function.
+    own_masks = inspect.getattr_static(type(model), "create_masks_for_generate", None)
 
-    def _create_masks_for_generate(**kwargs):
+    def _create_masks_for_generate(self, **kwargs):
         # generate's per-step 4D mask: skipped for steps a CUDA graph replays (decode_graphs.masks_for_generate).
-        return masks_for_generate(model, stock_masks, **kwargs)
+        stock = own_masks.__get__(self, type(self)) if own_masks is not None else create_masks_for_generate
+        return masks_for_generate(self, stock, **kwargs)
 
-    model.create_masks_for_generate = _create_masks_for_generate
+    model.create_masks_for_generate = types.MethodType(_create_masks_for_generate, model)
     model._quantmla_generation_default = True
 
 

@@ -269,6 +269,11 @@ def test_replayed_steps_reuse_the_captured_mask(host_graphs, monkeypatch):
     calls.update(all=0, stock=0)
     assert torch.equal(model.generate(ids, **gen), ref)
     assert calls == {"all": 8, "stock": 2}
+    # the hook is a method of the model it was installed on: a deep copy asks its own step objects
+    import copy
+
+    twin = copy.deepcopy(model)
+    assert twin.create_masks_for_generate.__self__ is twin and model.create_masks_for_generate.__self__ is model
 
 
 def test_replayed_steps_grow_and_recapture(host_graphs):
