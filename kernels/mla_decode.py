@@ -98,8 +98,7 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
     planes can hold; splits past the data write empty partials that the combine skips."""
     if backend == "triton":
         first, block_t, min_tiles = fmt.sink_tokens, portable.BLOCK_T, 2
-        rows = max(1, B * head_blocks)
-        target = -(-portable.programs_per_sm(rows) * sms // rows)
+        target = portable.split_target(B * head_blocks, sms)
     else:
         first, block_t, min_tiles = 0, GLUON_BLOCK_T, GLUON_MIN_SPLIT_TILES
         per_sm = regs.FILL_PER_SM if backend == "gluon_regs" else wide.FILL_PER_SM

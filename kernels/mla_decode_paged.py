@@ -37,7 +37,7 @@ from .mla_decode_triton import (
     num_warps,
     path_tiling,
     pipeline_stages,
-    programs_per_sm,
+    split_target,
     triton_handles,
 )
 
@@ -197,7 +197,7 @@ def mla_decode_paged(
     head_blocks = triton.cdiv(H, block_m)
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 8
-    target = max(1, int(num_splits or triton.cdiv(programs_per_sm(Nq * head_blocks) * sms, Nq * head_blocks)))
+    target = max(1, int(num_splits or split_target(Nq * head_blocks, sms)))
     NS = max(1, min(target, triton.cdiv(max(longest - R - S, 0), 2 * bt)))  # splits that can hold positions
     o_part = torch.empty((Nq, H, NS + 1, d_c), dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty((Nq, H, NS + 1), dtype=torch.float32, device=q_lat.device)

@@ -401,6 +401,13 @@ def programs_per_sm(rows: int) -> int:
     return min(8, 1 << max(0, -(-rows // 4) - 1).bit_length())
 
 
+def split_target(rows: int, sms: int) -> int:
+    """Packed splits per row of a launch of `rows` (row, head block) pairs on `sms` multiprocessors:
+    `programs_per_sm(rows)` programs per multiprocessor in all."""
+    rows = max(1, rows)
+    return -(-programs_per_sm(rows) * sms // rows)
+
+
 def block_rows(M: int) -> int:
     """Query rows per program: 16 up to 32 rows, else 32 (each token tile unpacked once per block)."""
     return 16 if M <= 32 else 32
