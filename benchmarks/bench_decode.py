@@ -11,8 +11,11 @@ fetched separately and never committed) and the stock transformers step (`--stoc
     python benchmarks/bench_decode.py --repeat ROUNDS --points H:B:N,... --formats C4R4,... [--baseline-path DIR]
         every method replayed from a CUDA graph, in turns, ROUNDS times: 95% intervals of each time and of the
         ratio new / baseline (`--baseline-path`: the kernels of an older tree, e.g. `git archive REV | tar -x -C DIR`,
-        imported side by side in the same process and run through that tree's dispatch; `--paged`: the paged kernel
-        on the same cache laid out in pages of 64)
+        imported side by side in the same process and run through that tree's dispatch; `--paged`: the paged
+        kernels, the default choice and the Triton one, on the same cache laid out in pages of 64)
+    python benchmarks/bench_decode.py --check --paged
+        also the paged backends (gluon_regs where it applies, triton) vs the fp64 paged reference: requests of
+        unequal lengths (page edges, shorter than sink + recent) with pages and copy rows shuffled
     python benchmarks/bench_decode.py --profile H:B:N:FORMAT [--backends B] [--iters 20]
         one point run a few times for a profiler to attach (`ncu -k regex:mla_decode -s 2 -c 1 ...`)
     TRITON_INTERPRET=1 python benchmarks/bench_decode.py --tiny     # CPU smoke run of the script itself
@@ -42,7 +45,8 @@ from triton.testing import do_bench
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.intervals import t_interval
 from quantmla_hf.kernels.mla_decode import BACKENDS, mla_decode_static, select_backend
-from quantmla_hf.kernels.mla_decode_paged import mla_decode_paged
+from quantmla_hf.kernels.mla_decode_paged import PAGED_BACKENDS, mla_decode_paged, select_paged_backend
+from quantmla_hf.kernels.mla_decode_paged_ref import mla_decode_paged_ref
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
 D_C, D_R, D_NOPE, D_V, HIDDEN = 512, 64, 128, 128, 2048
@@ -404,10 +408,10 @@ def summarize_rounds(times: dict, target: float | None = None) -> tuple[list[dic
     return rows, "met" if m.high < target else ("missed" if m.low > target else "tie (the interval holds it)")
 
 
-def paged_fn(args, page_size=64, num_splits=None):
+def paged_fn(args, page_size=64, num_splits=None, backend=None):
     """The same cache laid out in pages (`kernels/mla_decode_paged.py`): each batch row one request of N positions
     in consecutive pages of `page_size`, one query token each; a callable returning `(o [B, H, d_c], lse)`
-    (`num_splits`: the kernel's split target, default its own rule)."""
+    (`num_splits`: the kernel's split target, default its own rule; `backend`: default `select_paged_backend`)."""
     q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, scaling = args
     B, H = q_lat.shape[:2]
     if N % page_size:
@@ -422,9 +426,55 @@ def paged_fn(args, page_size=64, num_splits=None):
 
     def run():
         return mla_decode_paged(ql, qr, pages["c"], pages["r"], fmt, sc, sr, rc, rr, table, rows, cu, lens, scaling,
-                                token_request=rows, max_seq_len=N, num_splits=num_splits)
+                                token_request=rows, max_seq_len=N, num_splits=num_splits, backend=backend)
 
     return run
+
+
+PAGED_CHECK_CASES = [("C4R4", 16, 5, 32768), ("C2R4", 16, 4, 9000), ("C8R8", 16, 3, 9000), ("C4R4", 128, 3, 20000),
+                     ("C4R4", 16, 6, 400)]  # (format, heads, requests, longest length)
+
+
+def check_paged(out_lines, cases=None, page_size=64):
+    """The paged backends against the fp64 paged reference (`mla_decode_paged_ref`): one query token for each of B
+    requests of unequal lengths (the longest N, a page edge past it, half, four pages and three tokens, shorter
+    than sink + recent, one token), each request's pages drawn at random from the pool and the copy rows
+    shuffled. A backend that does not take a case says so and is skipped."""
+    all_ok = True
+    for name, H, B, N in cases or PAGED_CHECK_CASES:
+        per = -(-N // page_size)
+        fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, per * page_size, seed=B + N)
+        pool = {k: {n: v.reshape(-1, page_size, v.shape[-1]) for n, v in planes.items()} for k, planes in
+                (("c", cp), ("r", rp))}
+        g = torch.Generator().manual_seed(N)
+        table = torch.randperm(B * per, generator=g).view(B, per).to(torch.int32).to(DEVICE)
+        rows = torch.randperm(B, generator=g).to(torch.int32).to(DEVICE)
+        lens = ([N, N - page_size - 1, N // 2 + 1, 4 * page_size + 3, 100, 1] + [N - 7 * i for i in range(B)])[:B]
+        seq = torch.tensor([max(1, x) for x in lens], dtype=torch.int32, device=DEVICE)
+        cu = torch.arange(B + 1, dtype=torch.int32, device=DEVICE)
+        ql = torch.randn(B, H, D_C, device=DEVICE).bfloat16()
+        qr = torch.randn(B, H, D_R, device=DEVICE).bfloat16()
+        args = (ql, qr, pool["c"], pool["r"], fmt, sc, sr, rc, rr, table, rows, cu, seq, SCALING)
+        ref_o, ref_lse = mla_decode_paged_ref(*args, dtype=torch.float64)
+        for backend in PAGED_BACKENDS:
+            label = f"paged {backend}" + (" (default)" if backend == select_paged_backend(
+                fmt, H, B, B, page_size, sc.dtype, DEVICE) else "")
+            try:
+                o, lse = mla_decode_paged(*args, max_seq_len=N, backend=backend)
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+            except ValueError as e:
+                out_lines.append(f"check {label} {name} H={H} B={B} N={N}: skipped ({str(e)[:120]})")
+                print(out_lines[-1], flush=True)
+                continue
+            rel = ((o - ref_o).norm() / ref_o.norm()).item()
+            lse_err = (lse - ref_lse).abs().max().item()
+            ok = rel < 2e-3 and lse_err < 1e-4 and torch.isfinite(o).all().item()
+            all_ok = all_ok and ok
+            out_lines.append(f"check {label:26s} {name:6s} H={H:3d} B={B:2d} N={N:6d} lengths={seq.tolist()} "
+                             f"out_rel={rel:.2e} lse_abs={lse_err:.2e} {'OK' if ok else 'FAIL'}")
+            print(out_lines[-1], flush=True)
+    return all_ok
 
 
 def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False):
@@ -444,10 +494,13 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             for tag, fn in makers:
                 keep.append((fn, args))  # a graph reads the tensors it was captured with
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
-            if paged:
-                run = paged_fn(args)
-                keep.append((run, args))
-                replays[f"paged-{name}"] = graphed(run)
+            if paged:  # the default paged kernel, and the Triton one where the default is another
+                B_, H_ = q_lat.shape[:2]
+                choice = select_paged_backend(fmt, H_, B_, B_, 64, sc.dtype, DEVICE)
+                for tag, backend in [("paged", None)] + ([("paged-triton", "triton")] if choice != "triton" else []):
+                    run = paged_fn(args, backend=backend)
+                    keep.append((run, args))
+                    replays[f"{tag}-{name}"] = graphed(run)
         kv = torch.randn(B, N, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
         q = torch.randn(B, H, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
         replays["torch-bmm-bf16"] = graphed(lambda: torch_absorbed(q, kv, SCALING))
@@ -510,6 +563,7 @@ def run_tiny():
     err = ((o_paged - o_ref).norm() / o_ref.norm()).item()
     assert err < 2e-3, f"paged layout differs from the reference: {err:.2e}"
     print(f"tiny paged layout ok ({err:.1e})")
+    assert check_paged([], cases=[("C4R4", 4, 3, 300)])
     q = torch.randn(2, 4, D_C + D_R, dtype=torch.bfloat16)
     print("tiny torch absorbed", tuple(torch_absorbed(q, torch.randn(2, 64, D_C + D_R, dtype=torch.bfloat16), 0.1).shape))
 
@@ -528,7 +582,8 @@ def main():
     ap.add_argument("--bf16-kernel", default=os.environ.get("BF16_MLA_KERNEL", ""),
                     help="path to a local copy of vLLM's triton_decode_attention.py (not part of this repository)")
     ap.add_argument("--repeat", type=int, default=0, help="ROUNDS of every method in turns (CUDA-graph replays)")
-    ap.add_argument("--paged", action="store_true", help="--repeat: also the paged kernel on the same cache in pages")
+    ap.add_argument("--paged", action="store_true",
+                    help="--repeat: also the paged kernels on the same cache in pages; --check: also check them")
     ap.add_argument("--baseline-path", default="", help="--repeat: root of an older tree whose kernels to compare")
     ap.add_argument("--target-ms", type=float, default=None, help="--repeat: where the first method stands")
     ap.add_argument("--profile", default="", help="H:B:N:FORMAT: run one point --iters times (first of --backends)")
@@ -553,6 +608,8 @@ def main():
         cases = [(f, *(int(x) for x in rest)) for f, *rest in (c.split(":") for c in a.check_cases.split(",") if c)]
         result["check_ok"] = run_check(lines, cases=cases or None, backends=backends)
         result["capacity_ok"] = check_capacity_invariance(lines, backends)
+        if a.paged:
+            result["capacity_ok"] = check_paged(lines) and result["capacity_ok"]
     if a.repeat:
         baseline = load_baseline(a.baseline_path) if a.baseline_path else None
         result["repeats"] = run_repeats(lines, points, formats, baseline, a.repeat, a.target_ms, a.paged)

@@ -4,7 +4,9 @@ opcode, plus the registers and spills of the kernel (the compile facts of docs/K
 kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4/C2R4): one
 packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
-    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--wide]
+    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide]
+
+`--paged`: the register kernel's paged launch (`PAGED`: page pools read through a page table).
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -31,12 +33,14 @@ FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
 
 
-def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1):
+def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, paged: bool = False):
     """The kernel compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent tokens, 16 rows)."""
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=inflight,
                  WC_L=mc.words_layout(content_bits // 2), WP_L=mc.words_layout(content_bits),
-                 WR_L=mc.words_layout(rope_bits // 2), XL=mc.dense_layout())
-    return _compile(mr.mla_decode_gluon_regs_kernel, const, q_split, {"num_warps": 4})
+                 WR_L=mc.words_layout(rope_bits // 2), XL=mc.dense_layout(), PAGED=paged)
+    index = "*i32" if paged else "*i64"  # the paged launch's lengths, copy rows and page numbers
+    return _compile(mr.mla_decode_gluon_regs_kernel, const, q_split, {"num_warps": 4},
+                    dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
 
 
 def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT):
@@ -47,14 +51,15 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
     return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.LAUNCH_REGS})
 
 
-def _compile(fn, const: dict, q_split: bool, options: dict):
+def _compile(fn, const: dict, q_split: bool, options: dict, index_ptrs: dict | None = None):
     qd = "*fp32" if q_split else "*bf16"
     ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32", rs_ptr="*fp16",
                rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16", lp_ptr="*i64",
-               len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
+               len_ptr="*i64", pt_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
+    ptr.update(index_ptrs or {})
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # multiples of 16 at DeepSeek widths
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides if n in fn.arg_names}
     src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                                         attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -124,18 +129,19 @@ def main():
     ap.add_argument("format", nargs="?", default="C4R4", choices=sorted(FORMATS))
     ap.add_argument("--fp32-queries", action="store_true")
     ap.add_argument("--inflight", type=int, default=None, help="default: the kernel's (`INFLIGHT`)")
+    ap.add_argument("--paged", action="store_true", help="the register kernel's paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel (C4R4, C2R4)")
     a = ap.parse_args()
     if a.wide:
         main_wide(a)
         return
     a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
-    kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight)
+    kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, paged=a.paged)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     loop = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
     counts = opcode_counts(loop)
     print(f"triton {triton.__version__} | {a.format} | {'fp32' if a.fp32_queries else 'bf16'} queries | "
-          f"inflight {a.inflight} | shared memory {kernel.metadata.shared} B")
+          f"inflight {a.inflight} | {'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
     print(f"packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
           f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements)")

@@ -392,13 +392,14 @@ def _load_meta(p_s, p_z, t0, lo, hi, hf: gl.constexpr, GC: gl.constexpr, ml: gl.
 
 
 @_jit
-def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, GC: gl.constexpr, ml: gl.constexpr):
+def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.constexpr, ml: gl.constexpr):
     """The tile's steps and stored zero points as `_load_meta` gives them (`(s0, z0, s1, z1, sr, zr)`: content groups
-    q and q + 4, RoPE), from int32 rows `t0, lo, hi, last` relative to the pointers, without masks: rows past `last`
-    (a stored row) read row `last`, and the steps (not the zero points) are zeroed outside `[lo, hi)`, so such a
-    token's keys are exactly 0 whatever its codes and zero point (`_load_unit` with `ROWS`)."""
+    q and q + 4, RoPE), from int32 positions `t0, lo, hi, last` relative to the split, without masks: positions past
+    `last` (a stored one) read `last`, and the steps (not the zero points) are zeroed outside `[lo, hi)`, so such a
+    token's keys are exactly 0 whatever its codes and zero point (`_load_unit` with `ROWS`). Position p is read from
+    row `p + shift` of the planes (0 for contiguous planes; a page's row offset, `_page_row`)."""
     o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
-    o_a = gl.minimum(o_t, last)
+    o_a = gl.minimum(o_t, last) + shift
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
     valid = ((o_t >= lo) & (o_t < hi))[:, None]
     off = o_a[:, None] * GC + o_q[None, :]
@@ -413,6 +414,17 @@ def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, GC: gl.constexpr, 
     off_r = o_a[:, None] + 0 * o_q[None, :]
     sr = gl.where(valid, gl.load(p_rs + off_r), 0.0)
     return s0, z0, s1, z1, sr, gl.load(p_rz + off_r)
+
+
+@_jit
+def _page_row(p_pt, t0, last):
+    """Paged planes: `(row, shift)` of the 64-token tile at int32 position `t0` (relative to the split's first tile,
+    whose page number is `p_pt[0]`): `row = page * 64` is the pool row of its first token, `shift = row - t0` maps
+    its positions to pool rows. A tile past the split's last stored position `last` (>= 0) takes that position's
+    page, so every read stays inside a page of the request."""
+    t_a = gl.maximum(gl.minimum(t0, last // 64 * 64), 0)
+    row = gl.load(p_pt + t_a // 64) * 64
+    return row, row - t_a
 
 
 @_jit
@@ -731,18 +743,25 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
 def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, kz, p_cc,
                  p_rc, t0, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
                  R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
-                 wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ml: gl.constexpr, last=None, ROWS: gl.constexpr = False):
+                 wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ml: gl.constexpr, last=None,
+                 ROWS: gl.constexpr = False, p_pt=None, PAGED: gl.constexpr = False):
     """Scores of the packed tile at `t0` from its words `c01 .. cr` and metadata (steps `s0, s1, sr`, zero points
-    `z0, z1, zr`: `_load_meta`), loading the next tile's (`t0 + 64`). Returns `(acc, c01, c23, c45, c67, cr, s0, z0,
-    s1, z1, sr, zr)` with the next tile's words and metadata."""
+    `z0, z1, zr`: `_load_meta`), loading the next tile's (`t0 + 64`). `PAGED` (with `ROWS`): the planes are page
+    pools and `p_pt` the split's page numbers (`_page_row`). Returns `(acc, c01, c23, c45, c67, cr, s0, z0, s1, z1,
+    sr, zr)` with the next tile's words and metadata."""
     tn = t0 + 64
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
     zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
     zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
     if ROWS:  # int32 rows; row pointers for the next tile's words (a register pair per token, unit offsets immediate)
-        s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, GC, ml)
-        p_cc = _row_ptrs(p_cc, tn, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
-        p_rc = _row_ptrs(p_rc, tn, 2 * R_BITS, R_BITS // 2, wr_l)
+        if PAGED:
+            row, shift = _page_row(p_pt, tn, last)
+        else:
+            row = tn
+            shift = 0
+        s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml)
+        p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
+        p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
     else:
         s0, z0 = _load_meta(p_cs, p_cz, tn, lo, hi, 0, GC, ml)
         if GC == 8:
@@ -809,21 +828,24 @@ def flat_grid(NS: int, fmt: CacheFormat, M: int, block_m: int, B: int) -> tuple[
 
 def launch_flat(kernel, what: str, smem_need: int, fallback: str, block_m: int, q, qr, cp, rp, fmt: CacheFormat,
                 sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, split_target, NS, qk_scale,
-                **meta):
+                paged: bool = False, **meta):
     """Launch a decode kernel of this family on `flat_grid` with the arguments every one of them takes: the queries
     `[B, M, d_c]` / `[B, M, d_R]`, the code planes viewed as int32 words with their scale/zero planes, the sink and
     recent copies, left padding, the device-side length and the partial outputs. `meta` holds the kernel's own
-    constexprs and launch options. Refuses a format whose tiles need more than `SMEM_LIMIT` bytes of shared memory
-    (`smem_need`), naming `fallback`."""
+    constexprs and launch options. `paged`: the planes are page pools `[P, 64, width]` that every program addresses
+    from their first row (batch strides 0; its kernel reads them through a page table). Refuses a format whose tiles
+    need more than `SMEM_LIMIT` bytes of shared memory (`smem_need`), naming `fallback`."""
     if smem_need > SMEM_LIMIT:
         raise ValueError(f"the {what} needs {smem_need} bytes of shared memory for {fmt.name}, more than {SMEM_LIMIT}: "
                          f"use backend={fallback!r}")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
+    batch = 0 if paged else 1
     kernel[flat_grid(NS, fmt, M, block_m, q.shape[0])](
         q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
         sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
         M, Tq, split_target, NS, qk_scale,
-        q.stride(0), qr.stride(0), cw.stride(0), cp["scale"].stride(0), rw.stride(0), rp["scale"].stride(0),
+        q.stride(0), qr.stride(0), batch * cw.stride(0), batch * cp["scale"].stride(0), batch * rw.stride(0),
+        batch * rp["scale"].stride(0),
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,

@@ -39,8 +39,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
     from .mla_decode_gluon_common import (_alloc_kbuf, _copy_ranges, _cta_barrier, _dense_scores, _finish,
-                                          _load_meta, _load_unit, _program_coords, _softmax_pv, _split_range,
-                                          _stage_queries, _store_o, _tile_scores)
+                                          _load_meta, _load_meta_rows, _load_unit, _page_row, _program_coords,
+                                          _row_ptrs, _softmax_pv, _split_range, _stage_queries, _store_o,
+                                          _tile_scores)
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
 INFLIGHT = {4: 0, 2: 1, 8: 1}  # score units whose wgmmas may be in flight while the next is unpacked, per content
@@ -60,13 +61,18 @@ def mla_decode_gluon_regs_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr, WP_L: gl.constexpr,
-    WR_L: gl.constexpr, XL: gl.constexpr,
+    WR_L: gl.constexpr, XL: gl.constexpr, pt_ptr, s_pt, PAGED: gl.constexpr,
 ):
     """One program per split, block of BM rows and batch row (`_program_coords`; the last `ND` splits attend one
     copied tile each); one warpgroup. `WC_L`, `WR_L`: the content and RoPE word layouts (`words_layout`), `WP_L`:
     two consecutive content units' words loaded together, `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`:
     score units whose `wgmma`s may be in flight while the next is unpacked (0, 1 or 2). The packed loop loads from
-    one row pointer per token with int32 rows relative to the split (`_row_ptrs`, `_load_meta_rows`)."""
+    one row pointer per token with int32 rows relative to the split (`_row_ptrs`, `_load_meta_rows`).
+
+    `PAGED`: batch row b is request b of a decode step of the paged cache (one query token, `Tq = 1`): its length
+    is `len_ptr[b]`, its copies are row `lp_ptr[b]` of the copy tensors, and its position p lives in row `page * 64
+    + p % 64` of the page pools (batch strides 0), `page = pt_ptr[b * s_pt + p // 64]` (64-token pages, one per
+    tile: `_page_row`). Otherwise `len_ptr[0]` is every row's length and `lp_ptr[b]` its left padding."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -81,8 +87,14 @@ def mla_decode_gluon_regs_kernel(
 
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
     i_s, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
-    length = gl.load(len_ptr).to(gl.int64)
-    lp = gl.load(lp_ptr + i_b).to(gl.int64)
+    if PAGED:
+        length = gl.load(len_ptr + i_b).to(gl.int64)
+        lp = length * 0
+        i_c = gl.load(lp_ptr + i_b).to(gl.int64)  # the request's row of the copies
+    else:
+        length = gl.load(len_ptr).to(gl.int64)
+        lp = gl.load(lp_ptr + i_b).to(gl.int64)
+        i_c = i_b
     o_m = i_hb * BM + gl.arange(0, BM, layout=col_l)
     m_m = o_m < M
     lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
@@ -122,33 +134,58 @@ def mla_decode_gluon_regs_kernel(
     RWC: gl.constexpr = GC * 2 * C_BITS
     RWR: gl.constexpr = 2 * R_BITS
 
-    # tile 0's words and metadata (each later tile's are loaded while the one before is attended)
-    c01 = _load_unit(p_cc, base, lo_valid, hi, 0, RWC, C_BITS, GC, WP_L, 2)
-    c23 = _load_unit(p_cc, base, lo_valid, hi, 2, RWC, C_BITS, GC, WP_L, 2)
-    if GC == 8:
-        c45 = _load_unit(p_cc, base, lo_valid, hi, 4, RWC, C_BITS, GC, WP_L, 2)
-        c67 = _load_unit(p_cc, base, lo_valid, hi, 6, RWC, C_BITS, GC, WP_L, 2)
-        s1, z1 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 1, GC, ml)
-    else:
-        c45 = c01
-        c67 = c01
-    cr = _load_unit(p_rc, base, lo_valid, hi, GC, RWR, R_BITS, GC, WR_L)
-    s0, z0 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 0, GC, ml)
-    if GC != 8:
-        s1 = s0
-        z1 = z0
-    sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
-    o_bt = gl.arange(0, BT, layout=row_l).to(gl.int64)
-    # int32 rows relative to the split's first tile (pointers moved there once); the loop's loads from one row
-    # pointer per token, the metadata unmasked (rows clamped to the last valid one, steps zeroed outside)
+    # int32 positions relative to the split's first tile; the loop's loads from one row pointer per token, the
+    # metadata unmasked (positions clamped to the last valid one, steps zeroed outside)
     lo_l = (lo_valid - base).to(gl.int32)
     hi_l = (hi - base).to(gl.int32)
-    p_cc_s = p_cc + base * RWC
-    p_rc_s = p_rc + base * RWR
-    p_cs_s = p_cs + base * GC
-    p_cz_s = p_cz + base * GC
-    p_rs_s = p_rs + base
-    p_rz_s = p_rz + base
+    # tile 0's words and metadata (each later tile's are loaded while the one before is attended)
+    if PAGED:  # the pools from their first row, through the request's page numbers from the split's first tile on
+        last = gl.maximum(hi_l - 1, 0)
+        p_pt = pt_ptr + i_b * s_pt + gl.where(n_tiles > 0, base // BT, 0)
+        row, shift = _page_row(p_pt, 0, last)
+        pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
+        c01 = _load_unit(pw, 0, lo_l, last, 0, RWC, C_BITS, GC, WP_L, 2, True)
+        c23 = _load_unit(pw, 0, lo_l, last, 2, RWC, C_BITS, GC, WP_L, 2, True)
+        if GC == 8:
+            c45 = _load_unit(pw, 0, lo_l, last, 4, RWC, C_BITS, GC, WP_L, 2, True)
+            c67 = _load_unit(pw, 0, lo_l, last, 6, RWC, C_BITS, GC, WP_L, 2, True)
+        else:
+            c45 = c01
+            c67 = c01
+        cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo_l, last, GC, RWR, R_BITS, GC, WR_L, 1,
+                        True)
+        s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, 0, lo_l, hi_l, last, shift, GC, ml)
+        p_cc_s = p_cc
+        p_rc_s = p_rc
+        p_cs_s = p_cs
+        p_cz_s = p_cz
+        p_rs_s = p_rs
+        p_rz_s = p_rz
+    else:  # the planes from the split's first tile on
+        c01 = _load_unit(p_cc, base, lo_valid, hi, 0, RWC, C_BITS, GC, WP_L, 2)
+        c23 = _load_unit(p_cc, base, lo_valid, hi, 2, RWC, C_BITS, GC, WP_L, 2)
+        if GC == 8:
+            c45 = _load_unit(p_cc, base, lo_valid, hi, 4, RWC, C_BITS, GC, WP_L, 2)
+            c67 = _load_unit(p_cc, base, lo_valid, hi, 6, RWC, C_BITS, GC, WP_L, 2)
+            s1, z1 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 1, GC, ml)
+        else:
+            c45 = c01
+            c67 = c01
+        cr = _load_unit(p_rc, base, lo_valid, hi, GC, RWR, R_BITS, GC, WR_L)
+        s0, z0 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 0, GC, ml)
+        if GC != 8:
+            s1 = s0
+            z1 = z0
+        sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
+        last = hi_l - 1
+        p_pt = pt_ptr
+        p_cc_s = p_cc + base * RWC
+        p_rc_s = p_rc + base * RWR
+        p_cs_s = p_cs + base * GC
+        p_cz_s = p_cz + base * GC
+        p_rs_s = p_rs + base
+        p_rz_s = p_rz + base
+    o_bt = gl.arange(0, BT, layout=row_l).to(gl.int64)
     o_bt32 = gl.arange(0, BT, layout=row_l)
     for it in range(n_tiles):
         t_l = it * BT
@@ -156,7 +193,7 @@ def mla_decode_gluon_regs_kernel(
         acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
             c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs_s, p_cz_s, p_rs_s, p_rz_s, qbuf, qlo, kbuf, kz,
             p_cc_s, p_rc_s, t_l, lo_l, hi_l, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l,
-            dot_a, ml, hi_l - 1, True)
+            dot_a, ml, last, True, p_pt, PAGED)
         o_t = t_l + o_bt32
         m_valid = ((o_t >= lo_l) & (o_t < hi_l))[:, None] & m_m[None, :]
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
@@ -165,8 +202,8 @@ def mla_decode_gluon_regs_kernel(
     # The copied tiles: model-dtype sink copies (slot j = position lp + j) and the recent ring (slot p % R).
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
     s_lo, s_hi, r_lo, r_hi = _copy_ranges(i_s, num_splits, length, S, R, BT)
-    p_snc = snc_ptr + i_b * s_sncb
-    p_snr = snr_ptr + i_b * s_snrb
+    p_snc = snc_ptr + i_c * s_sncb
+    p_snr = snr_ptr + i_c * s_snrb
     for start in range(s_lo, s_hi, BT):
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_j = start + o_dt
@@ -178,8 +215,8 @@ def mla_decode_gluon_regs_kernel(
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
             acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, vbuf)
     lo_dense = lp + S
-    p_rcc = rcc_ptr + i_b * s_rccb
-    p_rcr = rcr_ptr + i_b * s_rcrb
+    p_rcc = rcc_ptr + i_c * s_rccb
+    p_rcr = rcr_ptr + i_c * s_rcrb
     for start in range(r_lo, r_hi, BT):
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_p = start + o_dt
@@ -223,16 +260,20 @@ def regs_handles(fmt: CacheFormat) -> bool:
 
 
 def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale):
+                split_target, NS, qk_scale, page_table=None):
     """Launch `mla_decode_gluon_regs_kernel` on `flat_grid` (`B * cdiv(M, 16) * (NS + copy_programs(fmt))`
-    programs, the partials holding `NS + copy_programs(fmt)` slots), one warpgroup per program."""
+    programs, the partials holding `NS + copy_programs(fmt)` slots), one warpgroup per program. `page_table` (int32
+    `[B, max_pages]`): the planes are page pools `[P, 64, width]`, `lp` the requests' copy rows and `length` their
+    lengths `[B]` (the kernel's `PAGED`)."""
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
+    paged = page_table is not None
     launch_flat(
         mla_decode_gluon_regs_kernel, "register-operand Gluon decode kernel", smem_bytes(fmt, q_split), "triton",
         BLOCK_M, q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-        split_target, NS, qk_scale,
+        split_target, NS, qk_scale, paged,
         Q_SPLIT=q_split, INFLIGHT=INFLIGHT[fmt.content.bits],
         WC_L=words_layout(fmt.content.bits // 2), WP_L=words_layout(fmt.content.bits),
         WR_L=words_layout(fmt.rope.bits // 2), XL=dense_layout(),
+        pt_ptr=page_table if paged else lp, s_pt=page_table.stride(0) if paged else 0, PAGED=paged,
         num_warps=4,
     )

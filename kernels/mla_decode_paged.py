@@ -25,8 +25,11 @@ import triton.language as tl
 
 from quantmla_hf.format import CacheFormat, PathFormat
 
-from .mla_decode import num_sms
+from . import mla_decode_gluon_regs as regs
+from .mla_decode import interpreting, num_sms, select_backend, split_plan
 from .mla_decode_combine import combine
+from .mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
+from .mla_decode_gluon_common import copy_programs, planes_contiguous
 from .mla_decode_triton import (
     BLOCK_T,
     _empty_state,
@@ -133,6 +136,47 @@ def _flat_planes(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:
     return (flat["values"],) * 3
 
 
+PAGED_BACKENDS = ("gluon_regs", "triton")
+
+
+def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: int, page_size: int,
+                         copy_dtype: torch.dtype, device) -> str:
+    """The paged decode kernel: `gluon_regs` (`mla_decode_gluon_regs.py` reading the pools through the page table)
+    for a decode step, one query token per request (`n_queries == n_requests`), in pages of 64 tokens with sink and
+    recent copies, where the contiguous table (`mla_decode.select_backend`) picks a Gluon kernel for these `H`
+    rows; otherwise `triton` (this module's kernel: any step, page size and format). At more than 16 rows the
+    contiguous table would take `gluon_wide`, which has no paged form: `gluon_regs` serves them in head blocks."""
+    if n_queries != n_requests or page_size != GLUON_BLOCK_T or not (fmt.sink_tokens and fmt.recent_tokens):
+        return "triton"
+    if select_backend(fmt, H, n_requests, copy_dtype, device).startswith("gluon"):
+        return "gluon_regs"
+    return "triton"
+
+
+def _decode_gluon(q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content, recent_rope,
+                  page_table, rows, seq_lens, scaling, longest, num_splits):
+    """One query token per request through the register Gluon kernel's paged launch; `(o_lat [n, H, d_c], lse [n,
+    H])`. Splits as the contiguous launch makes them for `n` rows of `longest` positions (`mla_decode.split_plan`)."""
+    n, H, d_c = q_lat.shape
+    if not planes_contiguous(fmt, content, rope):
+        raise ValueError("the paged Gluon kernel needs contiguous page planes [P, 64, width]: use backend='triton'")
+    for planes, path in ((content, fmt.content), (rope, fmt.rope)):
+        words = planes["codes"].shape[0] * planes["codes"].shape[1] * path.code_bytes // 4
+        if words >= 2**31:
+            raise ValueError(f"the paged Gluon kernel addresses pool rows with int32 offsets; {words} code words "
+                             "are more: use backend='triton'")
+    sms = num_sms(q_lat.device.index or 0)
+    target, NS = split_plan("gluon_regs", n, -(-H // regs.BLOCK_M), longest, fmt, sms, num_splits)
+    NSP = NS + copy_programs(fmt)
+    o_part = torch.empty((n, H, NSP, d_c), dtype=torch.float32, device=q_lat.device)
+    lse_part = torch.empty((n, H, NSP), dtype=torch.float32, device=q_lat.device)
+    regs.launch_regs(q_lat.contiguous(), q_rot.contiguous(), content, rope, fmt, sink_content, sink_rope,
+                     recent_content, recent_rope, rows.to(torch.int32), seq_lens.to(torch.int32), o_part, lse_part,
+                     H, 1, target, NS, float(scaling) * 1.4426950408889634,
+                     page_table=page_table.to(torch.int32).contiguous())
+    return combine(o_part, lse_part, copy_programs(fmt), None, sms)
+
+
 def mla_decode_paged(
     q_lat: torch.Tensor,
     q_rot: torch.Tensor,
@@ -152,13 +196,16 @@ def mla_decode_paged(
     block_t: int | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `mla_decode_paged_ref.mla_decode_paged_ref`; returns `o_lat: [Nq, H, d_c]`, `lse: [Nq, H]` (fp32).
 
     `token_request` (int32 `[Nq]`, each query token's request) is derived from `cu_seqlens_q` when not given (the
     paged cache's `PagedStep.token_request` is that tensor). `num_splits` overrides the split target (default:
-    `programs_per_sm` programs per multiprocessor); `block_t` the token tile (default `mla_decode_triton.BLOCK_T`);
-    `max_seq_len` (the longest `seq_lens`) saves reading it back from the device.
+    the kernel's rule); `block_t` the Triton kernel's token tile (default `mla_decode_triton.BLOCK_T`);
+    `max_seq_len` (the longest `seq_lens`) saves reading it back from the device and fixes the grid (a captured
+    step passes its page-table width). `backend`: one of `PAGED_BACKENDS`, default `select_paged_backend` (every
+    request is taken to have at least one query token, so `Nq == n` means one each).
     """
     Nq, H, d_c = q_lat.shape
     if q_rot.shape != (Nq, H, fmt.rope.dim) or d_c != fmt.content.dim:
@@ -183,13 +230,25 @@ def mla_decode_paged(
     if not triton_handles(fmt, copy_dtype):
         raise ValueError(f"the paged Triton kernel does not take {fmt.name} (power-of-two widths, at most 8 content "
                          "groups and one RoPE group): use mla_decode_paged_ref")
-    if token_request is None:
-        counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
-        token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
     if Nq == 0:
         return (torch.empty((0, H, d_c), dtype=torch.float32, device=q_lat.device),
                 torch.empty((0, H), dtype=torch.float32, device=q_lat.device))
     page_size = next(iter(content.values())).shape[1]
+    backend = backend or ("triton" if interpreting() else select_paged_backend(
+        fmt, H, n, Nq, page_size, copy_dtype, q_lat.device))
+    if backend not in PAGED_BACKENDS:
+        raise ValueError(f"backend must be one of {PAGED_BACKENDS}, got {backend!r}")
+    if backend == "gluon_regs":
+        if select_paged_backend(fmt, H, n, Nq, page_size, copy_dtype, q_lat.device) != "gluon_regs":
+            raise ValueError(f"the paged Gluon kernel takes a decode step (one query token per request) of {fmt.name} "
+                             f"in pages of {GLUON_BLOCK_T} tokens on sm_90, got {Nq} tokens of {n} requests in pages "
+                             f"of {page_size} on {q_lat.device}: use backend='triton'")
+        longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+        return _decode_gluon(q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content, recent_rope,
+                             page_table, rows, seq_lens, scaling, longest, num_splits)
+    if token_request is None:
+        counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
+        token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
     S, R = sink_content.shape[1], recent_content.shape[1]
     bt = block_t or BLOCK_T
     GC, GROUP_C = path_tiling(fmt.content, 8)

@@ -92,3 +92,45 @@ def test_flat_grid_numbers_every_program_once_packed_splits_first():
     coords = [mc.program_coords(p, NS, 3, 3, n) for p in range(n)]
     assert len(set(coords)) == n == B * 3 * (NS + 3)
     assert all(s < NS for s, _, _ in coords[: B * 3 * NS])  # every packed split before any copy program
+
+
+PAGED_CASES = [  # (format, heads, requests, query tokens, page size, H200 choice)
+    (fmt(4, 4), 16, 5, 5, 64, "gluon_regs"),  # a decode step in 64-token pages
+    (fmt(2, 4), 16, 32, 32, 64, "gluon_regs"),
+    (fmt(4, 4), 128, 8, 8, 64, "gluon_regs"),  # many heads: the register kernel in head blocks
+    (fmt(4, 4), 16, 5, 9, 64, "triton"),  # a prefill chunk in the step
+    (fmt(4, 4), 16, 5, 5, 32, "triton"),  # pages smaller than the Gluon tile
+    (fmt(16, 16), 16, 5, 5, 64, "triton"),  # C16R16
+    (CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64), 0, 0), 16, 5, 5, 64, "triton"),  # no copies
+]
+
+
+@pytest.mark.parametrize("f, heads, n, nq, page, want", PAGED_CASES)
+def test_paged_table(gpu, f, heads, n, nq, page, want):
+    from quantmla_hf.kernels import mla_decode_paged as mp
+
+    gpu(9, 0)
+    assert mp.select_paged_backend(f, heads, n, nq, page, torch.bfloat16, "cuda") == want
+    gpu(8, 0)  # no Gluon kernel off Hopper
+    assert mp.select_paged_backend(f, heads, n, nq, page, torch.bfloat16, "cuda") == "triton"
+
+
+def test_paged_gluon_refused_where_it_does_not_apply():
+    from quantmla_hf.kernels import mla_decode_paged as mp
+
+    f = fmt(4, 4)
+    pages = {"codes": torch.zeros(4, 64, 256, dtype=torch.uint8), "scale": torch.zeros(4, 64, 8, dtype=torch.float16),
+             "zero": torch.zeros(4, 64, 8, dtype=torch.int8)}
+    rope = {"codes": torch.zeros(4, 64, 32, dtype=torch.uint8), "scale": torch.zeros(4, 64, 1, dtype=torch.float16),
+            "zero": torch.zeros(4, 64, 1, dtype=torch.int8)}
+    copies = [torch.zeros(2, n, d, dtype=torch.bfloat16) for n, d in ((4, 512), (4, 64), (128, 512), (128, 64))]
+    with pytest.raises(ValueError, match="backend='triton'"):
+        mp.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
+                            torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
+                            torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
+                            backend="gluon_regs")
+    with pytest.raises(ValueError, match="one of"):
+        mp.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
+                            torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
+                            torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
+                            backend="gluon_wide")
