@@ -4,10 +4,11 @@
     python benchmarks/sweep_decode_launch.py portable16 --baseline-path baseline
         the portable kernel on C16R16 (16 heads B32/B8 32K, 128 heads B32 32K) over token tiles {32, 64}, warps
         {4, 8} and pipeline stages {2, 3} (and 4 at 16 heads B32), each against the baseline's dispatch
-    python benchmarks/sweep_decode_launch.py splits --baseline-path baseline
-        C4R4 and C2R4 at 16 heads, B1 4K through `gluon_regs` and `triton` with 2-64 split targets
+    python benchmarks/sweep_decode_launch.py splits --baseline-path baseline [--formats C4R4,C2R4,C8R8]
+        the formats (default C4R4 and C2R4) at 16 heads, B1 4K through `gluon_regs` and `triton` with 2-64 split
+        targets
     python benchmarks/sweep_decode_launch.py paged
-        the paged kernel (with its combine) on C4R4 and C16R16 at 16 heads B1/B5/B8/B32 32K and 128 heads B8 32K,
+        the paged Triton kernel (with its combine) on C4R4 and C16R16 at 16 heads B1/B5/B8/B32 32K and 128 heads B8 32K,
         split targets of 1, 2, 4, 8 and 16 programs per multiprocessor (the rule both Triton kernels take:
         `mla_decode_triton.programs_per_sm`)
     python benchmarks/sweep_decode_launch.py portable-splits
@@ -73,10 +74,10 @@ def sweep_portable16(baseline) -> None:
         portable.BLOCK_T, portable.num_warps, portable.pipeline_stages = saved
 
 
-def sweep_splits(baseline) -> None:
+def sweep_splits(baseline, formats=("C4R4", "C2R4")) -> None:
     H, B, N = 16, 1, 4096
     length = torch.tensor([N], dtype=torch.int64, device=bd.DEVICE)
-    for name in ("C4R4", "C2R4"):
+    for name in formats:
         args = point_args(name, H, B, N)
         old = best_ms(baseline(N), args)
         default = best_ms(bd.decode_fn("default", N), args)
@@ -100,7 +101,7 @@ def sweep_split_rule(layout: str, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:
 
             def launch(ns, args=args, length=length, N=N):
                 if layout == "paged":
-                    return bd.paged_fn(args, num_splits=ns)
+                    return bd.paged_fn(args, num_splits=ns, backend="triton")
                 return lambda: dispatch.mla_decode_static(*args[:10], length, N, args[11], backend="triton",
                                                           num_splits=ns)
 
@@ -119,13 +120,15 @@ def main() -> None:
     ap.add_argument("sweep", choices=("portable16", "splits", "paged", "portable-splits"))
     ap.add_argument("--baseline-path", default="", help="root of an older tree's kernels (git archive REV kernels); "
                     "portable16 and splits compare against it")
+    ap.add_argument("--formats", default="C4R4,C2R4", help="splits: the formats swept")
     a = ap.parse_args()
     if bd.DEVICE != "cuda":
         raise SystemExit("the launch sweeps time CUDA kernels: run them on a GPU")
     if a.sweep in ("portable16", "splits") and not a.baseline_path:
         raise SystemExit(f"the {a.sweep} sweep compares against an older tree: give --baseline-path DIR")
     baseline = bd.load_baseline(a.baseline_path) if a.baseline_path else None
-    sweeps = {"portable16": sweep_portable16, "splits": sweep_splits,
+    sweeps = {"portable16": sweep_portable16,
+              "splits": lambda base: sweep_splits(base, [f for f in a.formats.split(",") if f]),
               "paged": lambda _: sweep_split_rule("paged"), "portable-splits": lambda _: sweep_split_rule("portable")}
     sweeps[a.sweep](baseline)
 
