@@ -50,10 +50,12 @@ _jit = gluon.jit if HAVE_GLUON else _identity
 
 
 def _jit_dynamic(fn):
-    """`gluon.jit` without specialisation on the per-step counts (each new value would compile a new kernel)."""
+    """`gluon.jit` without specialisation on the per-step counts and the page-table width (each new value would
+    compile a new kernel: a serving step's table is as wide as its longest request)."""
     if not HAVE_GLUON:
         return fn
-    return gluon.jit(fn, do_not_specialize=["M", "Tq", "split_target", "num_splits"])
+    names = ["M", "Tq", "split_target", "num_splits"] + (["s_pt"] if "s_pt" in fn.__code__.co_varnames else [])
+    return gluon.jit(fn, do_not_specialize=names)
 
 
 @_jit
