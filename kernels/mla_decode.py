@@ -32,8 +32,7 @@ from . import mla_decode_gluon_wide as wide
 from . import mla_decode_triton as portable
 from .mla_decode_combine import combine
 from .mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
-from .mla_decode_gluon_common import MIN_SPLIT_TILES as GLUON_MIN_SPLIT_TILES
-from .mla_decode_gluon_common import copy_programs, hopper_handles, planes_contiguous
+from .mla_decode_gluon_common import copy_programs, hopper_handles, min_split_tiles, planes_contiguous
 from .mla_decode_ref import mla_decode_static_ref
 
 LOG2E = 1.4426950408889634
@@ -92,7 +91,7 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
     kernels `fill_splits` of their resident slots. The kernels cut the
     positions the device-side length holds, `n = length - R - first` (`first`: `S` for the portable kernel, 0 for
     the tile-aligned Gluon kernels), into `tokens_per_split = max(min_tiles * block_t, round_up(cdiv(n,
-    split_target), block_t))` each (`min_tiles` 2 for the portable kernel, `GLUON_MIN_SPLIT_TILES` for the Gluon
+    split_target), block_t))` each (`min_tiles` 2 for the portable kernel, `min_split_tiles(fmt)` for the Gluon
     ones): the same boundaries for a growing cache and a static one. At most `min(split_target, cdiv(n, min_tiles *
     block_t))` splits hold positions, so `grid_splits`, that bound at the capacity, covers every length the
     planes can hold; splits past the data write empty partials that the combine skips."""
@@ -100,9 +99,11 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
         first, block_t, min_tiles = fmt.sink_tokens, portable.BLOCK_T, 2
         target = portable.split_target(B * head_blocks, sms)
     else:
-        first, block_t, min_tiles = 0, GLUON_BLOCK_T, GLUON_MIN_SPLIT_TILES
+        first, block_t, min_tiles = 0, GLUON_BLOCK_T, min_split_tiles(fmt)
         per_sm = regs.FILL_PER_SM if backend == "gluon_regs" else wide.FILL_PER_SM
         target = fill_splits(B, head_blocks, sms, per_sm)
+        if fmt.content.bits == 8:  # splits of 2 tiles (`min_split_tiles`), at most one per SM (docs/KERNELS.md)
+            target = min(target, sms)
     target = max(1, int(num_splits or target))
     n_cap = max(0, capacity - fmt.recent_tokens - first)
     return target, max(1, min(target, -(-n_cap // (min_tiles * block_t))))

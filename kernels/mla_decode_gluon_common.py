@@ -37,7 +37,8 @@ from quantmla_hf.format import CacheFormat
 
 GROUP = 64  # elements per quantization group the kernels take (content and RoPE)
 BLOCK_T = 64  # tokens per tile: the M of one warpgroup's wgmma
-MIN_SPLIT_TILES = 4  # fewest tiles in a split (`_split_range`): 16 splits at B1 4K beat 31 (docs/KERNELS.md)
+MIN_SPLIT_TILES = 4  # fewest tiles in a split of 2/4-bit content (`_split_range`): 16 splits at B1 4K beat 31
+MIN_SPLIT_TILES_8BIT = 2  # and of 8-bit content, whose tiles cost twice: 31 splits at B1 4K beat 16 (docs/KERNELS.md)
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KB)
 SMEM_PER_SM = 233472  # bytes of shared memory of one sm_90 multiprocessor (228 KB); each block also reserves 1 KB
 
@@ -88,14 +89,18 @@ def _program_coords(num_splits, M, BM: gl.constexpr, ND: gl.constexpr):
 
 
 @_jit
-def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
+def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr,
+                 C_BITS: gl.constexpr):
     """The packed positions of split `i_s` (`mla_decode.split_plan`: sized from the device-side length, not the
-    capacity, tile-aligned from 0): `(base, lo_valid, hi, n_tiles)`: tiles start at `base`, positions `[lo_valid,
-    hi)` are valid (after the sink and the row's left padding `lp`, before the recent ring); the copy programs
-    (`i_s >= num_splits`) get no packed tiles."""
+    capacity, tile-aligned from 0, at least `min_split_tiles` tiles): `(base, lo_valid, hi, n_tiles)`: tiles start
+    at `base`, positions `[lo_valid, hi)` are valid (after the sink and the row's left padding `lp`, before the
+    recent ring); the copy programs (`i_s >= num_splits`) get no packed tiles."""
     covered = gl.maximum(length - R, 0)
     tokens_per_split = (covered + split_target - 1) // split_target
-    tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 4 * BT)  # at least MIN_SPLIT_TILES tiles
+    if C_BITS == 8:  # MIN_SPLIT_TILES_8BIT tiles
+        tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 2 * BT)
+    else:  # MIN_SPLIT_TILES tiles
+        tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 4 * BT)
     base = i_s * tokens_per_split
     lo = gl.maximum(base, S)
     hi = gl.where(i_s >= num_splits, lo, gl.minimum(base + tokens_per_split, length - R))
@@ -814,6 +819,11 @@ def dense_layout():
         lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
         warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
 
+
+
+def min_split_tiles(fmt: CacheFormat) -> int:
+    """Fewest 64-token tiles in a packed split of the Gluon kernels (`_split_range`)."""
+    return MIN_SPLIT_TILES_8BIT if fmt.content.bits == 8 else MIN_SPLIT_TILES
 
 
 def copy_programs(fmt: CacheFormat) -> int:

@@ -124,7 +124,7 @@ def mla_decode_gluon_regs_kernel(
     o5 = gl.zeros([64, BM], gl.float32, acc_l)
     o6 = gl.zeros([64, BM], gl.float32, acc_l)
     o7 = gl.zeros([64, BM], gl.float32, acc_l)
-    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT)
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
     p_cc = cc_ptr + i_b * s_ccb
     p_rc = rc_ptr + i_b * s_rcb
     p_cs = cs_ptr + i_b * s_csb

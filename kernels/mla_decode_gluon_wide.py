@@ -246,7 +246,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     ob = gl.zeros([64, BM], gl.float32, acc_l)
     oc = gl.zeros([64, BM], gl.float32, acc_l)
     od = gl.zeros([64, BM], gl.float32, acc_l)
-    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT)
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
     p_cc = cc_ptr + i_b * s_ccb
     p_rc = rc_ptr + i_b * s_rcb
     p_cs = cs_ptr + i_b * s_csb

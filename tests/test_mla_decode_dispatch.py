@@ -78,6 +78,11 @@ def test_split_plan_and_fill_splits():
     assert md.split_plan("gluon_regs", 32, 1, 32768, c4r4, 132, num_splits=5) == (5, 5)
     # Gluon splits take at least MIN_SPLIT_TILES tiles: 16 splits of 256 positions at B1 4K, not 31 of 128
     assert md.split_plan("gluon_regs", 1, 1, 4096, c4r4, 132) == (264, 16)
+    # 8-bit content (tiles of twice the words): splits of at least 2 tiles, at most one per SM: 31 at B1 4K, 128 of
+    # 4 tiles at B1 32K (the kernel cuts cdiv(32640, 132) -> 256 positions)
+    assert md.split_plan("gluon_regs", 1, 1, 4096, fmt(8, 8), 132) == (132, 31)
+    assert md.split_plan("gluon_regs", 1, 1, 32768, fmt(8, 8), 132) == (132, 132)
+    assert md.split_plan("gluon_regs", 8, 1, 32768, fmt(8, 8), 132) == (33, 33)  # from batch 2 on: the fill rule
     assert [md.fill_splits(B, 1, 132, 2) for B in (1, 8, 16, 32, 64, 264, 1000)] == [264, 33, 16, 8, 4, 1, 1]
     for B, hb, sms, per in ((32, 1, 132, 2), (7, 3, 114, 2), (5, 8, 78, 1)):
         n = md.fill_splits(B, hb, sms, per)
