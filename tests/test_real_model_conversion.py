@@ -226,6 +226,11 @@ def test_paired_bootstrap_summary():
     d = s["comparisons"]["QuantMLA C2R4 - RTN C2R4"]
     assert d["dppl_ci"][1] < 0 and abs(d["dkl"] + 0.005) < 1e-12
     assert "QuantMLA C2R4 - RTN C2R4" in evaluate.markdown({"command": "x", "texts": {"t": {"summary": s}}})
+    # scored against another run's BF16 log-probabilities: perplexity and KL, no change against a BF16 row
+    alone = evaluate.summarize({"rows": {k: v for k, v in rows.items() if k != "BF16 cache"}}, draws=200)
+    assert alone["rows"]["RTN C2R4"]["kl"] == pytest.approx(0.01) and "dppl" not in alone["rows"]["RTN C2R4"]
+    assert math.isfinite(alone["rows"]["QuantMLA C2R4"]["ppl"]) and not alone["comparisons"]
+    assert "no BF16 row here" in evaluate.markdown({"command": "x", "texts": {"t": {"summary": alone}}})
 
 
 def test_kl_ratio_comparisons_and_verdicts():

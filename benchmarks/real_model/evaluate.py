@@ -157,27 +157,32 @@ def verdict(ratio: Interval) -> str:
 
 
 def summarize(results: dict, draws: int) -> dict:
-    """Point estimates and 95% intervals of every row against BF16, and of learned - RTN differences."""
+    """Point estimates and 95% intervals of every row against BF16, and of learned - RTN differences. Rows scored
+    against the BF16 log-probabilities of another `--out` (its `.ref` folder), with no BF16 row here, get their
+    perplexity and KL only (a perplexity change needs the BF16 row's NLL: pair the two `.json` with
+    `pair_rows.py`)."""
     rows = results["rows"]
     ref = rows.get("BF16 cache")
-    if ref is None:
+    if ref is None and not rows:
         return {}
-    n = len(ref["windows"])
+    n = len(ref["windows"]) if ref is not None else min(len(r["windows"]) for r in rows.values())
     idx = bootstrap_indices(n, draws)
     full = torch.arange(n)[None]
     summary = {}
     for name, row in rows.items():
         w = row["windows"][:n]
-        if len(w) < n:
+        if len(w) < n or not w:
             continue
-        s = {"ppl": math.exp(sum(x["nll"] for x in w) / sum(x["n"] for x in w)),
-             "dppl": float(ppl_change(w, ref["windows"], full)), "dppl_ci": interval(ppl_change(w, ref["windows"], idx))}
+        s = {"ppl": math.exp(sum(x["nll"] for x in w) / sum(x["n"] for x in w))}
+        if ref is not None:
+            s.update(dppl=float(ppl_change(w, ref["windows"], full)),
+                     dppl_ci=interval(ppl_change(w, ref["windows"], idx)))
         if "kl" in w[0]:
             s.update(kl=float(mean_kl(w, full)), kl_ci=interval(mean_kl(w, idx)),
                      top1=sum(x["top1"] for x in w) / sum(x["n"] for x in w))
         summary[name] = s
     pairs = {}
-    for name, other in comparisons(summary):
+    for name, other in comparisons(summary) if ref is not None else ():
         a, b = rows[name]["windows"][:n], rows[other]["windows"][:n]
         d_ppl = ppl_change(a, ref["windows"], idx) - ppl_change(b, ref["windows"], idx)
         d_kl = mean_kl(a, idx) - mean_kl(b, idx)
@@ -201,8 +206,9 @@ def markdown(results: dict) -> str:
         for name, r in s.get("rows", {}).items():
             kl = f"{r['kl']:.4f} [{r['kl_ci'][0]:.4f}, {r['kl_ci'][1]:.4f}]" if "kl" in r else "—"
             top1 = f"{r['top1']:.3f}" if "top1" in r else "—"
-            lines.append(f"| {name} | {r['ppl']:.3f} | {100 * r['dppl']:+.2f}% [{100 * r['dppl_ci'][0]:+.2f}, "
-                         f"{100 * r['dppl_ci'][1]:+.2f}] | {kl} | {top1} |")
+            dppl = (f"{100 * r['dppl']:+.2f}% [{100 * r['dppl_ci'][0]:+.2f}, {100 * r['dppl_ci'][1]:+.2f}]"
+                    if "dppl" in r else "— (no BF16 row here)")
+            lines.append(f"| {name} | {r['ppl']:.3f} | {dppl} | {kl} | {top1} |")
         if s.get("comparisons"):
             lines += ["", "| paired comparison (row - other) | Δppl (pct points) [95% CI] | ΔKL [95% CI] | "
                       "KL / other's KL [95% CI] | KL verdict |", "| --- | ---: | ---: | ---: | --- |"]
@@ -443,10 +449,10 @@ def main(argv=None) -> int:
                 row["windows"].append(window_stats(lp, seq[args.prefill :], ref))
             row["seconds"] = time.time() - start
             save()
-            s = res["summary"].get("rows", {}).get(name, {})  # no summary without a BF16 row in this --out
-            log(f"{Path(text).name} | {name}: ppl {s.get('ppl', float('nan')):.3f} "
-                f"dppl {100 * s.get('dppl', float('nan')):+.2f}% kl {s.get('kl', float('nan')):.4f} "
-                f"({row['seconds']:.0f} s)")
+            s = res["summary"].get("rows", {}).get(name, {})
+            dppl = f"{100 * s['dppl']:+.2f}%" if "dppl" in s else "n/a (no BF16 row in this --out)"
+            log(f"{Path(text).name} | {name}: ppl {s.get('ppl', float('nan')):.3f} dppl {dppl} "
+                f"kl {s.get('kl', float('nan')):.4f} ({row['seconds']:.0f} s)")
 
     if args.needle_lengths:
         filler = harness.token_ids(tok, harness.read_text(args.needle_text, 200_000))
