@@ -1,6 +1,8 @@
 """Hopper (sm_90) packed MLA decode in Gluon for up to 16 query rows per program, the keys unpacked into *registers*
 as the score `wgmma`'s A operand. Same function as `mla_decode_ref.mla_decode_static_ref`; launched by
-`mla_decode.mla_decode_static` (backend "gluon_regs"); shared pieces in `mla_decode_gluon_common.py`.
+`mla_decode.mla_decode_static` (backend "gluon_regs") and, for decode steps of the paged cache, by
+`mla_decode_paged.mla_decode_paged` (the `PAGED` launch, reference `mla_decode_paged_ref`: one 64-token page per
+tile, found through the page table); shared pieces in `mla_decode_gluon_common.py`.
 
 * No cp.async ring and no shared staging of the codes: every thread loads the code words it unpacks straight from
   global memory into registers, one tile ahead (a thread's two units are 32 contiguous channels of its group, one
