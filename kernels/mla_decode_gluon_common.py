@@ -878,6 +878,31 @@ def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tu
 
 
 
+def paged_reads(length: int, split: int, num_splits: int, split_target: int, fmt: CacheFormat) -> tuple[list, list]:
+    """The host's statement of the paged launch's reads for one request of `length` positions (`_split_range` with
+    no left padding, then `_page_row` for tile 0 and for every tile the loop loads, the last one a prefetch):
+    `(page_indices, tiles)`, the page-table columns read and the positions `[lo, hi)` each attended tile holds
+    (tested on the CPU: every read stays in the request's pages, every packed position is attended once)."""
+    S, R, BT = fmt.sink_tokens, fmt.recent_tokens, BLOCK_T
+    covered = max(length - R, 0)
+    per = max(-(-(-(-covered // split_target)) // BT) * BT, min_split_tiles(fmt) * BT)
+    base = split * per
+    lo = max(base, S)
+    hi = lo if split >= num_splits else min(base + per, length - R)
+    n_tiles = (hi - base + BT - 1) // BT if hi > lo else 0
+    lo_l, hi_l = lo - base, hi - base
+    last = max(hi_l - 1, 0)
+    first = base // BT if n_tiles > 0 else 0
+    pages, tiles = [], []
+    for t0 in [0] + [it * BT + BT for it in range(n_tiles)]:
+        t_a = max(min(t0, last // BT * BT), 0)
+        pages.append(first + t_a // BT)
+    for it in range(n_tiles):
+        t0 = it * BT
+        tiles.append((base + max(t0, lo_l), base + min(t0 + BT, hi_l)))
+    return pages, tiles
+
+
 def hopper_handles(fmt: CacheFormat, copy_dtype: torch.dtype, device) -> bool:
     """Whether the Gluon kernels can run this case: Gluon available, a CUDA device of compute capability 9.0
     (wgmma), both paths packed at 2/4/8 bits in groups of 64 (RoPE: one group), bf16/fp16 copies. (Queries may be

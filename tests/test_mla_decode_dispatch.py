@@ -139,3 +139,23 @@ def test_paged_gluon_refused_where_it_does_not_apply():
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
                             backend="gluon_wide")
+
+
+@pytest.mark.parametrize("f", [fmt(4, 4), fmt(8, 8)])
+def test_paged_reads_stay_in_the_request_pages(f):
+    """The paged Gluon launch (`paged_reads`, the host's statement of its split and page arithmetic): for requests of
+    every length around page, split and sink/recent edges and the split plans of 1-64 requests, every page-table
+    column it reads is one of the request's pages (`cdiv(length, 64)` of them), and its tiles attend each packed
+    position `[S, length - R)` exactly once."""
+    S, R = f.sink_tokens, f.recent_tokens
+    lengths = [1, 4, 63, 64, 65, 131, 132, 133, 196, 197, 259, 4096, 4097, 20000, 32768, 32769]
+    for n_req in (1, 5, 64):
+        for length in lengths:
+            target, NS = md.split_plan("gluon_regs", n_req, 1, max(lengths), f, 132)
+            held = []
+            for split in range(NS + mc.copy_programs(f)):
+                pages, tiles = mc.paged_reads(length, split, NS, target, f)
+                assert all(0 <= p < -(-length // 64) for p in pages), (n_req, length, split, pages)
+                for lo, hi in tiles:
+                    held.extend(range(lo, hi))
+            assert sorted(held) == list(range(S, max(length - R, S))), (n_req, length)
