@@ -495,8 +495,7 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
                 keep.append((fn, args))  # a graph reads the tensors it was captured with
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
             if paged:  # the default paged kernel, and the Triton one where the default is another
-                B_, H_ = q_lat.shape[:2]
-                choice = select_paged_backend(fmt, H_, B_, B_, 64, sc.dtype, DEVICE)
+                choice = select_paged_backend(fmt, H, B, B, 64, sc.dtype, DEVICE)
                 for tag, backend in [("paged", None)] + ([("paged-triton", "triton")] if choice != "triton" else []):
                     run = paged_fn(args, backend=backend)
                     keep.append((run, args))

@@ -55,8 +55,8 @@ def _jit_dynamic(fn):
     compile a new kernel: a serving step's table is as wide as its longest request)."""
     if not HAVE_GLUON:
         return fn
-    names = ["M", "Tq", "split_target", "num_splits"] + (["s_pt"] if "s_pt" in fn.__code__.co_varnames else [])
-    return gluon.jit(fn, do_not_specialize=names)
+    params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    return gluon.jit(fn, do_not_specialize=[n for n in ("M", "Tq", "split_target", "num_splits", "s_pt") if n in params])
 
 
 @_jit

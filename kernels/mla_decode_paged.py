@@ -26,7 +26,7 @@ import triton.language as tl
 from quantmla_hf.format import CacheFormat, PathFormat
 
 from . import mla_decode_gluon_regs as regs
-from .mla_decode import interpreting, num_sms, select_backend, split_plan
+from .mla_decode import LOG2E, interpreting, num_sms, select_backend, split_plan
 from .mla_decode_combine import combine
 from .mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
 from .mla_decode_gluon_common import copy_programs, planes_contiguous
@@ -172,7 +172,7 @@ def _decode_gluon(q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, rec
     lse_part = torch.empty((n, H, NSP), dtype=torch.float32, device=q_lat.device)
     regs.launch_regs(q_lat.contiguous(), q_rot.contiguous(), content, rope, fmt, sink_content, sink_rope,
                      recent_content, recent_rope, rows.to(torch.int32), seq_lens.to(torch.int32), o_part, lse_part,
-                     H, 1, target, NS, float(scaling) * 1.4426950408889634,
+                     H, 1, target, NS, float(scaling) * LOG2E,
                      page_table=page_table.to(torch.int32).contiguous())
     return combine(o_part, lse_part, copy_programs(fmt), None, sms)
 
@@ -234,12 +234,12 @@ def mla_decode_paged(
         return (torch.empty((0, H, d_c), dtype=torch.float32, device=q_lat.device),
                 torch.empty((0, H), dtype=torch.float32, device=q_lat.device))
     page_size = next(iter(content.values())).shape[1]
-    backend = backend or ("triton" if interpreting() else select_paged_backend(
-        fmt, H, n, Nq, page_size, copy_dtype, q_lat.device))
+    choice = "triton" if interpreting() else select_paged_backend(fmt, H, n, Nq, page_size, copy_dtype, q_lat.device)
+    backend = backend or choice
     if backend not in PAGED_BACKENDS:
         raise ValueError(f"backend must be one of {PAGED_BACKENDS}, got {backend!r}")
     if backend == "gluon_regs":
-        if select_paged_backend(fmt, H, n, Nq, page_size, copy_dtype, q_lat.device) != "gluon_regs":
+        if choice != "gluon_regs":
             raise ValueError(f"the paged Gluon kernel takes a decode step (one query token per request) of {fmt.name} "
                              f"in pages of {GLUON_BLOCK_T} tokens on sm_90, got {Nq} tokens of {n} requests in pages "
                              f"of {page_size} on {q_lat.device}: use backend='triton'")
@@ -271,7 +271,7 @@ def mla_decode_paged(
         page_table.to(torch.int32).contiguous(), rows.to(torch.int32).contiguous(),
         cu_seqlens_q.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
         token_request.to(torch.int32).contiguous(), o_part, lse_part,
-        H, page_table.shape[1], target, NS, float(scaling) * 1.4426950408889634,
+        H, page_table.shape[1], target, NS, float(scaling) * LOG2E,
         c0.stride(0), c1.stride(0), r0.stride(0), r1.stride(0), snc.stride(0), snr.stride(0), rcc.stride(0),
         rcr.stride(0),
         D_C=d_c, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=fmt.rope.dim, R_BITS=fmt.rope.bits,
