@@ -37,7 +37,7 @@ def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, infli
     """The kernel compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent tokens, 16 rows)."""
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=inflight,
                  WC_L=mc.words_layout(content_bits // 2), WP_L=mc.words_layout(content_bits),
-                 WR_L=mc.words_layout(rope_bits // 2), XL=mc.dense_layout(), PAGED=paged)
+                 WR_L=mc.words_layout(rope_bits // 2), XL=mc.words_layout(16), PAGED=paged)
     index = "*i32" if paged else "*i64"  # the paged launch's lengths, copy rows and page numbers
     return _compile(mr.mla_decode_gluon_regs_kernel, const, q_split, {"num_warps": 4},
                     dict(lp_ptr=index, len_ptr=index, pt_ptr=index))

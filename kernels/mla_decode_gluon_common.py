@@ -43,11 +43,7 @@ SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KB)
 SMEM_PER_SM = 233472  # bytes of shared memory of one sm_90 multiprocessor (228 KB); each block also reserves 1 KB
 
 
-def _identity(fn):
-    return fn
-
-
-_jit = gluon.jit if HAVE_GLUON else _identity
+_jit = gluon.jit if HAVE_GLUON else (lambda fn: fn)
 
 
 def _jit_dynamic(fn):
@@ -70,7 +66,6 @@ def _order8(x0, x1, x2, x3, x4, x5, x6, x7):
     return gl.join(_order4(x0, x2, x4, x6), _order4(x1, x3, x5, x7))
 
 
-# --------------------------------------------------------------------------------------------- split arithmetic
 @_jit
 def _program_coords(num_splits, M, BM: gl.constexpr, ND: gl.constexpr):
     """`(i_s, i_hb, i_b)` of this program in the flat grid of `B * cdiv(M, BM) * (num_splits + ND)` programs: first
@@ -97,10 +92,8 @@ def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: 
     recent ring); the copy programs (`i_s >= num_splits`) get no packed tiles."""
     covered = gl.maximum(length - R, 0)
     tokens_per_split = (covered + split_target - 1) // split_target
-    if C_BITS == 8:  # MIN_SPLIT_TILES_8BIT tiles
-        tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 2 * BT)
-    else:  # MIN_SPLIT_TILES tiles
-        tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, 4 * BT)
+    MIN_TILES: gl.constexpr = 2 if C_BITS == 8 else 4  # min_split_tiles
+    tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, MIN_TILES * BT)
     base = i_s * tokens_per_split
     lo = gl.maximum(base, S)
     hi = gl.where(i_s >= num_splits, lo, gl.minimum(base + tokens_per_split, length - R))
@@ -124,17 +117,15 @@ def _copy_ranges(i_s, num_splits, length, S: gl.constexpr, R: gl.constexpr, BT: 
 
 
 @_jit
-def _finish(l_p, m_i):
-    """Row sums per token lane `l_p: [BT, BM]` and reference maxima `m_i: [BM]` (base 2) -> `(1 / l, natural-log
-    LSE)`, `(0, -inf)` for a row with no visible position."""
-    l_i = gl.sum(l_p, axis=0)
+def _finish(l_i, m_i):
+    """Row sums `l_i: [BM]` and reference maxima `m_i: [BM]` (base 2) -> `(1 / l, natural-log LSE)`, `(0, -inf)`
+    for a row with no visible position."""
     has = l_i > 0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     return inv_l, gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
 
 
-# --------------------------------------------------------------------------------------------- units
 def unit_base(u: int, q, n_groups: int):
     """First channel of the 16 that thread `q` (of a quad) owns in unit u: content units `0 .. n_groups - 1`
     (`64 * (q + 4 * (u // 4)) + 16 * (u % 4)`, channels of the content latent), RoPE unit `n_groups` (`16 * q`)."""
@@ -164,7 +155,6 @@ def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
     return unit_base(u, c // 16, n_groups) + (r // (2 * n)) * (2 * n) + (r % (2 * n)) // 2 + n * (r % 2)
 
 
-# --------------------------------------------------------------------------------------------- unpacking
 def half_asm(bits: int, split: bool = False) -> str:
     """PTX that turns one 32-bit code word into its `E = 32 / bits` fp16 elements `(code - z) * s`, in word order.
 
@@ -286,16 +276,9 @@ def _pair_meta(s, z, BITS: gl.constexpr):
     """Steps `s` fp16 and stored zero points `z` int8 (`[64, 4]`) -> the int32 fp16x2 pairs `half_asm` takes: `zz =
     (1024 + z, 1024 + z)`, `ss = (s, s)`, `zh = -(1024 / 2**BITS + z)` (both halves), `z` the stored value plus
     `2**(BITS - 1)` (`meta_asm`)."""
-    b = z.to(gl.uint8, bitcast=True).to(gl.int32)
-    if BITS == 2:
-        return gl.inline_asm_elementwise(_META_ASM_2, "=r,=r,=r,r,h", [b, s], dtype=[gl.int32, gl.int32, gl.int32],
-                                         is_pure=True, pack=1)
-    elif BITS == 4:
-        return gl.inline_asm_elementwise(_META_ASM_4, "=r,=r,=r,r,h", [b, s], dtype=[gl.int32, gl.int32, gl.int32],
-                                         is_pure=True, pack=1)
-    else:
-        return gl.inline_asm_elementwise(_META_ASM_8, "=r,=r,=r,r,h", [b, s], dtype=[gl.int32, gl.int32, gl.int32],
-                                         is_pure=True, pack=1)
+    ASM: gl.constexpr = _META_ASM_2 if BITS == 2 else (_META_ASM_4 if BITS == 4 else _META_ASM_8)
+    return gl.inline_asm_elementwise(ASM, "=r,=r,=r,r,h", [z.to(gl.uint8, bitcast=True).to(gl.int32), s],
+                                     dtype=[gl.int32] * 3, is_pure=True, pack=1)
 
 
 @_jit
@@ -446,7 +429,6 @@ def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, xl: gl.c
     return x.to(gl.float16)
 
 
-# --------------------------------------------------------------------------------------------- queries, outputs
 @_jit
 def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC: gl.constexpr,
                 C_BITS: gl.constexpr, R_BITS: gl.constexpr):
@@ -495,7 +477,6 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
         gl.store(o_ptr + o_row[None, :] * D_C + o_d[:, None], o * inv_l[None, :], mask=m_m[None, :])
 
 
-# --------------------------------------------------------------------------------------------- one tile
 @_jit
 def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
                 Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
@@ -781,7 +762,6 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr
 
 
-# --------------------------------------------------------------------------------------------- the kernel
 @_jit
 def _alloc_kbuf(GC: gl.constexpr, BT: gl.constexpr, k_sl: gl.constexpr):
     """The content keys of a tile for the value `wgmma`s: a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit
@@ -803,22 +783,12 @@ def _alloc_kbuf(GC: gl.constexpr, BT: gl.constexpr, k_sl: gl.constexpr):
 
 def words_layout(wu: int):
     """`[64, 4, wu]` words: lane `4 r + q` of warp w holds token `16 w + r` (and `+ 8`, a register) and quad slot
-    q, its `wu` words in registers (the rows and quad slots of the `m64n16k16` A fragments)."""
+    q, its `wu` words in registers (the rows and quad slots of the `m64n16k16` A fragments); `wu = 16` is the
+    copies' layout (a quad slot's 16 channels)."""
     regs = [[0, 0, 1 << i] for i in range(wu.bit_length() - 1)] + [[8, 0, 0]]
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0],
                                                                   [4, 0, 0]],
                                       warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, wu])
-
-
-
-# --------------------------------------------------------------------------------------------- host side
-def dense_layout():
-    """`[64, 4, 16]` copies: the words layout with the 16 channels of a quad slot in registers."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
-
 
 
 def min_split_tiles(fmt: CacheFormat) -> int:
@@ -834,41 +804,36 @@ def copy_programs(fmt: CacheFormat) -> int:
 
 def flat_grid(NS: int, fmt: CacheFormat, M: int, block_m: int, B: int) -> tuple[int]:
     """The one-dimensional grid of the Gluon kernels: `B * cdiv(M, block_m) * (NS + copy_programs(fmt))` programs,
-    numbered as `program_coords` (and the kernels' `_program_coords`) says."""
+    numbered as `program_coords` says."""
     return (B * -(-M // block_m) * (NS + copy_programs(fmt)),)
 
 
 def launch_flat(kernel, what: str, smem_need: int, fallback: str, block_m: int, q, qr, cp, rp, fmt: CacheFormat,
                 sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, split_target, NS, qk_scale,
                 paged: bool = False, **meta):
-    """Launch a decode kernel of this family on `flat_grid` with the arguments every one of them takes: the queries
-    `[B, M, d_c]` / `[B, M, d_R]`, the code planes viewed as int32 words with their scale/zero planes, the sink and
-    recent copies, left padding, the device-side length and the partial outputs. `meta` holds the kernel's own
-    constexprs and launch options. `paged`: the planes are page pools `[P, 64, width]` that every program addresses
-    from their first row (batch strides 0; its kernel reads them through a page table). Refuses a format whose tiles
-    need more than `SMEM_LIMIT` bytes of shared memory (`smem_need`), naming `fallback`."""
+    """Launch a Gluon decode kernel on `flat_grid` with the arguments they all take (queries `[B, M, d_c]` / `[B, M,
+    d_R]`, code planes viewed as int32 words, scale/zero planes, copies, left padding, device-side length, partial
+    outputs) plus its own constexprs and options `meta`. `paged`: the planes are page pools `[P, 64, width]`
+    addressed from their first row (batch strides 0). Refuses a format needing more than `SMEM_LIMIT` bytes of
+    shared memory (`smem_need`), naming `fallback`."""
     if smem_need > SMEM_LIMIT:
         raise ValueError(f"the {what} needs {smem_need} bytes of shared memory for {fmt.name}, more than {SMEM_LIMIT}: "
                          f"use backend={fallback!r}")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
     batch = 0 if paged else 1
     kernel[flat_grid(NS, fmt, M, block_m, q.shape[0])](
-        q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"],
-        sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
-        M, Tq, split_target, NS, qk_scale,
-        q.stride(0), qr.stride(0), batch * cw.stride(0), batch * cp["scale"].stride(0), batch * rw.stride(0),
-        batch * rp["scale"].stride(0),
-        sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
-        recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
+        q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"], sink_c, sink_r, recent_c, recent_r, lp, length,
+        o_part, lse_part, M, Tq, split_target, NS, qk_scale, q.stride(0), qr.stride(0),
+        *(batch * t.stride(0) for t in (cw, cp["scale"], rw, rp["scale"])),
+        *(t.stride(i) for t in (sink_c, sink_r, recent_c, recent_r) for i in (0, 1)),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
         R=fmt.recent_tokens, BM=block_m, **meta,
     )
 
 
 def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tuple[int, int, int]:
-    """`(split, head block, batch row)` of program `pid` of a flat grid of `n_programs` (`flat_grid`): the packed
-    splits `0 .. NS - 1` of every (row, head block) first, split fastest, then the `nd` copy programs (splits `NS ..
-    NS + nd - 1`) in the same order. The host's statement of the kernels' `_program_coords` (tested on the CPU)."""
+    """`(split, head block, batch row)` of program `pid` of a flat grid of `n_programs`: the host's statement of
+    `_program_coords` (tested on the CPU)."""
     n_long = n_programs // (NS + nd) * NS
     if pid < n_long:
         s, r = pid % NS, pid // NS
@@ -877,29 +842,20 @@ def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tu
     return s, r % n_hb, r // n_hb
 
 
-
 def paged_reads(length: int, split: int, num_splits: int, split_target: int, fmt: CacheFormat) -> tuple[list, list]:
     """The host's statement of the paged launch's reads for one request of `length` positions (`_split_range` with
     no left padding, then `_page_row` for tile 0 and for every tile the loop loads, the last one a prefetch):
-    `(page_indices, tiles)`, the page-table columns read and the positions `[lo, hi)` each attended tile holds
-    (tested on the CPU: every read stays in the request's pages, every packed position is attended once)."""
-    S, R, BT = fmt.sink_tokens, fmt.recent_tokens, BLOCK_T
-    covered = max(length - R, 0)
-    per = max(-(-(-(-covered // split_target)) // BT) * BT, min_split_tiles(fmt) * BT)
+    `(page_indices, tiles)`, the page-table columns read and the positions `[lo, hi)` each attended tile holds."""
+    BT = BLOCK_T
+    per = max(-(-(-(-max(length - fmt.recent_tokens, 0) // split_target)) // BT) * BT, min_split_tiles(fmt) * BT)
     base = split * per
-    lo = max(base, S)
-    hi = lo if split >= num_splits else min(base + per, length - R)
+    lo = max(base, fmt.sink_tokens)
+    hi = lo if split >= num_splits else min(base + per, length - fmt.recent_tokens)
     n_tiles = (hi - base + BT - 1) // BT if hi > lo else 0
-    lo_l, hi_l = lo - base, hi - base
-    last = max(hi_l - 1, 0)
+    last = max(hi - base - 1, 0)
     first = base // BT if n_tiles > 0 else 0
-    pages, tiles = [], []
-    for t0 in [0] + [it * BT + BT for it in range(n_tiles)]:
-        t_a = max(min(t0, last // BT * BT), 0)
-        pages.append(first + t_a // BT)
-    for it in range(n_tiles):
-        t0 = it * BT
-        tiles.append((base + max(t0, lo_l), base + min(t0 + BT, hi_l)))
+    pages = [first + max(min(t0, last // BT * BT), 0) // BT for t0 in [0] + [it * BT + BT for it in range(n_tiles)]]
+    tiles = [(max(base + it * BT, lo), min(base + it * BT + BT, hi)) for it in range(n_tiles)]
     return pages, tiles
 
 
@@ -907,17 +863,10 @@ def hopper_handles(fmt: CacheFormat, copy_dtype: torch.dtype, device) -> bool:
     """Whether the Gluon kernels can run this case: Gluon available, a CUDA device of compute capability 9.0
     (wgmma), both paths packed at 2/4/8 bits in groups of 64 (RoPE: one group), bf16/fp16 copies. (Queries may be
     bf16, fp16 or fp32; the plane rows must also be contiguous: `planes_contiguous`.)"""
-    if not HAVE_GLUON:
-        return False
-    c, r = fmt.content, fmt.rope
-    if not (c.quantized and r.quantized and c.bits in (2, 4, 8) and r.bits in (2, 4, 8)):
-        return False
-    if c.group != GROUP or r.group != GROUP or r.n_groups != 1:
-        return False
-    if copy_dtype not in (torch.bfloat16, torch.float16):
-        return False
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    c, r, device = fmt.content, fmt.rope, torch.device(device)
+    return (HAVE_GLUON and all(p.quantized and p.bits in (2, 4, 8) and p.group == GROUP for p in (c, r))
+            and r.n_groups == 1 and copy_dtype in (torch.bfloat16, torch.float16) and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def planes_contiguous(fmt: CacheFormat, content_planes: dict, rope_planes: dict) -> bool:
@@ -925,14 +874,8 @@ def planes_contiguous(fmt: CacheFormat, content_planes: dict, rope_planes: dict)
     compile-time token strides assume)."""
     for f, planes in ((fmt.content, content_planes), (fmt.rope, rope_planes)):
         codes, scale, zero = planes["codes"], planes["scale"], planes["zero"]
-        if codes.stride(2) != 1 or codes.stride(1) != f.code_bytes or codes.storage_offset() % 4:
-            return False
-        if codes.data_ptr() % 16 or codes.stride(0) % 4:
-            return False
-        for m in (scale, zero):
-            if m.stride(2) != 1 or m.stride(1) != f.n_groups:
-                return False
-        if scale.stride() != zero.stride():
+        if (codes.stride(2) != 1 or codes.stride(1) != f.code_bytes or codes.storage_offset() % 4
+                or codes.data_ptr() % 16 or codes.stride(0) % 4 or scale.stride() != zero.stride()
+                or any(m.stride(2) != 1 or m.stride(1) != f.n_groups for m in (scale, zero))):
             return False
     return True
-

@@ -33,7 +33,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat
 
-from .mla_decode_gluon_common import (BLOCK_T, GROUP, HAVE_GLUON, _jit_dynamic, dense_layout, launch_flat,
+from .mla_decode_gluon_common import (BLOCK_T, GROUP, HAVE_GLUON, _jit_dynamic, launch_flat,
                                       words_layout)
 
 if HAVE_GLUON:
@@ -229,7 +229,7 @@ def mla_decode_gluon_regs_kernel(
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
             acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, vbuf)
 
-    inv_l, b_lse = _finish(l_p, m_i)
+    inv_l, b_lse = _finish(gl.sum(l_p, axis=0), m_i)
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
     _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
     _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
@@ -275,7 +275,7 @@ def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         split_target, NS, qk_scale, paged,
         Q_SPLIT=q_split, INFLIGHT=INFLIGHT[fmt.content.bits],
         WC_L=words_layout(fmt.content.bits // 2), WP_L=words_layout(fmt.content.bits),
-        WR_L=words_layout(fmt.rope.bits // 2), XL=dense_layout(),
+        WR_L=words_layout(fmt.rope.bits // 2), XL=words_layout(16),
         pt_ptr=page_table if paged else lp, s_pt=page_table.stride(0) if paged else 0, PAGED=paged,
         num_warps=4,
     )

@@ -29,16 +29,17 @@ import torch
 
 from quantmla_hf.format import CacheFormat
 
-from .mla_decode_gluon_common import (BLOCK_T, HAVE_GLUON, _jit, _jit_dynamic, dense_layout, launch_flat,
+from .mla_decode_gluon_common import (BLOCK_T, HAVE_GLUON, _jit, _jit_dynamic, launch_flat,
                                       words_layout)
 
 if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
-    from .mla_decode_gluon_common import (_alloc_kbuf, _copy_ranges, _cta_barrier, _load_dense, _load_meta,
-                                          _load_unit, _pair_meta, _program_coords, _pv, _references, _score_unit,
-                                          _split_range, _stage_queries, _store_o, _unit_pair, _unpack_unit)
+    from .mla_decode_gluon_common import (_alloc_kbuf, _copy_ranges, _cta_barrier, _finish, _load_dense, _load_meta,
+                                          _load_unit, _pair_meta, _program_coords, _pv,
+                                          _references, _score_unit, _split_range, _stage_queries, _store_o, _unit_pair,
+                                          _unpack_unit)
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 LAUNCH_REGS = 240  # registers per thread at launch: one program of 8 warps per SM (no spills, ptxas)
@@ -51,7 +52,7 @@ if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_
     _WORDS_1 = gl.constexpr(words_layout(1))  # 2-bit words
     _WORDS_2 = gl.constexpr(words_layout(2))  # 4-bit words, 2-bit unit pairs
     _WORDS_4 = gl.constexpr(words_layout(4))  # 4-bit unit pairs
-    _DENSE = gl.constexpr(dense_layout())  # model-dtype copies
+    _DENSE = gl.constexpr(words_layout(16))  # model-dtype copies
 
 
 # --------------------------------------------------------------------------------------------- one half tile
@@ -112,16 +113,6 @@ def _lane_sums(p):
     `[4, 8, BM]`, the sum of each thread's two tokens (a register-local add; half the registers of keeping both)."""
     BM: gl.constexpr = p.shape[1]
     return gl.sum(gl.reshape(p, [4, 2, 8, BM]), axis=1)
-
-
-@_jit
-def _finish_lanes(l_p, m_i):
-    """`_finish` on the row sums per lane `l_p: [4, 8, BM]` (`_lane_sums`)."""
-    BM: gl.constexpr = l_p.shape[2]
-    l_i = gl.convert_layout(gl.sum(gl.reshape(l_p, [32, BM]), axis=0), m_i.type.layout)
-    has = l_i > 0
-    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    return inv_l, gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
 
 @_jit
@@ -207,16 +198,16 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
                   s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
                   GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-                  BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WC_L: gl.constexpr,
-                  WP_L: gl.constexpr):
+                  BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
     """The leader's (`LEAD`: content units 0-3, the RoPE unit, the softmax of rows `[0, BM/2)`, outputs 0-3) or the
     worker's (content units 4-7, the softmax of rows `[BM/2, BM)`, outputs 4-7) share of every tile of the program
     (its split, row block and batch row); each stores the LSE of its rows. `fbuf: [BM]` the rows' score factors
-    (staged once); `WC_L`, `WP_L`: the layouts of one and two content units' words (`words_layout(C_BITS // 2)`,
-    `(C_BITS)`; RoPE words are 4-bit)."""
+    (staged once)."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     U0: gl.constexpr = 0 if LEAD else 4
+    WC_L: gl.constexpr = _WORDS_2 if C_BITS == 4 else _WORDS_1  # one and two content units' words
+    WP_L: gl.constexpr = _WORDS_4 if C_BITS == 4 else _WORDS_2
     WR_L: gl.constexpr = _WORDS_2
     XL: gl.constexpr = _DENSE
     HF: gl.constexpr = 0 if LEAD else 1
@@ -316,7 +307,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         ph = ph ^ 1
 
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
-    inv_lh, b_lse = _finish_lanes(l_p, m_i)
+    l_i = gl.convert_layout(gl.sum(gl.reshape(l_p, [32, HM]), axis=0), col_h)  # the lanes' sums (`_lane_sums`)
+    inv_lh, b_lse = _finish(l_i, m_i)
     gl.store(lse_ptr + (i_b * M + o_mh) * (num_splits + ND) + i_s, b_lse, mask=m_mh)
     ibuf.slice(HF * HM, HM).store(inv_lh)
     _cta_barrier()
@@ -327,44 +319,6 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     _store_o(o_ptr, o_row, m_m, ob, inv_l, U0 + 1, GC, D_C, C_BITS, acc_l)
     _store_o(o_ptr, o_row, m_m, oc, inv_l, U0 + 2, GC, D_C, C_BITS, acc_l)
     _store_o(o_ptr, o_row, m_m, od, inv_l, U0 + 3, GC, D_C, C_BITS, acc_l)
-
-
-@_jit
-def _leader(fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
-            snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
-            s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
-            GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
-    """The default partition: `_half_program(LEAD=True, ...)`."""
-    if C_BITS == 4:
-        _half_program(True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
-                      rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
-                      split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4)
-    else:
-        _half_program(True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr,
-                      rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
-                      split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2)
-
-
-@_jit
-def _worker(fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
-            snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
-            s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
-            GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-            BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
-    """The worker partition (4 warps): `_half_program(LEAD=False, ...)`."""
-    if C_BITS == 4:
-        _half_program(False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr,
-                      rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M,
-                      Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_2, _WORDS_4)
-    else:
-        _half_program(False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr,
-                      rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M,
-                      Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
-                      s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT, _WORDS_1, _WORDS_2)
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -420,14 +374,14 @@ def mla_decode_gluon_wide_kernel(
 
     # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
     gl.warp_specialize([
-        (_leader, (fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
-                   rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
-                   num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
-        (_worker, (fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr,
-                   rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target,
-                   num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                   s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
+        (_half_program, (True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr,
+                         cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
+                         lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
+                         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
+        (_half_program, (False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr,
+                         cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
+                         lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
+                         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
     ], [4], [W_REGS])
 
 

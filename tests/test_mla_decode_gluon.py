@@ -58,7 +58,7 @@ COMPILE_REGS = textwrap.dedent(
         rb = 8 if cb == 8 else 4
         const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=mr.INFLIGHT[cb],
                      WC_L=mc.words_layout(cb // 2), WP_L=mc.words_layout(cb), WR_L=mc.words_layout(rb // 2),
-                     XL=mc.dense_layout(), PAGED=paged)
+                     XL=mc.words_layout(16), PAGED=paged)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
