@@ -178,12 +178,16 @@ class CalibrationRecipe:
     seed: int
     batch_size: int = 8
     protection: str = "auto"  # calibrate(calibration_protection=...)
-    machine: str = ""  # CPU kernel set and threads the calibration ran with (`machine_tag`); "" = this process's
+    machine: str = ""  # where the calibration ran (`machine_tag`); "" = this process's CPU
 
 
-def machine_tag() -> str:
-    """The CPU kernels and thread count torch computes with here, e.g. "cpu-AVX2-1t": they change the float
-    rounding of calibration, hence (slightly) the fused weights."""
+def machine_tag(device: torch.device | str = "cpu") -> str:
+    """Where a calibration computes: on a CPU its kernel set and thread count (e.g. "cpu-AVX2-1t"), on a GPU its
+    name (e.g. "cuda-NVIDIA_H200"). Both change the float rounding of calibration, hence (slightly) the fused
+    weights."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "cuda-" + torch.cuda.get_device_name(device).replace(" ", "_")
     return f"cpu-{torch.backends.cpu.get_cpu_capability()}-{torch.get_num_threads()}t"
 
 
@@ -206,9 +210,11 @@ def model_digest(model) -> str:
     return h.hexdigest()
 
 
-def calibration_key(base_digest: str, variant: str, recipe: CalibrationRecipe) -> dict:
+def calibration_key(base_digest: str, variant: str, recipe: CalibrationRecipe,
+                    device: torch.device | str = "cpu") -> dict:
     """What a stored calibrated model must match to be reused: the base weights, the variant (transform, bits,
-    seed), the calibration windows, steps, learning rate, batch, protection setting and the library version."""
+    seed), the calibration windows, steps, learning rate, batch, protection setting, where it computes (`device`:
+    `machine_tag`) and the library version."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -217,7 +223,7 @@ def calibration_key(base_digest: str, variant: str, recipe: CalibrationRecipe) -
         library = "unknown"
     return {"base_model_sha256": base_digest, "variant": variant, "calibration_ids_sha256": tensor_digest(recipe.ids),
             "calibration_windows": list(recipe.ids.shape), "steps": recipe.steps, "lr": recipe.lr, "seed": recipe.seed,
-            "batch_size": recipe.batch_size, "protection": recipe.protection, "machine": recipe.machine or machine_tag(),
+            "batch_size": recipe.batch_size, "protection": recipe.protection, "machine": recipe.machine or machine_tag(device),
             "quantmla_hf": library, "torch": torch.__version__}
 
 
@@ -250,7 +256,7 @@ def calibrate_variant(base, variant: str, recipe: CalibrationRecipe, cache_dir: 
         return restore_content_rows(full, base), info
     if re.fullmatch(r"learned-C(\d+)R(\d+)-allq(-seed\d+)?", variant):
         recipe = replace(recipe, protection="off")
-    key = calibration_key(base_digest or model_digest(base), variant, recipe)
+    key = calibration_key(base_digest or model_digest(base), variant, recipe, next(base.parameters()).device)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"{variant}-{digest}.pt" if cache_dir is not None else None
     model = copy.deepcopy(base)
