@@ -37,8 +37,8 @@ from quantmla_hf.format import CacheFormat
 
 GROUP = 64  # elements per quantization group the kernels take (content and RoPE)
 BLOCK_T = 64  # tokens per tile: the M of one warpgroup's wgmma
-MIN_SPLIT_TILES = 4  # fewest tiles in a split of 2/4-bit content (`_split_range`): 16 splits at B1 4K beat 31
-MIN_SPLIT_TILES_8BIT = 2  # and of 8-bit content, whose tiles cost twice: 31 splits at B1 4K beat 16 (docs/KERNELS.md)
+MIN_SPLIT_TILES = 4  # fewest tiles in a split of 2/4-bit content (`_split_range`; timings: docs/KERNELS.md)
+MIN_SPLIT_TILES_8BIT = 2  # and of 8-bit content, whose tiles cost twice
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KB)
 SMEM_PER_SM = 233472  # bytes of shared memory of one sm_90 multiprocessor (228 KB); each block also reserves 1 KB
 
@@ -52,7 +52,8 @@ def _jit_dynamic(fn):
     if not HAVE_GLUON:
         return fn
     params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
-    return gluon.jit(fn, do_not_specialize=[n for n in ("M", "Tq", "split_target", "num_splits", "s_pt") if n in params])
+    dynamic = [n for n in ("M", "Tq", "split_target", "num_splits", "s_pt") if n in params]
+    return gluon.jit(fn, do_not_specialize=dynamic)
 
 
 @_jit
@@ -240,8 +241,7 @@ def meta_asm(bits: int) -> str:
 
     `(b ^ 0x80) | 0x6400` is the fp16 `1024 + (z - HALF + 128)` (an 8-bit integer under the magic number), put in
     both halves by one `prmt` and one `xor`; one `add.f16x2` of `HALF - 128` makes it `1024 + z` and one `sub.f16x2`
-    from `1024 - 1024 / 2**bits` the odd elements' offset; all exact integers below 2048. Five instructions for the
-    three pairs (separate integer conversions of each took about nine)."""
+    from `1024 - 1024 / 2**bits` the odd elements' offset; all exact integers below 2048 (five instructions)."""
     half = 1 << (bits - 1)
     c1 = _fp16_bits(half - 128)
     c2 = _fp16_bits(1024 - 1024 / 2**bits)
@@ -490,9 +490,8 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
 
     `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
     accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
-    in `pend` and adds them in fp32): one chain over all 576 channels plus their remainders moved the LSE of
-    8-bit keys' large scores past 1e-4 on the H200 (tensor-core accumulation). One unit in flight; `p1`, `p2` hold
-    its high and low A operands."""
+    in `pend` and adds them in fp32; one chain loses the LSE's 1e-4, docs/KERNELS.md). One unit in flight; `p1`,
+    `p2` hold its high and low A operands."""
     a = _a_view(x5, dot_a)
     if LO:
         alo = _a_view(x5lo, dot_a)

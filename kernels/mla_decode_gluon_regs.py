@@ -47,7 +47,7 @@ if HAVE_GLUON:
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
 INFLIGHT = {4: 0, 2: 1, 8: 1}  # score units whose wgmmas may be in flight while the next is unpacked, per content
-# width (H200, 16 heads B32 32K: docs/KERNELS.md); 8-bit keys take 1
+# width (docs/KERNELS.md)
 FILL_PER_SM = 2  # programs per multiprocessor the splits provide (`mla_decode.fill_splits`): the two resident ones
 # (255 registers x 128 threads and at most ~104 KB of shared memory each)
 

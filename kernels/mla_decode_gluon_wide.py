@@ -11,7 +11,7 @@ worker, 240 registers each, one program per SM) and each token is unpacked once 
 * the softmax is split by rows: warpgroup h stores its partial scores of the other half's rows (`sbuf[h]`), arrives
   on `s_bar[h]`, waits for `s_bar[1 - h]`, adds the other's partial of its rows, updates their references (lazy,
   voted) and sums, stores its columns of P and its rows' rescale factors (`abuf`), arrives on `p_bar[h]` and waits
-  for `p_bar[1 - h]` (faster on the H200 than the leader running the whole softmax: docs/BENCHMARKS_ARCHIVE.md);
+  for `p_bar[1 - h]` (faster than the leader running the whole softmax);
 * each warpgroup runs the value `wgmma`s of its own four units over all rows, rescaling first where a factor is not
   1; at the end the halves' `1 / l` go through `ibuf`.
 

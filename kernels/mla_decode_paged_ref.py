@@ -20,8 +20,7 @@ import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
 
-from .mla_decode_ref import overlay_copies
-from .quant_pack_ref import dequantize_ref
+from .mla_decode_ref import attend, overlay_copies, read_path
 
 
 def gather_paged_path(
@@ -31,10 +30,7 @@ def gather_paged_path(
     page_size = next(iter(planes.values())).shape[1]
     pos = torch.arange(length, device=pages.device)
     slots = pages.long()[pos // page_size] * page_size + pos % page_size
-    flat = {k: v.reshape(-1, v.shape[-1])[slots] for k, v in planes.items()}
-    if not fmt.quantized:
-        return flat["values"].to(dtype)
-    return dequantize_ref(flat["codes"], flat["scale"], flat["zero"], fmt, dtype)
+    return read_path({k: v.reshape(-1, v.shape[-1])[slots] for k, v in planes.items()}, fmt, dtype)
 
 
 def paged_history_ref(
@@ -87,9 +83,6 @@ def mla_decode_paged_ref(
         scores = (ql @ c.T + qr @ r.T) * scaling  # [H, q, length]
         pos = torch.arange(length, device=c.device)
         limit = length - (q1 - q0) + 1 + torch.arange(q1 - q0, device=c.device)
-        scores = scores.masked_fill(~(pos[None, :] < limit[:, None]), float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-        o_out[q0:q1] = (probs @ c).transpose(0, 1).float()
-        lse_out[q0:q1] = lse.transpose(0, 1).float()
+        o, lse = attend(scores.masked_fill(~(pos[None, :] < limit[:, None]), float("-inf")), c)
+        o_out[q0:q1], lse_out[q0:q1] = o.transpose(0, 1), lse.transpose(0, 1)
     return o_out, lse_out

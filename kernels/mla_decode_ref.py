@@ -19,11 +19,19 @@ from quantmla_hf.format import CacheFormat, PathFormat
 from .quant_pack_ref import dequantize_ref
 
 
-def _read_path(planes: dict[str, torch.Tensor], fmt: PathFormat, b: int, length: int, dtype) -> torch.Tensor:
+def read_path(planes: dict[str, torch.Tensor], fmt: PathFormat, dtype) -> torch.Tensor:
+    """One path's stored positions (planes of any leading shape) in `dtype`: `[..., dim]`."""
     if not fmt.quantized:
-        return planes["values"][b, :length].to(dtype)
-    p = planes
-    return dequantize_ref(p["codes"][b, :length], p["scale"][b, :length], p["zero"][b, :length], fmt, dtype)
+        return planes["values"].to(dtype)
+    return dequantize_ref(planes["codes"], planes["scale"], planes["zero"], fmt, dtype)
+
+
+def attend(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of `scores` (`-inf` where masked) over the last axis times `values`: `(o, lse)` in fp32 (zeros and
+    `-inf` for a row with nothing visible)."""
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return (probs @ values).float(), lse.float()
 
 
 def history_ref(
@@ -31,8 +39,8 @@ def history_ref(
     length: int, sink_tokens: int, recent_tokens: int, dtype=torch.float32,
 ) -> torch.Tensor:
     """Row `b` of one path as attention sees it: `[length, dim]` (positions before `lp` are left as stored)."""
-    return overlay_copies(_read_path(planes, fmt, b, length, dtype).clone(), sink, recent, b, lp, sink_tokens,
-                          recent_tokens)
+    x = read_path({k: v[b, :length] for k, v in planes.items()}, fmt, dtype).clone()
+    return overlay_copies(x, sink, recent, b, lp, sink_tokens, recent_tokens)
 
 
 def overlay_copies(x: torch.Tensor, sink: torch.Tensor, recent: torch.Tensor, b: int, lp: int, S: int,
@@ -83,19 +91,8 @@ def mla_decode_ref(
         pos = torch.arange(length, device=c.device)
         limit = length - Tq + 1 + torch.arange(Tq, device=c.device)
         visible = (pos[None, :] >= lp) & (pos[None, :] < limit[:, None])  # [Tq, length]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-        o_out[b] = (probs @ c).float()
-        lse_out[b] = lse.float()
+        o_out[b], lse_out[b] = attend(scores.masked_fill(~visible, float("-inf")), c)
     return o_out, lse_out
-
-
-def _read_all(planes: dict[str, torch.Tensor], fmt: PathFormat, dtype) -> torch.Tensor:
-    """Every stored position of one path, `[B, capacity, dim]` in `dtype`."""
-    if not fmt.quantized:
-        return planes["values"].to(dtype)
-    return dequantize_ref(planes["codes"], planes["scale"], planes["zero"], fmt, dtype)
 
 
 def history_static_ref(
@@ -104,7 +101,7 @@ def history_static_ref(
 ) -> torch.Tensor:
     """All rows of one path as attention sees them, `[B, capacity, dim]`, with the length on the device (same
     precedence as `history_ref`: sink copy, then recent ring, then packed planes)."""
-    x = _read_all(planes, fmt, dtype)
+    x = read_path(planes, fmt, dtype)
     B, N, _ = x.shape
     S, R = sink_tokens, recent_tokens
     pos = torch.arange(N, device=x.device)
@@ -154,11 +151,7 @@ def mla_decode_static_ref(
     pos = torch.arange(c.shape[1], device=c.device)
     limit = length.reshape(()) - Tq + 1 + torch.arange(Tq, device=c.device)  # [Tq]
     visible = (pos[None, None, :] >= left_padding.reshape(B, 1, 1)) & (pos[None, None, :] < limit[None, :, None])
-    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    o = (probs @ c.unsqueeze(1)).float()
-    lse = lse.float()
+    o, lse = attend(scores.masked_fill(~visible.unsqueeze(1), float("-inf")), c.unsqueeze(1))
     if out is not None:
         out[0].copy_(o)
         out[1].copy_(lse)
