@@ -123,30 +123,20 @@ def quant_pack_fwd(
         return
     from_ptr = isinstance(start, torch.Tensor)
     quant_pack_fwd_kernel[(B * T,)](
-        x,
-        codes,
-        scale,
-        zero,
-        start if from_ptr else codes,
-        T,
-        0 if from_ptr else start,
-        codes.shape[1],
-        x.stride(0),
-        x.stride(1),
-        codes.stride(0),
-        codes.stride(1),
-        scale.stride(0),
-        scale.stride(1),
-        zero.stride(0),
-        zero.stride(1),
-        G=fmt.n_groups,
-        BLOCK_G=triton.next_power_of_2(fmt.n_groups),
-        GROUP=fmt.group,
-        BITS=fmt.bits,
-        S_MIN=SCALE_MIN,
-        START_FROM_PTR=from_ptr,
-        SLOTS=slots,
+        x, codes, scale, zero, start if from_ptr else codes, T, 0 if from_ptr else start, codes.shape[1],
+        *(t.stride(i) for t in (x, codes, scale, zero) for i in (0, 1)),
+        G=fmt.n_groups, BLOCK_G=triton.next_power_of_2(fmt.n_groups), GROUP=fmt.group, BITS=fmt.bits, S_MIN=SCALE_MIN,
+        START_FROM_PTR=from_ptr, SLOTS=slots,
     )
+
+
+def _check(name: str, x, codes, scale, zero, fmt: PathFormat, rank: int = 3) -> None:
+    if not fmt.quantized:
+        raise ValueError(f"{name} handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
+    if rank == 3 and (x.dim() != 3 or x.shape[-1] != fmt.dim):
+        raise ValueError(f"x must be [B, T, {fmt.dim}], got {tuple(x.shape)}")
+    if any(t.stride(-1) != 1 for t in (x, codes, scale, zero)):
+        raise ValueError(f"{name} needs the last dimension of every tensor to be contiguous")
 
 
 def quantize_pack(
@@ -155,12 +145,7 @@ def quantize_pack(
     """Quantize `x: [B, T, dim]` and write it into positions `[start, start + T)` of the planes
     `codes: [B, capacity, code_bytes] uint8`, `scale: [B, capacity, G] fp16`, `zero: [B, capacity, G] int8`.
     """
-    if not fmt.quantized:
-        raise ValueError("quantize_pack handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
-    if x.dim() != 3 or x.shape[-1] != fmt.dim:
-        raise ValueError(f"x must be [B, T, {fmt.dim}], got {tuple(x.shape)}")
-    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
-        raise ValueError("quantize_pack needs the last dimension of every tensor to be contiguous")
+    _check("quantize_pack", x, codes, scale, zero, fmt)
     if start < 0 or start + x.shape[1] > codes.shape[1]:
         raise ValueError(
             f"writing {x.shape[1]} tokens at position {start} overflows the cache capacity {codes.shape[1]}"
@@ -176,17 +161,12 @@ def quantize_pack_at(
     written), read by the kernel, so nothing waits for the device. Positions at or past the capacity are not
     written; the static cache checks its capacity where it can (docs/USAGE.md, "Static cache").
     """
-    if not fmt.quantized:
-        raise ValueError("quantize_pack_at handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
-    if x.dim() != 3 or x.shape[-1] != fmt.dim:
-        raise ValueError(f"x must be [B, T, {fmt.dim}], got {tuple(x.shape)}")
+    _check("quantize_pack_at", x, codes, scale, zero, fmt)
     if position.numel() != 1 or position.dtype != torch.int64 or position.device != codes.device:
         raise ValueError(
             f"position must be an int64 tensor of one element on {codes.device}, got {position.dtype} "
             f"{tuple(position.shape)} on {position.device}"
         )
-    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
-        raise ValueError("quantize_pack_at needs the last dimension of every tensor to be contiguous")
     quant_pack_fwd(x, codes, scale, zero, position, fmt)
 
 
@@ -199,12 +179,9 @@ def quantize_pack_slots(
     on the planes' device, each below `rows` (not checked on the device; tokens that share a row leave one of them
     there, as the padding rows of captured decode steps do in their scratch slot). One launch for the three planes,
     nothing staged."""
-    if not fmt.quantized:
-        raise ValueError("quantize_pack_slots handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
+    _check("quantize_pack_slots", x, codes, scale, zero, fmt, rank=2)
     if x.dim() != 2 or x.shape[-1] != fmt.dim or slots.shape != (x.shape[0],) or slots.dtype != torch.int64:
         raise ValueError(f"x must be [N, {fmt.dim}] and slots int64 [N], got {tuple(x.shape)} and "
                          f"{slots.dtype} {tuple(slots.shape)}")
-    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
-        raise ValueError("quantize_pack_slots needs the last dimension of every tensor to be contiguous")
     quant_pack_fwd(x.unsqueeze(0), codes.unsqueeze(0), scale.unsqueeze(0), zero.unsqueeze(0), slots.contiguous(), fmt,
                    slots=True)
