@@ -83,21 +83,20 @@ def fill_splits(B: int, head_blocks: int, sms: int, programs_per_sm: int) -> int
 
 
 def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: CacheFormat, sms: int,
-               num_splits: int | None = None, block_t: int | None = None) -> tuple[int, int]:
+               num_splits: int | None = None) -> tuple[int, int]:
     """Packed-position splits as `(split_target, grid_splits)`.
 
     `split_target` (or `num_splits`) depends on static sizes other than the capacity: the portable kernel
     `programs_per_sm(B * head_blocks)` programs per multiprocessor (1 to 8, the paged kernel's rule), the Gluon
     kernels `fill_splits` of their resident slots. The kernels cut the
     positions the device-side length holds, `n = length - R - first` (`first`: `S` for the portable kernel, 0 for
-    the tile-aligned Gluon kernels; `block_t` the tile, for the portable kernel `tile_tokens`, default its
-    `BLOCK_T`), into `tokens_per_split = max(min_tiles * block_t, round_up(cdiv(n,
+    the tile-aligned Gluon kernels), into `tokens_per_split = max(min_tiles * block_t, round_up(cdiv(n,
     split_target), block_t))` each (`min_tiles` 2 for the portable kernel, `min_split_tiles(fmt)` for the Gluon
     ones): the same boundaries for a growing cache and a static one. At most `min(split_target, cdiv(n, min_tiles *
     block_t))` splits hold positions, so `grid_splits`, that bound at the capacity, covers every length the
     planes can hold; splits past the data write empty partials that the combine skips."""
     if backend == "triton":
-        first, block_t, min_tiles = fmt.sink_tokens, block_t or portable.BLOCK_T, 2
+        first, block_t, min_tiles = fmt.sink_tokens, portable.BLOCK_T, 2
         target = portable.split_target(B * head_blocks, sms)
     else:
         first, block_t, min_tiles = 0, GLUON_BLOCK_T, min_split_tiles(fmt)
@@ -217,7 +216,7 @@ def mla_decode_static(
         n_tail = copy_programs(fmt)
     head_blocks = -(-M // block_m)
     sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda and not interpreting() else 8
-    target, NS = split_plan(backend, B, head_blocks, capacity, fmt, sms, num_splits, portable.tile_tokens(fmt, M))
+    target, NS = split_plan(backend, B, head_blocks, capacity, fmt, sms, num_splits)
     NSP = NS + n_tail  # partial slots: packed splits, then the sink/recent copies
     q = q_lat.reshape(B, M, D_C).contiguous()
     qr = q_rot.reshape(B, M, q_rot.shape[-1]).contiguous()

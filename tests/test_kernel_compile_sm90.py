@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
         fmt = CacheFormat(PathFormat(512, bits, 64), PathFormat(64, bits, 64), 4, 128)
         gc, group = mod.path_tiling(fmt.content, 8)
         const = dict(D_C=512, GC=gc, GROUP_C=group, C_BITS=bits, D_R=64, R_BITS=bits, S=4, R=128,
-                     BLOCK_M=mod.block_rows(rows), BLOCK_T=mod.tile_tokens(fmt, rows), Q_SPLIT=exact, EXACT=exact, **extra_const)
+                     BLOCK_M=mod.block_rows(rows), BLOCK_T=mod.BLOCK_T, Q_SPLIT=exact, EXACT=exact, **extra_const)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
