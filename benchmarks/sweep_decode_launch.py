@@ -2,8 +2,8 @@
 
     mkdir -p baseline && git archive 5b83181 kernels | tar -x -C baseline
     python benchmarks/sweep_decode_launch.py portable16 --baseline-path baseline
-        the portable kernel on C16R16 (16 heads B1 4K, B8/B32 32K, 128 heads B32 32K) over token tiles {32, 64},
-        warps {4, 8} and pipeline stages {2, 3}, each against the default launch and the baseline's dispatch
+        the portable kernel on C16R16 (16 heads B32/B8 32K, 128 heads B32 32K) over token tiles {32, 64}, warps
+        {4, 8} and pipeline stages {2, 3} (and 4 at 16 heads B32), each against the baseline's dispatch
     python benchmarks/sweep_decode_launch.py splits --baseline-path baseline [--formats C4R4,C2R4,C8R8]
         the formats (default C4R4 and C2R4) at 16 heads, B1 4K through `gluon_regs` and `triton` with 2-64 split
         targets
@@ -17,7 +17,7 @@
 Each time of `portable16` and `splits` is the best of 3 `do_bench` medians of a CUDA-graph replay
 (`bench_decode.graphed`), of `paged` and `portable-splits` the median of 5 rounds taken in turns; a launch the GPU cannot run (shared
 memory) is reported and skipped. The launch parameters are swapped in the kernel module for the
-sweep (`tile_tokens`, `num_warps`, `pipeline_stages`) and restored after.
+sweep (`BLOCK_T`, `num_warps`, `pipeline_stages`) and restored after.
 """
 
 from __future__ import annotations
@@ -48,15 +48,15 @@ def point_args(fmt_name, H, B, N):
 
 
 def sweep_portable16(baseline) -> None:
-    saved = (portable.tile_tokens, portable.num_warps, portable.pipeline_stages)
+    saved = (portable.BLOCK_T, portable.num_warps, portable.pipeline_stages)
     try:
-        for H, B, N in [(16, 1, 4096), (16, 8, 32768), (16, 32, 32768), (128, 32, 32768)]:
+        for H, B, N in [(16, 32, 32768), (128, 32, 32768), (16, 8, 32768)]:
             args = point_args("C16R16", H, B, N)
             old = best_ms(baseline(N), args)
-            default = best_ms(bd.decode_fn("triton", N), args)
+            stages = (2, 3, 4) if (H, B) == (16, 32) else (2, 3)
             rows = []
-            for bt, warps, st in itertools.product((32, 64), (4, 8), (2, 3)):
-                portable.tile_tokens = lambda fmt, M, b=bt: b
+            for bt, warps, st in itertools.product((32, 64), (4, 8), stages):
+                portable.BLOCK_T = bt
                 portable.num_warps = lambda fmt, M, w=warps: w
                 portable.pipeline_stages = lambda fmt, M, s=st: s
                 try:
@@ -64,16 +64,14 @@ def sweep_portable16(baseline) -> None:
                 except Exception as err:  # noqa: BLE001 - a launch the GPU refuses is reported, not fatal
                     print(f"C16R16 H={H} B={B} tile={bt} warps={warps} stages={st}: {type(err).__name__}", flush=True)
                     continue
-                finally:
-                    portable.tile_tokens, portable.num_warps, portable.pipeline_stages = saved
                 rows.append((t, bt, warps, st))
                 print(f"C16R16 H={H} B={B} N={N} tile={bt} warps={warps} stages={st}: {t:.4f} ms ({t / old:.3f}x "
                       f"baseline {old:.4f})", flush=True)
             t, bt, warps, st = min(rows)
-            print(f"best C16R16 H={H} B={B} N={N}: {t:.4f} ms (tile {bt}, {warps} warps, {st} stages), default launch "
-                  f"{default:.4f}, baseline {old:.4f}", flush=True)
+            print(f"best C16R16 H={H} B={B} N={N}: {t:.4f} ms (tile {bt}, {warps} warps, {st} stages), baseline "
+                  f"{old:.4f}", flush=True)
     finally:
-        portable.tile_tokens, portable.num_warps, portable.pipeline_stages = saved
+        portable.BLOCK_T, portable.num_warps, portable.pipeline_stages = saved
 
 
 def sweep_splits(baseline, formats=("C4R4", "C2R4")) -> None:

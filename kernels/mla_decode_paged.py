@@ -31,6 +31,7 @@ from .mla_decode_combine import combine
 from .mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
 from .mla_decode_gluon_common import copy_programs, planes_contiguous
 from .mla_decode_triton import (
+    BLOCK_T,
     _empty_state,
     _stage_queries,
     _store_partial,
@@ -40,7 +41,6 @@ from .mla_decode_triton import (
     path_tiling,
     pipeline_stages,
     split_target,
-    tile_tokens,
     triton_handles,
 )
 
@@ -74,7 +74,7 @@ def mla_decode_paged_kernel(
     m_m = o_m < H
     fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl = _stage_queries(
         q_ptr + tok * H * D_C, qr_ptr + tok * H * D_R, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, EXACT)
-    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C, D_C, C_BITS == 16)
+    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C)
     is_copies = i_s == num_splits
 
     # Packed positions: this split's share of [S, length - R), cut at the token's causal limit (which only bites
@@ -94,7 +94,7 @@ def mla_decode_paged_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, slot, m_t, m_m[:, None] & m_t[None, :],
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, EXACT, C_BITS == 16)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, EXACT)
 
     # The last split: the sink copies (slot j = position j) and the recent ring (positions [length - R, length)
     # past the sink, slot p % R), causal per token.
@@ -107,7 +107,7 @@ def mla_decode_paged_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, D_C, D_C, D_R, D_R, o_j, m_t, m_m[:, None] & m_t[None, :],
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT, C_BITS == 16)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
     r_lo = tl.maximum(length - R, 0)
     r_hi = tl.where(is_copies, length, r_lo)
     p_rcc = rcc_ptr + row * s_rcc
@@ -119,10 +119,10 @@ def mla_decode_paged_kernel(
             p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, D_C, D_C, D_R, D_R, o_p % tl.maximum(R, 1), m_t,
             m_m[:, None] & m_t[None, :],
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT, C_BITS == 16)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
 
     o_row = (tok * H + o_m) * (num_splits + 1) + i_s
-    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC, C_BITS == 16)
+    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
 
 
 def _flat_planes(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:
@@ -202,7 +202,7 @@ def mla_decode_paged(
 
     `token_request` (int32 `[Nq]`, each query token's request) is derived from `cu_seqlens_q` when not given (the
     paged cache's `PagedStep.token_request` is that tensor). `num_splits` overrides the split target (default:
-    the kernel's rule); `block_t` the Triton kernel's token tile (default `mla_decode_triton.tile_tokens`);
+    the kernel's rule); `block_t` the Triton kernel's token tile (default `mla_decode_triton.BLOCK_T`);
     `max_seq_len` (the longest `seq_lens`) saves reading it back from the device and fixes the grid (a captured
     step passes its page-table width). `backend`: one of `PAGED_BACKENDS`, default `select_paged_backend` (every
     request is taken to have at least one query token, so `Nq == n` means one each).
@@ -250,7 +250,7 @@ def mla_decode_paged(
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
     S, R = sink_content.shape[1], recent_content.shape[1]
-    bt = block_t or tile_tokens(fmt, H)
+    bt = block_t or BLOCK_T
     GC, GROUP_C = path_tiling(fmt.content, 8)
     block_m = block_rows(H)
     head_blocks = triton.cdiv(H, block_m)

@@ -145,12 +145,11 @@ def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, f
           qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
           m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
           GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
-          R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr, WIDE: tl.constexpr):
+          R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr):
     """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (keys as exact
     integers), an online-softmax step in base 2, and per group `a_g = a_g * alpha + p @ fp16(k_g * s_g)` (the
     group re-read and re-unpacked, scaled: one fp16 rounding). Queries `qh*/ql*: [BM, GROUP_C]` (content) and
-    `qrh/qrl: [BM, GROUP_R]`, accumulators `a*: [BM, GROUP_C]` fp32, `m_valid: [BM, BT]`. `WIDE` (a 16-bit
-    content format): the values are one `[BT, GC * GROUP_C]` tile and one dot into `a0: [BM, d_c]` (a1..a7 unused)."""
+    `qrh/qrl: [BM, GROUP_R]`, accumulators `a*: [BM, GROUP_C]` fp32, `m_valid: [BM, BT]`."""
     k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, EXACT)
     sc = _qk(qh0, ql0, k, Q_SPLIT, EXACT) * s[None, :]
     if GC > 1:
@@ -180,30 +179,26 @@ def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, f
     b_p = tl.exp2(b_s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(b_p, axis=1)
 
-    # Values: the group tiles again (an L1 hit), scaled per token: fp16((code - z) * s); 16-bit content in one tile.
-    if WIDE:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GC * GROUP_C, 16, EXACT)
-        a0 = _pv(a0, alpha, b_p, k, s, EXACT)
-    else:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, EXACT)
-        a0 = _pv(a0, alpha, b_p, k, s, EXACT)
-        if GC > 1:
-            k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, EXACT)
-            a1 = _pv(a1, alpha, b_p, k, s, EXACT)
-        if GC > 2:
-            k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, EXACT)
-            a2 = _pv(a2, alpha, b_p, k, s, EXACT)
-            k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, EXACT)
-            a3 = _pv(a3, alpha, b_p, k, s, EXACT)
-        if GC > 4:
-            k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, EXACT)
-            a4 = _pv(a4, alpha, b_p, k, s, EXACT)
-            k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, EXACT)
-            a5 = _pv(a5, alpha, b_p, k, s, EXACT)
-            k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, EXACT)
-            a6 = _pv(a6, alpha, b_p, k, s, EXACT)
-            k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, EXACT)
-            a7 = _pv(a7, alpha, b_p, k, s, EXACT)
+    # Values: the group tiles again (an L1 hit), scaled per token: fp16((code - z) * s).
+    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, EXACT)
+    a0 = _pv(a0, alpha, b_p, k, s, EXACT)
+    if GC > 1:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, EXACT)
+        a1 = _pv(a1, alpha, b_p, k, s, EXACT)
+    if GC > 2:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, EXACT)
+        a2 = _pv(a2, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, EXACT)
+        a3 = _pv(a3, alpha, b_p, k, s, EXACT)
+    if GC > 4:
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, EXACT)
+        a4 = _pv(a4, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, EXACT)
+        a5 = _pv(a5, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, EXACT)
+        a6 = _pv(a6, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, EXACT)
+        a7 = _pv(a7, alpha, b_p, k, s, EXACT)
     return m_new, l_i, a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -237,11 +232,10 @@ def _stage_queries(p_q, p_qr, o_m, m_m, qk_scale, D_C: tl.constexpr, GC: tl.cons
 
 
 @triton.jit
-def _empty_state(BLOCK_M: tl.constexpr, GROUP_C: tl.constexpr, D_C: tl.constexpr, WIDE: tl.constexpr):
-    """Online-softmax state before any token: running maximum, sum and the eight `[BLOCK_M, GROUP_C]` accumulators
-    (`WIDE`: the first `[BLOCK_M, D_C]`)."""
+def _empty_state(BLOCK_M: tl.constexpr, GROUP_C: tl.constexpr):
+    """Online-softmax state before any token: running maximum, sum and the eight `[BLOCK_M, GROUP_C]` accumulators."""
     return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
-            tl.zeros((BLOCK_M, D_C if WIDE else GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
+            tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
             tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
             tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
             tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32))
@@ -249,22 +243,19 @@ def _empty_state(BLOCK_M: tl.constexpr, GROUP_C: tl.constexpr, D_C: tl.constexpr
 
 @triton.jit
 def _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C: tl.constexpr,
-                   D_C: tl.constexpr, GC: tl.constexpr, WIDE: tl.constexpr):
+                   D_C: tl.constexpr, GC: tl.constexpr):
     """Rows `o_row` of the partials: `o` normalised by this split's sum, `lse` in natural log (-inf when empty)."""
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    if WIDE:
-        _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, D_C, D_C, 1)
-    else:
-        _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, GROUP_C, D_C, GC)
-        _store_group(o_ptr, o_row, m_m, a1, inv_l, 1, GROUP_C, D_C, GC)
-        _store_group(o_ptr, o_row, m_m, a2, inv_l, 2, GROUP_C, D_C, GC)
-        _store_group(o_ptr, o_row, m_m, a3, inv_l, 3, GROUP_C, D_C, GC)
-        _store_group(o_ptr, o_row, m_m, a4, inv_l, 4, GROUP_C, D_C, GC)
-        _store_group(o_ptr, o_row, m_m, a5, inv_l, 5, GROUP_C, D_C, GC)
-        _store_group(o_ptr, o_row, m_m, a6, inv_l, 6, GROUP_C, D_C, GC)
-        _store_group(o_ptr, o_row, m_m, a7, inv_l, 7, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a1, inv_l, 1, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a2, inv_l, 2, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a3, inv_l, 3, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a4, inv_l, 4, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a5, inv_l, 5, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a6, inv_l, 6, GROUP_C, D_C, GC)
+    _store_group(o_ptr, o_row, m_m, a7, inv_l, 7, GROUP_C, D_C, GC)
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
@@ -301,7 +292,7 @@ def mla_decode_triton_kernel(
     # Queries, once per program: per-row powers of two, then fp16 high/low parts per group.
     fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl = _stage_queries(
         q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, EXACT)
-    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C, D_C, C_BITS == 16)
+    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C)
     is_dense = i_s == num_splits
 
     # Packed positions: this split's share of [S, length - R), intersected with [lp + S, ...). Every one of them lies
@@ -325,7 +316,7 @@ def mla_decode_triton_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             p_cc, p_cs, p_cz, p_rc, p_rs, p_rz, s_cct, s_cst, s_rct, s_rst, o_t, m_t, m_m[:, None] & m_t[None, :],
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, EXACT, C_BITS == 16)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, EXACT)
 
     # The last split takes the model-dtype copies: the sink (slot j = position lp + j) and the recent ring
     # (positions [length - R, length) past the sink, slot p % R), causal per query row.
@@ -340,7 +331,7 @@ def mla_decode_triton_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, s_snct, s_snct, s_snrt, s_snrt, o_j, m_t, m_valid,
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT, C_BITS == 16)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
     r_lo = tl.maximum(length - R, 0)
     r_hi = tl.where(is_dense, length, r_lo)
     p_rcc = rcc_ptr + i_b * s_rccb
@@ -352,10 +343,10 @@ def mla_decode_triton_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, s_rcct, s_rcct, s_rcrt, s_rcrt, o_t % R, m_t, m_valid,
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT, C_BITS == 16)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
 
     o_row = (i_b * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (b, m, split)
-    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC, C_BITS == 16)
+    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
 
 
 def _pow2(n: int) -> bool:
@@ -385,25 +376,20 @@ def triton_handles(fmt: CacheFormat, copy_dtype: torch.dtype) -> bool:
             and copy_dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-BLOCK_T = 32  # tokens per tile of packed content
-
-
-def tile_tokens(fmt: CacheFormat, M: int) -> int:
-    """Tokens per tile: `BLOCK_T` for packed content; 16-bit content (one `[tile, d_c]` value tile per step) 32 up
-    to 16 rows, else 64 (docs/KERNELS.md "The portable Triton kernel")."""
-    return BLOCK_T if fmt.content.quantized or M <= 16 else 64
+BLOCK_T = 32  # tokens per tile
 
 
 def pipeline_stages(fmt: CacheFormat, M: int) -> int:
-    """Software-pipeline stages of the token loop: packed content 1 up to 32 rows, else 2; 16-bit content 2 (the
-    fastest measured on the H200: docs/KERNELS.md "The portable Triton kernel")."""
-    return 1 if fmt.content.quantized and M <= 32 else 2
+    """Software-pipeline stages of the token loop: up to 32 rows 1 for packed content, 3 for 16-bit content; above
+    32 rows 2 (the fastest measured on the H200: docs/KERNELS.md "The portable Triton kernel")."""
+    if M > 32:
+        return 2
+    return 1 if fmt.content.quantized else 3
 
 
 def num_warps(fmt: CacheFormat, M: int) -> int:
-    """Warps per program: 4, and 8 for 16-bit content above 16 rows (docs/KERNELS.md "The portable Triton
-    kernel")."""
-    return 8 if not fmt.content.quantized and M > 16 else 4
+    """Warps per program: 4 (docs/KERNELS.md "The portable Triton kernel")."""
+    return 4
 
 
 def programs_per_sm(rows: int) -> int:
@@ -438,7 +424,7 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
                   split_target, NS, qk_scale):
     """Launch `mla_decode_triton_kernel` on the grid `(NS + 1, cdiv(M, block_rows(M)), B)`: `q: [B, M, d_c]`,
     `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32. Launch measured
-    on the H200 (docs/KERNELS.md): `tile_tokens`, `block_rows`, `num_warps`, `pipeline_stages`."""
+    on the H200 (docs/KERNELS.md): `BLOCK_T`-token tiles, `block_rows`, `num_warps`, `pipeline_stages`."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
     exact = sink_c.dtype == torch.float32
@@ -454,7 +440,7 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
-        S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=block_m, BLOCK_T=tile_tokens(fmt, M),
+        S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=block_m, BLOCK_T=BLOCK_T,
         Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=exact,
         num_warps=num_warps(fmt, M), num_stages=pipeline_stages(fmt, M),
     )
