@@ -14,7 +14,9 @@ token ids; generation is greedy with no end token, so every request yields exact
 - `--check`: six requests of mixed lengths arriving at different steps; each request's tokens from continuous
   batching must equal `generate` on it alone with the contiguous `QuantMLACache` of the same format. It runs on an
   fp32 copy of the model (`--check-dtype model` for the bf16 one, where near-tied logits of random weights flip
-  between kernels that round differently; `first_difference` says where each request first differs).
+  between kernels that round differently; `first_difference` says where each request first differs, and
+  `margin_at_difference` how far from a tie `generate`'s own logits were there: `logit[its token] - logit[the
+  batcher's token]` and the largest |logit| of that step).
 - `--pressure`: a fixed cache budget (`--budget-gib`, default: what the C4R4 pages need for all requests at once,
   plus 2%), `--pressure-requests` requests of `--pressure-input` prompt and `--pressure-output` new tokens, all
   arriving at once. The same budget holds ~3.6x fewer C16R16 tokens, so C16R16 serves them a few at a time. Whole-
@@ -85,11 +87,26 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (rng.randint(lo, hi),), generator=g).tolist() for _ in range(n)]
 
 
-def generate_alone(model, prompt: list[int], new_tokens: int, fmt: str) -> list[int]:
+def generate_alone(model, prompt: list[int], new_tokens: int, fmt: str) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens of `prompt` alone with the contiguous `QuantMLACache`, and each step's logits `[vocab]` fp32."""
     cache = QuantMLACache(config=model.config, quantization_config=qconfig(fmt))
     ids = torch.tensor([prompt], device=DEVICE)
-    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **{CACHE_KWARG: cache})
-    return out[0, len(prompt):].tolist()
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, **{CACHE_KWARG: cache})
+    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.scores]
+
+
+def first_differences(got: list[list[int]], want: list[list[int]], logits: list[list[torch.Tensor]]):
+    """Per request: the first new token where `got` differs from `want` (its length when equal), and there the
+    margin `logit[want] - logit[got]` of `want`'s own logits (None when equal). A margin that is a small fraction of
+    the logits' scale is a near tie, which any change of summation order can flip in bf16."""
+    first, margins = [], []
+    for a, b, steps in zip(got, want, logits):
+        j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        first.append(j)
+        margins.append(None if j == len(a) else dict(margin=float(steps[j][b[j]] - steps[j][a[j]]),
+                                                     scale=float(steps[j].abs().max())))
+    return first, margins
 
 
 WARM: set[str] = set()
@@ -155,16 +172,18 @@ def check(model, args) -> bool:
         pages = sum(-(-(len(p) + args.check_tokens) // args.page_size) for p in reqs)
         row, batcher = run_batcher(model, fmt, reqs, args.check_tokens, args, num_pages=pages, arrivals=arrivals)
         t0 = time.perf_counter()
-        want = [generate_alone(model, p, args.check_tokens, fmt) for p in reqs]
+        alone = [generate_alone(model, p, args.check_tokens, fmt) for p in reqs]
+        want = [tokens for tokens, _ in alone]
         generate_s = time.perf_counter() - t0
         got = [batcher.results[str(i)] for i in range(len(reqs))]
         equal = sum(a == b for a, b in zip(got, want))
         ok &= equal == len(reqs)
-        # where each request first differs (its length when equal): with bf16 random weights, near-tied logits flip
-        # between kernels that round differently, which is why the check runs in fp32 by default
-        first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(got, want)]
+        # where each request first differs, and how close `generate`'s own logits were to a tie there: with bf16
+        # random weights near-tied logits flip between kernels that round differently, hence fp32 by default
+        first, margins = first_differences(got, want, [steps for _, steps in alone])
         emit(args.out, dict(bench="check", format=fmt, dtype=str(model.dtype), equal=f"{equal}/{len(reqs)}",
-                            first_difference=first, new_tokens=args.check_tokens, prompt_lens=[len(p) for p in reqs],
+                            first_difference=first, margin_at_difference=margins, new_tokens=args.check_tokens,
+                            prompt_lens=[len(p) for p in reqs],
                             arrivals=arrivals, peak_running=row["peak_running"], batcher_s=row["wall_s"],
                             batcher_steps=row["steps"], graph_steps=row["graph_steps"], generate_alone_s=generate_s))
     return ok
