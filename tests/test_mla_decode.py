@@ -98,10 +98,10 @@ def check(args, backend, lse_abs=LSE_ABS, **kw):
 @pytest.mark.parametrize(
     "cb, rb, dtype",
     [(4, 4, torch.bfloat16), (2, 4, torch.bfloat16), (8, 8, torch.float16), (16, 16, torch.bfloat16),
-     (4, 4, torch.float32), (16, 16, torch.float32), (2, 16, torch.bfloat16)],
+     (4, 4, torch.float32), (16, 16, torch.float32), (2, 16, torch.bfloat16), (4, 8, torch.bfloat16)],
 )
 def test_formats_and_dtypes_with_unequal_padding(backend, cb, rb, dtype):
-    """Every format (C4R4, C2R4, C8R8, C16R16, mixed) in bf16/fp16/fp32 models (fp32: the exact fp32 path), odd
+    """Every format (C4R4, C2R4, C8R8, C16R16, mixed: C2R16, C4R8) in bf16/fp16/fp32 models (fp32: the exact fp32 path), odd
     length, unequal left padding, three splits."""
     check(random_case(2, 109, 3, 1, 128, 32, cb, rb, 3, 8, dtype, [0, 37], seed=cb * 10 + rb), backend,
           num_splits=3)

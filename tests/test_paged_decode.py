@@ -69,7 +69,7 @@ def check(args, **kw):
     return out, lse
 
 
-@pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (8, 8), (16, 16), (2, 16)])
+@pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (8, 8), (16, 16), (2, 16), (4, 8)])
 def test_unequal_requests_in_one_launch(cb, rb):
     # decode (1 token), a chunk of 3 and one of 9, lengths odd, on a page boundary and inside the sink window
     check(paged_case([17, 16, 9, 1, 40], [1, 1, 3, 1, 9], cb=cb, rb=rb))
