@@ -256,7 +256,8 @@ def calibrate_variant(base, variant: str, recipe: CalibrationRecipe, cache_dir: 
         return restore_content_rows(full, base), info
     if re.fullmatch(r"learned-C(\d+)R(\d+)-allq(-seed\d+)?", variant):
         recipe = replace(recipe, protection="off")
-    key = calibration_key(base_digest or model_digest(base), variant, recipe, next(base.parameters()).device)
+    device = next(base.parameters()).device
+    key = calibration_key(base_digest or model_digest(base), variant, recipe, device)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"{variant}-{digest}.pt" if cache_dir is not None else None
     model = copy.deepcopy(base)
@@ -267,9 +268,10 @@ def calibrate_variant(base, variant: str, recipe: CalibrationRecipe, cache_dir: 
                              "--calibrated-dir")
         model.load_state_dict(saved["state_dict"])
         return model, {"seconds": saved["seconds"], "loaded": True, "record": saved["record"], "key": key}
-    if recipe.machine and recipe.machine != machine_tag():
+    if recipe.machine and recipe.machine != machine_tag(device):
         raise ValueError(f"no model of {variant} calibrated on {recipe.machine} in {cache_dir}; calibrate it there first "
-                         f"(this process is {machine_tag()}: set ATEN_CPU_CAPABILITY / --threads and use --calibrate-only)")
+                         f"(this process is {machine_tag(device)}: set ATEN_CPU_CAPABILITY / --threads and use "
+                         "--calibrate-only)")
     transform = "hadamard" if variant == "hadamard" else ("smooth" if variant.startswith("smooth") else "learned")
     bits = re.fullmatch(r"learned-C(\d+)R(\d+)(-allq)?(-seed\d+)?", variant)
     c, r = (int(bits.group(1)), int(bits.group(2))) if bits else (4, 4)
