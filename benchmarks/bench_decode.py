@@ -12,9 +12,9 @@ fetched separately and never committed) and the stock transformers step (`--stoc
         every method replayed from a CUDA graph, in turns, ROUNDS times: 95% intervals of each time and of the
         ratio new / baseline (`--baseline-path`: the kernels of an older tree, e.g. `git archive REV | tar -x -C DIR`,
         imported side by side in the same process and run through that tree's dispatch; `--paged`: the paged
-        kernels, the default choice and the Triton one, on the same cache laid out in pages of 64)
+        kernels, the default choice and the others that take the case, on the same cache laid out in pages of 64)
     python benchmarks/bench_decode.py --check --paged
-        also the paged backends (gluon_regs where it applies, triton) vs the fp64 paged reference: requests of
+        also the paged backends (the Gluon kernels where they apply, triton) vs the fp64 paged reference: requests of
         unequal lengths (page edges, shorter than sink + recent) with pages and copy rows shuffled
     python benchmarks/bench_decode.py --profile H:B:N:FORMAT [--backends B] [--iters 20]
         one point run a few times for a profiler to attach (`ncu -k regex:mla_decode -s 2 -c 1 ...`)
@@ -432,7 +432,7 @@ def paged_fn(args, page_size=64, num_splits=None, backend=None):
 
 
 PAGED_CHECK_CASES = [("C4R4", 16, 5, 32768), ("C2R4", 16, 4, 9000), ("C8R8", 16, 3, 9000), ("C4R4", 128, 3, 20000),
-                     ("C4R4", 16, 6, 400)]  # (format, heads, requests, longest length)
+                     ("C2R4", 128, 4, 9000), ("C4R4", 16, 6, 400)]  # (format, heads, requests, longest length)
 
 
 def check_paged(out_lines, cases=None, page_size=64):
@@ -494,9 +494,10 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             for tag, fn in makers:
                 keep.append((fn, args))  # a graph reads the tensors it was captured with
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
-            if paged:  # the default paged kernel, and the Triton one where the default is another
+            if paged:  # the default paged kernel, and the other ones that take the case
                 choice = select_paged_backend(fmt, H, B, B, 64, sc.dtype, DEVICE)
-                for tag, backend in [("paged", None)] + ([("paged-triton", "triton")] if choice != "triton" else []):
+                others = {"gluon_wide": ("gluon_regs", "triton"), "gluon_regs": ("triton",)}.get(choice, ())
+                for tag, backend in [("paged", None)] + [(f"paged-{b}", b) for b in others]:
                     run = paged_fn(args, backend=backend)
                     keep.append((run, args))
                     replays[f"{tag}-{name}"] = graphed(run)

@@ -6,7 +6,7 @@ packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide]
 
-`--paged`: the register kernel's paged launch (`PAGED`: page pools read through a page table).
+`--paged`: the paged launch (`PAGED`: page pools read through a page table) of either kernel.
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -43,12 +43,15 @@ def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, infli
                     dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
 
 
-def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT):
+def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT,
+                 paged: bool = False):
     """The two-warpgroup kernel compiled for sm_90 at DeepSeek widths with its registers."""
     fn = mw.mla_decode_gluon_wide_kernel
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M, Q_SPLIT=q_split,
-                 INFLIGHT=inflight, W_REGS=mw.WORKER_REGS)
-    return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.LAUNCH_REGS})
+                 INFLIGHT=inflight, W_REGS=mw.WORKER_REGS, PAGED=paged)
+    index = "*i32" if paged else "*i64"
+    return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.LAUNCH_REGS},
+                    dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
 
 
 def _compile(fn, const: dict, q_split: bool, options: dict, index_ptrs: dict | None = None):
@@ -129,7 +132,7 @@ def main():
     ap.add_argument("format", nargs="?", default="C4R4", choices=sorted(FORMATS))
     ap.add_argument("--fp32-queries", action="store_true")
     ap.add_argument("--inflight", type=int, default=None, help="default: the kernel's (`INFLIGHT`)")
-    ap.add_argument("--paged", action="store_true", help="the register kernel's paged launch")
+    ap.add_argument("--paged", action="store_true", help="the paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel (C4R4, C2R4)")
     a = ap.parse_args()
     if a.wide:
@@ -153,11 +156,12 @@ def main_wide(a):
     if a.format not in ("C4R4", "C2R4"):
         raise SystemExit(f"--wide takes C4R4 or C2R4, got {a.format}")
     inflight = mw.INFLIGHT if a.inflight is None else a.inflight
-    kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight)
+    kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight, paged=a.paged)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     sass = disassemble(kernel.asm["cubin"], "-sass")
     print(f"triton {triton.__version__} | {a.format} two warpgroups | {mw.BLOCK_M} rows | "
-          f"{'fp32' if a.fp32_queries else 'bf16'} queries | inflight {inflight} | shared memory "
+          f"{'fp32' if a.fp32_queries else 'bf16'} queries | inflight {inflight} | "
+          f"{'paged' if a.paged else 'contiguous'} | shared memory "
           f"{kernel.metadata.shared} B")
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
     loops = sorted(packed_loops(sass), key=lambda body: -opcode_counts(body)[UNPACK_MUL])

@@ -407,6 +407,33 @@ def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.cons
 
 
 @_jit
+def _load_group_rows(p_s, p_z, t0, lo, hi, last, shift, G0: gl.constexpr, GC: gl.constexpr, ml: gl.constexpr):
+    """`_load_meta_rows` for one group: the steps `[64, 4]` (zeroed outside `[lo, hi)`) and stored zero points of
+    content group `q + G0` (`GC = 0`: the RoPE group, the same for every q)."""
+    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
+    o_a = gl.minimum(o_t, last) + shift
+    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
+    valid = ((o_t >= lo) & (o_t < hi))[:, None]
+    if GC == 0:
+        off = o_a[:, None] + 0 * o_q[None, :]
+    else:
+        off = o_a[:, None] * GC + (o_q + G0)[None, :]
+    return gl.where(valid, gl.load(p_s + off), 0.0), gl.load(p_z + off)
+
+
+@_jit
+def _tile_rows(p_pt, tn, last, PAGED: gl.constexpr):
+    """`(row, shift)` of the tile at int32 position `tn`: the plane row its first token is read from and the offset
+    from positions to rows (`_page_row` for page pools; `(tn, 0)` for planes offset to the split's first tile)."""
+    if PAGED:
+        row, shift = _page_row(p_pt, tn, last)
+    else:
+        row = tn
+        shift = 0
+    return row, shift
+
+
+@_jit
 def _page_row(p_pt, t0, last):
     """Paged planes: `(row, shift)` of the 64-token tile at int32 position `t0` (relative to the split's first tile,
     whose page number is `p_pt[0]`): `row = page * 64` is the pool row of its first token, `shift = row - t0` maps
@@ -741,11 +768,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
     zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
     if ROWS:  # int32 rows; row pointers for the next tile's words (a register pair per token, unit offsets immediate)
-        if PAGED:
-            row, shift = _page_row(p_pt, tn, last)
-        else:
-            row = tn
-            shift = 0
+        row, shift = _tile_rows(p_pt, tn, last, PAGED)
         s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml)
         p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
         p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)

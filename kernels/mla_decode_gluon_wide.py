@@ -36,10 +36,10 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
-    from .mla_decode_gluon_common import (_alloc_kbuf, _copy_ranges, _cta_barrier, _finish, _load_dense, _load_meta,
-                                          _load_unit, _pair_meta, _program_coords, _pv,
-                                          _references, _score_unit, _split_range, _stage_queries, _store_o, _unit_pair,
-                                          _unpack_unit)
+    from .mla_decode_gluon_common import (_alloc_kbuf, _copy_ranges, _cta_barrier, _finish, _load_dense,
+                                          _load_group_rows, _load_meta, _load_unit, _pair_meta, _program_coords, _pv,
+                                          _references, _row_ptrs, _score_unit, _split_range, _stage_queries,
+                                          _store_o, _tile_rows, _unit_pair, _unpack_unit)
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 LAUNCH_REGS = 240  # registers per thread at launch: one program of 8 warps per SM (no spills, ptxas)
@@ -61,23 +61,24 @@ def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, 
                         U0: gl.constexpr, ROPE: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
                         Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
                         wc_l: gl.constexpr, wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr,
-                        dot_a: gl.constexpr):
+                        dot_a: gl.constexpr, ROWS: gl.constexpr):
     """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (words `ca`: units U0, U0 + 1, `cb`: U0 +
     2, U0 + 3, as `_unit_pair` takes them; fp16x2 metadata `zz, ss, zh`) and, with `ROPE`, the RoPE unit (`cr`, `zzr,
     ssr, zhr`) of one packed tile; the content keys stored to `kbuf[U0 .. U0 + 3]`; the words replaced by those of the
-    tile at `tn`. Returns `(acc, ca, cb, cr)`."""
+    tile at `tn` (`_load_unit`; `ROWS`: `p_cc`, `p_rc` are its row pointers and `hi` the last position read).
+    Returns `(acc, ca, cb, cr)`."""
     RWR: gl.constexpr = 2 * R_BITS
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     pend = acc
     p1 = acc
     p2 = acc
     acc, pend, p1, p2, ca = _unit_pair(ca, U0, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0)
+                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, hi, ROWS)
     acc, pend, p1, p2, cb = _unit_pair(cb, U0 + 2, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0)
+                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, hi, ROWS)
     if ROPE:
         x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
-        cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
+        cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
         acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
                                         INFLIGHT, dot_a, U0)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
@@ -197,12 +198,13 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
                   cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits,
                   s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
-                  GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-                  BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr):
+                  pt_ptr, s_pt, GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr,
+                  R: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr,
+                  PAGED: gl.constexpr):
     """The leader's (`LEAD`: content units 0-3, the RoPE unit, the softmax of rows `[0, BM/2)`, outputs 0-3) or the
     worker's (content units 4-7, the softmax of rows `[BM/2, BM)`, outputs 4-7) share of every tile of the program
     (its split, row block and batch row); each stores the LSE of its rows. `fbuf: [BM]` the rows' score factors
-    (staged once)."""
+    (staged once). `PAGED`: as in `mla_decode_gluon_regs_kernel`."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     U0: gl.constexpr = 0 if LEAD else 4
@@ -222,8 +224,14 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
 
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
     i_s, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
-    length = gl.load(len_ptr).to(gl.int64)
-    lp = gl.load(lp_ptr + i_b).to(gl.int64)
+    if PAGED:
+        length = gl.load(len_ptr + i_b).to(gl.int64)
+        lp = length * 0
+        i_c = gl.load(lp_ptr + i_b).to(gl.int64)  # the request's row of the copies
+    else:
+        length = gl.load(len_ptr).to(gl.int64)
+        lp = gl.load(lp_ptr + i_b).to(gl.int64)
+        i_c = i_b
     o_m = i_hb * BM + gl.arange(0, BM, layout=col_l)
     m_m = o_m < M
     o_mh = i_hb * BM + HF * HM + gl.arange(0, HM, layout=col_h)
@@ -247,40 +255,85 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     RWC: gl.constexpr = GC * 2 * C_BITS
     RWR: gl.constexpr = 2 * R_BITS
 
-    ca = _load_unit(p_cc, base, lo_valid, hi, U0, RWC, C_BITS, GC, WP_L, 2)
-    cb = _load_unit(p_cc, base, lo_valid, hi, U0 + 2, RWC, C_BITS, GC, WP_L, 2)
-    s0, z0 = _load_meta(p_cs, p_cz, base, lo_valid, hi, HF, GC, ml)
-    if LEAD:
-        cr = _load_unit(p_rc, base, lo_valid, hi, GC, RWR, R_BITS, GC, WR_L)
-        sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
+    # ROWS (paged launches and 2-bit content): the register kernel's loads, int32 positions relative to the split's
+    # first tile and one row pointer per token; else int64 positions and masked loads (faster for contiguous C4R4,
+    # docs/KERNELS.md). Positions `[lo, hi)` are valid; `last` is the last one read.
+    ROWS: gl.constexpr = PAGED or C_BITS == 2
+    if ROWS:
+        lo = (lo_valid - base).to(gl.int32)
+        hi = (hi - base).to(gl.int32)
+        last = gl.maximum(hi - 1, 0)
+        first = gl.where(n_tiles > 0, base, 0)
+        if PAGED:
+            p_pt = pt_ptr + i_b * s_pt + first // BT
+        else:
+            p_pt = pt_ptr
+            p_cc = p_cc + first * RWC
+            p_rc = p_rc + first * RWR
+            p_cs = p_cs + first * GC
+            p_cz = p_cz + first * GC
+            p_rs = p_rs + first
+            p_rz = p_rz + first
+        row, shift = _tile_rows(p_pt, 0, last, PAGED)
+        t_first = 0
+        pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
+        ca = _load_unit(pw, 0, lo, last, U0, RWC, C_BITS, GC, WP_L, 2, True)
+        cb = _load_unit(pw, 0, lo, last, U0 + 2, RWC, C_BITS, GC, WP_L, 2, True)
+        s0, z0 = _load_group_rows(p_cs, p_cz, 0, lo, hi, last, shift, 4 * HF, GC, ml)
+        if LEAD:
+            cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo, last, GC, RWR, R_BITS, GC, WR_L, 1,
+                            True)
+            sr, zr = _load_group_rows(p_rs, p_rz, 0, lo, hi, last, shift, 0, 0, ml)
+        o_bt = gl.arange(0, BT, layout=row_h)
     else:
+        lo = lo_valid
+        last = hi
+        t_first = base
+        ca = _load_unit(p_cc, base, lo, hi, U0, RWC, C_BITS, GC, WP_L, 2)
+        cb = _load_unit(p_cc, base, lo, hi, U0 + 2, RWC, C_BITS, GC, WP_L, 2)
+        s0, z0 = _load_meta(p_cs, p_cz, base, lo, hi, HF, GC, ml)
+        if LEAD:
+            cr = _load_unit(p_rc, base, lo, hi, GC, RWR, R_BITS, GC, WR_L)
+            sr, zr = _load_meta(p_rs, p_rz, base, lo, hi, 0, 0, ml)
+        o_bt = gl.arange(0, BT, layout=row_h).to(gl.int64)
+    if not LEAD:
         cr = ca
         sr = s0
         zr = z0
-    o_bt = gl.arange(0, BT, layout=row_h).to(gl.int64)
     ph = 0
     for it in range(n_tiles):
-        t0 = base + it * BT
+        t0 = t_first + it * BT
         tn = t0 + BT
         zz, ss, zh = _pair_meta(s0, z0, C_BITS)
         zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
-        s0, z0 = _load_meta(p_cs, p_cz, tn, lo_valid, hi, HF, GC, ml)
-        if LEAD:
-            sr, zr = _load_meta(p_rs, p_rz, tn, lo_valid, hi, 0, 0, ml)
+        if ROWS:
+            row, shift = _tile_rows(p_pt, tn, last, PAGED)
+            s0, z0 = _load_group_rows(p_cs, p_cz, tn, lo, hi, last, shift, 4 * HF, GC, ml)
+            if LEAD:
+                sr, zr = _load_group_rows(p_rs, p_rz, tn, lo, hi, last, shift, 0, 0, ml)
+            pc = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
+            pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L)
+        else:
+            s0, z0 = _load_meta(p_cs, p_cz, tn, lo, hi, HF, GC, ml)
+            if LEAD:
+                sr, zr = _load_meta(p_rs, p_rz, tn, lo, hi, 0, 0, ml)
+            pc = p_cc
+            pr = p_rc
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, ca, cb, cr = _half_packed_scores(
-            ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo_valid, hi, U0, LEAD, GC, BM,
-            Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a)
+            ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, pc, pr, tn, lo, last, U0, LEAD, GC, BM,
+            Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ROWS)
         o_t = t0 + o_bt
-        m_valid = ((o_t >= lo_valid) & (o_t < hi))[:, None] & m_mh[None, :]
+        m_valid = ((o_t >= lo) & (o_t < hi))[:, None] & m_mh[None, :]
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
                                                 l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
         ph = ph ^ 1
 
+    o_bt = gl.arange(0, BT, layout=row_h).to(gl.int64)
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
     s_lo, s_hi, r_lo, r_hi = _copy_ranges(i_s, num_splits, length, S, R, BT)
-    p_snc = snc_ptr + i_b * s_sncb
-    p_snr = snr_ptr + i_b * s_snrb
+    p_snc = snc_ptr + i_c * s_sncb
+    p_snr = snr_ptr + i_c * s_snrb
     for start in range(s_lo, s_hi, BT):
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_j = start + o_dt
@@ -293,8 +346,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
                                                 l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
         ph = ph ^ 1
     lo_dense = lp + S
-    p_rcc = rcc_ptr + i_b * s_rccb
-    p_rcr = rcr_ptr + i_b * s_rcrb
+    p_rcc = rcc_ptr + i_c * s_rccb
+    p_rcr = rcr_ptr + i_c * s_rcrb
     for start in range(r_lo, r_hi, BT):
         kz = (start.to(gl.int64) >> 40).to(gl.int32)
         o_p = start + o_dt
@@ -332,11 +385,12 @@ def mla_decode_gluon_wide_kernel(
     s_qb, s_qrb, s_ccb, s_csb, s_rcb, s_rsb,
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, W_REGS: gl.constexpr,
+    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, W_REGS: gl.constexpr, pt_ptr, s_pt,
+    PAGED: gl.constexpr,
 ):
-    """Grid, splits, inputs and outputs of `mla_decode_gluon_regs_kernel` with BM-row blocks; the queries (and the
-    rows' score factors, `fbuf`) are staged by the default warps, then the leader (4 warps) and the worker (4 warps,
-    `W_REGS` registers) attend each tile together."""
+    """Grid, splits, inputs and outputs (the `PAGED` launch too) of `mla_decode_gluon_regs_kernel` with BM-row
+    blocks; the queries (and the rows' score factors, `fbuf`) are staged by the default warps, then the leader (4
+    warps) and the worker (4 warps, `W_REGS` registers) attend each tile together."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -377,11 +431,13 @@ def mla_decode_gluon_wide_kernel(
         (_half_program, (True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr,
                          cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
                          lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
-                         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
+                         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT,
+                         INFLIGHT, PAGED)),
         (_half_program, (False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr,
                          cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
                          lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
-                         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT, INFLIGHT)),
+                         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT,
+                         INFLIGHT, PAGED)),
     ], [4], [W_REGS])
 
 
@@ -402,14 +458,17 @@ def wide_handles(fmt: CacheFormat) -> bool:
 
 
 def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale):
+                split_target, NS, qk_scale, page_table=None):
     """Launch `mla_decode_gluon_wide_kernel` on `flat_grid` (`B * cdiv(M, 32) * (NS + copy_programs(fmt))`
-    programs): 8 warps per program at `LAUNCH_REGS` registers, the worker at `WORKER_REGS` after `setmaxnreg`."""
+    programs): 8 warps per program at `LAUNCH_REGS` registers, the worker at `WORKER_REGS` after `setmaxnreg`.
+    `page_table`: the paged launch, as `mla_decode_gluon_regs.launch_regs` takes it."""
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
+    paged = page_table is not None
     launch_flat(
         mla_decode_gluon_wide_kernel, "two-warpgroup Gluon decode kernel", smem_bytes(fmt, q_split), "gluon_regs",
         BLOCK_M, q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-        split_target, NS, qk_scale,
+        split_target, NS, qk_scale, paged,
         Q_SPLIT=q_split, INFLIGHT=INFLIGHT, W_REGS=WORKER_REGS,
+        pt_ptr=page_table if paged else lp, s_pt=page_table.stride(0) if paged else 0, PAGED=paged,
         num_warps=4, maxnreg=LAUNCH_REGS,
     )

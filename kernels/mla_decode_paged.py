@@ -26,6 +26,7 @@ import triton.language as tl
 from quantmla_hf.format import CacheFormat, PathFormat
 
 from . import mla_decode_gluon_regs as regs
+from . import mla_decode_gluon_wide as wide
 from .mla_decode import LOG2E, interpreting, num_sms, select_backend, split_plan
 from .mla_decode_combine import combine
 from .mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
@@ -136,27 +137,26 @@ def _flat_planes(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:
     return (flat["values"],) * 3
 
 
-PAGED_BACKENDS = ("gluon_regs", "triton")
+PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "triton")
 
 
 def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: int, page_size: int,
                          copy_dtype: torch.dtype, device) -> str:
-    """The paged decode kernel: `gluon_regs` (`mla_decode_gluon_regs.py` reading the pools through the page table)
-    for a decode step, one query token per request (`n_queries == n_requests`), in pages of 64 tokens with sink and
-    recent copies, where the contiguous table (`mla_decode.select_backend`) picks a Gluon kernel for these `H`
-    rows; otherwise `triton` (this module's kernel: any step, page size and format). At more than 16 rows the
-    contiguous table would take `gluon_wide`, which has no paged form: `gluon_regs` serves them in head blocks."""
+    """The paged decode kernel: for a decode step, one query token per request (`n_queries == n_requests`), in pages
+    of 64 tokens with sink and recent copies, the Gluon kernel the contiguous table (`mla_decode.select_backend`)
+    picks for these `H` rows (`gluon_regs` or `gluon_wide`, reading the pools through the page table); otherwise
+    `triton` (this module's kernel: any step, page size and format)."""
     if n_queries != n_requests or page_size != GLUON_BLOCK_T or not (fmt.sink_tokens and fmt.recent_tokens):
         return "triton"
-    if select_backend(fmt, H, n_requests, copy_dtype, device).startswith("gluon"):
-        return "gluon_regs"
-    return "triton"
+    choice = select_backend(fmt, H, n_requests, copy_dtype, device)
+    return choice if choice.startswith("gluon") else "triton"
 
 
-def _decode_gluon(q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content, recent_rope,
+def _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content, recent_rope,
                   page_table, rows, seq_lens, scaling, longest, num_splits):
-    """One query token per request through the register Gluon kernel's paged launch; `(o_lat [n, H, d_c], lse [n,
-    H])`. Splits as the contiguous launch makes them for `n` rows of `longest` positions (`mla_decode.split_plan`)."""
+    """One query token per request through the paged launch of Gluon kernel `backend`; `(o_lat [n, H, d_c], lse
+    [n, H])`. Splits as the contiguous launch makes them for `n` rows of `longest` positions
+    (`mla_decode.split_plan`)."""
     n, H, d_c = q_lat.shape
     if not planes_contiguous(fmt, content, rope):
         raise ValueError("the paged Gluon kernel needs contiguous page planes [P, 64, width]: use backend='triton'")
@@ -166,14 +166,14 @@ def _decode_gluon(q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, rec
             raise ValueError(f"the paged Gluon kernel addresses pool rows with int32 offsets; {words} code words "
                              "are more: use backend='triton'")
     sms = num_sms(q_lat.device.index or 0)
-    target, NS = split_plan("gluon_regs", n, -(-H // regs.BLOCK_M), longest, fmt, sms, num_splits)
+    block_m, launch = (regs.BLOCK_M, regs.launch_regs) if backend == "gluon_regs" else (wide.BLOCK_M, wide.launch_wide)
+    target, NS = split_plan(backend, n, -(-H // block_m), longest, fmt, sms, num_splits)
     NSP = NS + copy_programs(fmt)
     o_part = torch.empty((n, H, NSP, d_c), dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty((n, H, NSP), dtype=torch.float32, device=q_lat.device)
-    regs.launch_regs(q_lat.contiguous(), q_rot.contiguous(), content, rope, fmt, sink_content, sink_rope,
-                     recent_content, recent_rope, rows.to(torch.int32), seq_lens.to(torch.int32), o_part, lse_part,
-                     H, 1, target, NS, float(scaling) * LOG2E,
-                     page_table=page_table.to(torch.int32).contiguous())
+    launch(q_lat.contiguous(), q_rot.contiguous(), content, rope, fmt, sink_content, sink_rope, recent_content,
+           recent_rope, rows.to(torch.int32), seq_lens.to(torch.int32), o_part, lse_part, H, 1, target, NS,
+           float(scaling) * LOG2E, page_table=page_table.to(torch.int32).contiguous())
     return combine(o_part, lse_part, copy_programs(fmt), None, sms)
 
 
@@ -238,13 +238,14 @@ def mla_decode_paged(
     backend = backend or choice
     if backend not in PAGED_BACKENDS:
         raise ValueError(f"backend must be one of {PAGED_BACKENDS}, got {backend!r}")
-    if backend == "gluon_regs":
-        if choice != "gluon_regs":
-            raise ValueError(f"the paged Gluon kernel takes a decode step (one query token per request) of {fmt.name} "
-                             f"in pages of {GLUON_BLOCK_T} tokens on sm_90, got {Nq} tokens of {n} requests in pages "
-                             f"of {page_size} on {q_lat.device}: use backend='triton'")
+    if backend.startswith("gluon"):
+        if choice == "triton" or (backend == "gluon_wide" and not wide.wide_handles(fmt)):
+            raise ValueError(f"the paged {backend} kernel takes a decode step (one query token per request) of "
+                             f"{fmt.name} in pages of {GLUON_BLOCK_T} tokens on sm_90 (wide: C4R4/C2R4), got {Nq} "
+                             f"tokens of {n} requests in pages of {page_size} on {q_lat.device}: use "
+                             "backend='triton'")
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-        return _decode_gluon(q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content, recent_rope,
+        return _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content, recent_rope,
                              page_table, rows, seq_lens, scaling, longest, num_splits)
     if token_request is None:
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()

@@ -102,7 +102,8 @@ def test_flat_grid_numbers_every_program_once_packed_splits_first():
 PAGED_CASES = [  # (format, heads, requests, query tokens, page size, H200 choice)
     (fmt(4, 4), 16, 5, 5, 64, "gluon_regs"),  # a decode step in 64-token pages
     (fmt(2, 4), 16, 32, 32, 64, "gluon_regs"),
-    (fmt(4, 4), 128, 8, 8, 64, "gluon_regs"),  # many heads: the register kernel in head blocks
+    (fmt(4, 4), 128, 8, 8, 64, "gluon_wide"),  # many heads: the two-warpgroup kernel, as contiguous
+    (fmt(8, 8), 128, 8, 8, 64, "gluon_regs"),  # 8-bit keys: the register kernel in head blocks
     (fmt(4, 4), 16, 5, 9, 64, "triton"),  # a prefill chunk in the step
     (fmt(4, 4), 16, 5, 5, 32, "triton"),  # pages smaller than the Gluon tile
     (fmt(16, 16), 16, 5, 5, 64, "triton"),  # C16R16
@@ -134,15 +135,21 @@ def test_paged_gluon_refused_where_it_does_not_apply():
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
                             backend="gluon_regs")
-    with pytest.raises(ValueError, match="one of"):
+    with pytest.raises(ValueError, match="backend='triton'"):
         mp.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
                             backend="gluon_wide")
+    with pytest.raises(ValueError, match="one of"):
+        mp.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
+                            torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
+                            torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
+                            backend="gluon")
 
 
-@pytest.mark.parametrize("f", [fmt(4, 4), fmt(8, 8)])
-def test_paged_reads_stay_in_the_request_pages(f):
+@pytest.mark.parametrize("f, backend, head_blocks", [(fmt(4, 4), "gluon_regs", 1), (fmt(8, 8), "gluon_regs", 1),
+                                                     (fmt(4, 4), "gluon_wide", 4)])
+def test_paged_reads_stay_in_the_request_pages(f, backend, head_blocks):
     """The paged Gluon launch (`paged_reads`, the host's statement of its split and page arithmetic): for requests of
     every length around page, split and sink/recent edges and the split plans of 1-64 requests, every page-table
     column it reads is one of the request's pages (`cdiv(length, 64)` of them), and its tiles attend each packed
@@ -151,7 +158,7 @@ def test_paged_reads_stay_in_the_request_pages(f):
     lengths = [1, 4, 63, 64, 65, 131, 132, 133, 196, 197, 259, 4096, 4097, 20000, 32768, 32769]
     for n_req in (1, 5, 64):
         for length in lengths:
-            target, NS = md.split_plan("gluon_regs", n_req, 1, max(lengths), f, 132)
+            target, NS = md.split_plan(backend, n_req, head_blocks, max(lengths), f, 132)
             held = []
             for split in range(NS + mc.copy_programs(f)):
                 pages, tiles = mc.paged_reads(length, split, NS, target, f)

@@ -116,14 +116,15 @@ COMPILE_WIDE = textwrap.dedent(
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     bm = mw.BLOCK_M
-    # (content bits, fp32 queries): the launch of each format
-    for cb, q_split in ((4, False), (2, True)):
+    # (content bits, fp32 queries, paged): the launch of each format and the paged launch
+    for cb, q_split, paged in ((4, False, False), (2, True, False), (4, False, True)):
         qd = "*fp32" if q_split else "*bf16"
+        ix = "*i32" if paged else "*i64"
         ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
                    rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
-                   rcr_ptr="*bf16", lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
+                   rcr_ptr="*bf16", lp_ptr=ix, len_ptr=ix, pt_ptr=ix, o_ptr="*fp32", lse_ptr="*fp32")
         const = dict(GC=8, C_BITS=cb, R_BITS=4, S=4, R=128, BM=bm, Q_SPLIT=q_split, INFLIGHT=mw.INFLIGHT,
-                     W_REGS=mw.WORKER_REGS)
+                     W_REGS=mw.WORKER_REGS, PAGED=paged)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
@@ -382,12 +383,12 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     assert set(seen["bound"].arguments) == set(params), set(params) ^ set(seen["bound"].arguments)
     assert seen["grid"] == mc.flat_grid(NS, fmt, M, module.BLOCK_M, B)
     assert seen["bound"].arguments["BM"] == module.BLOCK_M and seen["options"]["num_warps"] == 4
-    if which == "regs":  # the paged launch: pools from their first row (batch strides 0), the page table's stride
-        assert not seen["bound"].arguments["PAGED"]
-        table = torch.zeros(B, 7, dtype=torch.int32)
-        launcher(torch.zeros(B, M, 512, dtype=torch.bfloat16), torch.zeros(B, M, 64, dtype=torch.bfloat16), cp, rp,
-                 fmt, *copies, torch.arange(B, dtype=torch.int32), torch.tensor([cap, 70], dtype=torch.int32),
-                 torch.zeros(B, M, NS + 3, 512), torch.zeros(B, M, NS + 3), M, 1, 8, NS, 0.1, page_table=table)
-        args = seen["bound"].arguments
-        assert args["PAGED"] and args["pt_ptr"] is table and args["s_pt"] == 7
-        assert args["s_ccb"] == args["s_csb"] == args["s_rcb"] == args["s_rsb"] == 0
+    # the paged launch: pools from their first row (batch strides 0), the page table's stride
+    assert not seen["bound"].arguments["PAGED"]
+    table = torch.zeros(B, 7, dtype=torch.int32)
+    launcher(torch.zeros(B, M, 512, dtype=torch.bfloat16), torch.zeros(B, M, 64, dtype=torch.bfloat16), cp, rp,
+             fmt, *copies, torch.arange(B, dtype=torch.int32), torch.tensor([cap, 70], dtype=torch.int32),
+             torch.zeros(B, M, NS + 3, 512), torch.zeros(B, M, NS + 3), M, 1, 8, NS, 0.1, page_table=table)
+    args = seen["bound"].arguments
+    assert args["PAGED"] and args["pt_ptr"] is table and args["s_pt"] == 7
+    assert args["s_ccb"] == args["s_csb"] == args["s_rcb"] == args["s_rsb"] == 0
