@@ -48,8 +48,10 @@ from quantmla_hf import QuantMLACache, QuantMLAConfig, StaticQuantMLACache, inst
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def v2_lite(layers, tiny=False):
-    dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=16, kv_lora_rank=512,
+def v2_lite(layers, tiny=False, heads=16):
+    """DeepSeek-V2-Lite's attention shape (`heads` heads: 16 as V2-Lite, 128 as V2/V3) with dense MLPs and random
+    weights, `layers` layers; `tiny`: a 4-head fp32 toy for CPU runs."""
+    dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=heads, kv_lora_rank=512,
                 qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)
     if tiny:
         dims = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, kv_lora_rank=64,

@@ -1,14 +1,14 @@
 """Serving benchmark: continuous batching on the paged QuantMLA cache (C4R4 vs C16R16, the BF16-latent baseline
 through the same pages) under cache pressure, and against `generate` with static batches.
 
-    python benchmarks/bench_serve.py --out DIR [--layers 27] [--tiny] [--check]
+    python benchmarks/bench_serve.py --out DIR [--layers 27] [--heads 16] [--tiny] [--check]
         [--pressure] [--pressure-requests 5] [--pressure-input 32768] [--pressure-output 1024] [--budget-gib G]
         [--budgets pressure,no-pressure] [--repeat 1]
         [--scale 64,256] [--scale-min 4096] [--scale-max 32768] [--scale-output 256] [--static-batch 8]
         [--profile] [--formats C16R16,C4R4] [--page-size 64] [--max-batch-tokens 8192] [--eager]
 
 Model: the DeepSeek-V2-Lite attention shape (`bench_generate.v2_lite`: 16 heads, d_c 512, d_R 64, dense MLPs,
-random bf16 weights, `--layers` layers); `--tiny` swaps in a 4-head toy for a CPU smoke run. Prompts are random
+random bf16 weights, `--layers` layers; `--heads 128` for V2/V3's head count); `--tiny` swaps in a 4-head toy for a CPU smoke run. Prompts are random
 token ids; generation is greedy with no end token, so every request yields exactly its output length.
 
 - `--check`: six requests of mixed lengths arriving at different steps; each request's tokens from continuous
@@ -310,6 +310,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--heads", type=int, default=16, help="attention heads (16: V2-Lite, 128: V2/V3)")
     ap.add_argument("--tiny", action="store_true", help="4-head toy model and short requests (CPU smoke run)")
     ap.add_argument("--formats", default="C16R16,C4R4")
     ap.add_argument("--page-size", type=int, default=64)
@@ -344,7 +345,7 @@ def main() -> int:
         ap.error(f"--budgets takes pressure and/or no-pressure (got {sorted(unknown)}); --repeat at least 1")
     args.scale = [int(x) for x in args.scale.split(",") if x]
     os.makedirs(args.out, exist_ok=True)
-    model = v2_lite(args.layers, tiny=args.tiny)
+    model = v2_lite(args.layers, tiny=args.tiny, heads=args.heads)
     # No end token: every request yields exactly its output length (continuous batching stops on none either), and
     # generate does not have to suppress one (min_new_tokens would change its greedy choice).
     model.generation_config.eos_token_id = None
@@ -354,11 +355,12 @@ def main() -> int:
 
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     emit(args.out, dict(bench="setup", device=gpu, torch=torch.__version__, transformers=transformers.__version__,
-                        layers=args.layers, tiny=args.tiny, argv=" ".join(sys.argv[1:])))
+                        layers=args.layers, heads=args.heads, tiny=args.tiny, argv=" ".join(sys.argv[1:])))
     ok = True
     if args.check:
         if args.check_dtype == "float32" and model.dtype != torch.float32:
-            reference = v2_lite(args.layers, tiny=args.tiny).float()  # the same weights (seeded), in fp32
+            # the same weights (seeded), in fp32
+            reference = v2_lite(args.layers, tiny=args.tiny, heads=args.heads).float()
             reference.generation_config.eos_token_id = None
             apply_quantmla(reference, qconfig("C4R4"))
             reference.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -374,7 +376,8 @@ def main() -> int:
         scale(model, args)
     if args.profile:
         profile(model, args)
-    print("check:", "outputs equal per-request generate" if ok else "MISMATCH", flush=True)
+    if args.check:
+        print("check:", "outputs equal per-request generate" if ok else "MISMATCH", flush=True)
     return 0 if ok else 1
 
 
