@@ -509,8 +509,8 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
                 Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
                 FIRST: gl.constexpr = 0):
     """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
-    until at most `INFLIGHT` (0, 1 or 2) units' `wgmma`s are in flight (`p1`, `p2`: the A operands of the last two
-    units, kept alive until theirs have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
+    until at most `INFLIGHT` (0 or 1) units' `wgmma`s are in flight (`p1`: the A operand of the last unit, kept
+    alive until its `wgmma`s have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
     tile's first unit in this warpgroup (it starts the accumulator and waits for the previous tile's value reads;
     0 here, the second warpgroup's first unit in `mla_decode_gluon_wide.py`). The keys are stored in the `_v_view`
     order.
@@ -542,14 +542,10 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
     elif INFLIGHT == 0:
         acc, a = warpgroup_mma_wait(0, deps=[acc, a])
         return acc, pend, a, p2
-    elif INFLIGHT == 1:
+    else:  # INFLIGHT == 1
         if u > 0:
             p1 = warpgroup_mma_wait(PER, deps=[p1])
         return acc, pend, a, p2
-    else:
-        if u > 1:
-            p2 = warpgroup_mma_wait(2 * PER, deps=[p2])
-        return acc, pend, a, p1
 
 
 @_jit

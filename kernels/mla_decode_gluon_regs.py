@@ -68,7 +68,7 @@ def mla_decode_gluon_regs_kernel(
     """One program per split, block of BM rows and batch row (`_program_coords`; the last `ND` splits attend one
     copied tile each); one warpgroup. `WC_L`, `WR_L`: the content and RoPE word layouts (`words_layout`), `WP_L`:
     two consecutive content units' words loaded together, `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`:
-    score units whose `wgmma`s may be in flight while the next is unpacked (0, 1 or 2). The packed loop loads from
+    score units whose `wgmma`s may be in flight while the next is unpacked (0 or 1). The packed loop loads from
     one row pointer per token with int32 rows relative to the split (`_row_ptrs`, `_load_meta_rows`).
 
     `PAGED`: batch row b is request b of a decode step of the paged cache (one query token, `Tq = 1`): its length
