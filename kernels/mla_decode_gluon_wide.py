@@ -1,6 +1,8 @@
 """Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads): the register-operand kernel over two
 warpgroups, 32 rows per program. Same function, splits, copy programs and partials as `mla_decode_gluon_regs.py`;
-launched by `mla_decode.mla_decode_static` (backend "gluon_wide"); shared pieces in `mla_decode_gluon_common.py`.
+launched by `mla_decode.mla_decode_static` (backend "gluon_wide") and, for decode steps of the paged cache, by
+`mla_decode_paged.mla_decode_paged` (the `PAGED` launch, as the register kernel's); shared pieces in
+`mla_decode_gluon_common.py`.
 
 Why: the one-warpgroup kernel holds 16 rows (its 8 value accumulators take 64 of its 255 registers), so at 128 heads
 every token is unpacked 8 times; here a program is two warpgroups (`gl.warp_specialize`: the leader and one 4-warp
