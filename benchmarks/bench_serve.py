@@ -8,8 +8,9 @@ through the same pages) under cache pressure, and against `generate` with static
         [--profile] [--formats C16R16,C4R4] [--page-size 64] [--max-batch-tokens 8192] [--eager]
 
 Model: the DeepSeek-V2-Lite attention shape (`bench_generate.v2_lite`: 16 heads, d_c 512, d_R 64, dense MLPs,
-random bf16 weights, `--layers` layers; `--heads 128` for V2/V3's head count); `--tiny` swaps in a 4-head toy for a CPU smoke run. Prompts are random
-token ids; generation is greedy with no end token, so every request yields exactly its output length.
+random bf16 weights, `--layers` layers; `--heads 128` for V2/V3's head count); `--tiny` swaps in a 4-head toy for
+a CPU smoke run. Prompts are random token ids; generation is greedy with no end token, so every request yields
+exactly its output length.
 
 - `--check`: six requests of mixed lengths arriving at different steps; each request's tokens from continuous
   batching must equal `generate` on it alone with the contiguous `QuantMLACache` of the same format. It runs on an

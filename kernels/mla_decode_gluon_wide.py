@@ -59,7 +59,7 @@ if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_
 
 # --------------------------------------------------------------------------------------------- one half tile
 @_jit
-def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo, hi,
+def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo, end,
                         U0: gl.constexpr, ROPE: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
                         Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
                         wc_l: gl.constexpr, wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr,
@@ -67,20 +67,20 @@ def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, 
     """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (words `ca`: units U0, U0 + 1, `cb`: U0 +
     2, U0 + 3, as `_unit_pair` takes them; fp16x2 metadata `zz, ss, zh`) and, with `ROPE`, the RoPE unit (`cr`, `zzr,
     ssr, zhr`) of one packed tile; the content keys stored to `kbuf[U0 .. U0 + 3]`; the words replaced by those of the
-    tile at `tn` (`_load_unit`; `ROWS`: `p_cc`, `p_rc` are its row pointers and `hi` the last position read).
-    Returns `(acc, ca, cb, cr)`."""
+    tile at `tn` (`_load_unit`: masked to `[lo, end)`, or with `ROWS` from the row pointers `p_cc`, `p_rc` up to
+    position `end`). Returns `(acc, ca, cb, cr)`."""
     RWR: gl.constexpr = 2 * R_BITS
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     pend = acc
     p1 = acc
     p2 = acc
-    acc, pend, p1, p2, ca = _unit_pair(ca, U0, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, hi, ROWS)
-    acc, pend, p1, p2, cb = _unit_pair(cb, U0 + 2, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
-                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, hi, ROWS)
+    acc, pend, p1, p2, ca = _unit_pair(ca, U0, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end,
+                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, end, ROWS)
+    acc, pend, p1, p2, cb = _unit_pair(cb, U0 + 2, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo,
+                                       end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, end, ROWS)
     if ROPE:
         x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
-        cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
+        cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
         acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
                                         INFLIGHT, dot_a, U0)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
@@ -259,7 +259,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
 
     # ROWS (paged launches and 2-bit content): the register kernel's loads, int32 positions relative to the split's
     # first tile and one row pointer per token; else int64 positions and masked loads (faster for contiguous C4R4,
-    # docs/KERNELS.md). Positions `[lo, hi)` are valid; `last` is the last one read.
+    # docs/KERNELS.md). Positions `[lo, hi)` are valid; the word loads end at `last` (the last position read with
+    # ROWS, `hi` for the masked loads).
     ROWS: gl.constexpr = PAGED or C_BITS == 2
     if ROWS:
         lo = (lo_valid - base).to(gl.int32)

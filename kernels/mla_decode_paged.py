@@ -245,8 +245,8 @@ def mla_decode_paged(
                              f"tokens of {n} requests in pages of {page_size} on {q_lat.device}: use "
                              "backend='triton'")
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-        return _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content, recent_rope,
-                             page_table, rows, seq_lens, scaling, longest, num_splits)
+        return _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content,
+                             recent_rope, page_table, rows, seq_lens, scaling, longest, num_splits)
     if token_request is None:
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
