@@ -432,7 +432,7 @@ def paged_fn(args, page_size=64, num_splits=None, backend=None):
 
 
 PAGED_CHECK_CASES = [("C4R4", 16, 5, 32768), ("C2R4", 16, 4, 9000), ("C8R8", 16, 3, 9000), ("C4R4", 128, 3, 20000),
-                     ("C2R4", 128, 4, 9000), ("C4R4", 16, 6, 400)]  # (format, heads, requests, longest length)
+                     ("C2R4", 128, 4, 9000), ("C4R4", 16, 6, 400), ("C16R16", 16, 3, 9000)]  # (format, heads, requests, longest length)
 
 
 def check_paged(out_lines, cases=None, page_size=64):

@@ -1,9 +1,9 @@
 """Launch sweeps behind the decode kernels' launch choices, against an older tree's kernels in the same process.
 
     mkdir -p baseline && git archive 5b83181 kernels | tar -x -C baseline
-    python benchmarks/sweep_decode_launch.py portable16 --baseline-path baseline
-        the portable kernel on C16R16 (16 heads B32/B8 32K, 128 heads B32 32K) over token tiles {32, 64}, warps
-        {4, 8} and pipeline stages {2, 3} (and 4 at 16 heads B32), each against the baseline's dispatch
+    python benchmarks/sweep_decode_launch.py portable --baseline-path baseline [--formats C16R16] [--points H:B:N,..]
+        the portable kernel (default: C16R16 at 16 heads B32/B8 32K and B1 4K, 128 heads B32 32K) over token tiles
+        {32, 64}, warps {4, 8} and pipeline stages {1, 2, 3}, each against the baseline's and this tree's dispatch
     python benchmarks/sweep_decode_launch.py splits --baseline-path baseline [--formats C4R4,C2R4,C8R8]
         the formats (default C4R4 and C2R4) at 16 heads, B1 4K through `gluon_regs` and `triton` with 2-64 split
         targets
@@ -14,10 +14,10 @@
     python benchmarks/sweep_decode_launch.py portable-splits
         the same split targets and points for the contiguous portable kernel (`backend="triton"`)
 
-Each time of `portable16` and `splits` is the best of 3 `do_bench` medians of a CUDA-graph replay
+Each time of `portable` and `splits` is the best of 3 `do_bench` medians of a CUDA-graph replay
 (`bench_decode.graphed`), of `paged` and `portable-splits` the median of 5 rounds taken in turns; a launch the GPU cannot run (shared
 memory) is reported and skipped. The launch parameters are swapped in the kernel module for the
-sweep (`BLOCK_T`, `num_warps`, `pipeline_stages`) and restored after.
+sweep (`launch_shape`) and restored after.
 """
 
 from __future__ import annotations
@@ -47,31 +47,33 @@ def point_args(fmt_name, H, B, N):
     return (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, bd.SCALING)
 
 
-def sweep_portable16(baseline) -> None:
-    saved = (portable.BLOCK_T, portable.num_warps, portable.pipeline_stages)
+PORTABLE_POINTS = [(16, 32, 32768), (128, 32, 32768), (16, 8, 32768), (16, 1, 4096)]
+
+
+def sweep_portable(baseline, formats, points) -> None:
+    saved = portable.launch_shape
     try:
-        for H, B, N in [(16, 32, 32768), (128, 32, 32768), (16, 8, 32768)]:
-            args = point_args("C16R16", H, B, N)
+        for name, (H, B, N) in itertools.product(formats, points):
+            args = point_args(name, H, B, N)
             old = best_ms(baseline(N), args)
-            stages = (2, 3, 4) if (H, B) == (16, 32) else (2, 3)
+            default = best_ms(bd.decode_fn("default", N), args)
+            print(f"{name} H={H} B={B} N={N}: baseline {old:.4f} ms, default dispatch {default:.4f}", flush=True)
             rows = []
-            for bt, warps, st in itertools.product((32, 64), (4, 8), stages):
-                portable.BLOCK_T = bt
-                portable.num_warps = lambda fmt, M, w=warps: w
-                portable.pipeline_stages = lambda fmt, M, s=st: s
+            for bt, warps, st in itertools.product((32, 64), (4, 8), (1, 2, 3)):
+                portable.launch_shape = lambda fmt, M, shape=(bt, warps, st): shape
                 try:
                     t = best_ms(bd.decode_fn("triton", N), args)
                 except Exception as err:  # noqa: BLE001 - a launch the GPU refuses is reported, not fatal
-                    print(f"C16R16 H={H} B={B} tile={bt} warps={warps} stages={st}: {type(err).__name__}", flush=True)
+                    print(f"{name} H={H} B={B} tile={bt} warps={warps} stages={st}: {type(err).__name__}", flush=True)
                     continue
                 rows.append((t, bt, warps, st))
-                print(f"C16R16 H={H} B={B} N={N} tile={bt} warps={warps} stages={st}: {t:.4f} ms ({t / old:.3f}x "
+                print(f"{name} H={H} B={B} N={N} tile={bt} warps={warps} stages={st}: {t:.4f} ms ({t / old:.3f}x "
                       f"baseline {old:.4f})", flush=True)
             t, bt, warps, st = min(rows)
-            print(f"best C16R16 H={H} B={B} N={N}: {t:.4f} ms (tile {bt}, {warps} warps, {st} stages), baseline "
-                  f"{old:.4f}", flush=True)
+            print(f"best {name} H={H} B={B} N={N}: {t:.4f} ms (tile {bt}, {warps} warps, {st} stages), baseline "
+                  f"{old:.4f}, default dispatch {default:.4f}", flush=True)
     finally:
-        portable.BLOCK_T, portable.num_warps, portable.pipeline_stages = saved
+        portable.launch_shape = saved
 
 
 def sweep_splits(baseline, formats=("C4R4", "C2R4")) -> None:
@@ -117,18 +119,21 @@ def sweep_split_rule(layout: str, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", choices=("portable16", "splits", "paged", "portable-splits"))
+    ap.add_argument("sweep", choices=("portable", "splits", "paged", "portable-splits"))
     ap.add_argument("--baseline-path", default="", help="root of an older tree's kernels (git archive REV kernels); "
-                    "portable16 and splits compare against it")
-    ap.add_argument("--formats", default="C4R4,C2R4", help="splits: the formats swept")
+                    "portable and splits compare against it")
+    ap.add_argument("--formats", default="", help="the formats swept (portable: C16R16, splits: C4R4,C2R4)")
+    ap.add_argument("--points", default="", help="portable: H:B:N,... (default PORTABLE_POINTS)")
     a = ap.parse_args()
     if bd.DEVICE != "cuda":
         raise SystemExit("the launch sweeps time CUDA kernels: run them on a GPU")
-    if a.sweep in ("portable16", "splits") and not a.baseline_path:
+    if a.sweep in ("portable", "splits") and not a.baseline_path:
         raise SystemExit(f"the {a.sweep} sweep compares against an older tree: give --baseline-path DIR")
     baseline = bd.load_baseline(a.baseline_path) if a.baseline_path else None
-    sweeps = {"portable16": sweep_portable16,
-              "splits": lambda base: sweep_splits(base, [f for f in a.formats.split(",") if f]),
+    points = [tuple(int(x) for x in p.split(":")) for p in a.points.split(",") if p]
+    sweeps = {"portable": lambda base: sweep_portable(base, [f for f in (a.formats or "C16R16").split(",") if f],
+                                                      points or PORTABLE_POINTS),
+              "splits": lambda base: sweep_splits(base, [f for f in (a.formats or "C4R4,C2R4").split(",") if f]),
               "paged": lambda _: sweep_split_rule("paged"), "portable-splits": lambda _: sweep_split_rule("portable")}
     sweeps[a.sweep](baseline)
 

@@ -96,7 +96,7 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
     block_t))` splits hold positions, so `grid_splits`, that bound at the capacity, covers every length the
     planes can hold; splits past the data write empty partials that the combine skips."""
     if backend == "triton":
-        first, block_t, min_tiles = fmt.sink_tokens, portable.BLOCK_T, 2
+        first, block_t, min_tiles = fmt.sink_tokens, portable.launch_shape(fmt, 0)[0], 2
         target = portable.split_target(B * head_blocks, sms)
     else:
         first, block_t, min_tiles = 0, GLUON_BLOCK_T, min_split_tiles(fmt)

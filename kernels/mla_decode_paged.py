@@ -32,15 +32,14 @@ from .mla_decode_combine import combine
 from .mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
 from .mla_decode_gluon_common import copy_programs, planes_contiguous
 from .mla_decode_triton import (
-    BLOCK_T,
     _empty_state,
     _stage_queries,
     _store_partial,
     _tile,
     block_rows,
-    num_warps,
+    native_operands,
     path_tiling,
-    pipeline_stages,
+    launch_shape,
     split_target,
     triton_handles,
 )
@@ -56,7 +55,7 @@ def mla_decode_paged_kernel(
     s_ct, s_cmt, s_rt, s_rmt, s_snc, s_snr, s_rcc, s_rcr,
     D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
     D_R: tl.constexpr, R_BITS: tl.constexpr, S: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """Partials `o: [Nq, H, num_splits + 1, D_C]`, `lse: [Nq, H, num_splits + 1]` (natural log, -inf when empty).
     Copies are `[rows, S or R, d]` with row strides `s_snc` .. `s_rcr` and contiguous rows of `d`."""
@@ -74,7 +73,7 @@ def mla_decode_paged_kernel(
     o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)  # heads
     m_m = o_m < H
     fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl = _stage_queries(
-        q_ptr + tok * H * D_C, qr_ptr + tok * H * D_R, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, EXACT)
+        q_ptr + tok * H * D_C, qr_ptr + tok * H * D_R, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, NATIVE)
     m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C)
     is_copies = i_s == num_splits
 
@@ -95,7 +94,7 @@ def mla_decode_paged_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, slot, m_t, m_m[:, None] & m_t[None, :],
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, EXACT)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, NATIVE)
 
     # The last split: the sink copies (slot j = position j) and the recent ring (positions [length - R, length)
     # past the sink, slot p % R), causal per token.
@@ -108,7 +107,7 @@ def mla_decode_paged_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, D_C, D_C, D_R, D_R, o_j, m_t, m_m[:, None] & m_t[None, :],
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
     r_lo = tl.maximum(length - R, 0)
     r_hi = tl.where(is_copies, length, r_lo)
     p_rcc = rcc_ptr + row * s_rcc
@@ -120,7 +119,7 @@ def mla_decode_paged_kernel(
             p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, D_C, D_C, D_R, D_R, o_p % tl.maximum(R, 1), m_t,
             m_m[:, None] & m_t[None, :],
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
 
     o_row = (tok * H + o_m) * (num_splits + 1) + i_s
     _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
@@ -202,7 +201,7 @@ def mla_decode_paged(
 
     `token_request` (int32 `[Nq]`, each query token's request) is derived from `cu_seqlens_q` when not given (the
     paged cache's `PagedStep.token_request` is that tensor). `num_splits` overrides the split target (default:
-    the kernel's rule); `block_t` the Triton kernel's token tile (default `mla_decode_triton.BLOCK_T`);
+    the kernel's rule); `block_t` the Triton kernel's token tile (default `mla_decode_triton.launch_shape`'s);
     `max_seq_len` (the longest `seq_lens`) saves reading it back from the device and fixes the grid (a captured
     step passes its page-table width). `backend`: one of `PAGED_BACKENDS`, default `select_paged_backend` (every
     request is taken to have at least one query token, so `Nq == n` means one each).
@@ -226,7 +225,7 @@ def mla_decode_paged(
         copy_dtype = sink_content.dtype
     else:
         copy_dtype = q_lat.dtype if fmt.content.quantized else content["values"].dtype
-    exact = copy_dtype == torch.float32
+    native = native_operands(fmt, q_lat.dtype, q_rot.dtype, copy_dtype)
     if not triton_handles(fmt, copy_dtype):
         raise ValueError(f"the paged Triton kernel does not take {fmt.name} (power-of-two widths, at most 8 content "
                          "groups and one RoPE group): use mla_decode_paged_ref")
@@ -251,7 +250,8 @@ def mla_decode_paged(
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
     S, R = sink_content.shape[1], recent_content.shape[1]
-    bt = block_t or BLOCK_T
+    tile, warps, stages = launch_shape(fmt, H)
+    bt = block_t or tile
     GC, GROUP_C = path_tiling(fmt.content, 8)
     block_m = block_rows(H)
     head_blocks = triton.cdiv(H, block_m)
@@ -277,7 +277,7 @@ def mla_decode_paged(
         rcr.stride(0),
         D_C=d_c, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=fmt.rope.dim, R_BITS=fmt.rope.bits,
         S=S, R=R, PAGE=page_size, BLOCK_M=block_m, BLOCK_T=bt,
-        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=exact,
-        num_warps=num_warps(fmt, H), num_stages=pipeline_stages(fmt, H),
+        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, NATIVE=native,
+        num_warps=warps, num_stages=stages,
     )
     return combine(o_part, lse_part, 1, None, sms)

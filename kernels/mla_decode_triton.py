@@ -18,9 +18,10 @@ Arithmetic:
 * A packed group is read as bytes and unpacked into the exact fp16 integers `code - z` (fp16 "magic number":
   `code | 0x6400` is `1024 + code`, no int-to-float conversion); scores `s += (q_g . (code - z)_g) * scale_g`, values
   `acc_g = acc_g * alpha + p @ fp16((code - z) * s)` (one rounding), eight `[BM, group]` accumulators.
-* A 16-bit path (C16R16) and the sink/recent copies go through the same tiles with unit scales, converted to fp16
-  (exact for bf16 magnitudes in [6e-5, 65504]).
-* `EXACT` (fp32 models: fp32 copies): every dot is an fp32 IEEE dot on fp32 operands, no query scaling.
+* The sink/recent copies of a packed format go through the same tiles with unit scales, converted to fp16 (exact
+  for bf16 magnitudes in [6e-5, 65504]).
+* `NATIVE` (both paths 16-bit, or fp32 models): every operand stays in the model dtype, no query scaling and no
+  conversion: bf16/fp16 tensor-core dots (probabilities rounded to the model dtype), fp32 IEEE dots for fp32.
 
 One program per (split, head block, batch row): splits `0 .. NS-1` take `tokens_per_split` packed positions each
 from `S`, sized in the kernel from the device-side `length` (`mla_decode.split_plan`: the same boundaries whatever
@@ -56,19 +57,16 @@ def _magic_codes(b_byte, BITS: tl.constexpr):
 
 @triton.jit
 def _group_tile(p0, p1, p2, s_t, s_mt, o_t, m_t, g: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-                EXACT: tl.constexpr):
-    """Group `g` of tokens `o_t: [BT]` of one path (row-offset pointers): keys `[BT, GROUP]` (fp16; fp32 when
-    EXACT) and scales `[BT]` fp32. Packed (`BITS` < 16): `p0, p1, p2` = codes, scale, zero planes; the keys are the
+                NATIVE: tl.constexpr):
+    """Group `g` of tokens `o_t: [BT]` of one path (row-offset pointers): keys `[BT, GROUP]` (fp16; the model
+    dtype when NATIVE, fp32 for packed codes) and scales `[BT]` fp32. Packed (`BITS` < 16): `p0, p1, p2` = codes, scale, zero planes; the keys are the
     exact integers `code - z` (fp16 magic number: `(code | 0x6400) - (1024 + z)`, no int-to-float conversion).
     Model-dtype values (`BITS` == 16: a 16-bit path or the sink/recent copies): `p0` holds them, with unit scales.
     Masked tokens give zero scales (and zero keys for values)."""
     if BITS == 16:
         o_k = tl.arange(0, GROUP)
         b_v = tl.load(p0 + (o_t * s_t)[:, None] + g * GROUP + o_k[None, :], mask=m_t[:, None], other=0.0)
-        if EXACT:
-            b_k = b_v.to(tl.float32)
-        else:
-            b_k = b_v.to(tl.float16)
+        b_k = b_v if NATIVE else b_v.to(tl.float16)
         b_s = tl.where(m_t, 1.0, 0.0)
     else:
         NB: tl.constexpr = GROUP * BITS // 8
@@ -79,50 +77,50 @@ def _group_tile(p0, p1, p2, s_t, s_mt, o_t, m_t, g: tl.constexpr, GROUP: tl.cons
         b_z = tl.load(p2 + o_t * s_mt + g, mask=m_t, other=0).to(tl.int32)
         z = (b_z + (1024 + HALF)).to(tl.float16)  # 1024 + z, exact
         b_k = _magic_codes(b_byte, BITS) - z[:, None]
-        if EXACT:
+        if NATIVE:
             b_k = b_k.to(tl.float32)
     return b_k, b_s
 
 
 @triton.jit
 def _load_query_group(p_q, o_m, m_m, inv_f, g: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                      NG: tl.constexpr, EXACT: tl.constexpr):
+                      NG: tl.constexpr, NATIVE: tl.constexpr):
     """Columns of group `g` of rows `o_m` times the per-row power of two `inv_f`: `(hi, lo)` fp16 `[BM, GROUP]`
-    (`lo` the rounding error of `hi`; fp32 `(q, q)` when EXACT); zeros for a group past the path's `NG` groups
+    (`lo` the rounding error of `hi`; `(q, q)` as stored when NATIVE); zeros for a group past the path's `NG` groups
     (never used)."""
     o_k = tl.arange(0, GROUP)
     m = m_m[:, None] & (g < NG)
-    q = tl.load(p_q + o_m[:, None] * D + g * GROUP + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-    if EXACT:
+    q = tl.load(p_q + o_m[:, None] * D + g * GROUP + o_k[None, :], mask=m, other=0.0)
+    if NATIVE:
         q_hi = q
         q_lo = q
     else:
-        q = q * inv_f[:, None]
+        q = q.to(tl.float32) * inv_f[:, None]
         q_hi = q.to(tl.float16)
         q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
     return q_hi, q_lo
 
 
 @triton.jit
-def _row_scale(p_q, o_m, m_m, D: tl.constexpr, EXACT: tl.constexpr):
+def _row_scale(p_q, o_m, m_m, D: tl.constexpr, NATIVE: tl.constexpr):
     """Per-row power of two `f = 2**e` (`[BM]`) that keeps `|q| / f` below 2**14 (fp16 query operands neither
-    overflow nor lose bf16 bits); returns `(f, 1 / f)` (ones when EXACT)."""
+    overflow nor lose bf16 bits); returns `(f, 1 / f)` (ones when NATIVE)."""
     o_k = tl.arange(0, D)
     q = tl.load(p_q + o_m[:, None] * D + o_k[None, :], mask=m_m[:, None], other=0.0)
     amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
     e = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0) / 16384.0)), 0.0)
-    if EXACT:
+    if NATIVE:
         e = tl.zeros_like(amax)
     return tl.exp2(e), tl.exp2(-e)
 
 
 @triton.jit
-def _qk(q_hi, q_lo, b_k, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr):
-    """`[BM, GROUP] x [BT, GROUP]^T -> [BM, BT]` fp32: fp16 operands (plus the low query part when Q_SPLIT), or an
-    fp32 IEEE dot when EXACT."""
+def _qk(q_hi, q_lo, b_k, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr):
+    """`[BM, GROUP] x [BT, GROUP]^T -> [BM, BT]` fp32: fp16 operands (plus the low query part when Q_SPLIT), or
+    the keys' dtype when NATIVE (an IEEE dot for fp32)."""
     k_t = tl.trans(b_k)
-    if EXACT:
-        d = tl.dot(q_hi, k_t, input_precision="ieee")
+    if NATIVE:
+        d = tl.dot(q_hi.to(b_k.dtype), k_t, input_precision="ieee")
     else:
         d = tl.dot(q_hi, k_t)
         if Q_SPLIT:
@@ -131,10 +129,13 @@ def _qk(q_hi, q_lo, b_k, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _pv(acc, alpha, b_p, b_k, b_s, EXACT: tl.constexpr):
-    """`acc * alpha + p @ (k * s)`: values `fp16(k * s)` (one rounding) with fp16 `p`, or fp32 IEEE when EXACT."""
-    if EXACT:
+def _pv(acc, alpha, b_p, b_k, b_s, NATIVE: tl.constexpr):
+    """`acc * alpha + p @ (k * s)`: values `fp16(k * s)` (one rounding) with fp16 `p`; when NATIVE `p @ k` in the
+    keys' dtype (16-bit values carry unit scales; fp32 an IEEE dot with the scales)."""
+    if NATIVE and b_k.dtype == tl.float32:
         pv = tl.dot(b_p, b_k * b_s[:, None], input_precision="ieee")
+    elif NATIVE:
+        pv = tl.dot(b_p.to(b_k.dtype), b_k)
     else:
         pv = tl.dot(b_p.to(tl.float16), b_k * b_s.to(tl.float16)[:, None])
     return acc * alpha[:, None] + pv
@@ -145,32 +146,32 @@ def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, f
           qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
           m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
           GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
-          R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr):
+          R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr):
     """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (keys as exact
     integers), an online-softmax step in base 2, and per group `a_g = a_g * alpha + p @ fp16(k_g * s_g)` (the
     group re-read and re-unpacked, scaled: one fp16 rounding). Queries `qh*/ql*: [BM, GROUP_C]` (content) and
     `qrh/qrl: [BM, GROUP_R]`, accumulators `a*: [BM, GROUP_C]` fp32, `m_valid: [BM, BT]`."""
-    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, EXACT)
-    sc = _qk(qh0, ql0, k, Q_SPLIT, EXACT) * s[None, :]
+    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, NATIVE)
+    sc = _qk(qh0, ql0, k, Q_SPLIT, NATIVE) * s[None, :]
     if GC > 1:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, EXACT)
-        sc += _qk(qh1, ql1, k, Q_SPLIT, EXACT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, NATIVE)
+        sc += _qk(qh1, ql1, k, Q_SPLIT, NATIVE) * s[None, :]
     if GC > 2:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, EXACT)
-        sc += _qk(qh2, ql2, k, Q_SPLIT, EXACT) * s[None, :]
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, EXACT)
-        sc += _qk(qh3, ql3, k, Q_SPLIT, EXACT) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, NATIVE)
+        sc += _qk(qh2, ql2, k, Q_SPLIT, NATIVE) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, NATIVE)
+        sc += _qk(qh3, ql3, k, Q_SPLIT, NATIVE) * s[None, :]
     if GC > 4:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, EXACT)
-        sc += _qk(qh4, ql4, k, Q_SPLIT, EXACT) * s[None, :]
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, EXACT)
-        sc += _qk(qh5, ql5, k, Q_SPLIT, EXACT) * s[None, :]
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, EXACT)
-        sc += _qk(qh6, ql6, k, Q_SPLIT, EXACT) * s[None, :]
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, EXACT)
-        sc += _qk(qh7, ql7, k, Q_SPLIT, EXACT) * s[None, :]
-    k, s = _group_tile(r0, r1, r2, s_rt, s_rmt, o_t, m_t, 0, GROUP_R, R_BITS, EXACT)
-    b_s = sc * fc[:, None] + _qk(qrh, qrl, k, Q_SPLIT, EXACT) * (s[None, :] * fr[:, None])
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, NATIVE)
+        sc += _qk(qh4, ql4, k, Q_SPLIT, NATIVE) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, NATIVE)
+        sc += _qk(qh5, ql5, k, Q_SPLIT, NATIVE) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, NATIVE)
+        sc += _qk(qh6, ql6, k, Q_SPLIT, NATIVE) * s[None, :]
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, NATIVE)
+        sc += _qk(qh7, ql7, k, Q_SPLIT, NATIVE) * s[None, :]
+    k, s = _group_tile(r0, r1, r2, s_rt, s_rmt, o_t, m_t, 0, GROUP_R, R_BITS, NATIVE)
+    b_s = sc * fc[:, None] + _qk(qrh, qrl, k, Q_SPLIT, NATIVE) * (s[None, :] * fr[:, None])
 
     b_s = tl.where(m_valid, b_s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
@@ -180,25 +181,25 @@ def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, f
     l_i = l_i * alpha + tl.sum(b_p, axis=1)
 
     # Values: the group tiles again (an L1 hit), scaled per token: fp16((code - z) * s).
-    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, EXACT)
-    a0 = _pv(a0, alpha, b_p, k, s, EXACT)
+    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, NATIVE)
+    a0 = _pv(a0, alpha, b_p, k, s, NATIVE)
     if GC > 1:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, EXACT)
-        a1 = _pv(a1, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, NATIVE)
+        a1 = _pv(a1, alpha, b_p, k, s, NATIVE)
     if GC > 2:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, EXACT)
-        a2 = _pv(a2, alpha, b_p, k, s, EXACT)
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, EXACT)
-        a3 = _pv(a3, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, NATIVE)
+        a2 = _pv(a2, alpha, b_p, k, s, NATIVE)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, NATIVE)
+        a3 = _pv(a3, alpha, b_p, k, s, NATIVE)
     if GC > 4:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, EXACT)
-        a4 = _pv(a4, alpha, b_p, k, s, EXACT)
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, EXACT)
-        a5 = _pv(a5, alpha, b_p, k, s, EXACT)
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, EXACT)
-        a6 = _pv(a6, alpha, b_p, k, s, EXACT)
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, EXACT)
-        a7 = _pv(a7, alpha, b_p, k, s, EXACT)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, NATIVE)
+        a4 = _pv(a4, alpha, b_p, k, s, NATIVE)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, NATIVE)
+        a5 = _pv(a5, alpha, b_p, k, s, NATIVE)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, NATIVE)
+        a6 = _pv(a6, alpha, b_p, k, s, NATIVE)
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, NATIVE)
+        a7 = _pv(a7, alpha, b_p, k, s, NATIVE)
     return m_new, l_i, a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -212,21 +213,21 @@ def _store_group(o_ptr, o_row, m_m, acc, inv_l, g: tl.constexpr, GROUP: tl.const
 
 @triton.jit
 def _stage_queries(p_q, p_qr, o_m, m_m, qk_scale, D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr,
-                   D_R: tl.constexpr, EXACT: tl.constexpr):
+                   D_R: tl.constexpr, NATIVE: tl.constexpr):
     """Rows `o_m` of the queries `p_q: [., D_C]`, `p_qr: [., D_R]`, staged once per program: the score factors
     `fc, fr` (per-row powers of two times `qk_scale` = scaling * log2(e)) and the fp16 high/low parts of each
     content group and of the RoPE group (`_load_query_group`)."""
-    fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, EXACT)
-    fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, EXACT)
-    qh0, ql0 = _load_query_group(p_q, o_m, m_m, inv_fc, 0, GROUP_C, D_C, GC, EXACT)
-    qh1, ql1 = _load_query_group(p_q, o_m, m_m, inv_fc, 1, GROUP_C, D_C, GC, EXACT)
-    qh2, ql2 = _load_query_group(p_q, o_m, m_m, inv_fc, 2, GROUP_C, D_C, GC, EXACT)
-    qh3, ql3 = _load_query_group(p_q, o_m, m_m, inv_fc, 3, GROUP_C, D_C, GC, EXACT)
-    qh4, ql4 = _load_query_group(p_q, o_m, m_m, inv_fc, 4, GROUP_C, D_C, GC, EXACT)
-    qh5, ql5 = _load_query_group(p_q, o_m, m_m, inv_fc, 5, GROUP_C, D_C, GC, EXACT)
-    qh6, ql6 = _load_query_group(p_q, o_m, m_m, inv_fc, 6, GROUP_C, D_C, GC, EXACT)
-    qh7, ql7 = _load_query_group(p_q, o_m, m_m, inv_fc, 7, GROUP_C, D_C, GC, EXACT)
-    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, 1, EXACT)
+    fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, NATIVE)
+    fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, NATIVE)
+    qh0, ql0 = _load_query_group(p_q, o_m, m_m, inv_fc, 0, GROUP_C, D_C, GC, NATIVE)
+    qh1, ql1 = _load_query_group(p_q, o_m, m_m, inv_fc, 1, GROUP_C, D_C, GC, NATIVE)
+    qh2, ql2 = _load_query_group(p_q, o_m, m_m, inv_fc, 2, GROUP_C, D_C, GC, NATIVE)
+    qh3, ql3 = _load_query_group(p_q, o_m, m_m, inv_fc, 3, GROUP_C, D_C, GC, NATIVE)
+    qh4, ql4 = _load_query_group(p_q, o_m, m_m, inv_fc, 4, GROUP_C, D_C, GC, NATIVE)
+    qh5, ql5 = _load_query_group(p_q, o_m, m_m, inv_fc, 5, GROUP_C, D_C, GC, NATIVE)
+    qh6, ql6 = _load_query_group(p_q, o_m, m_m, inv_fc, 6, GROUP_C, D_C, GC, NATIVE)
+    qh7, ql7 = _load_query_group(p_q, o_m, m_m, inv_fc, 7, GROUP_C, D_C, GC, NATIVE)
+    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, 1, NATIVE)
     return (fc * qk_scale, fr * qk_scale, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6,
             qh7, ql7, qrh, qrl)
 
@@ -272,7 +273,7 @@ def mla_decode_triton_kernel(
     D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
     D_R: tl.constexpr, R_BITS: tl.constexpr,
     S: tl.constexpr, R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """One program per (split, head block, batch row): splits `0 .. num_splits-1` take `tokens_per_split` packed
     positions each from `S`, where `tokens_per_split = max(2 * BLOCK_T, round_up(cdiv(length - S - R,
@@ -291,7 +292,7 @@ def mla_decode_triton_kernel(
 
     # Queries, once per program: per-row powers of two, then fp16 high/low parts per group.
     fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl = _stage_queries(
-        q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, EXACT)
+        q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, NATIVE)
     m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C)
     is_dense = i_s == num_splits
 
@@ -316,7 +317,7 @@ def mla_decode_triton_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             p_cc, p_cs, p_cz, p_rc, p_rs, p_rz, s_cct, s_cst, s_rct, s_rst, o_t, m_t, m_m[:, None] & m_t[None, :],
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, EXACT)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, NATIVE)
 
     # The last split takes the model-dtype copies: the sink (slot j = position lp + j) and the recent ring
     # (positions [length - R, length) past the sink, slot p % R), causal per query row.
@@ -331,7 +332,7 @@ def mla_decode_triton_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, s_snct, s_snct, s_snrt, s_snrt, o_j, m_t, m_valid,
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
     r_lo = tl.maximum(length - R, 0)
     r_hi = tl.where(is_dense, length, r_lo)
     p_rcc = rcc_ptr + i_b * s_rccb
@@ -343,7 +344,7 @@ def mla_decode_triton_kernel(
         m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
             p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, s_rcct, s_rcct, s_rcrt, s_rcrt, o_t % R, m_t, m_valid,
             fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, EXACT)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
 
     o_row = (i_b * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (b, m, split)
     _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
@@ -376,20 +377,21 @@ def triton_handles(fmt: CacheFormat, copy_dtype: torch.dtype) -> bool:
             and copy_dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-BLOCK_T = 32  # tokens per tile
+def native_operands(fmt: CacheFormat, q_dtype: torch.dtype, qr_dtype: torch.dtype, copy_dtype: torch.dtype) -> bool:
+    """Whether a launch keeps every operand in the model dtype (`NATIVE`): fp32 copies, or both paths 16-bit with
+    queries in the copies' dtype."""
+    both16 = not fmt.content.quantized and not fmt.rope.quantized
+    return copy_dtype == torch.float32 or (both16 and q_dtype == qr_dtype == copy_dtype)
 
 
-def pipeline_stages(fmt: CacheFormat, M: int) -> int:
-    """Software-pipeline stages of the token loop: up to 32 rows 1 for packed content, 3 for 16-bit content; above
-    32 rows 2 (the fastest measured on the H200: docs/KERNELS.md "The portable Triton kernel")."""
-    if M > 32:
-        return 2
-    return 1 if fmt.content.quantized else 3
-
-
-def num_warps(fmt: CacheFormat, M: int) -> int:
-    """Warps per program: 4 (docs/KERNELS.md "The portable Triton kernel")."""
-    return 4
+def launch_shape(fmt: CacheFormat, M: int) -> tuple[int, int, int]:
+    """`(tokens per tile, warps, pipeline stages)` of a launch over `M` rows: 16-bit content 64-token tiles, 4 warps
+    and 2 stages; packed content 32-token tiles, 4 warps, 1 stage up to 32 rows and 2 above (the fastest measured
+    on the H200: docs/KERNELS.md "The portable Triton kernel"). The tile depends on the format alone: `split_plan`
+    sizes the grid with it."""
+    if not fmt.content.quantized:
+        return 64, 4, 2
+    return 32, 4, 1 if M <= 32 else 2
 
 
 def programs_per_sm(rows: int) -> int:
@@ -423,13 +425,14 @@ def _plane3(planes: dict, path: PathFormat):
 def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
                   split_target, NS, qk_scale):
     """Launch `mla_decode_triton_kernel` on the grid `(NS + 1, cdiv(M, block_rows(M)), B)`: `q: [B, M, d_c]`,
-    `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32. Launch measured
-    on the H200 (docs/KERNELS.md): `BLOCK_T`-token tiles, `block_rows`, `num_warps`, `pipeline_stages`."""
+    `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32, in the launch
+    measured on the H200 (`block_rows`, `launch_shape`)."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
-    exact = sink_c.dtype == torch.float32
+    native = native_operands(fmt, q.dtype, qr.dtype, sink_c.dtype)
     GC, GROUP_C = path_tiling(fmt.content, 8)
     block_m = block_rows(M)
+    block_t, warps, stages = launch_shape(fmt, M)
     c0, c1, c2 = _plane3(cp, fmt.content)
     r0, r1, r2 = _plane3(rp, fmt.rope)
     mla_decode_triton_kernel[(NS + 1, triton.cdiv(M, block_m), B)](
@@ -440,7 +443,7 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
-        S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=block_m, BLOCK_T=BLOCK_T,
-        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, EXACT=exact,
-        num_warps=num_warps(fmt, M), num_stages=pipeline_stages(fmt, M),
+        S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=block_m, BLOCK_T=block_t,
+        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, NATIVE=native, num_warps=warps,
+        num_stages=stages,
     )

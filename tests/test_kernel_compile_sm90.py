@@ -32,16 +32,18 @@ SCRIPT = textwrap.dedent(
         fmt = CacheFormat(PathFormat(512, bits, 64), PathFormat(64, bits, 64), 4, 128)
         gc, group = mod.path_tiling(fmt.content, 8)
         const = dict(D_C=512, GC=gc, GROUP_C=group, C_BITS=bits, D_R=64, R_BITS=bits, S=4, R=128,
-                     BLOCK_M=mod.block_rows(rows), BLOCK_T=mod.BLOCK_T, Q_SPLIT=exact, EXACT=exact, **extra_const)
+                     BLOCK_M=mod.block_rows(rows), BLOCK_T=mod.launch_shape(fmt, rows)[0], Q_SPLIT=exact, NATIVE=exact or bits == 16,
+                     **extra_const)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-        options = dict(num_warps=mod.num_warps(fmt, rows), num_stages=mod.pipeline_stages(fmt, rows))
+        _, warps, stages = mod.launch_shape(fmt, rows)
+        options = dict(num_warps=warps, num_stages=stages)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         assert ".target sm_90" in kernel.asm["ptx"]
         assert kernel.metadata.shared <= SMEM, (fn.__name__, bits, exact, rows, kernel.metadata.shared)
 
-    for bits, exact, rows in ((4, False, 16), (4, True, 16), (16, False, 16), (16, False, 128)):
+    for bits, exact, rows in ((4, False, 16), (4, True, 16), (16, False, 16), (16, True, 16), (16, False, 128)):
         copy = "*fp32" if exact else "*bf16"
         plane = copy if bits == 16 else "*u8"
         meta = (copy, copy) if bits == 16 else ("*fp16", "*i8")

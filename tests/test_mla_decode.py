@@ -162,17 +162,17 @@ def test_rows_without_visible_positions_give_zeros_and_minus_inf(backend):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
-def test_split_boundaries_follow_the_length_not_the_capacity():
+@pytest.mark.parametrize("bits, grids", [(4, [3, 32]), (16, [2, 32])])  # 32- and 64-token tiles
+def test_split_boundaries_follow_the_length_not_the_capacity(bits, grids):
     """The same 140 positions in planes of capacity 150 and 4200 (a growing cache vs a static one): different grids,
     the same split boundaries (sized from the device-side length in the kernel) and the same combine order, so the
     outputs are bitwise identical."""
     if "triton" not in AVAILABLE:
         pytest.skip("needs the Triton kernel")
-    args = random_case(2, 140, 2, 2, 128, 32, 4, 4, 2, 4, torch.bfloat16, [0, 7], seed=3, spare=4200 - 140)
+    args = random_case(2, 140, 2, 2, 128, 32, bits, bits, 2, 4, torch.bfloat16, [0, 7], seed=3, spare=4200 - 140)
     small = list(args)
     small[2], small[3] = ({k: v[:, :150].clone() for k, v in p.items()} for p in (args[2], args[3]))
-    grids = [split_plan("triton", 2, 1, c, args[4], 64)[1] for c in (150, 4200)]
-    assert grids == [3, 32], grids  # the launches really differ
+    assert [split_plan("triton", 2, 1, c, args[4], 64)[1] for c in (150, 4200)] == grids  # the launches differ
     o_big, lse_big = run(args, "triton")
     o_small, lse_small = run(small, "triton")
     assert torch.equal(o_big, o_small) and torch.equal(lse_big, lse_small)
