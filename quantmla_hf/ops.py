@@ -23,6 +23,7 @@ implementation giving its output shapes, and the decode outputs are fresh tensor
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 
@@ -30,8 +31,12 @@ from .format import CacheFormat, PathFormat
 from .kernels.mla_decode_ref import mla_decode_static_ref
 from .kernels.quant_pack_ref import quantize_pack_at_ref
 
-# The Triton-backed kernel modules are imported where they run: Triton is a dependency on Linux only (pyproject.toml),
-# and without it every op runs its PyTorch reference (`use_triton` False, CPU tensors).
+if importlib.util.find_spec("triton") is not None:  # the Triton-backed kernels, for this module and the caches
+    from .kernels.mla_decode import mla_decode_static
+    from .kernels.mla_decode_paged import mla_decode_paged
+    from .kernels.quant_pack import quantize_pack, quantize_pack_at, quantize_pack_slots
+else:  # Triton is a dependency on Linux only (pyproject.toml): without it every op runs its PyTorch reference
+    mla_decode_static = mla_decode_paged = quantize_pack = quantize_pack_at = quantize_pack_slots = None
 
 LIB = "quantmla"
 
@@ -53,9 +58,7 @@ def quant_append(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero
                  position: torch.Tensor, bits: int, group: int, use_triton: bool) -> None:
     fmt = PathFormat(x.shape[-1], bits, group)
     if use_triton:
-        from .kernels.quant_pack import quant_pack_fwd
-
-        quant_pack_fwd(x.contiguous(), codes, scale, zero, position, fmt)
+        quantize_pack_at(x.contiguous(), codes, scale, zero, position, fmt)
     else:
         quantize_pack_at_ref(x, codes, scale, zero, position, fmt)
 
@@ -79,8 +82,6 @@ def decode_device_length(
             capacity, scaling)
     if not use_triton:
         return mla_decode_static_ref(*args)
-    from .kernels.mla_decode import mla_decode_static
-
     return mla_decode_static(*args)
 
 

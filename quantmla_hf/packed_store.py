@@ -12,6 +12,7 @@ import torch
 
 from .format import SCALE_DTYPE, ZERO_DTYPE, PathFormat, allocated_tokens
 from .kernels.quant_pack_ref import dequantize_ref, quantize_ref
+from .ops import quantize_pack
 
 
 class PackedPathStore:
@@ -86,8 +87,6 @@ class PackedPathStore:
             self.planes["values"][:, start : start + T].copy_(x)
             return
         if use_triton:
-            from .kernels.quant_pack import quantize_pack
-
             quantize_pack(x.contiguous(), self.planes["codes"], self.planes["scale"], self.planes["zero"], start, self.fmt)
             return
         codes, scale, zero = quantize_ref(x, self.fmt)

@@ -11,10 +11,6 @@ PACKAGE = ROOT / "quantmla_hf"
 
 # Imported inside functions, each for a stated reason (a prefix of the imported module's name).
 OPTIONAL_IMPORTS = {
-    # Triton is a dependency on Linux only: elsewhere the PyTorch references run, so the Triton-backed kernel
-    # modules are imported where they are launched.
-    ".kernels.mla_decode": "Triton", ".kernels.mla_decode_combine": "Triton", ".kernels.quant_pack": "Triton",
-    "..kernels.mla_decode_paged": "Triton", "..kernels.quant_pack": "Triton",
     "torch.distributed.tensor": "torch builds without distributed support",
     "matplotlib": "optional plotting of the analysis",
     "optimum": "optimum-cli is an optional entry point",

@@ -26,6 +26,7 @@ from ..absorbed import split_kv_b
 from ..cache import NATIVE_MAX_QUERY
 from ..distributed import kv_b_weight
 from ..kernels.mla_decode_paged_ref import mla_decode_paged_ref
+from ..ops import mla_decode_paged
 from .cache import PagedQuantMLACache, PagedStep
 
 PAGED_ATTN_IMPLEMENTATION = "quantmla_paged"
@@ -89,8 +90,6 @@ def _latent_attention(module, ctx: PagedForward, query: torch.Tensor, scaling: f
             paged.sink_content[layer], paged.sink_rope[layer], paged.recent_content[layer], paged.recent_rope[layer],
             step.page_table, step.rows, step.cu_seqlens_q, step.seq_lens, scaling)
     if paged._use_triton():
-        from ..kernels.mla_decode_paged import mla_decode_paged
-
         o_lat, _ = mla_decode_paged(*args, token_request=step.token_request, max_seq_len=step.max_seq_len)
     else:
         o_lat, _ = mla_decode_paged_ref(*args)

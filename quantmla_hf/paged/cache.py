@@ -34,6 +34,7 @@ from ..config import QuantMLAConfig
 from ..format import SCALE_DTYPE, ZERO_DTYPE, CacheFormat, PathFormat
 from ..kernels.quant_pack_ref import dequantize_ref, quantize_ref
 from ..mla import mla_dims
+from ..ops import quantize_pack_slots
 from .allocator import CacheBudgetExceeded, PageAllocator, pages_for_budget, protected_bytes_per_request
 
 
@@ -325,8 +326,6 @@ class PagedQuantMLACache:
             flat["values"].index_copy_(0, slots, x.to(self.dtype))
             return
         if self._use_triton():
-            from ..kernels.quant_pack import quantize_pack_slots
-
             x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a slice of the projection)
             quantize_pack_slots(x, flat["codes"], flat["scale"], flat["zero"], slots, fmt)
             return
