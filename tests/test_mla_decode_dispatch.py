@@ -8,6 +8,7 @@ import torch
 from quantmla_hf import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode as md
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
+from quantmla_hf.kernels import mla_decode_triton as pt
 
 
 def fmt(cb, rb, dc=512, dr=64, group=64):
@@ -87,6 +88,22 @@ def test_split_plan_and_fill_splits():
     for B, hb, sms, per in ((32, 1, 132, 2), (7, 3, 114, 2), (5, 8, 78, 1)):
         n = md.fill_splits(B, hb, sms, per)
         assert B * hb * n <= per * sms < B * hb * (n + 1)
+
+
+def test_portable_launch_and_operands():
+    """The portable kernel's launch by format (16-bit content: 64-token tiles, 2 stages; packed: 32-token tiles, 1
+    stage up to 32 rows, 2 above) and which launches keep the model dtype's operands (`NATIVE`)."""
+    c16, c4, c4r8 = fmt(16, 16), fmt(4, 4), fmt(4, 8)
+    assert [pt.launch_shape(c16, m) for m in (16, 128)] == [(64, 4, 2), (64, 4, 2)]
+    assert [pt.launch_shape(c, m) for c in (c4, c4r8) for m in (16, 32, 33)] == [(32, 4, 1), (32, 4, 1), (32, 4, 2)] * 2
+    # the split plan sizes the grid with the same tile: 64-token tiles halve the splits a short capacity holds
+    assert md.split_plan("triton", 1, 1, 1000, c16, 132)[1] == -(-(1000 - 128 - 4) // 128)
+    assert md.split_plan("triton", 1, 1, 1000, c4, 132)[1] == -(-(1000 - 128 - 4) // 64)
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert pt.native_operands(c16, bf16, bf16, bf16) and pt.native_operands(c16, fp16, fp16, fp16)
+    assert not pt.native_operands(c16, fp32, bf16, bf16)  # fp32 queries over bf16 values: the fp16 split path
+    assert not pt.native_operands(c4, bf16, bf16, bf16)  # packed codes are unpacked into fp16
+    assert pt.native_operands(c4, fp32, fp32, fp32) and pt.native_operands(c16, bf16, bf16, fp32)  # fp32 models
 
 
 def test_flat_grid_numbers_every_program_once_packed_splits_first():
