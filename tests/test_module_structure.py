@@ -13,13 +13,9 @@ PACKAGE = ROOT / "quantmla_hf"
 OPTIONAL_IMPORTS = {
     "torch.distributed.tensor": "torch builds without distributed support",
     "matplotlib": "optional plotting of the analysis",
-    "optimum": "optimum-cli is an optional entry point",
     ".cli": "optimum-cli imports every registered module to list its commands: torch loads only when one runs",
     "transformers.cli.serving": "the serve extra (fastapi, uvicorn, openai)", "uvicorn": "the serve extra",
     ".paged.serving": "the serve extra",
-    ".analysis": "the dual-path analysis is optional in an installation: the CLI reports its absence",
-    ".calibration": "(the same guarded block of the CLI)",
-    ".static_generate": "the generate hook's own import (static_generate reads integration)",
 }
 
 
