@@ -140,34 +140,28 @@ def _check(name: str, x, codes, scale, zero, fmt: PathFormat, rank: int = 3) -> 
 
 
 def quantize_pack(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start: int, fmt: PathFormat
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start: int | torch.Tensor,
+    fmt: PathFormat,
 ) -> None:
     """Quantize `x: [B, T, dim]` and write it into positions `[start, start + T)` of the planes
     `codes: [B, capacity, code_bytes] uint8`, `scale: [B, capacity, G] fp16`, `zero: [B, capacity, G] int8`.
+
+    `start` is an int (checked against the capacity) or an int64 tensor `[1]` on the planes' device, read by the
+    kernel so that nothing waits for the device; then positions at or past the capacity are not written (the static
+    cache checks its capacity where it can: docs/USAGE.md, "Static cache").
     """
     _check("quantize_pack", x, codes, scale, zero, fmt)
-    if start < 0 or start + x.shape[1] > codes.shape[1]:
+    if isinstance(start, torch.Tensor):
+        if start.numel() != 1 or start.dtype != torch.int64 or start.device != codes.device:
+            raise ValueError(
+                f"start must be an int or an int64 tensor of one element on {codes.device}, got {start.dtype} "
+                f"{tuple(start.shape)} on {start.device}"
+            )
+    elif start < 0 or start + x.shape[1] > codes.shape[1]:
         raise ValueError(
             f"writing {x.shape[1]} tokens at position {start} overflows the cache capacity {codes.shape[1]}"
         )
     quant_pack_fwd(x, codes, scale, zero, start, fmt)
-
-
-def quantize_pack_at(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, position: torch.Tensor,
-    fmt: PathFormat,
-) -> None:
-    """`quantize_pack` with the write position on the device: `position` is an int64 tensor `[1]` (first position
-    written), read by the kernel, so nothing waits for the device. Positions at or past the capacity are not
-    written; the static cache checks its capacity where it can (docs/USAGE.md, "Static cache").
-    """
-    _check("quantize_pack_at", x, codes, scale, zero, fmt)
-    if position.numel() != 1 or position.dtype != torch.int64 or position.device != codes.device:
-        raise ValueError(
-            f"position must be an int64 tensor of one element on {codes.device}, got {position.dtype} "
-            f"{tuple(position.shape)} on {position.device}"
-        )
-    quant_pack_fwd(x, codes, scale, zero, position, fmt)
 
 
 def quantize_pack_slots(

@@ -34,9 +34,9 @@ from .kernels.quant_pack_ref import quantize_pack_at_ref
 if importlib.util.find_spec("triton") is not None:  # the Triton-backed kernels, for this module and the caches
     from .kernels.mla_decode import mla_decode_static
     from .kernels.mla_decode_paged import mla_decode_paged
-    from .kernels.quant_pack import quantize_pack, quantize_pack_at, quantize_pack_slots
+    from .kernels.quant_pack import quantize_pack, quantize_pack_slots
 else:  # Triton is a dependency on Linux only (pyproject.toml): without it every op runs its PyTorch reference
-    mla_decode_static = mla_decode_paged = quantize_pack = quantize_pack_at = quantize_pack_slots = None
+    mla_decode_static = mla_decode_paged = quantize_pack = quantize_pack_slots = None
 
 LIB = "quantmla"
 
@@ -58,7 +58,7 @@ def quant_append(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero
                  position: torch.Tensor, bits: int, group: int, use_triton: bool) -> None:
     fmt = PathFormat(x.shape[-1], bits, group)
     if use_triton:
-        quantize_pack_at(x.contiguous(), codes, scale, zero, position, fmt)
+        quantize_pack(x.contiguous(), codes, scale, zero, position, fmt)
     else:
         quantize_pack_at_ref(x, codes, scale, zero, position, fmt)
 

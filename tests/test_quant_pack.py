@@ -117,6 +117,9 @@ def test_triton_kernel_reports_overflow():
     zero = torch.empty((1, 4, 1), dtype=torch.int8)
     with pytest.raises(ValueError, match="overflows the cache capacity 4"):
         quantize_pack(torch.randn(1, 3, 64), codes, scale, zero, 2, fmt)
+    for start in (torch.tensor([2], dtype=torch.int32), torch.tensor([1, 2])):  # a device start: int64, one element
+        with pytest.raises(ValueError, match="int64 tensor of one element"):
+            quantize_pack(torch.randn(1, 3, 64), codes, scale, zero, start, fmt)
 
 
 def test_per_step_arguments_are_not_specialised():

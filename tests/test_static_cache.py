@@ -18,7 +18,7 @@ from quantmla_hf import (
 from quantmla_hf import ops
 from quantmla_hf.kernels.mla_decode import mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref, mla_decode_static_ref
-from quantmla_hf.kernels.quant_pack import quantize_pack_at
+from quantmla_hf.kernels.quant_pack import quantize_pack
 from quantmla_hf.kernels.quant_pack_ref import quantize_pack_at_ref, quantize_ref
 from quantmla_hf.tiny_models import tiny_mla_model
 
@@ -278,7 +278,7 @@ def test_quantize_at_device_position_matches_the_reference(bits):
     planes = [torch.zeros(3, 11, fmt.code_bytes, dtype=torch.uint8), torch.zeros(3, 11, 2, dtype=torch.float16),
               torch.zeros(3, 11, 2, dtype=torch.int8)]
     ref = [p.clone() for p in planes]
-    quantize_pack_at(x, *planes, torch.tensor([9]), fmt)
+    quantize_pack(x, *planes, torch.tensor([9]), fmt)
     quantize_pack_at_ref(x, *ref, torch.tensor([9]), fmt)
     for a, b in zip(planes, ref):
         assert torch.equal(a, b)
@@ -286,7 +286,7 @@ def test_quantize_at_device_position_matches_the_reference(bits):
     assert torch.equal(planes[0][:, 9:], codes) and torch.equal(planes[1][:, 9:], scale)
     assert torch.equal(planes[2][:, 9:], zero) and not planes[0][:, :9].any()
     # a write past the capacity is dropped, not wrapped
-    quantize_pack_at(x, *planes, torch.tensor([10]), fmt)
+    quantize_pack(x, *planes, torch.tensor([10]), fmt)
     assert torch.equal(planes[0][:, 10], codes[:, 0])
 
 
