@@ -59,8 +59,9 @@ def _magic_codes(b_byte, BITS: tl.constexpr):
 def _group_tile(p0, p1, p2, s_t, s_mt, o_t, m_t, g: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
                 NATIVE: tl.constexpr):
     """Group `g` of tokens `o_t: [BT]` of one path (row-offset pointers): keys `[BT, GROUP]` (fp16; the model
-    dtype when NATIVE, fp32 for packed codes) and scales `[BT]` fp32. Packed (`BITS` < 16): `p0, p1, p2` = codes, scale, zero planes; the keys are the
-    exact integers `code - z` (fp16 magic number: `(code | 0x6400) - (1024 + z)`, no int-to-float conversion).
+    dtype when NATIVE, fp32 for packed codes) and scales `[BT]` fp32. Packed (`BITS` < 16): `p0, p1, p2` = codes,
+    scale, zero planes; the keys are the exact integers `code - z` (fp16 magic number: `(code | 0x6400) - (1024 +
+    z)`, no int-to-float conversion).
     Model-dtype values (`BITS` == 16: a 16-bit path or the sink/recent copies): `p0` holds them, with unit scales.
     Masked tokens give zero scales (and zero keys for values)."""
     if BITS == 16:
