@@ -60,7 +60,7 @@ def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float
 
 def check(args, **kw):
     """fp32 copies: fp32 IEEE dots (the contiguous kernel's exact path); bf16: fp16 operands, one rounding of the
-    values (its bound in tests/test_mla_decode.py)."""
+    values, or bf16 operands when both paths are 16-bit (their bound in tests/test_mla_decode.py)."""
     out, lse = mla_decode_paged(*args, **kw)
     ref_out, ref_lse = mla_decode_paged_ref(*args, dtype=torch.float64)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
@@ -90,8 +90,9 @@ def test_many_heads_take_several_head_blocks():
     check(paged_case([13, 21], [2, 1], H=70))
 
 
-def test_bf16_copies_and_pages():
-    check(paged_case([19, 12], [1, 2], cb=4, rb=16, dtype=torch.bfloat16))
+@pytest.mark.parametrize("cb, rb", [(4, 16), (16, 16)])  # (16, 16): the NATIVE launch, bf16 operands and probabilities
+def test_bf16_copies_and_pages(cb, rb):
+    check(paged_case([19, 12], [1, 2], cb=cb, rb=rb, dtype=torch.bfloat16))
 
 
 def test_block_size_and_splits_do_not_change_the_result():
