@@ -46,7 +46,7 @@ from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.intervals import t_interval
 from quantmla_hf.kernels.mla_decode import BACKENDS, mla_decode_static, select_backend
 from quantmla_hf.kernels.mla_decode_paged import PAGED_BACKENDS, mla_decode_paged, select_paged_backend
-from quantmla_hf.kernels.mla_decode_paged_ref import mla_decode_paged_ref
+from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
 D_C, D_R, D_NOPE, D_V, HIDDEN = 512, 64, 128, 128, 2048

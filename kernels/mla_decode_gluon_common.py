@@ -8,14 +8,14 @@ Grid: one-dimensional, `B * cdiv(M, BM) * (NS + ND)` programs (`flat_grid`): the
 tile of the sink or recent copies each (`program_coords`, the host's statement of `_program_coords`).
 
 Unit layout (one of `GC` content units, then the RoPE unit, per 64-token tile): in unit u, thread `q = lane % 4`
-of each quad owns the 16 contiguous channels `[unit_base(u, q), + 16)` of two tokens (rows `lane / 4` and `+ 8`
+of each quad owns the 16 contiguous channels `[_unit_base(u, q), + 16)` of two tokens (rows `lane / 4` and `+ 8`
 of its warp's 16), i.e. 1 (2-bit), 2 (4-bit) or 4 (8-bit) code words per token. The asm (`half_asm`) turns a word
 into its fp16 elements in word order; the same registers are then *viewed* two ways, both free relabellings
 checked at compile time (`convert_layout(..., assert_trivial=True)`):
   - the A fragment of `m64n16k16` (row = token, column `16 kc + 8 h + 2 q + e`, holding the element `E w + k +
     (E / 2) e` of the thread's words with `(E / 2) w + k = 2 kc + h`, `E = 32 / bits`): the queries are staged in
-    that order (`score_channel`);
-  - the tile row of `kbuf[u]`, column `16 q + E w + 2 k + e` (`value_channel`): the value rows of `O^T` come out
+    that order (`_score_channel`);
+  - the tile row of `kbuf[u]`, column `16 q + E w + 2 k + e` (`_store_o`): the value rows of `O^T` come out
     in it and are stored back to their channels.
 """
 
@@ -71,7 +71,7 @@ def _order8(x0, x1, x2, x3, x4, x5, x6, x7):
 def _program_coords(num_splits, M, BM: gl.constexpr, ND: gl.constexpr):
     """`(i_s, i_hb, i_b)` of this program in the flat grid of `B * cdiv(M, BM) * (num_splits + ND)` programs: first
     the packed splits of every (batch row, head block) (split fastest, then head block, then row), then the one-tile
-    copy programs in the same order (`program_order`). The hardware starts programs in id order, so every packed
+    copy programs in the same order. The hardware starts programs in id order, so every packed
     program starts in the first wave and the copies fill the slots left over (interleaved per batch row, the copies of
     the first rows took slots the packed programs of the last rows then waited for)."""
     pid = gl.program_id(0)
@@ -125,35 +125,6 @@ def _finish(l_i, m_i):
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     return inv_l, gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
-
-
-def unit_base(u: int, q, n_groups: int):
-    """First channel of the 16 that thread `q` (of a quad) owns in unit u: content units `0 .. n_groups - 1`
-    (`64 * (q + 4 * (u // 4)) + 16 * (u % 4)`, channels of the content latent), RoPE unit `n_groups` (`16 * q`)."""
-    if u == n_groups:
-        return 16 * q
-    return 64 * (q + 4 * (u // 4)) + 16 * (u % 4)
-
-
-def score_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
-    """`[64]` int64: the channel (of the content latent for u < n_groups, of the RoPE key for u = n_groups) held by
-    column c of unit u's score A operand (row-major `m64n16k16` A fragments: column `16 kc + 8 h + 2 q + e` of thread
-    q holds element `E w + k + (E / 2) e` of its words, `(E / 2) w + k = 2 kc + h`); the queries are staged in it."""
-    c = torch.arange(64)
-    kc, h, q, e = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
-    n = 16 // bits
-    p = 2 * kc + h
-    off = (p // n) * (2 * n) + p % n + n * e
-    return unit_base(u, q, n_groups) + off
-
-
-def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
-    """`[64]` int64: the content channel held by row c of `kbuf[u]`'s transpose (the value output's row c): column
-    `16 q + E w + 2 k + e` of the stored tile holds element `E w + k + (E / 2) e` of quad slot q's 16 channels
-    (`E = 32 / bits`), so each stored 32-bit pair is one asm register."""
-    c = torch.arange(64)
-    r, n = c % 16, 16 // bits
-    return unit_base(u, c // 16, n_groups) + (r // (2 * n)) * (2 * n) + (r % (2 * n)) // 2 + n * (r % 2)
 
 
 def half_asm(bits: int, split: bool = False) -> str:
@@ -216,6 +187,8 @@ if HAVE_GLUON:
 
 @_jit
 def _unit_base(u: gl.constexpr, q, GC: gl.constexpr):
+    """First channel of the 16 that thread `q` (of a quad) owns in unit u: content units `0 .. GC - 1` (`64 * (q + 4
+    * (u // 4)) + 16 * (u % 4)`, channels of the content latent), RoPE unit `GC` (`16 * q`)."""
     if u == GC:
         return 16 * q
     return 64 * (q + 4 * (u // 4)) + 16 * (u % 4)
@@ -223,7 +196,9 @@ def _unit_base(u: gl.constexpr, q, GC: gl.constexpr):
 
 @_jit
 def _score_channel(u: gl.constexpr, c, BITS: gl.constexpr, GC: gl.constexpr):
-    """`score_channel` in the kernel."""
+    """The channel (of the content latent for u < GC, of the RoPE key for u = GC) held by column `c` of unit u's
+    score A operand (row-major `m64n16k16` A fragments: column `16 kc + 8 h + 2 q + e` of thread q holds element `E w
+    + k + (E / 2) e` of its words, `(E / 2) w + k = 2 kc + h`); the queries are staged in it."""
     N: gl.constexpr = 16 // BITS
     p = 2 * (c // 16) + (c // 8) % 2
     return _unit_base(u, (c // 2) % 4, GC) + (p // N) * (2 * N) + p % N + N * (c % 2)
@@ -333,7 +308,7 @@ def _v_view(x5):
 def _load_unit(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr,
                wl: gl.constexpr, NU: gl.constexpr = 1, ROWS: gl.constexpr = False):
     """Code words `[64, 4, NU * WU]` of units `u .. u + NU - 1` (consecutive in a thread's group) for tokens `[t0, t0
-    + 64)` (zeros outside `[lo, hi)`): thread q's words `unit_base(u, q) * bits / 32 + [0, NU * WU)` of each token
+    + 64)` (zeros outside `[lo, hi)`): thread q's words `_unit_base(u, q) * bits / 32 + [0, NU * WU)` of each token
     row of `ROW_WORDS` words.
 
     `ROWS`: `p_c` is the tile's `[64, 4]` row pointers (`_row_ptrs`: token row and quad slot applied; `lo` unused),
@@ -447,7 +422,7 @@ def _page_row(p_pt, t0, last):
 @_jit
 def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, xl: gl.constexpr):
     """Model-dtype copies `[64, 4, 16]` -> fp16 of unit u: rows `o_slot: [64]` (valid `m_t`), thread q's 16 channels
-    from `unit_base(u, q)`."""
+    from `_unit_base(u, q)`."""
     sl: gl.constexpr = gl.SliceLayout(2, xl)
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
     o_e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
@@ -495,7 +470,9 @@ def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.cons
 @_jit
 def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C: gl.constexpr,
              C_BITS: gl.constexpr, acc_l: gl.constexpr):
-    """`o^T[64, BM]` of unit u (row c = channel `value_channel(u)[c]`), normalised, to the partial output rows."""
+    """`o^T[64, BM]` of unit u, normalised, to the partial output rows: row c is the channel column c of the
+    `_v_view` tile holds, `_unit_base(u, c // 16) + (r // 2E') 2E' + (r % 2E') // 2 + E' (r % 2)` with `r = c % 16`,
+    `E' = 16 / bits` (each stored 32-bit pair one register of the asm)."""
     if u < GC:
         N: gl.constexpr = 16 // C_BITS
         c = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
@@ -822,7 +799,7 @@ def copy_programs(fmt: CacheFormat) -> int:
 
 def flat_grid(NS: int, fmt: CacheFormat, M: int, block_m: int, B: int) -> tuple[int]:
     """The one-dimensional grid of the Gluon kernels: `B * cdiv(M, block_m) * (NS + copy_programs(fmt))` programs,
-    numbered as `program_coords` says."""
+    numbered as `_program_coords` says."""
     return (B * -(-M // block_m) * (NS + copy_programs(fmt)),)
 
 
@@ -847,34 +824,6 @@ def launch_flat(kernel, what: str, smem_need: int, fallback: str, block_m: int, 
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
         R=fmt.recent_tokens, BM=block_m, **meta,
     )
-
-
-def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tuple[int, int, int]:
-    """`(split, head block, batch row)` of program `pid` of a flat grid of `n_programs`: the host's statement of
-    `_program_coords` (tested on the CPU)."""
-    n_long = n_programs // (NS + nd) * NS
-    if pid < n_long:
-        s, r = pid % NS, pid // NS
-    else:
-        s, r = NS + (pid - n_long) % nd, (pid - n_long) // nd
-    return s, r % n_hb, r // n_hb
-
-
-def paged_reads(length: int, split: int, num_splits: int, split_target: int, fmt: CacheFormat) -> tuple[list, list]:
-    """The host's statement of the paged launch's reads for one request of `length` positions (`_split_range` with
-    no left padding, then `_page_row` for tile 0 and for every tile the loop loads, the last one a prefetch):
-    `(page_indices, tiles)`, the page-table columns read and the positions `[lo, hi)` each attended tile holds."""
-    BT = BLOCK_T
-    per = max(-(-(-(-max(length - fmt.recent_tokens, 0) // split_target)) // BT) * BT, min_split_tiles(fmt) * BT)
-    base = split * per
-    lo = max(base, fmt.sink_tokens)
-    hi = lo if split >= num_splits else min(base + per, length - fmt.recent_tokens)
-    n_tiles = (hi - base + BT - 1) // BT if hi > lo else 0
-    last = max(hi - base - 1, 0)
-    first = base // BT if n_tiles > 0 else 0
-    pages = [first + max(min(t0, last // BT * BT), 0) // BT for t0 in [0] + [it * BT + BT for it in range(n_tiles)]]
-    tiles = [(max(base + it * BT, lo), min(base + it * BT + BT, hi)) for it in range(n_tiles)]
-    return pages, tiles
 
 
 def hopper_handles(fmt: CacheFormat, copy_dtype: torch.dtype, device) -> bool:

@@ -1,27 +1,21 @@
-"""Triton kernel: absorbed MLA attention of several requests read from the paged QuantMLA cache.
+"""The paged decode operation: absorbed MLA attention of several requests read from the paged QuantMLA cache.
 
-Same function and arguments as `mla_decode_paged_ref.mla_decode_paged_ref` (see its docstring for the read rule):
+Same function and arguments as `mla_decode_ref.mla_decode_paged_ref` (see its docstring for the read rule):
 requests of different lengths in one launch, packed without padding (`cu_seqlens_q`), each token read by
 indirection (its page from the request's `page_table` row, its slot `p % page_size`).
 
-The arithmetic is the portable decode kernel's (`mla_decode_triton.py`: its query staging, token tile and stores):
-a page plane viewed as `[P * page_size, width]` is a plane whose rows are addressed by slot, so the kernel hands the
-tile each position's flat slot `page * page_size + p % page_size` where the contiguous kernel hands it the position.
-One program per (split, head block, query token):
-
-    splits 0 .. NS-1   `tokens_per_split` packed positions each of `[S, min(length - R, limit))`, sized from the
-                       request's length (`limit`: the token's causal bound, `length - q_len + t + 1`)
-    split NS           the request's sink copies (positions `[0, S)`) and recent ring (`[length - R, length)`,
-                       slot `p % R`), causal per token
-
-and writes its normalised partial and lse; `mla_decode_combine.combine` merges the splits of each (token, head).
+Two launches (`select_paged_backend`): a decode step in 64-token pages on sm_90 goes to the Gluon kernel the
+contiguous table picks, reading the pools through the page table; every other step (chunks of several query
+tokens, other page sizes, other GPUs, the interpreter) to the portable kernel (`mla_decode_triton.py`) with
+`PAGE = page_size`: one program per (split, head block, query token), the page pools viewed as `[P * page_size,
+width]` planes whose rows it addresses by slot `page * page_size + p % page_size`. Both write normalised partials
+that `mla_decode_combine.combine` merges per (token, head).
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from quantmla_hf.format import CacheFormat, PathFormat
 
@@ -32,97 +26,14 @@ from .mla_decode_combine import combine
 from .mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
 from .mla_decode_gluon_common import copy_programs, planes_contiguous
 from .mla_decode_triton import (
-    _empty_state,
-    _stage_queries,
-    _store_partial,
-    _tile,
     block_rows,
+    launch_shape,
+    mla_decode_triton_kernel,
     native_operands,
     path_tiling,
-    launch_shape,
     split_target,
     triton_handles,
 )
-
-@triton.jit(do_not_specialize=["max_pages", "split_target", "num_splits"])
-def mla_decode_paged_kernel(
-    q_ptr, qr_ptr,
-    c0, c1, c2, r0, r1, r2,
-    snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
-    page_table_ptr, rows_ptr, cu_q_ptr, seq_lens_ptr, token_request_ptr,
-    o_ptr, lse_ptr,
-    H, max_pages, split_target, num_splits, qk_scale,
-    s_ct, s_cmt, s_rt, s_rmt, s_snc, s_snr, s_rcc, s_rcr,
-    D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
-    D_R: tl.constexpr, R_BITS: tl.constexpr, S: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr,
-):
-    """Partials `o: [Nq, H, num_splits + 1, D_C]`, `lse: [Nq, H, num_splits + 1]` (natural log, -inf when empty).
-    Copies are `[rows, S or R, d]` with row strides `s_snc` .. `s_rcr` and contiguous rows of `d`."""
-    i_s = tl.program_id(0).to(tl.int64)
-    i_hb = tl.program_id(1).to(tl.int64)
-    tok = tl.program_id(2).to(tl.int64)
-
-    i_req = tl.load(token_request_ptr + tok).to(tl.int64)
-    q_start = tl.load(cu_q_ptr + i_req).to(tl.int64)
-    q_len = tl.load(cu_q_ptr + i_req + 1).to(tl.int64) - q_start
-    length = tl.load(seq_lens_ptr + i_req).to(tl.int64)
-    row = tl.load(rows_ptr + i_req).to(tl.int64)
-    limit = length - q_len + (tok - q_start) + 1  # positions < limit are visible to this token
-
-    o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)  # heads
-    m_m = o_m < H
-    fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl = _stage_queries(
-        q_ptr + tok * H * D_C, qr_ptr + tok * H * D_R, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, NATIVE)
-    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C)
-    is_copies = i_s == num_splits
-
-    # Packed positions: this split's share of [S, length - R), cut at the token's causal limit (which only bites
-    # for a cache without copies, R = 0: quantized formats take at most R new tokens natively).
-    packed_len = tl.maximum(length - R - S, 0)
-    tokens_per_split = (packed_len + split_target - 1) // split_target
-    tokens_per_split = tl.maximum((tokens_per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T, 2 * BLOCK_T)
-    lo_s = S + i_s * tokens_per_split
-    hi_s = tl.where(is_copies, lo_s, tl.minimum(lo_s + tokens_per_split, tl.minimum(length - R, limit)))
-    p_table = page_table_ptr + i_req * max_pages
-    o_bt = tl.arange(0, BLOCK_T).to(tl.int64)
-    for start in range(lo_s, hi_s, BLOCK_T):
-        o_p = start + o_bt
-        m_t = o_p < hi_s
-        page = tl.load(p_table + o_p // PAGE, mask=m_t, other=0).to(tl.int64)
-        slot = page * PAGE + o_p % PAGE
-        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
-            c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, slot, m_t, m_m[:, None] & m_t[None, :],
-            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, NATIVE)
-
-    # The last split: the sink copies (slot j = position j) and the recent ring (positions [length - R, length)
-    # past the sink, slot p % R), causal per token.
-    n_sink = tl.where(is_copies, S, 0)
-    p_snc = snc_ptr + row * s_snc
-    p_snr = snr_ptr + row * s_snr
-    for start in range(0, n_sink, BLOCK_T):
-        o_j = start + o_bt
-        m_t = (o_j < S) & (o_j < length) & (o_j < limit)
-        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
-            p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, D_C, D_C, D_R, D_R, o_j, m_t, m_m[:, None] & m_t[None, :],
-            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
-    r_lo = tl.maximum(length - R, 0)
-    r_hi = tl.where(is_copies, length, r_lo)
-    p_rcc = rcc_ptr + row * s_rcc
-    p_rcr = rcr_ptr + row * s_rcr
-    for start in range(r_lo, r_hi, BLOCK_T):
-        o_p = start + o_bt
-        m_t = (o_p < r_hi) & (o_p >= S) & (o_p < limit)
-        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
-            p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, D_C, D_C, D_R, D_R, o_p % tl.maximum(R, 1), m_t,
-            m_m[:, None] & m_t[None, :],
-            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
-
-    o_row = (tok * H + o_m) * (num_splits + 1) + i_s
-    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
 
 
 def _flat_planes(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:
@@ -176,28 +87,14 @@ def _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_
     return combine(o_part, lse_part, copy_programs(fmt), None, sms)
 
 
-def mla_decode_paged(
-    q_lat: torch.Tensor,
-    q_rot: torch.Tensor,
-    content: dict[str, torch.Tensor],
-    rope: dict[str, torch.Tensor],
-    fmt: CacheFormat,
-    sink_content: torch.Tensor,
-    sink_rope: torch.Tensor,
-    recent_content: torch.Tensor,
-    recent_rope: torch.Tensor,
-    page_table: torch.Tensor,
-    rows: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scaling: float,
-    token_request: torch.Tensor | None = None,
-    block_t: int | None = None,
-    num_splits: int | None = None,
-    max_seq_len: int | None = None,
-    backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `mla_decode_paged_ref.mla_decode_paged_ref`; returns `o_lat: [Nq, H, d_c]`, `lse: [Nq, H]` (fp32).
+def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str, torch.Tensor],
+                     rope: dict[str, torch.Tensor], fmt: CacheFormat, sink_content: torch.Tensor,
+                     sink_rope: torch.Tensor, recent_content: torch.Tensor, recent_rope: torch.Tensor,
+                     page_table: torch.Tensor, rows: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                     scaling: float, token_request: torch.Tensor | None = None, block_t: int | None = None,
+                     num_splits: int | None = None, max_seq_len: int | None = None,
+                     backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `mla_decode_ref.mla_decode_paged_ref`; returns `o_lat: [Nq, H, d_c]`, `lse: [Nq, H]` (fp32).
 
     `token_request` (int32 `[Nq]`, each query token's request) is derived from `cu_seqlens_q` when not given (the
     paged cache's `PagedStep.token_request` is that tensor). `num_splits` overrides the split target (default:
@@ -267,14 +164,15 @@ def mla_decode_paged(
     c0, c1, c2 = _flat_planes(content, fmt.content)
     r0, r1, r2 = _flat_planes(rope, fmt.rope)
     q, qr = q_lat.contiguous(), q_rot.contiguous()
-    mla_decode_paged_kernel[(NS + 1, head_blocks, Nq)](
+    mla_decode_triton_kernel[(NS + 1, head_blocks, Nq)](
         q, qr, c0, c1, c2, r0, r1, r2, snc, snr, rcc, rcr,
-        page_table.to(torch.int32).contiguous(), rows.to(torch.int32).contiguous(),
-        cu_seqlens_q.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(), seq_lens, page_table.to(torch.int32).contiguous(),
+        rows.to(torch.int32).contiguous(), cu_seqlens_q.to(torch.int32).contiguous(),
         token_request.to(torch.int32).contiguous(), o_part, lse_part,
-        H, page_table.shape[1], target, NS, float(scaling) * LOG2E,
-        c0.stride(0), c1.stride(0), r0.stride(0), r1.stride(0), snc.stride(0), snr.stride(0), rcc.stride(0),
-        rcr.stride(0),
+        H, 1, page_table.shape[1], target, NS, float(scaling) * LOG2E,
+        H * d_c, H * fmt.rope.dim, 0, c0.stride(0), 0, c1.stride(0), 0, r0.stride(0), 0, r1.stride(0),
+        snc.stride(0), snc.stride(1), snr.stride(0), snr.stride(1), rcc.stride(0), rcc.stride(1), rcr.stride(0),
+        rcr.stride(1),
         D_C=d_c, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=fmt.rope.dim, R_BITS=fmt.rope.bits,
         S=S, R=R, PAGE=page_size, BLOCK_M=block_m, BLOCK_T=bt,
         Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, NATIVE=native,

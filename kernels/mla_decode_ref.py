@@ -1,4 +1,5 @@
-"""Plain PyTorch reference of `mla_decode.py`: the same function, read from the same planes, in fp32 (or fp64).
+"""Plain PyTorch references of `mla_decode.py` and `mla_decode_paged.py`: the same functions, read from the same
+planes, in fp32 (or fp64).
 
 For each batch row b the history is rebuilt position by position exactly as the kernel reads it:
 
@@ -8,9 +9,17 @@ For each batch row b the history is rebuilt position by position exactly as the 
     positions before lp_b                   -> not attended (left padding)
 
 and query t of Tq (rows `[B, H, Tq]`) attends to positions `< length - Tq + t + 1` with one softmax.
+
+The paged cache (`mla_decode_paged_ref`) packs the requests of a step without padding (varlen): request i has `q_i`
+query tokens, rows `[cu_seqlens_q[i], cu_seqlens_q[i + 1])` of `q_lat: [Nq, H, d_c]`, and `seq_lens[i]` cached
+tokens (its new ones included), read by the rule above with no left padding, `S = sink.shape[1]`, `R =
+recent.shape[1]` (0 for a cache that keeps no copies, C16R16), copies from row `rows[i]`, and packed position p from
+page `page_table[i, p // page_size]`, slot `p % page_size` of the pools `[P, page_size, width]`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -59,22 +68,11 @@ def overlay_copies(x: torch.Tensor, sink: torch.Tensor, recent: torch.Tensor, b:
     return x
 
 
-def mla_decode_ref(
-    q_lat: torch.Tensor,
-    q_rot: torch.Tensor,
-    content: dict[str, torch.Tensor],
-    rope: dict[str, torch.Tensor],
-    fmt: CacheFormat,
-    sink_content: torch.Tensor,
-    sink_rope: torch.Tensor,
-    recent_content: torch.Tensor,
-    recent_rope: torch.Tensor,
-    left_padding: torch.Tensor,
-    length: int,
-    scaling: float,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same arguments and results as `mla_decode.mla_decode`: `o_lat: [B, H, Tq, d_c]`, `lse: [B, H, Tq]` (fp32).
+def mla_decode_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content, recent_rope,
+                   left_padding, length: int, scaling: float,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The function of `mla_decode.mla_decode_static` with the length a host int (and no capacity): `o_lat: [B, H,
+    Tq, d_c]`, `lse: [B, H, Tq]` (fp32).
 
     One batch row at a time, so a long context costs `[length, d_c + d_R]` of `dtype`, not `[B, length, ...]`.
     """
@@ -118,23 +116,9 @@ def history_static_ref(
     return x
 
 
-def mla_decode_static_ref(
-    q_lat: torch.Tensor,
-    q_rot: torch.Tensor,
-    content: dict[str, torch.Tensor],
-    rope: dict[str, torch.Tensor],
-    fmt: CacheFormat,
-    sink_content: torch.Tensor,
-    sink_rope: torch.Tensor,
-    recent_content: torch.Tensor,
-    recent_rope: torch.Tensor,
-    left_padding: torch.Tensor,
-    length: torch.Tensor,
-    capacity: int,
-    scaling: float,
-    out: tuple | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_decode_static_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content,
+                          recent_rope, left_padding, length, capacity: int, scaling: float, out: tuple | None = None,
+                          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_decode_ref` with the length on the device (int64 `[1]`) and every row at once over the static
     `capacity` positions: no host synchronisation and no data-dependent shape, so it traces into one graph
     (`torch.compile(fullgraph=True)`). Costs `[B, capacity, d_c + d_R]` of `dtype` per call.
@@ -157,6 +141,40 @@ def mla_decode_static_ref(
         out[1].copy_(lse)
         return out[0], out[1]
     return o, lse
+
+
+def mla_decode_paged_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content,
+                         recent_rope, page_table, rows, cu_seqlens_q, seq_lens, scaling: float,
+                         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query token of a paged step over its request's pages: `mla_decode_ref` of each request's
+    positions gathered from its pages.
+
+    Args:
+        q_lat: `[Nq, H, d_c]` absorbed content queries; q_rot: `[Nq, H, d_R]` RoPE queries.
+        content, rope: page planes `[P, page_size, width]` of one layer (byte layout: `quantmla_hf/format.py`).
+        sink_*: `[rows, S, d]`, recent_*: `[rows, R, d]` model-dtype copies.
+        page_table: int32 `[n, max_pages]`; rows: int32 `[n]`; cu_seqlens_q: int32 `[n + 1]`; seq_lens: int32 `[n]`.
+
+    Returns `o_lat: [Nq, H, d_c]` and `lse: [Nq, H]` (natural log of the scaled scores), both fp32.
+    """
+    Nq, H, d_c = q_lat.shape
+    o_out = torch.zeros((Nq, H, d_c), dtype=torch.float32, device=q_lat.device)
+    lse_out = torch.full((Nq, H), float("-inf"), dtype=torch.float32, device=q_lat.device)
+    page_size = next(iter(content.values())).shape[1]
+    step_fmt = dataclasses.replace(fmt, sink_tokens=sink_content.shape[1], recent_tokens=recent_content.shape[1])
+    no_padding = torch.zeros(1, dtype=torch.int64)
+    for i, (q0, q1, length, row) in enumerate(zip(cu_seqlens_q.tolist(), cu_seqlens_q.tolist()[1:],
+                                                  seq_lens.tolist(), rows.tolist())):
+        if q1 == q0:
+            continue
+        pos = torch.arange(length, device=q_lat.device)
+        slots = page_table[i].long()[pos // page_size] * page_size + pos % page_size
+        planes = [{k: v.reshape(-1, v.shape[-1])[slots][None] for k, v in p.items()} for p in (content, rope)]
+        copies = [t[row : row + 1] for t in (sink_content, sink_rope, recent_content, recent_rope)]
+        o, lse = mla_decode_ref(q_lat[q0:q1].transpose(0, 1)[None], q_rot[q0:q1].transpose(0, 1)[None], *planes,
+                                step_fmt, *copies, no_padding, length, scaling, dtype)
+        o_out[q0:q1], lse_out[q0:q1] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+    return o_out, lse_out
 
 
 def combine_ref(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,13 +85,11 @@ def _group_tile(p0, p1, p2, s_t, s_mt, o_t, m_t, g: tl.constexpr, GROUP: tl.cons
 
 @triton.jit
 def _load_query_group(p_q, o_m, m_m, inv_f, g: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                      NG: tl.constexpr, NATIVE: tl.constexpr):
+                      NATIVE: tl.constexpr):
     """Columns of group `g` of rows `o_m` times the per-row power of two `inv_f`: `(hi, lo)` fp16 `[BM, GROUP]`
-    (`lo` the rounding error of `hi`; `(q, q)` as stored when NATIVE); zeros for a group past the path's `NG` groups
-    (never used)."""
+    (`lo` the rounding error of `hi`; `(q, q)` as stored when NATIVE)."""
     o_k = tl.arange(0, GROUP)
-    m = m_m[:, None] & (g < NG)
-    q = tl.load(p_q + o_m[:, None] * D + g * GROUP + o_k[None, :], mask=m, other=0.0)
+    q = tl.load(p_q + o_m[:, None] * D + g * GROUP + o_k[None, :], mask=m_m[:, None], other=0.0)
     if NATIVE:
         q_hi = q
         q_lo = q
@@ -143,34 +141,19 @@ def _pv(acc, alpha, b_p, b_k, b_s, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr,
-          qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-          m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
-          GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
+def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr, qh, ql, qrh, qrl, m_i, l_i,
+          acc, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
           R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr):
     """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (keys as exact
     integers), an online-softmax step in base 2, and per group `a_g = a_g * alpha + p @ fp16(k_g * s_g)` (the
-    group re-read and re-unpacked, scaled: one fp16 rounding). Queries `qh*/ql*: [BM, GROUP_C]` (content) and
-    `qrh/qrl: [BM, GROUP_R]`, accumulators `a*: [BM, GROUP_C]` fp32, `m_valid: [BM, BT]`."""
+    group re-read and re-unpacked, scaled: one fp16 rounding). Queries: tuples `qh, ql` of `GC` `[BM, GROUP_C]`
+    groups (content) and `qrh, qrl: [BM, GROUP_R]`; accumulators: the tuple `acc` of `GC` `[BM, GROUP_C]` fp32;
+    `m_valid: [BM, BT]`. Returns `(m_i, l_i, acc)`."""
     k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, NATIVE)
-    sc = _qk(qh0, ql0, k, Q_SPLIT, NATIVE) * s[None, :]
-    if GC > 1:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, NATIVE)
-        sc += _qk(qh1, ql1, k, Q_SPLIT, NATIVE) * s[None, :]
-    if GC > 2:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, NATIVE)
-        sc += _qk(qh2, ql2, k, Q_SPLIT, NATIVE) * s[None, :]
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, NATIVE)
-        sc += _qk(qh3, ql3, k, Q_SPLIT, NATIVE) * s[None, :]
-    if GC > 4:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, NATIVE)
-        sc += _qk(qh4, ql4, k, Q_SPLIT, NATIVE) * s[None, :]
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, NATIVE)
-        sc += _qk(qh5, ql5, k, Q_SPLIT, NATIVE) * s[None, :]
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, NATIVE)
-        sc += _qk(qh6, ql6, k, Q_SPLIT, NATIVE) * s[None, :]
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, NATIVE)
-        sc += _qk(qh7, ql7, k, Q_SPLIT, NATIVE) * s[None, :]
+    sc = _qk(qh[0], ql[0], k, Q_SPLIT, NATIVE) * s[None, :]
+    for g in tl.static_range(1, GC):
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, g, GROUP_C, C_BITS, NATIVE)
+        sc += _qk(qh[g], ql[g], k, Q_SPLIT, NATIVE) * s[None, :]
     k, s = _group_tile(r0, r1, r2, s_rt, s_rmt, o_t, m_t, 0, GROUP_R, R_BITS, NATIVE)
     b_s = sc * fc[:, None] + _qk(qrh, qrl, k, Q_SPLIT, NATIVE) * (s[None, :] * fr[:, None])
 
@@ -182,173 +165,161 @@ def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, f
     l_i = l_i * alpha + tl.sum(b_p, axis=1)
 
     # Values: the group tiles again (an L1 hit), scaled per token: fp16((code - z) * s).
-    k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, NATIVE)
-    a0 = _pv(a0, alpha, b_p, k, s, NATIVE)
-    if GC > 1:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 1, GROUP_C, C_BITS, NATIVE)
-        a1 = _pv(a1, alpha, b_p, k, s, NATIVE)
-    if GC > 2:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 2, GROUP_C, C_BITS, NATIVE)
-        a2 = _pv(a2, alpha, b_p, k, s, NATIVE)
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 3, GROUP_C, C_BITS, NATIVE)
-        a3 = _pv(a3, alpha, b_p, k, s, NATIVE)
-    if GC > 4:
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 4, GROUP_C, C_BITS, NATIVE)
-        a4 = _pv(a4, alpha, b_p, k, s, NATIVE)
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 5, GROUP_C, C_BITS, NATIVE)
-        a5 = _pv(a5, alpha, b_p, k, s, NATIVE)
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 6, GROUP_C, C_BITS, NATIVE)
-        a6 = _pv(a6, alpha, b_p, k, s, NATIVE)
-        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 7, GROUP_C, C_BITS, NATIVE)
-        a7 = _pv(a7, alpha, b_p, k, s, NATIVE)
-    return m_new, l_i, a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
-def _store_group(o_ptr, o_row, m_m, acc, inv_l, g: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                 GC: tl.constexpr):
-    if g < GC:
-        o_k = tl.arange(0, GROUP)
-        tl.store(o_ptr + o_row[:, None] * D + g * GROUP + o_k[None, :], acc * inv_l[:, None], mask=m_m[:, None])
+    out = ()
+    for g in tl.static_range(GC):
+        k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, g, GROUP_C, C_BITS, NATIVE)
+        out = out + (_pv(acc[g], alpha, b_p, k, s, NATIVE),)
+    return m_new, l_i, out
 
 
 @triton.jit
 def _stage_queries(p_q, p_qr, o_m, m_m, qk_scale, D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr,
                    D_R: tl.constexpr, NATIVE: tl.constexpr):
     """Rows `o_m` of the queries `p_q: [., D_C]`, `p_qr: [., D_R]`, staged once per program: the score factors
-    `fc, fr` (per-row powers of two times `qk_scale` = scaling * log2(e)) and the fp16 high/low parts of each
-    content group and of the RoPE group (`_load_query_group`)."""
+    `fc, fr` (per-row powers of two times `qk_scale` = scaling * log2(e)), the tuples `qh, ql` of the `GC` content
+    groups' high/low parts and those of the RoPE group (`_load_query_group`)."""
     fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, NATIVE)
     fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, NATIVE)
-    qh0, ql0 = _load_query_group(p_q, o_m, m_m, inv_fc, 0, GROUP_C, D_C, GC, NATIVE)
-    qh1, ql1 = _load_query_group(p_q, o_m, m_m, inv_fc, 1, GROUP_C, D_C, GC, NATIVE)
-    qh2, ql2 = _load_query_group(p_q, o_m, m_m, inv_fc, 2, GROUP_C, D_C, GC, NATIVE)
-    qh3, ql3 = _load_query_group(p_q, o_m, m_m, inv_fc, 3, GROUP_C, D_C, GC, NATIVE)
-    qh4, ql4 = _load_query_group(p_q, o_m, m_m, inv_fc, 4, GROUP_C, D_C, GC, NATIVE)
-    qh5, ql5 = _load_query_group(p_q, o_m, m_m, inv_fc, 5, GROUP_C, D_C, GC, NATIVE)
-    qh6, ql6 = _load_query_group(p_q, o_m, m_m, inv_fc, 6, GROUP_C, D_C, GC, NATIVE)
-    qh7, ql7 = _load_query_group(p_q, o_m, m_m, inv_fc, 7, GROUP_C, D_C, GC, NATIVE)
-    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, 1, NATIVE)
-    return (fc * qk_scale, fr * qk_scale, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6,
-            qh7, ql7, qrh, qrl)
+    qh = ()
+    ql = ()
+    for g in tl.static_range(GC):
+        hi, lo = _load_query_group(p_q, o_m, m_m, inv_fc, g, GROUP_C, D_C, NATIVE)
+        qh = qh + (hi,)
+        ql = ql + (lo,)
+    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, NATIVE)
+    return fc * qk_scale, fr * qk_scale, qh, ql, qrh, qrl
 
 
 @triton.jit
-def _empty_state(BLOCK_M: tl.constexpr, GROUP_C: tl.constexpr):
-    """Online-softmax state before any token: running maximum, sum and the eight `[BLOCK_M, GROUP_C]` accumulators."""
-    return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
-            tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
-            tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
-            tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32),
-            tl.zeros((BLOCK_M, GROUP_C), tl.float32), tl.zeros((BLOCK_M, GROUP_C), tl.float32))
+def _empty_state(BLOCK_M: tl.constexpr, GROUP_C: tl.constexpr, GC: tl.constexpr):
+    """Online-softmax state before any token: running maximum, sum and the `GC` `[BLOCK_M, GROUP_C]` accumulators."""
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = ()
+    for g in tl.static_range(GC):
+        acc = acc + (tl.zeros((BLOCK_M, GROUP_C), tl.float32),)
+    return m_i, l_i, acc
 
 
 @triton.jit
-def _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C: tl.constexpr,
-                   D_C: tl.constexpr, GC: tl.constexpr):
+def _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, acc, GROUP_C: tl.constexpr, D_C: tl.constexpr,
+                   GC: tl.constexpr):
     """Rows `o_row` of the partials: `o` normalised by this split's sum, `lse` in natural log (-inf when empty)."""
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    _store_group(o_ptr, o_row, m_m, a0, inv_l, 0, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a1, inv_l, 1, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a2, inv_l, 2, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a3, inv_l, 3, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a4, inv_l, 4, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a5, inv_l, 5, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a6, inv_l, 6, GROUP_C, D_C, GC)
-    _store_group(o_ptr, o_row, m_m, a7, inv_l, 7, GROUP_C, D_C, GC)
+    o_k = tl.arange(0, GROUP_C)
+    for g in tl.static_range(GC):
+        tl.store(o_ptr + o_row[:, None] * D_C + g * GROUP_C + o_k[None, :], acc[g] * inv_l[:, None],
+                 mask=m_m[:, None])
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
-# Lengths and counts change every decode step: no specialisation on them (the length is read from memory anyway).
-@triton.jit(do_not_specialize=["M", "Tq", "split_target", "num_splits"])
+# Lengths, counts and the page-table width change every step: no specialisation on them.
+@triton.jit(do_not_specialize=["M", "Tq", "s_pt", "split_target", "num_splits"])
 def mla_decode_triton_kernel(
     q_ptr, qr_ptr,
     cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
-    snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr,
+    snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
+    len_ptr, lp_ptr, pt_ptr, rows_ptr, cu_q_ptr, tok_req_ptr,
     o_ptr, lse_ptr,
-    M, Tq, split_target, num_splits, qk_scale,
+    M, Tq, s_pt, split_target, num_splits, qk_scale,
     s_qb, s_qrb, s_ccb, s_cct, s_csb, s_cst, s_rcb, s_rct, s_rsb, s_rst,
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
-    D_R: tl.constexpr, R_BITS: tl.constexpr,
-    S: tl.constexpr, R: tl.constexpr,
+    D_R: tl.constexpr, R_BITS: tl.constexpr, S: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr,
 ):
-    """One program per (split, head block, batch row): splits `0 .. num_splits-1` take `tokens_per_split` packed
-    positions each from `S`, where `tokens_per_split = max(2 * BLOCK_T, round_up(cdiv(length - S - R,
-    split_target), BLOCK_T))` comes from the device-side length (`split_plan`: the same boundaries whatever the
-    capacity); split `num_splits` takes the sink and recent copies. Writes the normalised partial
-    `o: [B, M, num_splits + 1, D_C]` and `lse: [B, M, num_splits + 1]` (natural log, -inf when empty)."""
+    """One program per (split, head block, sequence program `i_p`): splits `0 .. num_splits-1` take
+    `tokens_per_split` packed positions each from `S`, where `tokens_per_split = max(2 * BLOCK_T,
+    round_up(cdiv(length - S - R, split_target), BLOCK_T))` comes from the device-side length (`split_plan`: the
+    same boundaries whatever the capacity); split `num_splits` takes the sink and recent copies. Writes the
+    normalised partial `o: [P, M, num_splits + 1, D_C]` and `lse: [P, M, num_splits + 1]` (natural log, -inf when
+    empty) for the `P` sequence programs.
+
+    `PAGE = 0` (contiguous planes): `i_p` is batch row b with `M = H * Tq` query rows, the shared length
+    `len_ptr[0]`, left padding `lp_ptr[b]`, planes and copies at batch strides `s_*b`.
+    `PAGE > 0` (page pools `[P * PAGE, width]`, batch strides 0): `i_p` is query token n of request
+    `tok_req_ptr[n]` (`M = H`, `Tq = 1`), its length `len_ptr[req]`, copy row `rows_ptr[req]`, causal limit from
+    `cu_q_ptr`, position p read from pool row `pt_ptr[req * s_pt + p // PAGE] * PAGE + p % PAGE`."""
     i_s = tl.program_id(0).to(tl.int64)
     i_hb = tl.program_id(1).to(tl.int64)
-    i_b = tl.program_id(2).to(tl.int64)
+    i_p = tl.program_id(2).to(tl.int64)
 
-    length = tl.load(len_ptr).to(tl.int64)
-    lp = tl.load(lp_ptr + i_b).to(tl.int64)
+    if PAGE:
+        i_req = tl.load(tok_req_ptr + i_p).to(tl.int64)
+        q_start = tl.load(cu_q_ptr + i_req).to(tl.int64)
+        q_len = tl.load(cu_q_ptr + i_req + 1).to(tl.int64) - q_start
+        length = tl.load(len_ptr + i_req).to(tl.int64)
+        row = tl.load(rows_ptr + i_req).to(tl.int64)
+        lp = 0
+        limit0 = length - q_len + (i_p - q_start) + 1
+    else:
+        i_req = i_p
+        row = i_p
+        length = tl.load(len_ptr).to(tl.int64)
+        lp = tl.load(lp_ptr + i_p).to(tl.int64)
+        limit0 = length - Tq + 1
     o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
     m_m = o_m < M
-    lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
+    lim_m = limit0 + (o_m % Tq)  # query t of Tq sees positions < length - Tq + t + 1
 
     # Queries, once per program: per-row powers of two, then fp16 high/low parts per group.
-    fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl = _stage_queries(
-        q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, o_m, m_m, qk_scale, D_C, GC, GROUP_C, D_R, NATIVE)
-    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _empty_state(BLOCK_M, GROUP_C)
+    fc, fr, qh, ql, qrh, qrl = _stage_queries(q_ptr + i_p * s_qb, qr_ptr + i_p * s_qrb, o_m, m_m, qk_scale, D_C, GC,
+                                              GROUP_C, D_R, NATIVE)
+    m_i, l_i, acc = _empty_state(BLOCK_M, GROUP_C, GC)
     is_dense = i_s == num_splits
 
-    # Packed positions: this split's share of [S, length - R), intersected with [lp + S, ...). Every one of them lies
-    # before each causal limit because Tq <= R. The share follows the length, not the capacity (`split_plan`).
+    # Packed positions: this split's share of [S, length - R), intersected with [lp + S, limit0). Every one of them
+    # lies before each query row's causal limit: Tq <= R (the limit only cuts where R = 0: a paged C16R16 chunk).
     packed_len = tl.maximum(length - R - S, 0)
     tokens_per_split = (packed_len + split_target - 1) // split_target
     tokens_per_split = tl.maximum((tokens_per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T, 2 * BLOCK_T)
     lo_s = S + i_s * tokens_per_split
-    hi_s = tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, length - R))
+    hi_s = tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, tl.minimum(length - R, limit0)))
     lo_valid = lp + S
-    p_cc = cc_ptr + i_b * s_ccb
-    p_cs = cs_ptr + i_b * s_csb
-    p_cz = cz_ptr + i_b * s_csb
-    p_rc = rc_ptr + i_b * s_rcb
-    p_rs = rs_ptr + i_b * s_rsb
-    p_rz = rz_ptr + i_b * s_rsb
+    p_cc, p_cs, p_cz = cc_ptr + i_req * s_ccb, cs_ptr + i_req * s_csb, cz_ptr + i_req * s_csb
+    p_rc, p_rs, p_rz = rc_ptr + i_req * s_rcb, rs_ptr + i_req * s_rsb, rz_ptr + i_req * s_rsb
+    p_pt = pt_ptr + i_req * s_pt
     o_bt = tl.arange(0, BLOCK_T).to(tl.int64)
     for start in range(lo_s, hi_s, BLOCK_T):
         o_t = start + o_bt
         m_t = (o_t < hi_s) & (o_t >= lo_valid)
-        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
-            p_cc, p_cs, p_cz, p_rc, p_rs, p_rz, s_cct, s_cst, s_rct, s_rst, o_t, m_t, m_m[:, None] & m_t[None, :],
-            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, NATIVE)
+        slot = o_t
+        if PAGE:
+            slot = tl.load(p_pt + o_t // PAGE, mask=m_t, other=0).to(tl.int64) * PAGE + o_t % PAGE
+        m_i, l_i, acc = _tile(
+            p_cc, p_cs, p_cz, p_rc, p_rs, p_rz, s_cct, s_cst, s_rct, s_rst, slot, m_t, m_m[:, None] & m_t[None, :],
+            fc, fr, qh, ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, NATIVE)
 
     # The last split takes the model-dtype copies: the sink (slot j = position lp + j) and the recent ring
     # (positions [length - R, length) past the sink, slot p % R), causal per query row.
     n_sink = tl.where(is_dense, S, 0)
-    p_snc = snc_ptr + i_b * s_sncb
-    p_snr = snr_ptr + i_b * s_snrb
+    p_snc = snc_ptr + row * s_sncb
+    p_snr = snr_ptr + row * s_snrb
     for start in range(0, n_sink, BLOCK_T):
         o_j = start + o_bt
         o_t = lp + o_j
         m_t = (o_j < S) & (o_t < length)
         m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
-        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+        m_i, l_i, acc = _tile(
             p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, s_snct, s_snct, s_snrt, s_snrt, o_j, m_t, m_valid,
-            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
+            fc, fr, qh, ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
     r_lo = tl.maximum(length - R, 0)
     r_hi = tl.where(is_dense, length, r_lo)
-    p_rcc = rcc_ptr + i_b * s_rccb
-    p_rcr = rcr_ptr + i_b * s_rcrb
+    p_rcc = rcc_ptr + row * s_rccb
+    p_rcr = rcr_ptr + row * s_rcrb
+    RING: tl.constexpr = R if R > 0 else 1
     for start in range(r_lo, r_hi, BLOCK_T):
         o_t = start + o_bt
         m_t = (o_t < r_hi) & (o_t >= lo_valid)
         m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
-        m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
-            p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, s_rcct, s_rcct, s_rcrt, s_rcrt, o_t % R, m_t, m_valid,
-            fc, fr, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, qh4, ql4, qh5, ql5, qh6, ql6, qh7, ql7, qrh, qrl,
-            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
+        m_i, l_i, acc = _tile(
+            p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, s_rcct, s_rcct, s_rcrt, s_rcrt, o_t % RING, m_t, m_valid,
+            fc, fr, qh, ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
 
-    o_row = (i_b * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (b, m, split)
-    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, GROUP_C, D_C, GC)
+    o_row = (i_p * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (sequence program, row, split)
+    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, acc, GROUP_C, D_C, GC)
 
 
 def _pow2(n: int) -> bool:
@@ -437,14 +408,14 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
     c0, c1, c2 = _plane3(cp, fmt.content)
     r0, r1, r2 = _plane3(rp, fmt.rope)
     mla_decode_triton_kernel[(NS + 1, triton.cdiv(M, block_m), B)](
-        q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
-        M, Tq, split_target, NS, qk_scale,
+        q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, length, lp, lp, lp, lp, lp,
+        o_part, lse_part, M, Tq, 0, split_target, NS, qk_scale,
         q.stride(0), qr.stride(0), c0.stride(0), c0.stride(1), c1.stride(0), c1.stride(1), r0.stride(0),
         r0.stride(1), r1.stride(0), r1.stride(1),
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
-        S=fmt.sink_tokens, R=fmt.recent_tokens, BLOCK_M=block_m, BLOCK_T=block_t,
+        S=fmt.sink_tokens, R=fmt.recent_tokens, PAGE=0, BLOCK_M=block_m, BLOCK_T=block_t,
         Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, NATIVE=native, num_warps=warps,
         num_stages=stages,
     )

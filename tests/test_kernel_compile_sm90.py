@@ -1,11 +1,11 @@
-"""The portable and paged Triton decode kernels compile for sm_90 (Hopper) on a machine without a GPU, within its
-shared memory.
+"""The portable Triton decode kernel (its contiguous and paged launches) compiles for sm_90 (Hopper) on a machine
+without a GPU, within its shared memory.
 
 The CPU tests run the kernels in the Triton interpreter, which neither type-checks the way the compiler does (an
 fp32 model's launch once paired fp16 operands with fp32 IEEE dots and failed to compile on the H200 only) nor
 counts shared memory (a paged launch once needed 253,952 bytes of the 232,448 a program may use, and failed on the
 H200 only). This compiles the launches `launch_triton` and `mla_decode_paged` make (their tiling, warps and
-stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; the paged kernel in bf16) and the
+stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; its paged launch in bf16) and the
 quantize-and-pack kernel's two ways of addressing rows ahead of time for sm_90 (Triton's own ptxas, no driver), in a
 subprocess because the test session runs Triton in interpreter mode.
 """
@@ -23,7 +23,6 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from quantmla_hf.format import CacheFormat, PathFormat
-    from quantmla_hf.kernels import mla_decode_paged as paged
     from quantmla_hf.kernels import mla_decode_triton as mod
 
     SMEM = 232448  # bytes of shared memory one H100/H200 program may use
@@ -49,13 +48,12 @@ SCRIPT = textwrap.dedent(
         meta = (copy, copy) if bits == 16 else ("*fp16", "*i8")
         ptr = dict(q_ptr=copy, qr_ptr=copy, cc_ptr=plane, cs_ptr=meta[0], cz_ptr=meta[1], rc_ptr=plane,
                    rs_ptr=meta[0], rz_ptr=meta[1], snc_ptr=copy, snr_ptr=copy, rcc_ptr=copy, rcr_ptr=copy,
-                   lp_ptr="*i64", len_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
-        compile_launch(mod.mla_decode_triton_kernel, bits, exact, rows, {}, ptr)
-        ptr = dict(q_ptr=copy, qr_ptr=copy, c0=plane, c1=meta[0], c2=meta[1], r0=plane, r1=meta[0], r2=meta[1],
-                   snc_ptr=copy, snr_ptr=copy, rcc_ptr=copy, rcr_ptr=copy, page_table_ptr="*i32", rows_ptr="*i32",
-                   cu_q_ptr="*i32", seq_lens_ptr="*i32", token_request_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
+                   len_ptr="*i64", lp_ptr="*i64", pt_ptr="*i64", rows_ptr="*i64", cu_q_ptr="*i64",
+                   tok_req_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
+        compile_launch(mod.mla_decode_triton_kernel, bits, exact, rows, dict(PAGE=0), ptr)
         if rows == 16 and not exact:
-            compile_launch(paged.mla_decode_paged_kernel, bits, exact, rows, dict(PAGE=64), ptr)
+            ptr.update(len_ptr="*i32", pt_ptr="*i32", rows_ptr="*i32", cu_q_ptr="*i32", tok_req_ptr="*i32")
+            compile_launch(mod.mla_decode_triton_kernel, bits, exact, rows, dict(PAGE=64), ptr)
 
     # the quantize-and-pack writes: at consecutive positions (from a device-side start) and at page slots
     from quantmla_hf.kernels import quant_pack as qp

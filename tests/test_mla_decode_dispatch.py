@@ -10,6 +10,8 @@ from quantmla_hf.kernels import mla_decode as md
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_triton as pt
 
+import gluon_layout
+
 
 def fmt(cb, rb, dc=512, dr=64, group=64):
     return CacheFormat(PathFormat(dc, cb, group), PathFormat(dr, rb, group))
@@ -111,7 +113,7 @@ def test_flat_grid_numbers_every_program_once_packed_splits_first():
     assert mc.copy_programs(c4r4) == 3
     NS, B, M, bm = 5, 3, 40, 16
     (n,) = mc.flat_grid(NS, c4r4, M, bm, B)
-    coords = [mc.program_coords(p, NS, 3, 3, n) for p in range(n)]
+    coords = [gluon_layout.program_coords(p, NS, 3, 3, n) for p in range(n)]
     assert len(set(coords)) == n == B * 3 * (NS + 3)
     assert all(s < NS for s, _, _ in coords[: B * 3 * NS])  # every packed split before any copy program
 
@@ -178,7 +180,7 @@ def test_paged_reads_stay_in_the_request_pages(f, backend, head_blocks):
             target, NS = md.split_plan(backend, n_req, head_blocks, max(lengths), f, 132)
             held = []
             for split in range(NS + mc.copy_programs(f)):
-                pages, tiles = mc.paged_reads(length, split, NS, target, f)
+                pages, tiles = gluon_layout.paged_reads(length, split, NS, target, f)
                 assert all(0 <= p < -(-length // 64) for p in pages), (n_req, length, split, pages)
                 for lo, hi in tiles:
                     held.extend(range(lo, hi))

@@ -25,6 +25,8 @@ from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
 
+import gluon_layout
+
 NO_GLUON = "this Triton has no Gluon (triton.experimental.gluon, Triton >= 3.5)"
 
 
@@ -222,7 +224,7 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         zero = torch.randint(-3, 4, zero.shape, generator=g, dtype=torch.int8)  # also zeros outside the code range
         words = codes.view(torch.int32)  # [T, row words]
         wu, q = bits // 2, torch.arange(4)
-        word_idx = (mc.unit_base(u, q, n_groups) * bits // 32)[:, None] + torch.arange(wu)  # [4, WU]
+        word_idx = (gluon_layout.unit_base(u, q, n_groups) * bits // 32)[:, None] + torch.arange(wu)  # [4, WU]
         w = words[:, word_idx]  # [T, 4, WU]
         grp = torch.zeros(4, dtype=torch.long) if rope else q + 4 * (u // 4)
         zf = (zero[:, grp].to(torch.int32) + 1024 + (1 << (bits - 1))).to(torch.float16)  # `meta_asm`'s zz, [T, 4]
@@ -233,21 +235,21 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         v = x5.permute(0, 1, 2, 4, 3).reshape(T, 64)
         exact = dequantize_ref(codes, torch.ones_like(scale), zero, f, torch.float32)  # code - z
         ref = (exact.half() * scale.repeat_interleave(64, dim=1)).float()  # one rounding, as the kernel
-        sc = mc.score_channel(u, bits, n_groups)
+        sc = gluon_layout.score_channel(u, bits, n_groups)
         assert torch.equal(a.float(), ref[:, sc]), u
         if bits == 8:  # the remainder (fma.rn.f16x2 of code - z, s and -hi): hi + lo is the exact product here
             prod = exact * scale.float().repeat_interleave(64, dim=1)  # exact in fp32 (8-bit x 11-bit)
             lo = (prod - ref).half()
             assert torch.equal(ref.double() + lo.double(), prod.double()), u
         if not rope:
-            vc = mc.value_channel(u, bits, n_groups)
+            vc = gluon_layout.value_channel(u, bits, n_groups)
             assert torch.equal(v.float(), ref[:, vc]), u
     for bits in (2, 4):
-        content = torch.cat([mc.score_channel(u, bits, n_groups) for u in range(n_groups)])
-        values = torch.cat([mc.value_channel(u, bits, n_groups) for u in range(n_groups)])
+        content = torch.cat([gluon_layout.score_channel(u, bits, n_groups) for u in range(n_groups)])
+        values = torch.cat([gluon_layout.value_channel(u, bits, n_groups) for u in range(n_groups)])
         assert sorted(content.tolist()) == list(range(64 * n_groups))
         assert sorted(values.tolist()) == list(range(64 * n_groups))
-        assert sorted(mc.score_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
+        assert sorted(gluon_layout.score_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
 
 
 def _emulate_meta_asm(z: torch.Tensor, s: torch.Tensor, bits: int):
@@ -303,7 +305,7 @@ def test_unit_pairs_are_contiguous_in_a_group(n_groups):
     for both)."""
     for q in range(4):
         for u in range(0, n_groups, 2):
-            lo, hi = mc.unit_base(u, q, n_groups), mc.unit_base(u + 1, q, n_groups)
+            lo, hi = gluon_layout.unit_base(u, q, n_groups), gluon_layout.unit_base(u + 1, q, n_groups)
             assert hi == lo + 16, (q, u, lo, hi)
             assert lo // 64 == (hi + 15) // 64, (q, u, lo, hi)
 

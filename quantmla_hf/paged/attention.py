@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from ..absorbed import split_kv_b
 from ..cache import NATIVE_MAX_QUERY
 from ..distributed import kv_b_weight
-from ..kernels.mla_decode_paged_ref import mla_decode_paged_ref
+from ..kernels.mla_decode_ref import mla_decode_paged_ref
 from ..ops import mla_decode_paged
 from .cache import PagedQuantMLACache, PagedStep
 
