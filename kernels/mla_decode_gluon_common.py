@@ -679,14 +679,14 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
 def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz,
                    p_cc, p_rc, tn, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr,
                    C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr,
-                   wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, last=None,
-                   ROWS: gl.constexpr = False):
+                   wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, last):
     """Scores `[64, BM]` (waited) of one packed tile from its code words `c01 .. c67` (content units in pairs, `[64,
     4, 2 WU]`: a thread's 32 consecutive channels of group q, units 0-3, or q + 4, units 4-7), `cr` (RoPE) and fp16x2
     metadata (`zz0, ss0, zh0`: groups q, `zz1, ss1, zh1`: groups q + 4, `zzr, ssr, zhr`: RoPE; `half_asm`); its
     content keys stored to `kbuf`.
-    A pair's words are replaced by those of the tile at `tn` once both units are unpacked (one 8-, 16- or 32-byte
-    load per token and thread instead of two of half the width: half the L1 sector requests). Returns `(acc, c01,
+    A pair's words are replaced by those of the tile at `tn` (row pointers `p_cc`, `p_rc`, rows up to `last`) once
+    both units are unpacked (one 8-, 16- or 32-byte load per token and thread instead of two of half the width: half
+    the L1 sector requests). Returns `(acc, c01,
     c23, c45, c67, cr)`."""
     RWR: gl.constexpr = 2 * R_BITS
     LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
@@ -697,25 +697,22 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     p2 = acc
     acc, pend, p1, p2, c01 = _unit_pair(
         c01, 0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, ROWS)
+        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, True)
     acc, pend, p1, p2, c23 = _unit_pair(
         c23, 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, ROWS)
+        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, True)
     if GC == 8:
         acc, pend, p1, p2, c45 = _unit_pair(
             c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, ROWS)
+            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, True)
         if LO:  # the third chain starts at unit 6
             pend2 = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
         acc, pend, p1, p2, c67 = _unit_pair(
             c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, ROWS)
+            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, True)
     x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
-    if ROWS:
-        cr = _load_unit(p_rc, tn, lo, last, GC, RWR, R_BITS, GC, wr_l, 1, True)
-    else:
-        cr = _load_unit(p_rc, tn, lo, hi, GC, RWR, R_BITS, GC, wr_l)
+    cr = _load_unit(p_rc, tn, lo, last, GC, RWR, R_BITS, GC, wr_l, 1, True)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO, INFLIGHT,
                                     dot_a)
     if LO:
@@ -730,38 +727,37 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
 def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, kz, p_cc,
                  p_rc, t0, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
                  R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
-                 wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ml: gl.constexpr, last=None,
-                 ROWS: gl.constexpr = False, p_pt=None, PAGED: gl.constexpr = False):
-    """Scores of the packed tile at `t0` from its words `c01 .. cr` and metadata (steps `s0, s1, sr`, zero points
-    `z0, z1, zr`: `_load_meta`), loading the next tile's (`t0 + 64`). `PAGED` (with `ROWS`): the planes are page
-    pools and `p_pt` the split's page numbers (`_page_row`). Returns `(acc, c01, c23, c45, c67, cr, s0, z0, s1, z1,
-    sr, zr)` with the next tile's words and metadata."""
+                 wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ml: gl.constexpr, last, p_pt,
+                 PAGED: gl.constexpr):
+    """Scores of the packed tile at int32 position `t0` (relative to the split's first tile) from its words `c01 ..
+    cr` and metadata (steps `s0, s1, sr`, zero points `z0, z1, zr`: `_load_meta_rows`), loading the next tile's (`t0
+    + 64`) through row pointers (a register pair per token, unit offsets immediate) up to row `last`. `PAGED`: the
+    planes are page pools and `p_pt` the split's page numbers (`_page_row`). Returns `(acc, c01, c23, c45, c67, cr,
+    s0, z0, s1, z1, sr, zr)` with the next tile's words and metadata."""
     tn = t0 + 64
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
     zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
     zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
-    if ROWS:  # int32 rows; row pointers for the next tile's words (a register pair per token, unit offsets immediate)
-        row, shift = _tile_rows(p_pt, tn, last, PAGED)
-        s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml)
-        p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
-        p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
-    else:
-        s0, z0 = _load_meta(p_cs, p_cz, tn, lo, hi, 0, GC, ml)
-        if GC == 8:
-            s1, z1 = _load_meta(p_cs, p_cz, tn, lo, hi, 1, GC, ml)
-        sr, zr = _load_meta(p_rs, p_rz, tn, lo, hi, 0, 0, ml)
+    row, shift = _tile_rows(p_pt, tn, last, PAGED)
+    s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml)
+    p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
+    p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
     acc, c01, c23, c45, c67, cr = _packed_scores(
         c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
-        lo, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, last,
-        ROWS)
+        lo, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, last)
     return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr
 
 
 @_jit
-def _alloc_kbuf(GC: gl.constexpr, BT: gl.constexpr, k_sl: gl.constexpr):
-    """The content keys of a tile for the value `wgmma`s: a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit
-    (separate allocations, so the barrier analysis sees the units' stores as disjoint; `[u].index(kz)` keeps the
-    value `wgmma` descriptors computed in the loop)."""
+def _alloc_tiles(GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr):
+    """The shared buffers of a program: `(kbuf, qbuf, qlo, pbuf)`. `kbuf`, the content keys of a tile for the value
+    `wgmma`s, is a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit (separate allocations, so the barrier
+    analysis sees the units' stores as disjoint; `[u].index(kz)` keeps the value `wgmma` descriptors computed in the
+    loop); `qbuf`, `qlo: [GC + 1, BM, 64]` fp16 the staged queries (`qlo`, their low parts, only for `Q_SPLIT`; else
+    `qbuf` again); `pbuf: [1, BT, BM]` fp16 the probabilities."""
+    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
+                                              rank=2)
     k0 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
     k1 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
     k2 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
@@ -771,9 +767,15 @@ def _alloc_kbuf(GC: gl.constexpr, BT: gl.constexpr, k_sl: gl.constexpr):
         k5 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
         k6 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
         k7 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-        return (k0, k1, k2, k3, k4, k5, k6, k7)
+        kbuf = (k0, k1, k2, k3, k4, k5, k6, k7)
     else:
-        return (k0, k1, k2, k3)
+        kbuf = (k0, k1, k2, k3)
+    qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
+    if Q_SPLIT:
+        qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
+    else:
+        qlo = qbuf
+    return kbuf, qbuf, qlo, gl.allocate_shared_memory(gl.float16, [1, BT, BM], p_sl)
 
 
 def words_layout(wu: int):

@@ -10,7 +10,7 @@ tile, found through the page table); shared pieces in `mla_decode_gluon_common.p
 * The unpacked fp16 keys `(code - z) * s` are the register A operand of the score `wgmma`s: the scores read no
   shared memory for the keys, and the RoPE keys never touch shared memory.
 * The content keys are stored once to shared memory for the value `wgmma`s (`O^T = V^T P`), one buffer per unit
-  (`_alloc_kbuf`: with one buffer indexed per unit the compiler put a CTA barrier before each store).
+  (`_alloc_tiles`: with one buffer indexed per unit the compiler put a CTA barrier before each store).
 * The packed loop's loads use int32 rows relative to the split's first tile and one row pointer per token
   (`_row_ptrs`); rows past the split's last valid one are not read, their steps zeroed (`_load_meta_rows`), so
   their keys are exactly 0 whatever the registers hold.
@@ -40,7 +40,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-    from .mla_decode_gluon_common import (_alloc_kbuf, _copy_ranges, _cta_barrier, _dense_scores, _finish,
+    from .mla_decode_gluon_common import (_alloc_tiles, _copy_ranges, _cta_barrier, _dense_scores, _finish,
                                           _load_meta, _load_meta_rows, _load_unit, _page_row, _program_coords,
                                           _row_ptrs, _softmax_pv, _split_range, _stage_queries, _store_o,
                                           _tile_scores)
@@ -82,9 +82,6 @@ def mla_decode_gluon_regs_kernel(
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)  # per token
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)  # per query row
     ml: gl.constexpr = gl.SliceLayout(2, WC_L)  # per (token, quad slot)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
-                                              rank=2)
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
@@ -101,13 +98,7 @@ def mla_decode_gluon_regs_kernel(
     m_m = o_m < M
     lim_m = length - Tq + (o_m % Tq) + 1  # query t of Tq sees positions < length - Tq + t + 1
 
-    kbuf = _alloc_kbuf(GC, BT, k_sl)
-    qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
-    if Q_SPLIT:
-        qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
-    else:
-        qlo = qbuf
-    pbuf = gl.allocate_shared_memory(gl.float16, [1, BT, BM], p_sl)
+    kbuf, qbuf, qlo, pbuf = _alloc_tiles(GC, BT, BM, Q_SPLIT)
     vbuf = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     f = _stage_queries(qbuf, qlo, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, Q_SPLIT,
@@ -195,7 +186,7 @@ def mla_decode_gluon_regs_kernel(
         acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
             c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs_s, p_cz_s, p_rs_s, p_rz_s, qbuf, qlo, kbuf, kz,
             p_cc_s, p_rc_s, t_l, lo_l, hi_l, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l,
-            dot_a, ml, last, True, p_pt, PAGED)
+            dot_a, ml, last, p_pt, PAGED)
         o_t = t_l + o_bt32
         m_valid = ((o_t >= lo_l) & (o_t < hi_l))[:, None] & m_m[None, :]
         m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(

@@ -38,7 +38,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
-    from .mla_decode_gluon_common import (_alloc_kbuf, _copy_ranges, _cta_barrier, _finish, _load_dense,
+    from .mla_decode_gluon_common import (_alloc_tiles, _copy_ranges, _cta_barrier, _finish, _load_dense,
                                           _load_group_rows, _load_meta, _load_unit, _pair_meta, _program_coords, _pv,
                                           _references, _row_ptrs, _score_unit, _split_range, _stage_queries,
                                           _store_o, _tile_rows, _unit_pair, _unpack_unit)
@@ -398,21 +398,12 @@ def mla_decode_gluon_wide_kernel(
     D_C: gl.constexpr = GC * 64
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
-                                              rank=2)
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
     _, i_hb, i_b = _program_coords(num_splits, M, BM, (S + BT - 1) // BT + (R + BT - 1) // BT)
-    kbuf = _alloc_kbuf(GC, BT, k_sl)
-    qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
-    if Q_SPLIT:
-        qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
-    else:
-        qlo = qbuf
-    pbuf = gl.allocate_shared_memory(gl.float16, [1, BT, BM], p_sl)
+    kbuf, qbuf, qlo, pbuf = _alloc_tiles(GC, BT, BM, Q_SPLIT)
     sbuf = gl.allocate_shared_memory(gl.float32, [2, BT, BM // 2], plain2)  # [h]: partial scores of rows half 1 - h
     abuf = gl.allocate_shared_memory(gl.float32, [BM], plain1)
     ibuf = gl.allocate_shared_memory(gl.float32, [BM], plain1)
