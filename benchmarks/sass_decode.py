@@ -1,7 +1,7 @@
 """Instruction mix of the register-operand Gluon decode kernel (`kernels/mla_decode_gluon_regs.py`), compiled for
 sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp and 64-token tile, counted by
 opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "The Gluon register
-kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4/C2R4): one
+kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C8R8): one
 packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide]
@@ -48,9 +48,9 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
     """The two-warpgroup kernel compiled for sm_90 at DeepSeek widths with its registers."""
     fn = mw.mla_decode_gluon_wide_kernel
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M, Q_SPLIT=q_split,
-                 INFLIGHT=inflight, W_REGS=mw.WORKER_REGS, PAGED=paged)
+                 INFLIGHT=inflight, W_REGS=mw.REGS[content_bits], PAGED=paged)
     index = "*i32" if paged else "*i64"
-    return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.LAUNCH_REGS},
+    return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.REGS[content_bits]},
                     dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
 
 
@@ -133,7 +133,7 @@ def main():
     ap.add_argument("--fp32-queries", action="store_true")
     ap.add_argument("--inflight", type=int, default=None, choices=(0, 1), help="default: the kernel's (`INFLIGHT`)")
     ap.add_argument("--paged", action="store_true", help="the paged launch")
-    ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel (C4R4, C2R4)")
+    ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
     a = ap.parse_args()
     if a.wide:
         main_wide(a)
@@ -153,8 +153,6 @@ def main():
 
 
 def main_wide(a):
-    if a.format not in ("C4R4", "C2R4"):
-        raise SystemExit(f"--wide takes C4R4 or C2R4, got {a.format}")
     inflight = mw.INFLIGHT if a.inflight is None else a.inflight
     kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight, paged=a.paged)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")

@@ -6,7 +6,7 @@ launched by `mla_decode.mla_decode_static` (backend "gluon_wide") and, for decod
 
 Why: the one-warpgroup kernel holds 16 rows (its 8 value accumulators take 64 of its 255 registers), so at 128 heads
 every token is unpacked 8 times; here a program is two warpgroups (`gl.warp_specialize`: the leader and one 4-warp
-worker, 240 registers each, one program per SM) and each token is unpacked once per 32 rows:
+worker, 240 registers each, 248 at 8 bits, one program per SM) and each token is unpacked once per 32 rows:
 
 * the leader unpacks content units 0-3 and the RoPE unit, the worker units 4-7, into the register A operands of
   their own score `wgmma`s (`m64n32k16`), and each stores its content keys to its half of `kbuf`;
@@ -44,8 +44,10 @@ if HAVE_GLUON:
                                           _store_o, _tile_rows, _unit_pair, _unpack_unit)
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
-LAUNCH_REGS = 240  # registers per thread at launch: one program of 8 warps per SM (no spills, ptxas)
-WORKER_REGS = 240  # the worker's after setmaxnreg; the leader gets 2 * LAUNCH_REGS - WORKER_REGS
+# Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width: one
+# program of 8 warps per SM. 2/4 bits: 240 (no spills, ptxas). 8 bits: 248 (256 threads x 248 = 63,488 of the SM's
+# 65,536): about 0.85x the time at 240 on the H200, in separate runs (docs/KERNELS.md).
+REGS = {2: 240, 4: 240, 8: 248}
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`mla_decode.fill_splits`): the one resident, one
 # round (docs/KERNELS.md)
@@ -53,7 +55,8 @@ FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`mla_decode.f
 if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_specialize's argument tuples)
     _WORDS_1 = gl.constexpr(words_layout(1))  # 2-bit words
     _WORDS_2 = gl.constexpr(words_layout(2))  # 4-bit words, 2-bit unit pairs
-    _WORDS_4 = gl.constexpr(words_layout(4))  # 4-bit unit pairs
+    _WORDS_4 = gl.constexpr(words_layout(4))  # 4-bit unit pairs, 8-bit words
+    _WORDS_8 = gl.constexpr(words_layout(8))  # 8-bit unit pairs
     _DENSE = gl.constexpr(words_layout(16))  # model-dtype copies
 
 
@@ -68,22 +71,34 @@ def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, 
     2, U0 + 3, as `_unit_pair` takes them; fp16x2 metadata `zz, ss, zh`) and, with `ROPE`, the RoPE unit (`cr`, `zzr,
     ssr, zhr`) of one packed tile; the content keys stored to `kbuf[U0 .. U0 + 3]`; the words replaced by those of the
     tile at `tn` (`_load_unit`: masked to `[lo, end)`, or with `ROWS` from the row pointers `p_cc`, `p_rc` up to
-    position `end`). Returns `(acc, ca, cb, cr)`."""
+    position `end`). Returns `(acc, ca, cb, cr)`.
+
+    8-bit keys (`LO`, C8R8): the scores take the keys' high and low fp16 parts, in accumulator chains of at most
+    three units as in the register kernel (`_score_unit`): the leader's units 0-2 and 3 + RoPE (the chain that starts
+    at unit 3 starts inside the pair, `_unit_pair`), the worker's 4-5 and 6-7, summed in fp32."""
     RWR: gl.constexpr = 2 * R_BITS
+    LO: gl.constexpr = C_BITS == 8
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     pend = acc
     p1 = acc
     p2 = acc
     acc, pend, p1, p2, ca = _unit_pair(ca, U0, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end,
                                        GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, end, ROWS)
+    if LO and not ROPE:  # the worker's second chain starts at unit 6
+        pend = acc
+        acc = gl.zeros([64, BM], gl.float32, acc_l)
     acc, pend, p1, p2, cb = _unit_pair(cb, U0 + 2, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo,
                                        end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, end, ROWS)
     if ROPE:
         x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
         cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
-        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
+        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO,
                                         INFLIGHT, dot_a, U0)
-    acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
+    if LO:
+        acc, pend, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, p1, p2])
+        acc = acc + pend
+    else:
+        acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc, ca, cb, cr
 
 
@@ -210,9 +225,9 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     U0: gl.constexpr = 0 if LEAD else 4
-    WC_L: gl.constexpr = _WORDS_2 if C_BITS == 4 else _WORDS_1  # one and two content units' words
-    WP_L: gl.constexpr = _WORDS_4 if C_BITS == 4 else _WORDS_2
-    WR_L: gl.constexpr = _WORDS_2
+    WC_L: gl.constexpr = _WORDS_4 if C_BITS == 8 else (_WORDS_2 if C_BITS == 4 else _WORDS_1)  # one unit's words
+    WP_L: gl.constexpr = _WORDS_8 if C_BITS == 8 else (_WORDS_4 if C_BITS == 4 else _WORDS_2)  # two units'
+    WR_L: gl.constexpr = _WORDS_4 if R_BITS == 8 else _WORDS_2
     XL: gl.constexpr = _DENSE
     HF: gl.constexpr = 0 if LEAD else 1
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -447,14 +462,15 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
 
 def wide_handles(fmt: CacheFormat) -> bool:
     """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups (the two warpgroups take
-    four each), 2- or 4-bit content and 4-bit RoPE (C4R4, C2R4)."""
-    return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits == 4
+    four each), 2- or 4-bit content and 4-bit RoPE (C4R4, C2R4), or 8-bit content and RoPE (C8R8)."""
+    c, r = fmt.content.bits, fmt.rope.bits
+    return fmt.content.n_groups == 8 and ((c in (2, 4) and r == 4) or (c == 8 and r == 8))
 
 
 def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
                 split_target, NS, qk_scale, page_table=None):
     """Launch `mla_decode_gluon_wide_kernel` on `flat_grid` (`B * cdiv(M, 32) * (NS + copy_programs(fmt))`
-    programs): 8 warps per program at `LAUNCH_REGS` registers, the worker at `WORKER_REGS` after `setmaxnreg`.
+    programs): 8 warps per program at `REGS[content bits]` registers, the worker's set again by `setmaxnreg`.
     `page_table`: the paged launch, as `mla_decode_gluon_regs.launch_regs` takes it."""
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
     paged = page_table is not None
@@ -462,7 +478,7 @@ def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, leng
         mla_decode_gluon_wide_kernel, "two-warpgroup Gluon decode kernel", smem_bytes(fmt, q_split), "gluon_regs",
         BLOCK_M, q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
         split_target, NS, qk_scale, paged,
-        Q_SPLIT=q_split, INFLIGHT=INFLIGHT, W_REGS=WORKER_REGS,
+        Q_SPLIT=q_split, INFLIGHT=INFLIGHT, W_REGS=REGS[fmt.content.bits],
         pt_ptr=page_table if paged else lp, s_pt=page_table.stride(0) if paged else 0, PAGED=paged,
-        num_warps=4, maxnreg=LAUNCH_REGS,
+        num_warps=4, maxnreg=REGS[fmt.content.bits],
     )

@@ -37,7 +37,7 @@ CASES = [  # (format, rows, batch, dtype, H200 choice)
     (fmt(4, 4), 128, 8, torch.bfloat16, "gluon_wide"),  # 128 heads
     (fmt(2, 4), 128, 32, torch.bfloat16, "gluon_wide"),
     (fmt(4, 4), 32, 4, torch.bfloat16, "gluon_wide"),  # 16 heads x 2 query tokens
-    (fmt(8, 8), 128, 32, torch.bfloat16, "gluon_regs"),  # 8-bit keys: the register kernel at every row count
+    (fmt(8, 8), 128, 32, torch.bfloat16, "gluon_wide"),  # 8-bit keys at 128 heads: the two-warpgroup kernel too
     (fmt(4, 4, dc=256, dr=32), 128, 8, torch.bfloat16, "triton"),  # MiniCPM3: RoPE group of 32
     (fmt(4, 4, dc=256), 128, 8, torch.bfloat16, "gluon_regs"),  # 4 content groups: not the wide kernel's
     (fmt(16, 16), 128, 32, torch.bfloat16, "triton"),  # C16R16
@@ -122,7 +122,7 @@ PAGED_CASES = [  # (format, heads, requests, query tokens, page size, H200 choic
     (fmt(4, 4), 16, 5, 5, 64, "gluon_regs"),  # a decode step in 64-token pages
     (fmt(2, 4), 16, 32, 32, 64, "gluon_regs"),
     (fmt(4, 4), 128, 8, 8, 64, "gluon_wide"),  # many heads: the two-warpgroup kernel, as contiguous
-    (fmt(8, 8), 128, 8, 8, 64, "gluon_regs"),  # 8-bit keys: the register kernel in head blocks
+    (fmt(8, 8), 128, 8, 8, 64, "gluon_wide"),  # 8-bit keys too
     (fmt(4, 4), 16, 5, 9, 64, "triton"),  # a prefill chunk in the step
     (fmt(4, 4), 16, 5, 5, 32, "triton"),  # pages smaller than the Gluon tile
     (fmt(16, 16), 16, 5, 5, 64, "triton"),  # C16R16
@@ -167,7 +167,7 @@ def test_paged_gluon_refused_where_it_does_not_apply():
 
 
 @pytest.mark.parametrize("f, backend, head_blocks", [(fmt(4, 4), "gluon_regs", 1), (fmt(8, 8), "gluon_regs", 1),
-                                                     (fmt(4, 4), "gluon_wide", 4)])
+                                                     (fmt(4, 4), "gluon_wide", 4), (fmt(8, 8), "gluon_wide", 4)])
 def test_paged_reads_stay_in_the_request_pages(f, backend, head_blocks):
     """The paged Gluon launch (`paged_reads`, the host's statement of its split and page arithmetic): for requests of
     every length around page, split and sink/recent edges and the split plans of 1-64 requests, every page-table

@@ -119,22 +119,23 @@ COMPILE_WIDE = textwrap.dedent(
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     bm = mw.BLOCK_M
     # (content bits, fp32 queries, paged): the launch of each format and the paged launch
-    for cb, q_split, paged in ((4, False, False), (2, True, False), (4, False, True)):
+    for cb, q_split, paged in ((4, False, False), (2, True, False), (4, False, True), (8, False, False)):
         qd = "*fp32" if q_split else "*bf16"
         ix = "*i32" if paged else "*i64"
         ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
                    rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
                    rcr_ptr="*bf16", lp_ptr=ix, len_ptr=ix, pt_ptr=ix, o_ptr="*fp32", lse_ptr="*fp32")
-        const = dict(GC=8, C_BITS=cb, R_BITS=4, S=4, R=128, BM=bm, Q_SPLIT=q_split, INFLIGHT=mw.INFLIGHT,
-                     W_REGS=mw.WORKER_REGS, PAGED=paged)
+        rb = 8 if cb == 8 else 4
+        const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=bm, Q_SPLIT=q_split, INFLIGHT=mw.INFLIGHT,
+                     W_REGS=mw.REGS[cb], PAGED=paged)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
         src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
                                                                   for k, v in const.items()}, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "maxnreg": mw.LAUNCH_REGS})
-        fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, 4, 64))
+                                options={"num_warps": 4, "maxnreg": mw.REGS[cb]})
+        fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = mw.smem_bytes(fmt, q_split)
         assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, bm, q_split, kernel.metadata.shared, need)
         ptx = kernel.asm["ptx"]
@@ -142,9 +143,9 @@ COMPILE_WIDE = textwrap.dedent(
         mma = rf"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16 \\{{[^}}]*\\}}, "
         per = 2 if q_split else 1
         # scores, A from registers: the leader's 4 content units + RoPE and the worker's 4, 4 k-steps each, in the
-        # packed loop and the two copy loops
+        # packed loop (twice at 8 bits: the keys' high and low parts) and the two copy loops
         n_reg = len(re.findall(mma + r"\\{", ptx))
-        assert n_reg == 3 * 9 * 4 * per, (cb, bm, n_reg)
+        assert n_reg == (4 if cb == 8 else 3) * 9 * 4 * per, (cb, bm, n_reg)
         # values, A (the stored keys) from shared memory: 4 units per warpgroup, 4 k-steps, three loops
         n_smem = len(re.findall(mma + r"%rd", ptx))
         assert n_smem == 3 * 8 * 4, (cb, bm, n_smem)
