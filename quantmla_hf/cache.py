@@ -439,10 +439,15 @@ class QuantMLACache(Cache):
         for layer in self.layers:
             layer.set_left_padding(first)
 
+    def set_layers(self, **attributes) -> None:
+        """Set the same attributes on every layer (`native`, and the static cache's `length` and `host_checked`)."""
+        for layer in self.layers:
+            for name, value in attributes.items():
+                setattr(layer, name, value)
+
     def set_native(self, enabled: bool) -> None:
         """Let short chunks skip the history reconstruction (for the "quantmla" attention implementation)."""
-        for layer in self.layers:
-            layer.native = enabled
+        self.set_layers(native=enabled)
 
     def nbytes(self) -> int:
         """Persistent bytes held by all layers (packed planes, sink and recent copies), as allocated."""

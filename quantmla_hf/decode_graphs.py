@@ -260,10 +260,10 @@ class CapturedStep:
 class GraphStats:
     """What the step objects of one model did: captures, replays, eager steps, capture seconds."""
 
-    captures: int = 0
-    replays: int = 0
-    eager_steps: int = 0
-    capture_seconds: float = 0.0
+    captures: int = 0  # CUDA graphs captured
+    replays: int = 0  # decode steps replayed from a graph
+    eager_steps: int = 0  # decode steps run without one
+    capture_seconds: float = 0.0  # wall time of the captures
 
 
 def graph_stats(model) -> GraphStats:

@@ -399,8 +399,7 @@ class StaticQuantMLACache(QuantMLACache):
 
     def set_host_length(self, n_tokens: int) -> None:
         """Set every layer's length, host and device (after a warm-up step that must leave no trace)."""
-        for layer in self.layers:
-            layer.length = n_tokens
+        self.set_layers(length=n_tokens)
 
     def moved_buffers(self) -> bool:
         """Whether any layer's buffers moved since the last call (batch reorders, repeats, selections)."""
@@ -415,13 +414,11 @@ class StaticQuantMLACache(QuantMLACache):
     def host_checked_steps(self):
         """Inside, decode steps skip their synchronising checks (mask, room left): the caller made them on the host
         (as `quantmla_hf.decode_graphs` does once per generation and before every replay)."""
-        for layer in self.layers:
-            layer.host_checked = True
+        self.set_layers(host_checked=True)
         try:
             yield
         finally:
-            for layer in self.layers:
-                layer.host_checked = False
+            self.set_layers(host_checked=False)
 
     def reset(self) -> None:
         for layer in self.layers:
