@@ -137,8 +137,8 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
     if backend.startswith("gluon"):
         if choice == "triton" or (backend == "gluon_wide" and not wide.wide_handles(fmt)):
             raise ValueError(f"the paged {backend} kernel takes a decode step (one query token per request) of "
-                             f"{fmt.name} in pages of {GLUON_BLOCK_T} tokens on sm_90 (wide: C4R4, C2R4, C8R8), got {Nq} "
-                             f"tokens of {n} requests in pages of {page_size} on {q_lat.device}: use "
+                             f"{fmt.name} in pages of {GLUON_BLOCK_T} tokens on sm_90 (wide: C4R4, C2R4, C8R8), got "
+                             f"{Nq} tokens of {n} requests in pages of {page_size} on {q_lat.device}: use "
                              "backend='triton'")
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         return _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content,
