@@ -163,8 +163,8 @@ def mla_decode_paged_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_con
     page_size = next(iter(content.values())).shape[1]
     step_fmt = dataclasses.replace(fmt, sink_tokens=sink_content.shape[1], recent_tokens=recent_content.shape[1])
     no_padding = torch.zeros(1, dtype=torch.int64)
-    for i, (q0, q1, length, row) in enumerate(zip(cu_seqlens_q.tolist(), cu_seqlens_q.tolist()[1:],
-                                                  seq_lens.tolist(), rows.tolist())):
+    cu = cu_seqlens_q.tolist()
+    for i, (q0, q1, length, row) in enumerate(zip(cu, cu[1:], seq_lens.tolist(), rows.tolist())):
         if q1 == q0:
             continue
         pos = torch.arange(length, device=q_lat.device)
