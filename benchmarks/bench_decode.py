@@ -85,12 +85,6 @@ def cache_bytes(fmt, B, N):
     return B * (packed * fmt.packed_bytes_per_token() + (N - packed) * fmt.dense_bytes_per_token())
 
 
-def cache_bytes(fmt, B, N):
-    S, R = fmt.sink_tokens, fmt.recent_tokens
-    packed = max(0, N - S - R)
-    return B * (packed * fmt.packed_bytes_per_token() + (N - packed) * fmt.dense_bytes_per_token())
-
-
 def decode_fn(backend, N, capacity=None):
     """`(args of mla_decode_ref) -> (o, lse)` through `mla_decode_static` with a device-side length `N` and the planes'
     `capacity` (default N): `backend` "default" takes `select_backend`'s choice."""

@@ -14,10 +14,12 @@ that `mla_decode_combine.combine` merges per (token, head).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
-from quantmla_hf.format import CacheFormat, PathFormat
+from quantmla_hf.format import CacheFormat
 
 from . import mla_decode_gluon_regs as regs
 from . import mla_decode_gluon_wide as wide
@@ -25,26 +27,7 @@ from .mla_decode import LOG2E, interpreting, num_sms, select_backend, split_plan
 from .mla_decode_combine import combine
 from .mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
 from .mla_decode_gluon_common import copy_programs, planes_contiguous
-from .mla_decode_triton import (
-    block_rows,
-    launch_shape,
-    mla_decode_triton_kernel,
-    native_operands,
-    path_tiling,
-    split_target,
-    triton_handles,
-)
-
-
-def _flat_planes(planes: dict[str, torch.Tensor], fmt: PathFormat) -> tuple:
-    """A path's page planes `[P, page_size, width]` as row-addressed planes `[P * page_size, width]`."""
-    for name, plane in planes.items():
-        if not plane.is_contiguous():
-            raise ValueError(f"page plane {name!r} must be contiguous [P, page_size, width]")
-    flat = {k: v.view(-1, v.shape[-1]) for k, v in planes.items()}
-    if fmt.quantized:
-        return flat["codes"], flat["scale"], flat["zero"]
-    return (flat["values"],) * 3
+from .mla_decode_triton import block_rows, launch_shape, launch_triton, native_operands, split_target, triton_handles
 
 
 PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "triton")
@@ -147,35 +130,19 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
     S, R = sink_content.shape[1], recent_content.shape[1]
-    tile, warps, stages = launch_shape(fmt, H)
-    bt = block_t or tile
-    GC, GROUP_C = path_tiling(fmt.content, 8)
-    block_m = block_rows(H)
-    head_blocks = triton.cdiv(H, block_m)
+    bt = block_t or launch_shape(fmt, H)[0]
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 8
-    target = max(1, int(num_splits or split_target(Nq * head_blocks, sms)))
+    target = max(1, int(num_splits or split_target(Nq * triton.cdiv(H, block_rows(H)), sms)))
     NS = max(1, min(target, triton.cdiv(max(longest - R - S, 0), 2 * bt)))  # splits that can hold positions
     o_part = torch.empty((Nq, H, NS + 1, d_c), dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty((Nq, H, NS + 1), dtype=torch.float32, device=q_lat.device)
     # An empty copy tensor has no storage to point at: pass the queries (never read, the masks are all false).
     snc, snr, rcc, rcr = (t.contiguous() if t.numel() else q_lat
                           for t in (sink_content, sink_rope, recent_content, recent_rope))
-    c0, c1, c2 = _flat_planes(content, fmt.content)
-    r0, r1, r2 = _flat_planes(rope, fmt.rope)
-    q, qr = q_lat.contiguous(), q_rot.contiguous()
-    mla_decode_triton_kernel[(NS + 1, head_blocks, Nq)](
-        q, qr, c0, c1, c2, r0, r1, r2, snc, snr, rcc, rcr,
-        seq_lens.to(torch.int32).contiguous(), seq_lens, page_table.to(torch.int32).contiguous(),
-        rows.to(torch.int32).contiguous(), cu_seqlens_q.to(torch.int32).contiguous(),
-        token_request.to(torch.int32).contiguous(), o_part, lse_part,
-        H, 1, page_table.shape[1], target, NS, float(scaling) * LOG2E,
-        H * d_c, H * fmt.rope.dim, 0, c0.stride(0), 0, c1.stride(0), 0, r0.stride(0), 0, r1.stride(0),
-        snc.stride(0), snc.stride(1), snr.stride(0), snr.stride(1), rcc.stride(0), rcc.stride(1), rcr.stride(0),
-        rcr.stride(1),
-        D_C=d_c, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=fmt.rope.dim, R_BITS=fmt.rope.bits,
-        S=S, R=R, PAGE=page_size, BLOCK_M=block_m, BLOCK_T=bt,
-        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, NATIVE=native,
-        num_warps=warps, num_stages=stages,
-    )
+    lens = seq_lens.to(torch.int32).contiguous()
+    copies = dataclasses.replace(fmt, sink_tokens=S, recent_tokens=R)  # a 16-bit cache keeps no copies
+    pages = tuple(t.to(torch.int32).contiguous() for t in (page_table, rows, cu_seqlens_q, token_request))
+    launch_triton(q_lat.contiguous(), q_rot.contiguous(), content, rope, copies, snc, snr, rcc, rcr, lens, lens, o_part,
+                  lse_part, H, 1, target, NS, float(scaling) * LOG2E, native=native, pages=pages, block_t=bt)
     return combine(o_part, lse_part, 1, None, sms)

@@ -387,7 +387,14 @@ def block_rows(M: int) -> int:
     return 16 if M <= 32 else 32
 
 
-def _plane3(planes: dict, path: PathFormat):
+def _plane3(planes: dict, path: PathFormat, pages: int):
+    """A path's `(p0, p1, p2)` planes `[B, capacity, width]` (`_group_tile`); with `pages` requests, page planes
+    `[P, page_size, width]` as one pool `[pages, P * page_size, width]` of batch stride 0."""
+    if pages:
+        for name, plane in planes.items():
+            if not plane.is_contiguous():
+                raise ValueError(f"page plane {name!r} must be contiguous [P, page_size, width]")
+        planes = {k: v.view(1, -1, v.shape[-1]).expand(pages, -1, -1) for k, v in planes.items()}
     if path.quantized:
         return planes["codes"], planes["scale"], planes["zero"]
     v = planes["values"]
@@ -395,27 +402,36 @@ def _plane3(planes: dict, path: PathFormat):
 
 
 def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                  split_target, NS, qk_scale):
+                  split_target, NS, qk_scale, native=None, pages=None, block_t=None):
     """Launch `mla_decode_triton_kernel` on the grid `(NS + 1, cdiv(M, block_rows(M)), B)`: `q: [B, M, d_c]`,
     `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32, in the launch
-    measured on the H200 (`block_rows`, `launch_shape`)."""
+    measured on the H200 (`block_rows`, `launch_shape`; `block_t` overrides the tile). `native`: `NATIVE`, default
+    from the copies' dtype.
+
+    `pages` (the `PAGE` launch): `(page_table, rows, cu_seqlens_q, token_request)` int32 of the requests, whose
+    page planes `cp`, `rp` are `[P, page_size, width]`; B is then the query tokens, `M = H`, `length` the requests'
+    lengths and `Tq = 1`; the copies are indexed by `rows`."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
-    native = native_operands(fmt, q.dtype, qr.dtype, sink_c.dtype)
+    if native is None:
+        native = native_operands(fmt, q.dtype, qr.dtype, sink_c.dtype)
     GC, GROUP_C = path_tiling(fmt.content, 8)
     block_m = block_rows(M)
-    block_t, warps, stages = launch_shape(fmt, M)
-    c0, c1, c2 = _plane3(cp, fmt.content)
-    r0, r1, r2 = _plane3(rp, fmt.rope)
+    tile, warps, stages = launch_shape(fmt, M)
+    n_req = pages[0].shape[0] if pages else 0
+    c0, c1, c2 = _plane3(cp, fmt.content, n_req)
+    r0, r1, r2 = _plane3(rp, fmt.rope, n_req)
+    page_size = next(iter(cp.values())).shape[1] if pages else 0
+    pt, rows, cu_q, tok_req = pages if pages else (lp,) * 4
     mla_decode_triton_kernel[(NS + 1, triton.cdiv(M, block_m), B)](
-        q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, length, lp, lp, lp, lp, lp,
-        o_part, lse_part, M, Tq, 0, split_target, NS, qk_scale,
+        q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, length, lp, pt, rows, cu_q, tok_req,
+        o_part, lse_part, M, Tq, pt.stride(0) if pages else 0, split_target, NS, qk_scale,
         q.stride(0), qr.stride(0), c0.stride(0), c0.stride(1), c1.stride(0), c1.stride(1), r0.stride(0),
         r0.stride(1), r1.stride(0), r1.stride(1),
         sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
         recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
         D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
-        S=fmt.sink_tokens, R=fmt.recent_tokens, PAGE=0, BLOCK_M=block_m, BLOCK_T=block_t,
+        S=fmt.sink_tokens, R=fmt.recent_tokens, PAGE=page_size, BLOCK_M=block_m, BLOCK_T=block_t or tile,
         Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, NATIVE=native, num_warps=warps,
         num_stages=stages,
     )
