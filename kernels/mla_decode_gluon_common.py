@@ -805,18 +805,23 @@ def flat_grid(NS: int, fmt: CacheFormat, M: int, block_m: int, B: int) -> tuple[
     return (B * -(-M // block_m) * (NS + copy_programs(fmt)),)
 
 
-def launch_flat(kernel, what: str, smem_need: int, fallback: str, block_m: int, q, qr, cp, rp, fmt: CacheFormat,
+def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, qr, cp, rp, fmt: CacheFormat,
                 sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, split_target, NS, qk_scale,
-                paged: bool = False, **meta):
+                page_table=None, **meta):
     """Launch a Gluon decode kernel on `flat_grid` with the arguments they all take (queries `[B, M, d_c]` / `[B, M,
     d_R]`, code planes viewed as int32 words, scale/zero planes, copies, left padding, device-side length, partial
-    outputs) plus its own constexprs and options `meta`. `paged`: the planes are page pools `[P, 64, width]`
-    addressed from their first row (batch strides 0). Refuses a format needing more than `SMEM_LIMIT` bytes of
-    shared memory (`smem_need`), naming `fallback`."""
+    outputs `[B, M, NS + copy_programs(fmt), d_c]` / `[B, M, NS + copy_programs(fmt)]`) plus its own constexprs and
+    options `meta`. `page_table` (int32 `[B, max_pages]`): the kernel's `PAGED` launch, the planes page pools `[P,
+    64, width]` addressed from their first row (batch strides 0), `lp` the requests' copy rows and `length` their
+    lengths `[B]`. Refuses a format needing more than `SMEM_LIMIT` bytes of shared memory (`smem_bytes(fmt,
+    q_split)`), naming `fallback`."""
+    q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
+    smem_need = smem_bytes(fmt, q_split)
     if smem_need > SMEM_LIMIT:
         raise ValueError(f"the {what} needs {smem_need} bytes of shared memory for {fmt.name}, more than {SMEM_LIMIT}: "
                          f"use backend={fallback!r}")
     cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
+    paged = page_table is not None
     batch = 0 if paged else 1
     kernel[flat_grid(NS, fmt, M, block_m, q.shape[0])](
         q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"], sink_c, sink_r, recent_c, recent_r, lp, length,
@@ -824,7 +829,8 @@ def launch_flat(kernel, what: str, smem_need: int, fallback: str, block_m: int, 
         *(batch * t.stride(0) for t in (cw, cp["scale"], rw, rp["scale"])),
         *(t.stride(i) for t in (sink_c, sink_r, recent_c, recent_r) for i in (0, 1)),
         GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
-        R=fmt.recent_tokens, BM=block_m, **meta,
+        R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q_split, pt_ptr=page_table if paged else lp,
+        s_pt=page_table.stride(0) if paged else 0, PAGED=paged, **meta,
     )
 
 

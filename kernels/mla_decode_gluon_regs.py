@@ -29,8 +29,6 @@ once to fp16 would move the LSE by ~4.5e-3, so the asm also returns the remainde
 
 from __future__ import annotations
 
-import torch
-
 from quantmla_hf.format import CacheFormat
 
 from .mla_decode_gluon_common import (BLOCK_T, GROUP, HAVE_GLUON, _jit_dynamic, launch_flat,
@@ -252,21 +250,10 @@ def regs_handles(fmt: CacheFormat) -> bool:
     return fmt.content.n_groups in (4, 8) and ((c in (2, 4) and r in (2, 4)) or (c == 8 and r == 8))
 
 
-def launch_regs(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale, page_table=None):
-    """Launch `mla_decode_gluon_regs_kernel` on `flat_grid` (`B * cdiv(M, 16) * (NS + copy_programs(fmt))`
-    programs, the partials holding `NS + copy_programs(fmt)` slots), one warpgroup per program. `page_table` (int32
-    `[B, max_pages]`): the planes are page pools `[P, 64, width]`, `lp` the requests' copy rows and `length` their
-    lengths `[B]` (the kernel's `PAGED`)."""
-    q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
-    paged = page_table is not None
-    launch_flat(
-        mla_decode_gluon_regs_kernel, "register-operand Gluon decode kernel", smem_bytes(fmt, q_split), "triton",
-        BLOCK_M, q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-        split_target, NS, qk_scale, paged,
-        Q_SPLIT=q_split, INFLIGHT=INFLIGHT[fmt.content.bits],
-        WC_L=words_layout(fmt.content.bits // 2), WP_L=words_layout(fmt.content.bits),
-        WR_L=words_layout(fmt.rope.bits // 2), XL=words_layout(16),
-        pt_ptr=page_table if paged else lp, s_pt=page_table.stride(0) if paged else 0, PAGED=paged,
-        num_warps=4,
-    )
+def launch_regs(*args, page_table=None):
+    """Launch `mla_decode_gluon_regs_kernel` with `launch_flat`'s arguments (after its `block_m`): `B * cdiv(M, 16) *
+    (NS + copy_programs(fmt))` programs of one warpgroup."""
+    bits = args[4].content.bits, args[4].rope.bits  # the format's
+    launch_flat(mla_decode_gluon_regs_kernel, "register-operand Gluon decode kernel", smem_bytes, "triton", BLOCK_M,
+                *args, page_table=page_table, INFLIGHT=INFLIGHT[bits[0]], WC_L=words_layout(bits[0] // 2),
+                WP_L=words_layout(bits[0]), WR_L=words_layout(bits[1] // 2), XL=words_layout(16), num_warps=4)

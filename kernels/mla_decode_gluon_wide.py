@@ -27,8 +27,6 @@ Shared memory (C4R4, bf16 queries): tiles 64 KB + queries 36 KB + P 4 KB + parti
 
 from __future__ import annotations
 
-import torch
-
 from quantmla_hf.format import CacheFormat
 
 from .mla_decode_gluon_common import (BLOCK_T, HAVE_GLUON, _jit, _jit_dynamic, launch_flat,
@@ -467,18 +465,10 @@ def wide_handles(fmt: CacheFormat) -> bool:
     return fmt.content.n_groups == 8 and ((c in (2, 4) and r == 4) or (c == 8 and r == 8))
 
 
-def launch_wide(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                split_target, NS, qk_scale, page_table=None):
-    """Launch `mla_decode_gluon_wide_kernel` on `flat_grid` (`B * cdiv(M, 32) * (NS + copy_programs(fmt))`
-    programs): 8 warps per program at `REGS[content bits]` registers, the worker's set again by `setmaxnreg`.
-    `page_table`: the paged launch, as `mla_decode_gluon_regs.launch_regs` takes it."""
-    q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
-    paged = page_table is not None
-    launch_flat(
-        mla_decode_gluon_wide_kernel, "two-warpgroup Gluon decode kernel", smem_bytes(fmt, q_split), "gluon_regs",
-        BLOCK_M, q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-        split_target, NS, qk_scale, paged,
-        Q_SPLIT=q_split, INFLIGHT=INFLIGHT, W_REGS=REGS[fmt.content.bits],
-        pt_ptr=page_table if paged else lp, s_pt=page_table.stride(0) if paged else 0, PAGED=paged,
-        num_warps=4, maxnreg=REGS[fmt.content.bits],
-    )
+def launch_wide(*args, page_table=None):
+    """Launch `mla_decode_gluon_wide_kernel` with `launch_flat`'s arguments (after its `block_m`): `B * cdiv(M, 32) *
+    (NS + copy_programs(fmt))` programs of 8 warps at `REGS[content bits]` registers, the worker's set again by
+    `setmaxnreg`."""
+    regs = REGS[args[4].content.bits]  # the format's
+    launch_flat(mla_decode_gluon_wide_kernel, "two-warpgroup Gluon decode kernel", smem_bytes, "gluon_regs", BLOCK_M,
+                *args, page_table=page_table, INFLIGHT=INFLIGHT, W_REGS=regs, num_warps=4, maxnreg=regs)
