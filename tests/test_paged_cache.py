@@ -76,6 +76,34 @@ def test_out_of_budget_is_all_or_nothing():
         paged.begin_step(["c", "d"], [1, 1])  # two rows asked, one free (b holds the other)
 
 
+def test_step_indices_follow_the_pages():
+    """`begin_step`'s index tensors, stated position by position: a decode token, a chunk that crosses the sink
+    window and a page edge, and a new request, with pages taken out of order."""
+    _, _, paged = _cache(4, page_size=4, num_pages=12, sink=2, recent=5)
+    paged.allocator.allocate(3)  # later pages come from further in the pool
+    paged.end_step(paged.begin_step(["a", "b"], [6, 1]))
+    step = paged.begin_step(["a", "b", "c"], [1, 7, 2])
+    reqs = [paged.requests[r] for r in ("a", "b", "c")]
+    past, q = [6, 1, 0], [1, 7, 2]
+    assert step.page_table.dtype == torch.int32 and step.page_table.shape == (3, max(len(r.pages) for r in reqs))
+    for i, r in enumerate(reqs):
+        assert step.page_table[i, : len(r.pages)].tolist() == r.pages and not step.page_table[i, len(r.pages):].any()
+    assert step.cu_seqlens_q.tolist() == [0, 1, 8, 10] and step.cu_seqlens_k.tolist() == [0, 7, 15, 17]
+    assert step.seq_lens.tolist() == [7, 8, 2] and step.rows.tolist() == [r.row for r in reqs]
+    assert step.token_request.tolist() == [0] + [1] * 7 + [2] * 2
+    positions = [p for b, n in zip(past, q) for p in range(b, b + n)]
+    assert step.positions.tolist() == positions
+    assert step.slots.tolist() == [reqs[i].pages[p // 4] * 4 + p % 4 for i, p in zip(step.token_request.tolist(),
+                                                                                      positions)]
+    # sink: b's position 1 (token 1) and c's 0, 1 (tokens 8, 9); recent: the last 5 of each chunk, slot p % 5
+    assert step.sink_writes.T.tolist() == [[1, reqs[1].row, 1], [8, reqs[2].row, 0], [9, reqs[2].row, 1]]
+    recent = [[0, reqs[0].row, 1]] + [[t, reqs[1].row, (t) % 5] for t in range(3, 8)]
+    recent += [[8, reqs[2].row, 0], [9, reqs[2].row, 1]]
+    assert step.recent_writes.T.tolist() == recent
+    assert all(t.dtype == torch.int32 for t in (step.cu_seqlens_q, step.seq_lens, step.rows, step.token_request))
+    assert all(t.dtype == torch.int64 for t in (step.slots, step.positions, step.sink_writes, step.recent_writes))
+
+
 @pytest.mark.parametrize("bits,kernel", [(4, "torch"), (2, "torch"), (16, "torch"), (4, "triton"), (2, "triton")])
 def test_paged_writes_and_reads_match_contiguous_cache(bits, kernel):
     """Requests of different lengths arriving at different steps, chunked prefills mixed with decode steps: every

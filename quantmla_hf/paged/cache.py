@@ -26,7 +26,7 @@ returns what stock attention reads, `end_step` advances the lengths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,13 @@ class PagedRequest:
     row: int
     pages: list[int]
     length: int = 0
+    _page_tensor: torch.Tensor | None = field(default=None, repr=False)
+
+    def page_tensor(self) -> torch.Tensor:
+        """`pages` as int32 `[len(pages)]` on the host, rebuilt only when pages were added (they only grow)."""
+        if self._page_tensor is None or self._page_tensor.shape[0] != len(self.pages):
+            self._page_tensor = torch.tensor(self.pages, dtype=torch.int32)
+        return self._page_tensor
 
 
 @dataclass
@@ -245,20 +252,20 @@ class PagedQuantMLACache:
         return self._build_step(reqs, query_lens)
 
     def _build_step(self, reqs: list[PagedRequest], query_lens: list[int]) -> PagedStep:
-        ps, dev = self.page_size, self.device
+        """The step's index tensors, built on the host and moved to the device in two copies (one of the int32
+        indices, one of the int64 ones): every synchronous host-to-device copy waits for the stream."""
+        ps, n = self.page_size, len(reqs)
         past = [r.length for r in reqs]
         seq = [p + q for p, q in zip(past, query_lens)]
         max_pages = max(len(r.pages) for r in reqs)
-        table = torch.zeros((len(reqs), max_pages), dtype=torch.int32)
+        table = torch.zeros((n, max_pages), dtype=torch.int32)
         for i, r in enumerate(reqs):
-            table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
-        pages = table.long()
+            table[i, : len(r.pages)] = r.page_tensor()
         cu_q = torch.tensor([0] + query_lens).cumsum(0)
         cu_k = torch.tensor([0] + seq).cumsum(0)
-        token_request = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(query_lens))
+        token_request = torch.repeat_interleave(torch.arange(n), torch.tensor(query_lens))
         positions = torch.cat([torch.arange(p, s) for p, s in zip(past, seq)])
-        slots = pages[token_request, positions // ps] * ps + positions % ps
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int32)
+        slots = table.long()[token_request, positions // ps] * ps + positions % ps
         S, R = self.sink_tokens, self.recent_tokens
         sink, recent, start = [], [], 0
         for r, p, q in zip(reqs, past, query_lens):
@@ -266,16 +273,17 @@ class PagedQuantMLACache:
             sink += [(start + t - p, r.row, t) for t in range(p, min(p + q, S))]
             recent += [(start + t - p, r.row, t % R) for t in range(max(p, p + q - R), p + q)] if R else []
             start += q
-
-        def writes(triples):
-            return torch.tensor(triples, dtype=torch.long).reshape(-1, 3).T.contiguous().to(dev)
-
+        writes = [torch.tensor(w, dtype=torch.long).reshape(-1, 3).T.reshape(-1) for w in (sink, recent)]
+        int32 = torch.cat([cu_q, cu_k, torch.tensor(seq), torch.tensor([r.row for r in reqs]), token_request,
+                           table.view(-1)]).to(torch.int32).to(self.device)
+        int64 = torch.cat([slots, positions, *writes]).to(self.device)
+        cu_q, cu_k, seq_lens, rows, token_request, table = int32.split([n + 1, n + 1, n, n, start, n * max_pages])
+        slots, positions, sink_w, recent_w = int64.split([start, start, len(writes[0]), len(writes[1])])
         return PagedStep(
             request_ids=[r.request_id for r in reqs], past_lens=past, query_lens=list(query_lens),
-            cu_seqlens_q=cu_q.to(torch.int32).to(dev), cu_seqlens_k=cu_k.to(torch.int32).to(dev),
-            seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), page_table=table.to(dev),
-            rows=rows.to(dev), token_request=token_request.to(torch.int32).to(dev),
-            slots=slots.to(dev), positions=positions.to(dev), sink_writes=writes(sink), recent_writes=writes(recent),
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_lens=seq_lens, page_table=table.view(n, max_pages), rows=rows,
+            token_request=token_request, slots=slots, positions=positions, sink_writes=sink_w.view(3, -1),
+            recent_writes=recent_w.view(3, -1),
         )
 
     def _ensure_history(self, step: PagedStep) -> None:
