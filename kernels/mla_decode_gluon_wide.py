@@ -44,7 +44,7 @@ if HAVE_GLUON:
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 # Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width: one
 # program of 8 warps per SM. 2/4 bits: 240 (no spills, ptxas). 8 bits: 248 (256 threads x 248 = 63,488 of the SM's
-# 65,536): about 0.85x the time at 240 on the H200, in separate runs (docs/KERNELS.md).
+# 65,536), where 240 spilled (timings: docs/KERNELS.md).
 REGS = {2: 240, 4: 240, 8: 248}
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`mla_decode.fill_splits`): the one resident, one

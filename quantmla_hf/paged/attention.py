@@ -67,7 +67,7 @@ class PagedForward:
         return 0
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        n = int(self.step.cu_seqlens_q[-1])
+        n = sum(self.step.query_lens)
         return n, 0
 
 

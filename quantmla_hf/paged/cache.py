@@ -292,12 +292,15 @@ class PagedQuantMLACache:
             return
         ps, dev, past = self.page_size, self.device, step.past_lens
         n = len(past)
-        pages = step.page_table.long().cpu()
+        reqs = [self.requests[rid] for rid in step.request_ids]  # the host's copy of the step's pages and rows
+        pages = torch.zeros((n, step.page_table.shape[1]), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            pages[i, : len(r.pages)] = r.page_tensor()
         token_request = torch.repeat_interleave(torch.arange(n), torch.tensor(step.query_lens))
         offsets = torch.tensor([0] + [p + q for p, q in zip(past, step.query_lens)]).cumsum(0)[:-1]
         hist_req = torch.repeat_interleave(torch.arange(n), torch.tensor(past))
         hist_pos = torch.cat([torch.arange(p) for p in past]) if sum(past) else torch.zeros(0, dtype=torch.long)
-        rows = step.rows.long().cpu()[hist_req]
+        rows = torch.tensor([r.row for r in reqs])[hist_req]
         step.hist_slots = (pages[hist_req, hist_pos // ps] * ps + hist_pos % ps).to(dev)
         # Which history rows come from the model-dtype copies, chosen here on the host: a boolean mask on the device
         # would make every layer wait for it (`nonzero`). Recent positions are written after sink ones (they win
