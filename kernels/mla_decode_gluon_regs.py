@@ -220,14 +220,9 @@ def mla_decode_gluon_regs_kernel(
 
     inv_l, b_lse = _finish(gl.sum(l_p, axis=0), m_i)
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
-    _store_o(o_ptr, o_row, m_m, o0, inv_l, 0, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o1, inv_l, 1, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o2, inv_l, 2, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o3, inv_l, 3, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o4, inv_l, 4, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o5, inv_l, 5, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o6, inv_l, 6, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, o7, inv_l, 7, GC, D_C, C_BITS, acc_l)
+    outs = (o0, o1, o2, o3, o4, o5, o6, o7)
+    for u in gl.static_range(8):
+        _store_o(o_ptr, o_row, m_m, outs[u], inv_l, u, GC, D_C, C_BITS, acc_l)
     gl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
