@@ -23,6 +23,22 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="session")
+def base_dir(tmp_path_factory):
+    """A tiny random deepseek_v3 checkpoint with the reference tokenizer beside it (read-only: the CLI tests write
+    their outputs elsewhere)."""
+    from transformers import AutoTokenizer  # after TRITON_INTERPRET is set
+
+    from quantmla_hf.demo import REFERENCE_MODEL
+    from quantmla_hf.tiny_models import tiny_mla_model
+
+    path = tmp_path_factory.mktemp("base")
+    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    tiny_mla_model("deepseek_v3", seed=6, vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def pytest_configure(config):
     # Markers of transformers' common model tests (tests/test_transformers_suite.py), registered by transformers' own
     # conftest.py, which the source distribution does not ship.

@@ -6,6 +6,8 @@ import torch
 from packaging import version
 import transformers
 
+from quantmla_hf.kernels.quant_pack_ref import quantize_ref
+
 # transformers 5.17 names the cache argument `past_key_values`; later releases call it `cache`.
 CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__) < version.parse("5.18") else "cache"
 
@@ -22,3 +24,13 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) 
     if r.numel() > 1 and r.norm() > 0:
         cos = torch.nn.functional.cosine_similarity(o.flatten(), r.flatten(), dim=0)
         assert cos >= 1 - ratio, f"{name}: cosine {cos:.6f} < {1 - ratio}"
+
+
+def random_planes(f, lead: tuple[int, ...], g: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Fresh random values `[*lead, f.dim]` (`randn * 2 + 0.3`) stored as path format `f` stores them: `codes`,
+    `scale`, `zero` of a packed path (`quantize_ref`), `values` in `dtype` of a 16-bit one."""
+    x = torch.randn(*lead, f.dim, generator=g) * 2 + 0.3
+    if f.quantized:
+        codes, scale, zero = quantize_ref(x, f)
+        return {"codes": codes, "scale": scale, "zero": zero}
+    return {"values": x.to(dtype)}

@@ -7,21 +7,9 @@ import math
 from importlib import metadata
 
 import pytest
-from transformers import AutoTokenizer
 
 from quantmla_hf.cli import main
-from quantmla_hf.demo import EVALUATION_TEXT, REFERENCE_MODEL
-from quantmla_hf.tiny_models import tiny_mla_model
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    """A tiny random deepseek_v3 checkpoint with the reference tokenizer beside it."""
-    path = tmp_path_factory.mktemp("base")
-    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
-    tiny_mla_model("deepseek_v3", seed=6, vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+from quantmla_hf.demo import EVALUATION_TEXT
 
 
 def test_console_script_is_declared():

@@ -5,21 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from quantmla_hf.cli import main
-from quantmla_hf.demo import EVALUATION_TEXT, REFERENCE_MODEL
-from quantmla_hf.tiny_models import tiny_mla_model
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("base")
-    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
-    tiny_mla_model("deepseek_v3", seed=6, vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
+from quantmla_hf.demo import EVALUATION_TEXT
 
 CACHE = ["--transform", "none", "--group-size", "16", "--sink-tokens", "1", "--recent-tokens", "4", "--content-bits", "2"]
 

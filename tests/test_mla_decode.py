@@ -13,9 +13,8 @@ from quantmla_hf import CacheFormat, PathFormat, QuantMLALayer
 from quantmla_hf.kernels.mla_decode import BACKENDS, mla_decode_static, select_backend, split_plan
 from quantmla_hf.kernels.mla_decode_combine import combine
 from quantmla_hf.kernels.mla_decode_ref import combine_ref, mla_decode_ref
-from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
-from helpers import assert_close
+from helpers import assert_close, random_planes
 
 OUT_RATIO = 2e-3
 LSE_ABS = 1e-4
@@ -53,19 +52,13 @@ def random_case(B, N, H, Tq, dc, dr, cb, rb, S, R, dtype, left_padding, seed, q_
     fmt = CacheFormat(PathFormat(dc, cb, 64), PathFormat(dr, rb, 64), S, R)
     cap = N + spare
 
-    def planes(f, d):
-        x = torch.randn(B, cap, d, generator=g) * 2 + 0.3
-        if f.quantized:
-            codes, scale, zero = quantize_ref(x, f)
-            return {"codes": codes, "scale": scale, "zero": zero}
-        return {"values": x.to(dtype)}
-
     def dense(n, d):
         return torch.randn(B, n, d, generator=g).to(dtype)
 
     q_lat = torch.randn(B, H, Tq, dc, generator=g) * q_scale
     q_rot = torch.randn(B, H, Tq, dr, generator=g) * q_scale
-    return (q_lat, q_rot, planes(fmt.content, dc), planes(fmt.rope, dr), fmt, dense(S, dc), dense(S, dr),
+    content, rope = (random_planes(f, (B, cap), g, dtype) for f in (fmt.content, fmt.rope))
+    return (q_lat, q_rot, content, rope, fmt, dense(S, dc), dense(S, dr),
             dense(R, dc), dense(R, dr), torch.tensor(left_padding), N, 1 / math.sqrt(dc + dr))
 
 

@@ -37,7 +37,20 @@ def _compile(script: str):
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 
 
-COMPILE_REGS = textwrap.dedent(
+# the pointer arguments' types of a Gluon decode launch (queries bf16 or fp32; int64 lengths and padding, or int32
+# lengths, copy rows and page numbers for the paged launch), for the compile scripts below
+POINTER_TYPES = textwrap.dedent(
+    """
+    def _pointer_types(q_split, paged):
+        qd = "*fp32" if q_split else "*bf16"
+        ix = "*i32" if paged else "*i64"
+        return dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32", rs_ptr="*fp16",
+                    rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16", lp_ptr=ix,
+                    len_ptr=ix, pt_ptr=ix, o_ptr="*fp32", lse_ptr="*fp32")
+    """
+)
+
+COMPILE_REGS = POINTER_TYPES + textwrap.dedent(
     """
     import re, triton
     from triton.backends.compiler import GPUTarget
@@ -52,11 +65,7 @@ COMPILE_REGS = textwrap.dedent(
     # and the paged launch (page pools read through a page table: int32 lengths, copy rows and page numbers)
     for cb, q_split, paged in ((4, False, False), (2, False, False), (4, True, False), (8, False, False),
                                (4, False, True), (2, False, True)):
-        qd = "*fp32" if q_split else "*bf16"
-        ix = "*i32" if paged else "*i64"
-        ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
-                   rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
-                   rcr_ptr="*bf16", lp_ptr=ix, len_ptr=ix, pt_ptr=ix, o_ptr="*fp32", lse_ptr="*fp32")
+        ptr = _pointer_types(q_split, paged)
         rb = 8 if cb == 8 else 4
         const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=mr.INFLIGHT[cb],
                      WC_L=mc.words_layout(cb // 2), WP_L=mc.words_layout(cb), WR_L=mc.words_layout(rb // 2),
@@ -105,7 +114,7 @@ COMPILE_REGS = textwrap.dedent(
 )
 
 
-COMPILE_WIDE = textwrap.dedent(
+COMPILE_WIDE = POINTER_TYPES + textwrap.dedent(
     """
     import os, re, subprocess, sys, tempfile, triton
     from triton.backends.compiler import GPUTarget
@@ -120,11 +129,7 @@ COMPILE_WIDE = textwrap.dedent(
     bm = mw.BLOCK_M
     # (content bits, fp32 queries, paged): the launch of each format and the paged launch
     for cb, q_split, paged in ((4, False, False), (2, True, False), (4, False, True), (8, False, False)):
-        qd = "*fp32" if q_split else "*bf16"
-        ix = "*i32" if paged else "*i64"
-        ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32",
-                   rs_ptr="*fp16", rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16",
-                   rcr_ptr="*bf16", lp_ptr=ix, len_ptr=ix, pt_ptr=ix, o_ptr="*fp32", lse_ptr="*fp32")
+        ptr = _pointer_types(q_split, paged)
         rb = 8 if cb == 8 else 4
         const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=bm, Q_SPLIT=q_split, INFLIGHT=mw.INFLIGHT,
                      W_REGS=mw.REGS[cb], PAGED=paged)

@@ -14,9 +14,8 @@ from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels.mla_decode_paged import mla_decode_paged
 from quantmla_hf.kernels.mla_decode_triton import programs_per_sm
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref, mla_decode_ref
-from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
-from helpers import assert_close
+from helpers import assert_close, random_planes
 
 D_C, D_R, PAGE = 64, 16, 8
 
@@ -34,13 +33,6 @@ def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float
         table[i, :k] = order[used : used + k]
         used += k
 
-    def planes(f, d):
-        x = torch.randn(P, PAGE, d, generator=g) * 2 + 0.3
-        if f.quantized:
-            codes, scale, zero = quantize_ref(x, f)
-            return {"codes": codes, "scale": scale, "zero": zero}
-        return {"values": x.to(dtype)}
-
     protected = cb < 16 or rb < 16
     n_rows = len(lengths) + 2
     rows = torch.randperm(n_rows, generator=g)[: len(lengths)].to(torch.int32)
@@ -52,7 +44,8 @@ def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float
     q_lat = torch.randn(Nq, H, D_C, generator=g)
     q_rot = torch.randn(Nq, H, D_R, generator=g)
     cu = torch.tensor([0] + list(query_lens)).cumsum(0).to(torch.int32)
-    return (q_lat, q_rot, planes(fmt.content, D_C), planes(fmt.rope, D_R), fmt, dense(S, D_C), dense(S, D_R),
+    content, rope = (random_planes(f, (P, PAGE), g, dtype) for f in (fmt.content, fmt.rope))
+    return (q_lat, q_rot, content, rope, fmt, dense(S, D_C), dense(S, D_R),
             dense(R, D_C), dense(R, D_R), table, rows, cu, torch.tensor(lengths, dtype=torch.int32),
             1 / math.sqrt(D_C + D_R))
 
