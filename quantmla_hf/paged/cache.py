@@ -287,7 +287,8 @@ class PagedQuantMLACache:
         )
 
     def _ensure_history(self, step: PagedStep) -> None:
-        """Fill the step's history-gather indices (positions `[0, past)` of each request, in batch order)."""
+        """Fill the step's history-gather indices (positions `[0, past)` of each request, in batch order), built on the
+        host and moved to the device in one copy."""
         if step.hist_slots is not None:
             return
         ps, dev, past = self.page_size, self.device, step.past_lens
@@ -301,7 +302,7 @@ class PagedQuantMLACache:
         hist_req = torch.repeat_interleave(torch.arange(n), torch.tensor(past))
         hist_pos = torch.cat([torch.arange(p) for p in past]) if sum(past) else torch.zeros(0, dtype=torch.long)
         rows = torch.tensor([r.row for r in reqs])[hist_req]
-        step.hist_slots = (pages[hist_req, hist_pos // ps] * ps + hist_pos % ps).to(dev)
+        hist_slots = pages[hist_req, hist_pos // ps] * ps + hist_pos % ps
         # Which history rows come from the model-dtype copies, chosen here on the host: a boolean mask on the device
         # would make every layer wait for it (`nonzero`). Recent positions are written after sink ones (they win
         # where both hold a position; the values are the same copies).
@@ -310,13 +311,16 @@ class PagedQuantMLACache:
 
         def copy_rows(sel, slot):
             idx = sel.nonzero().flatten()
-            return torch.stack([idx, rows[idx], slot[idx]]).to(dev)
+            return torch.stack([idx, rows[idx], slot[idx]]).reshape(-1)
 
-        step.hist_sink = copy_rows(hist_pos < S, hist_pos)  # none when S = 0
-        step.hist_recent = copy_rows(hist_pos >= total - R, hist_pos % max(R, 1))  # none when R = 0
-        step.hist_dst = (offsets[hist_req] + hist_pos).to(dev)
-        step.new_dst = (offsets[token_request] + query_offsets(step.query_lens)
-                        + torch.tensor(past)[token_request]).to(dev)
+        hist_sink = copy_rows(hist_pos < S, hist_pos)  # none when S = 0
+        hist_recent = copy_rows(hist_pos >= total - R, hist_pos % max(R, 1))  # none when R = 0
+        hist_dst = offsets[hist_req] + hist_pos
+        new_dst = offsets[token_request] + query_offsets(step.query_lens) + torch.tensor(past)[token_request]
+        parts = (hist_slots, hist_sink, hist_recent, hist_dst, new_dst)
+        flat = torch.cat(parts).to(dev).split([p.numel() for p in parts])
+        step.hist_slots, step.hist_dst, step.new_dst = flat[0], flat[3], flat[4]
+        step.hist_sink, step.hist_recent = flat[1].view(3, -1), flat[2].view(3, -1)
 
     def sub_step(self, step: PagedStep, indices: list[int]) -> PagedStep:
         """The step restricted to the requests at `indices` (batch order), before `end_step`."""
