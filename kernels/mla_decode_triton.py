@@ -387,14 +387,14 @@ def block_rows(M: int) -> int:
     return 16 if M <= 32 else 32
 
 
-def _plane3(planes: dict, path: PathFormat, pages: int):
-    """A path's `(p0, p1, p2)` planes `[B, capacity, width]` (`_group_tile`); with `pages` requests, page planes
-    `[P, page_size, width]` as one pool `[pages, P * page_size, width]` of batch stride 0."""
-    if pages:
+def _plane3(planes: dict, path: PathFormat, requests: int):
+    """A path's `(p0, p1, p2)` planes `[B, capacity, width]` (`_group_tile`); given `requests` (> 0), page planes
+    `[P, page_size, width]` as one pool `[requests, P * page_size, width]` of batch stride 0."""
+    if requests:
         for name, plane in planes.items():
             if not plane.is_contiguous():
                 raise ValueError(f"page plane {name!r} must be contiguous [P, page_size, width]")
-        planes = {k: v.view(1, -1, v.shape[-1]).expand(pages, -1, -1) for k, v in planes.items()}
+        planes = {k: v.view(1, -1, v.shape[-1]).expand(requests, -1, -1) for k, v in planes.items()}
     if path.quantized:
         return planes["codes"], planes["scale"], planes["zero"]
     v = planes["values"]

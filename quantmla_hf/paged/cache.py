@@ -258,9 +258,7 @@ class PagedQuantMLACache:
         past = [r.length for r in reqs]
         seq = [p + q for p, q in zip(past, query_lens)]
         max_pages = max(len(r.pages) for r in reqs)
-        table = torch.zeros((n, max_pages), dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            table[i, : len(r.pages)] = r.page_tensor()
+        table = _host_page_table(reqs, max_pages)
         cu_q = torch.tensor([0] + query_lens).cumsum(0)
         cu_k = torch.tensor([0] + seq).cumsum(0)
         token_request = torch.repeat_interleave(torch.arange(n), torch.tensor(query_lens))
@@ -294,9 +292,7 @@ class PagedQuantMLACache:
         ps, dev, past = self.page_size, self.device, step.past_lens
         n = len(past)
         reqs = [self.requests[rid] for rid in step.request_ids]  # the host's copy of the step's pages and rows
-        pages = torch.zeros((n, step.page_table.shape[1]), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            pages[i, : len(r.pages)] = r.page_tensor()
+        pages = _host_page_table(reqs, step.page_table.shape[1]).long()
         token_request = torch.repeat_interleave(torch.arange(n), torch.tensor(step.query_lens))
         offsets = torch.tensor([0] + [p + q for p, q in zip(past, step.query_lens)]).cumsum(0)[:-1]
         hist_req = torch.repeat_interleave(torch.arange(n), torch.tensor(past))
@@ -416,6 +412,14 @@ class PagedQuantMLACache:
     def __repr__(self) -> str:
         return (f"PagedQuantMLACache({self.format.name}, {self.num_layers} layers, {self.num_pages} pages x "
                 f"{self.page_size} tokens, {self.allocator.num_used} used, {len(self.requests)} requests)")
+
+
+def _host_page_table(reqs: list[PagedRequest], width: int) -> torch.Tensor:
+    """The requests' pages as an int32 `[len(reqs), width]` host table, unused entries 0."""
+    table = torch.zeros((len(reqs), width), dtype=torch.int32)
+    for i, r in enumerate(reqs):
+        table[i, : len(r.pages)] = r.page_tensor()
+    return table
 
 
 def query_offsets(query_lens: list[int]) -> torch.Tensor:
