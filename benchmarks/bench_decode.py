@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import time
+import types
 
 import torch
 import transformers
@@ -42,10 +43,11 @@ from transformers import AutoConfig, DynamicCache
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 from triton.testing import do_bench
 
+import quantmla_hf.format
+from quantmla_hf.decode import (BACKENDS, PAGED_BACKENDS, mla_decode_paged, mla_decode_static, select_backend,
+                                select_paged_backend)
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.intervals import t_interval
-from quantmla_hf.kernels.mla_decode import BACKENDS, mla_decode_static, select_backend
-from quantmla_hf.kernels.mla_decode_paged import PAGED_BACKENDS, mla_decode_paged, select_paged_backend
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
@@ -55,7 +57,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C8R8": (8, 8), "C16R16": (16, 16)}
 POINTS = [(16, 1, 4096), (16, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 8, 131072), (128, 8, 32768),
           (128, 32, 32768)]
-BASELINE_PACKAGE = "quantmla_baseline_kernels"
+BASELINE_PACKAGE = "quantmla_baseline"
 
 
 def make_cache(name, B, N, S=4, R=128, dtype=torch.bfloat16, device=None, seed=0):
@@ -99,28 +101,29 @@ def decode_fn(backend, N, capacity=None):
 
 
 def load_baseline(path):
-    """The decode dispatch of an older tree at `path`: its `kernels/` imported as the package `BASELINE_PACKAGE`
-    (its own relative imports; `quantmla_hf.format` is this tree's, the same byte layout), run through that tree's
-    dispatch: `mla_decode.mla_decode_static` (trees with one dispatch), or, in trees that still had
-    `mla_decode_fast.py`, its `mla_decode_static` where `fast_supported` and the fallback `mla_decode` otherwise.
-    Returns a `decode_fn`-like factory."""
+    """The decode operation of an older tree at `path`, run beside this tree's: its `kernels/` imported as the
+    package `BASELINE_PACKAGE.kernels` (their own relative imports; `quantmla_hf.format` is this tree's, the same
+    byte layout) and its `mla_decode_static` from `quantmla_hf/decode.py`, or from `kernels/mla_decode.py` in trees
+    that kept the operation there. Returns a `decode_fn`-like factory."""
+    root = types.ModuleType(BASELINE_PACKAGE)
+    root.__path__ = [os.path.join(path, "quantmla_hf")]
+    sys.modules[BASELINE_PACKAGE] = root
+    sys.modules[BASELINE_PACKAGE + ".format"] = quantmla_hf.format
     init = os.path.join(path, "kernels", "__init__.py")
-    spec = importlib.util.spec_from_file_location(BASELINE_PACKAGE, init,
+    spec = importlib.util.spec_from_file_location(BASELINE_PACKAGE + ".kernels", init,
                                                   submodule_search_locations=[os.path.dirname(init)])
-    pkg = importlib.util.module_from_spec(spec)
-    sys.modules[BASELINE_PACKAGE] = pkg
-    spec.loader.exec_module(pkg)
-    fallback = importlib.import_module(BASELINE_PACKAGE + ".mla_decode")
-    two_modules = os.path.exists(os.path.join(path, "kernels", "mla_decode_fast.py"))
-    fast = importlib.import_module(BASELINE_PACKAGE + ".mla_decode_fast") if two_modules else None
+    kernels = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = kernels
+    spec.loader.exec_module(kernels)
+    in_package = os.path.exists(os.path.join(path, "quantmla_hf", "decode.py"))
+    op = importlib.import_module(BASELINE_PACKAGE + (".decode" if in_package else ".kernels.mla_decode"))
 
     def factory(N, capacity=None):
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
         cap = capacity or N
 
         def run(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, n, scaling):
-            mod = fast if fast and fast.fast_supported(fmt, q_lat.dtype, q_lat.device, sc.dtype) else fallback
-            return mod.mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling)
+            return op.mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling)
 
         return run
 
@@ -403,7 +406,7 @@ def summarize_rounds(times: dict, target: float | None = None) -> tuple[list[dic
 
 
 def paged_fn(args, page_size=64, num_splits=None, backend=None):
-    """The same cache laid out in pages (`kernels/mla_decode_paged.py`): each batch row one request of N positions
+    """The same cache laid out in pages (`quantmla_hf/decode.py`'s `mla_decode_paged`): each batch row one request of N positions
     in consecutive pages of `page_size`, one query token each; a callable returning `(o [B, H, d_c], lse)`
     (`num_splits`: the kernel's split target, default its own rule; `backend`: default `select_paged_backend`)."""
     q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, scaling = args

@@ -1,7 +1,7 @@
 """What the Hopper (sm_90) Gluon decode kernels share: the Gluon imports, the split and copy-program arithmetic,
 the unit layout of the keys in registers and its asm, the loads, the score and value steps, and the host-side
 checks. The kernels are `mla_decode_gluon_regs.py` (one warpgroup, 16 rows) and `mla_decode_gluon_wide.py` (two
-warpgroups, 32 rows); their launch and splits are `mla_decode.py`'s.
+warpgroups, 32 rows); the operation that picks and launches them is `quantmla_hf/decode.py`.
 
 Grid: one-dimensional, `B * cdiv(M, BM) * (NS + ND)` programs (`flat_grid`): the `NS` packed splits of every
 (batch row, head block) first, split fastest, then `ND = copy_programs(fmt)` copy programs that attend one 64-token
@@ -87,7 +87,7 @@ def _program_coords(num_splits, M, BM: gl.constexpr, ND: gl.constexpr):
 @_jit
 def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr,
                  C_BITS: gl.constexpr):
-    """The packed positions of split `i_s` (`mla_decode.split_plan`: sized from the device-side length, not the
+    """The packed positions of split `i_s` (`decode.split_plan`: sized from the device-side length, not the
     capacity, tile-aligned from 0, at least `min_split_tiles` tiles): `(base, lo_valid, hi, n_tiles)`: tiles start
     at `base`, positions `[lo_valid, hi)` are valid (after the sink and the row's left padding `lp`, before the
     recent ring); the copy programs (`i_s >= num_splits`) get no packed tiles."""

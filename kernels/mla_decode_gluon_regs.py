@@ -1,7 +1,7 @@
 """Hopper (sm_90) packed MLA decode in Gluon for up to 16 query rows per program, the keys unpacked into *registers*
 as the score `wgmma`'s A operand. Same function as `mla_decode_ref.mla_decode_static_ref`; launched by
-`mla_decode.mla_decode_static` (backend "gluon_regs") and, for decode steps of the paged cache, by
-`mla_decode_paged.mla_decode_paged` (the `PAGED` launch, reference `mla_decode_paged_ref`: one 64-token page per
+`quantmla_hf/decode.py`'s `mla_decode_static` (backend "gluon_regs") and, for decode steps of the paged cache, by
+its `mla_decode_paged` (the `PAGED` launch, reference `mla_decode_paged_ref`: one 64-token page per
 tile, found through the page table); shared pieces in `mla_decode_gluon_common.py`.
 
 * No cp.async ring and no shared staging of the codes: every thread loads the code words it unpacks straight from
@@ -46,7 +46,7 @@ if HAVE_GLUON:
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
 INFLIGHT = {4: 0, 2: 1, 8: 1}  # score units whose wgmmas may be in flight while the next is unpacked, per content
 # width (docs/KERNELS.md)
-FILL_PER_SM = 2  # programs per multiprocessor the splits provide (`mla_decode.fill_splits`): the two resident ones
+FILL_PER_SM = 2  # programs per multiprocessor the splits provide (`decode.fill_splits`): the two resident ones
 # (255 registers x 128 threads and at most ~104 KB of shared memory each)
 
 

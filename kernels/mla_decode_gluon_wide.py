@@ -1,7 +1,7 @@
 """Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads): the register-operand kernel over two
 warpgroups, 32 rows per program. Same function, splits, copy programs and partials as `mla_decode_gluon_regs.py`;
-launched by `mla_decode.mla_decode_static` (backend "gluon_wide") and, for decode steps of the paged cache, by
-`mla_decode_paged.mla_decode_paged` (the `PAGED` launch, as the register kernel's); shared pieces in
+launched by `quantmla_hf/decode.py`'s `mla_decode_static` (backend "gluon_wide") and, for decode steps of the paged
+cache, by its `mla_decode_paged` (the `PAGED` launch, as the register kernel's); shared pieces in
 `mla_decode_gluon_common.py`.
 
 Why: the one-warpgroup kernel holds 16 rows (its 8 value accumulators take 64 of its 255 registers), so at 128 heads
@@ -47,7 +47,7 @@ BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 # 65,536), where 240 spilled (timings: docs/KERNELS.md).
 REGS = {2: 240, 4: 240, 8: 248}
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
-FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`mla_decode.fill_splits`): the one resident, one
+FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`decode.fill_splits`): the one resident, one
 # round (docs/KERNELS.md)
 
 if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_specialize's argument tuples)

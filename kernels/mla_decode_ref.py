@@ -1,5 +1,5 @@
-"""Plain PyTorch references of `mla_decode.py` and `mla_decode_paged.py`: the same functions, read from the same
-planes, in fp32 (or fp64).
+"""Plain PyTorch references of the decode kernels (`quantmla_hf/decode.py`'s two operations): the same functions,
+read from the same planes, in fp32 (or fp64).
 
 For each batch row b the history is rebuilt position by position exactly as the kernel reads it:
 
@@ -71,7 +71,7 @@ def overlay_copies(x: torch.Tensor, sink: torch.Tensor, recent: torch.Tensor, b:
 def mla_decode_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content, recent_rope,
                    left_padding, length: int, scaling: float,
                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The function of `mla_decode.mla_decode_static` with the length a host int (and no capacity): `o_lat: [B, H,
+    """The function of `decode.mla_decode_static` with the length a host int (and no capacity): `o_lat: [B, H,
     Tq, d_c]`, `lse: [B, H, Tq]` (fp32).
 
     One batch row at a time, so a long context costs `[length, d_c + d_R]` of `dtype`, not `[B, length, ...]`.

@@ -1,7 +1,7 @@
 """The portable Triton decode kernel: split-K absorbed MLA attention on the packed QuantMLA cache.
 
 Runs on any CUDA GPU of compute capability >= 8 and, for the tests, in the Triton interpreter on CPU. The plain
-PyTorch version is `mla_decode_ref.py`; the launch (splits, grid, combine) is `mla_decode.py`.
+PyTorch version is `mla_decode_ref.py`; the operation that launches it (splits, grid, combine) is `quantmla_hf/decode.py`.
 
     rows m = (head h, query token t) of `q_lat: [B, H, Tq, d_c]`, `q_rot: [B, H, Tq, d_R]`, flattened to `M = H * Tq`
     score[m, j] = (q_lat[m] . c[j] + q_rot[m] . k_R[j]) * scaling          for every valid cached position j
@@ -24,7 +24,7 @@ Arithmetic:
   conversion: bf16/fp16 tensor-core dots (probabilities rounded to the model dtype), fp32 IEEE dots for fp32.
 
 One program per (split, head block, batch row): splits `0 .. NS-1` take `tokens_per_split` packed positions each
-from `S`, sized in the kernel from the device-side `length` (`mla_decode.split_plan`: the same boundaries whatever
+from `S`, sized in the kernel from the device-side `length` (`decode.split_plan`: the same boundaries whatever
 the capacity); split `NS` takes the sink and recent copies. Each writes a normalised partial and its lse, merged by
 `mla_decode_combine.py`.
 """

@@ -12,7 +12,7 @@ decode step without graph breaks and `mode="reduce-overhead"` captures it as one
         A quantized path passes its `codes, scale, zero` planes; a 16-bit path passes its `values` plane as
         `codes` (c0 / r0) and empty tensors for scale and zero.
 
-`mla_decode` runs `kernels/mla_decode.py`'s `mla_decode_static`, whose `select_backend` picks the kernel (the
+`mla_decode` runs `decode.py`'s `mla_decode_static`, whose `select_backend` picks the kernel (the
 PyTorch reference when `use_triton` is False: the layer's kernel is "torch", or CPU without the interpreter). The
 growing `QuantMLACache` calls the same `decode_device_length`, so eager and static decoding run the same kernel with
 the same split boundaries and agree bit for bit. None of them synchronises with the host. Every op has a fake (meta)
@@ -32,8 +32,7 @@ from .kernels.mla_decode_ref import mla_decode_static_ref
 from .kernels.quant_pack_ref import quantize_pack_at_ref
 
 if importlib.util.find_spec("triton") is not None:  # the Triton-backed kernels, for this module and the caches
-    from .kernels.mla_decode import mla_decode_static
-    from .kernels.mla_decode_paged import mla_decode_paged
+    from .decode import mla_decode_paged, mla_decode_static
     from .kernels.quant_pack import quantize_pack, quantize_pack_slots
 else:  # Triton is a dependency on Linux only (pyproject.toml): without it every op runs its PyTorch reference
     mla_decode_static = mla_decode_paged = quantize_pack = quantize_pack_slots = None

@@ -1,4 +1,4 @@
-"""The decode dispatch table (`kernels/mla_decode.select_backend`) and the split arithmetic it launches with, on a
+"""The decode dispatch table (`quantmla_hf/decode.select_backend`) and the split arithmetic it launches with, on a
 machine without a GPU (the device's capability is stubbed: the table is a pure function of format, rows, dtype and
 device kind)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantmla_hf import CacheFormat, PathFormat
-from quantmla_hf.kernels import mla_decode as md
+from quantmla_hf import decode as md
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_triton as pt
 
@@ -132,17 +132,13 @@ PAGED_CASES = [  # (format, heads, requests, query tokens, page size, H200 choic
 
 @pytest.mark.parametrize("f, heads, n, nq, page, want", PAGED_CASES)
 def test_paged_table(gpu, f, heads, n, nq, page, want):
-    from quantmla_hf.kernels import mla_decode_paged as mp
-
     gpu(9, 0)
-    assert mp.select_paged_backend(f, heads, n, nq, page, torch.bfloat16, "cuda") == want
+    assert md.select_paged_backend(f, heads, n, nq, page, torch.bfloat16, "cuda") == want
     gpu(8, 0)  # no Gluon kernel off Hopper
-    assert mp.select_paged_backend(f, heads, n, nq, page, torch.bfloat16, "cuda") == "triton"
+    assert md.select_paged_backend(f, heads, n, nq, page, torch.bfloat16, "cuda") == "triton"
 
 
 def test_paged_gluon_refused_where_it_does_not_apply():
-    from quantmla_hf.kernels import mla_decode_paged as mp
-
     f = fmt(4, 4)
     pages = {"codes": torch.zeros(4, 64, 256, dtype=torch.uint8), "scale": torch.zeros(4, 64, 8, dtype=torch.float16),
              "zero": torch.zeros(4, 64, 8, dtype=torch.int8)}
@@ -150,17 +146,17 @@ def test_paged_gluon_refused_where_it_does_not_apply():
             "zero": torch.zeros(4, 64, 1, dtype=torch.int8)}
     copies = [torch.zeros(2, n, d, dtype=torch.bfloat16) for n, d in ((4, 512), (4, 64), (128, 512), (128, 64))]
     with pytest.raises(ValueError, match="backend='triton'"):
-        mp.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
+        md.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
                             backend="gluon_regs")
     with pytest.raises(ValueError, match="backend='triton'"):
-        mp.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
+        md.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
                             backend="gluon_wide")
     with pytest.raises(ValueError, match="one of"):
-        mp.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
+        md.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
                             backend="gluon")

@@ -16,7 +16,7 @@ from quantmla_hf import (
     install_cache_hooks,
 )
 from quantmla_hf import ops
-from quantmla_hf.kernels.mla_decode import mla_decode_static
+from quantmla_hf.decode import mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref, mla_decode_static_ref
 from quantmla_hf.kernels.quant_pack import quantize_pack
 from quantmla_hf.kernels.quant_pack_ref import quantize_pack_at_ref, quantize_ref
@@ -157,7 +157,7 @@ def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
 
 def test_growing_and_static_caches_agree_bit_for_bit_fp32_fallback():
     """fp32 model: the Gluon kernels do not take fp32 copies, so both caches decode through the portable Triton
-    kernel's fp32 path (`select_backend` in `kernels/mla_decode.py`), the growing one with a capacity just above
+    kernel's fp32 path (`select_backend` in `quantmla_hf/decode.py`), the growing one with a capacity just above
     its length, the static one with 8192 positions and a larger grid. Its splits are sized from the device-side
     length and its combine is grid-independent, so every step's logits (fp32 all the way: nothing rounds the last
     bits away) and the greedy tokens are identical. A 140-token prompt gives several non-empty splits, and the

@@ -7,7 +7,7 @@ and returns them unchanged. This function then attends per request:
 
 - decode rows (a request with at most `NATIVE_MAX_QUERY` new tokens, all inside its recent window, or any short
   chunk at 16 bits): absorbed latent attention straight from the pages, all such requests in one varlen call of
-  `kernels/mla_decode_paged.py` (its PyTorch reference where the cache's kernel choice says "torch");
+  `decode.mla_decode_paged` (its PyTorch reference where the cache's kernel choice says "torch");
 - prefill chunks: the request's history as stock attention sees it (`PagedQuantMLACache.history`: this chunk's
   latents exact, sink/recent copies, the rest dequantized), expanded through `kv_b_proj` and attended with SDPA.
 
