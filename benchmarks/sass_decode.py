@@ -34,24 +34,27 @@ UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (t
 
 
 def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, paged: bool = False):
-    """The kernel compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent tokens, 16 rows)."""
-    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=inflight,
-                 WC_L=mc.words_layout(content_bits // 2), WP_L=mc.words_layout(content_bits),
-                 WR_L=mc.words_layout(rope_bits // 2), XL=mc.words_layout(16), PAGED=paged)
-    index = "*i32" if paged else "*i64"  # the paged launch's lengths, copy rows and page numbers
-    return _compile(mr.mla_decode_gluon_regs_kernel, const, q_split, {"num_warps": 4},
-                    dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
+    """The kernel's one-warpgroup program compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent
+    tokens, 16 rows)."""
+    return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=False)
 
 
 def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT,
                  paged: bool = False):
-    """The two-warpgroup kernel compiled for sm_90 at DeepSeek widths with its registers."""
-    fn = mw.mla_decode_gluon_wide_kernel
-    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M, Q_SPLIT=q_split,
-                 INFLIGHT=inflight, W_REGS=mw.REGS[content_bits], PAGED=paged)
-    index = "*i32" if paged else "*i64"
-    return _compile(fn, const, q_split, {"num_warps": 4, "maxnreg": mw.REGS[content_bits]},
-                    dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
+    """The kernel's two-warpgroup program compiled for sm_90 at DeepSeek widths with its registers."""
+    return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=True)
+
+
+def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide):
+    regs = mw.REGS[content_bits] if wide else 0
+    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M if wide else mr.BLOCK_M,
+                 Q_SPLIT=q_split, INFLIGHT=inflight, WIDE=wide, W_REGS=regs, WC_L=mc.words_layout(content_bits // 2),
+                 WP_L=mc.words_layout(content_bits), WR_L=mc.words_layout(rope_bits // 2), XL=mc.words_layout(16),
+                 PAGED=paged)
+    index = "*i32" if paged else "*i64"  # the paged launch's lengths, copy rows and page numbers
+    options = {"num_warps": 4, "maxnreg": regs} if wide else {"num_warps": 4}
+    return _compile(mr.mla_decode_gluon_kernel, const, q_split, options, dict(lp_ptr=index, len_ptr=index,
+                                                                              pt_ptr=index))
 
 
 def _compile(fn, const: dict, q_split: bool, options: dict, index_ptrs: dict | None = None):

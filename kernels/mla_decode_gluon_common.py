@@ -1,7 +1,8 @@
-"""What the Hopper (sm_90) Gluon decode kernels share: the Gluon imports, the split and copy-program arithmetic,
-the unit layout of the keys in registers and its asm, the loads, the score and value steps, and the host-side
-checks. The kernels are `mla_decode_gluon_regs.py` (one warpgroup, 16 rows) and `mla_decode_gluon_wide.py` (two
-warpgroups, 32 rows); the operation that picks and launches them is `quantmla_hf/decode.py`.
+"""What the two programs of the Hopper (sm_90) Gluon decode kernel share: the Gluon imports, the preambles, the
+split and copy-program arithmetic, the unit layout of the keys in registers and its asm, the loads, the score and
+value steps, and the host-side checks and launch. The kernel and its one-warpgroup program (16 rows) are in
+`mla_decode_gluon_regs.py`, its two-warpgroup program (32 rows) in `mla_decode_gluon_wide.py`; the operation that
+picks and launches them is `quantmla_hf/decode.py`.
 
 Grid: one-dimensional, `B * cdiv(M, BM) * (NS + ND)` programs (`flat_grid`): the `NS` packed splits of every
 (batch row, head block) first, split fastest, then `ND = copy_programs(fmt)` copy programs that attend one 64-token
@@ -85,6 +86,23 @@ def _program_coords(num_splits, M, BM: gl.constexpr, ND: gl.constexpr):
 
 
 @_jit
+def _program_rows(num_splits, M, len_ptr, lp_ptr, BM: gl.constexpr, ND: gl.constexpr, PAGED: gl.constexpr):
+    """`(i_s, i_hb, i_b, length, lp, i_c)` of this program (`_program_coords`): its length and left padding (int64)
+    and its row of the copies. `PAGED`: batch row b is request b, of length `len_ptr[b]`, its copies in row
+    `lp_ptr[b]`, no left padding; else `len_ptr[0]` is every row's length and `lp_ptr[b]` its left padding."""
+    i_s, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
+    if PAGED:
+        length = gl.load(len_ptr + i_b).to(gl.int64)
+        lp = length * 0
+        i_c = gl.load(lp_ptr + i_b).to(gl.int64)  # the request's row of the copies
+    else:
+        length = gl.load(len_ptr).to(gl.int64)
+        lp = gl.load(lp_ptr + i_b).to(gl.int64)
+        i_c = i_b
+    return i_s, i_hb, i_b, length, lp, i_c
+
+
+@_jit
 def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr,
                  C_BITS: gl.constexpr):
     """The packed positions of split `i_s` (`decode.split_plan`: sized from the device-side length, not the
@@ -115,6 +133,65 @@ def _copy_ranges(i_s, num_splits, length, S: gl.constexpr, R: gl.constexpr, BT: 
     r_lo = gl.maximum(length - R, 0) + (d - SINK_TILES) * BT
     r_hi = gl.where(is_dense & (d >= SINK_TILES), gl.minimum(r_lo + BT, length), r_lo)
     return s_lo, s_hi, r_lo, r_hi
+
+
+@_jit
+def _copy_tile(i_s, num_splits, length, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt,
+               s_rccb, s_rcct, s_rcrb, s_rcrt, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
+    """The one 64-token tile of model-dtype copies that copy program `d = i_s - num_splits` attends: sink slots
+    `[lo, hi)` (slot j holds position `lp + j`) for the first `cdiv(S, 64)` programs, then recent positions `[lo,
+    hi)` from `length - R` (slot `p % R` of the ring); an empty range for the packed programs. Returns `(lo, hi,
+    sink, p_c, p_r, s_ct, s_rt)`: the range, whether it is the sink's, and the content and RoPE copies of copy row
+    `i_c` with their token strides."""
+    SINK_TILES: gl.constexpr = (S + BT - 1) // BT
+    d = i_s - num_splits
+    sink = d < SINK_TILES
+    s_lo = d * BT
+    r_lo = gl.maximum(length - R, 0) + (d - SINK_TILES) * BT
+    lo = gl.where(sink, s_lo, r_lo)
+    hi = gl.where(i_s >= num_splits, gl.where(sink, gl.minimum(s_lo + BT, S), gl.minimum(r_lo + BT, length)), lo)
+    p_c = gl.where(sink, snc_ptr + i_c * s_sncb, rcc_ptr + i_c * s_rccb)
+    p_r = gl.where(sink, snr_ptr + i_c * s_snrb, rcr_ptr + i_c * s_rcrb)
+    return lo, hi, sink, p_c, p_r, gl.where(sink, s_snct, s_rcct), gl.where(sink, s_snrt, s_rcrt)
+
+
+@_jit
+def _copy_rows(start, hi, sink, lp, length, o_dt, o_bt, lim_m, m_m, S: gl.constexpr, R: gl.constexpr):
+    """The 64 copied tokens from `start` of a copy tile `[start, hi)` (`_copy_tile`), valid from position `lp + S`
+    (recent) or `lp` (sink) up to `length`: `(kz, slot, m_t, m_valid)`: a run-time zero for the shared-memory
+    indices, their slots and valid keys in the layout of `o_dt: [64]` (the dense loads), and the score mask `[64,
+    BM]` in the layout of `o_bt: [64]` (rows `m_m`, query rows seeing positions below `lim_m`)."""
+    kz = (start.to(gl.int64) >> 40).to(gl.int32)
+    shift = gl.where(sink, lp, 0)
+    p_min = gl.where(sink, 0, lp + S)
+    j = start + o_dt
+    m_t = (j < hi) & (j + shift >= p_min) & (j + shift < length)
+    p = start + o_bt + shift
+    m_valid = ((p < hi + shift) & (p >= p_min) & (p < length))[:, None] & m_m[None, :] & (p[:, None] < lim_m[None, :])
+    return kz, gl.where(sink, j, j % R), m_t, m_valid
+
+
+@_jit
+def _batch_planes(cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, i_b, s_ccb, s_csb, s_rcb, s_rsb):
+    """The plane pointers of batch row `i_b`: `(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz)`, content and RoPE code words,
+    steps and zero points (the zero points share their steps' strides)."""
+    p_cc = cc_ptr + i_b * s_ccb
+    p_rc = rc_ptr + i_b * s_rcb
+    p_cs = cs_ptr + i_b * s_csb
+    p_cz = cz_ptr + i_b * s_csb
+    p_rs = rs_ptr + i_b * s_rsb
+    p_rz = rz_ptr + i_b * s_rsb
+    return p_cc, p_rc, p_cs, p_cz, p_rs, p_rz
+
+
+@_jit
+def _planes_from(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, t, GC: gl.constexpr, C_BITS: gl.constexpr,
+                 R_BITS: gl.constexpr):
+    """The plane pointers of `_batch_planes` advanced to position `t` (rows of `GC * 2 * C_BITS` and `2 * R_BITS`
+    code words, `GC` and one steps and zero points)."""
+    RWC: gl.constexpr = GC * 2 * C_BITS
+    RWR: gl.constexpr = 2 * R_BITS
+    return p_cc + t * RWC, p_rc + t * RWR, p_cs + t * GC, p_cz + t * GC, p_rs + t, p_rz + t
 
 
 @_jit

@@ -1,8 +1,8 @@
-"""Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads): the register-operand kernel over two
-warpgroups, 32 rows per program. Same function, splits, copy programs and partials as `mla_decode_gluon_regs.py`;
-launched by `quantmla_hf/decode.py`'s `mla_decode_static` (backend "gluon_wide") and, for decode steps of the paged
-cache, by its `mla_decode_paged` (the `PAGED` launch, as the register kernel's); shared pieces in
-`mla_decode_gluon_common.py`.
+"""Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads): the two-warpgroup program of the
+register-operand kernel (`mla_decode_gluon_regs.mla_decode_gluon_kernel` with `WIDE`), 32 rows per program. Same
+function, splits, copy programs and partials as the one-warpgroup program; launched by `quantmla_hf/decode.py`'s
+`mla_decode_static` (backend "gluon_wide") and, for decode steps of the paged cache, by its `mla_decode_paged` (the
+`PAGED` launch); shared pieces in `mla_decode_gluon_common.py`.
 
 Why: the one-warpgroup kernel holds 16 rows (its 8 value accumulators take 64 of its 255 registers), so at 128 heads
 every token is unpacked 8 times; here a program is two warpgroups (`gl.warp_specialize`: the leader and one 4-warp
@@ -29,16 +29,15 @@ from __future__ import annotations
 
 from quantmla_hf.format import CacheFormat
 
-from .mla_decode_gluon_common import (BLOCK_T, HAVE_GLUON, _jit, _jit_dynamic, launch_flat,
-                                      words_layout)
+from .mla_decode_gluon_common import BLOCK_T, HAVE_GLUON, _jit, words_layout
 
 if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
-    from .mla_decode_gluon_common import (_alloc_tiles, _copy_ranges, _cta_barrier, _finish, _load_dense,
-                                          _load_group_rows, _load_meta, _load_unit, _pair_meta, _program_coords, _pv,
-                                          _references, _row_ptrs, _score_unit, _split_range, _stage_queries,
+    from .mla_decode_gluon_common import (_batch_planes, _copy_ranges, _cta_barrier, _finish, _load_dense,
+                                          _load_group_rows, _load_meta, _load_unit, _pair_meta, _planes_from,
+                                          _program_rows, _pv, _references, _row_ptrs, _score_unit, _split_range,
                                           _store_o, _tile_rows, _unit_pair, _unpack_unit)
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
@@ -219,7 +218,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     """The leader's (`LEAD`: content units 0-3, the RoPE unit, the softmax of rows `[0, BM/2)`, outputs 0-3) or the
     worker's (content units 4-7, the softmax of rows `[BM/2, BM)`, outputs 4-7) share of every tile of the program
     (its split, row block and batch row); each stores the LSE of its rows. `fbuf: [BM]` the rows' score factors
-    (staged once). `PAGED`: as in `mla_decode_gluon_regs_kernel`."""
+    (staged once). `PAGED`: as in `mla_decode_gluon_kernel`."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     U0: gl.constexpr = 0 if LEAD else 4
@@ -236,23 +235,20 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     col_h: gl.constexpr = gl.SliceLayout(0, acc_h)
     row_h: gl.constexpr = gl.SliceLayout(1, acc_h)
     ml: gl.constexpr = gl.SliceLayout(2, WC_L)
+    RWC: gl.constexpr = GC * 2 * C_BITS  # code words per token row
+    RWR: gl.constexpr = 2 * R_BITS
 
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
-    i_s, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
-    if PAGED:
-        length = gl.load(len_ptr + i_b).to(gl.int64)
-        lp = length * 0
-        i_c = gl.load(lp_ptr + i_b).to(gl.int64)  # the request's row of the copies
-    else:
-        length = gl.load(len_ptr).to(gl.int64)
-        lp = gl.load(lp_ptr + i_b).to(gl.int64)
-        i_c = i_b
+    i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
     o_m = i_hb * BM + gl.arange(0, BM, layout=col_l)
     m_m = o_m < M
     o_mh = i_hb * BM + HF * HM + gl.arange(0, HM, layout=col_h)
     m_mh = o_mh < M
     lim_mh = length - Tq + (o_mh % Tq) + 1
     f_h = fbuf.slice(HF * HM, HM).load(col_h)
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
+    p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _batch_planes(cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, i_b, s_ccb,
+                                                       s_csb, s_rcb, s_rsb)
 
     m_i = gl.full([HM], float("-inf"), gl.float32, col_h)
     l_p = _lane_sums(gl.zeros([BT, HM], gl.float32, acc_h))
@@ -260,15 +256,6 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     ob = gl.zeros([64, BM], gl.float32, acc_l)
     oc = gl.zeros([64, BM], gl.float32, acc_l)
     od = gl.zeros([64, BM], gl.float32, acc_l)
-    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
-    p_cc = cc_ptr + i_b * s_ccb
-    p_rc = rc_ptr + i_b * s_rcb
-    p_cs = cs_ptr + i_b * s_csb
-    p_cz = cz_ptr + i_b * s_csb
-    p_rs = rs_ptr + i_b * s_rsb
-    p_rz = rz_ptr + i_b * s_rsb
-    RWC: gl.constexpr = GC * 2 * C_BITS
-    RWR: gl.constexpr = 2 * R_BITS
 
     # ROWS (paged launches and 2-bit content): the register kernel's loads, int32 positions relative to the split's
     # first tile and one row pointer per token; else int64 positions and masked loads (faster for contiguous C4R4,
@@ -284,12 +271,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
             p_pt = pt_ptr + i_b * s_pt + first // BT
         else:
             p_pt = pt_ptr
-            p_cc = p_cc + first * RWC
-            p_rc = p_rc + first * RWR
-            p_cs = p_cs + first * GC
-            p_cz = p_cz + first * GC
-            p_rs = p_rs + first
-            p_rz = p_rz + first
+            p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _planes_from(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, first, GC, C_BITS,
+                                                              R_BITS)
         row, shift = _tile_rows(p_pt, 0, last, PAGED)
         t_first = 0
         pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
@@ -390,64 +373,6 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     _store_o(o_ptr, o_row, m_m, od, inv_l, U0 + 3, GC, D_C, C_BITS, acc_l)
 
 
-# --------------------------------------------------------------------------------------------- the kernel
-@_jit_dynamic
-def mla_decode_gluon_wide_kernel(
-    q_ptr, qr_ptr,
-    cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
-    snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr,
-    o_ptr, lse_ptr,
-    M, Tq, split_target, num_splits, qk_scale,
-    s_qb, s_qrb, s_ccb, s_csb, s_rcb, s_rsb,
-    s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
-    GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-    BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, W_REGS: gl.constexpr, pt_ptr, s_pt,
-    PAGED: gl.constexpr,
-):
-    """Grid, splits, inputs and outputs (the `PAGED` launch too) of `mla_decode_gluon_regs_kernel` with BM-row
-    blocks; the queries (and the rows' score factors, `fbuf`) are staged by the default warps, then the leader (4
-    warps) and the worker (4 warps, `W_REGS` registers) attend each tile together."""
-    BT: gl.constexpr = 64
-    D_C: gl.constexpr = GC * 64
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-
-    _, i_hb, i_b = _program_coords(num_splits, M, BM, (S + BT - 1) // BT + (R + BT - 1) // BT)
-    kbuf, qbuf, qlo, pbuf = _alloc_tiles(GC, BT, BM, Q_SPLIT)
-    sbuf = gl.allocate_shared_memory(gl.float32, [2, BT, BM // 2], plain2)  # [h]: partial scores of rows half 1 - h
-    abuf = gl.allocate_shared_memory(gl.float32, [BM], plain1)
-    ibuf = gl.allocate_shared_memory(gl.float32, [BM], plain1)
-    fbuf = gl.allocate_shared_memory(gl.float32, [BM], plain1)
-    s_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for h in gl.static_range(2):
-        mbarrier.init(s_bar.index(h), count=1)
-        mbarrier.init(p_bar.index(h), count=1)
-
-    f = _stage_queries(qbuf, qlo, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, Q_SPLIT,
-                       C_BITS, R_BITS, q_l)
-    fbuf.store(gl.convert_layout(f, col_l) * qk_scale)
-    fence_async_shared()
-    _cta_barrier()
-
-    # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
-    gl.warp_specialize([
-        (_half_program, (True, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr,
-                         cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
-                         lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
-                         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT,
-                         INFLIGHT, PAGED)),
-        (_half_program, (False, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, ibuf, s_bar, p_bar, cc_ptr, cs_ptr,
-                         cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
-                         lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
-                         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R, BM, Q_SPLIT,
-                         INFLIGHT, PAGED)),
-    ], [4], [W_REGS])
-
-
 # --------------------------------------------------------------------------------------------- host side
 def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
     """Shared memory of one program: content tiles `[GC, 64, 64]` fp16, queries `[GC + 1, BM, 64]` fp16 (twice for
@@ -463,12 +388,3 @@ def wide_handles(fmt: CacheFormat) -> bool:
     four each), 2- or 4-bit content and 4-bit RoPE (C4R4, C2R4), or 8-bit content and RoPE (C8R8)."""
     c, r = fmt.content.bits, fmt.rope.bits
     return fmt.content.n_groups == 8 and ((c in (2, 4) and r == 4) or (c == 8 and r == 8))
-
-
-def launch_wide(*args, page_table=None):
-    """Launch `mla_decode_gluon_wide_kernel` with `launch_flat`'s arguments (after its `block_m`): `B * cdiv(M, 32) *
-    (NS + copy_programs(fmt))` programs of 8 warps at `REGS[content bits]` registers, the worker's set again by
-    `setmaxnreg`."""
-    regs = REGS[args[4].content.bits]  # the format's
-    launch_flat(mla_decode_gluon_wide_kernel, "two-warpgroup Gluon decode kernel", smem_bytes, "gluon_regs", BLOCK_M,
-                *args, page_table=page_table, INFLIGHT=INFLIGHT, W_REGS=regs, num_warps=4, maxnreg=regs)

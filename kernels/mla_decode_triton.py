@@ -1,7 +1,8 @@
 """The portable Triton decode kernel: split-K absorbed MLA attention on the packed QuantMLA cache.
 
 Runs on any CUDA GPU of compute capability >= 8 and, for the tests, in the Triton interpreter on CPU. The plain
-PyTorch version is `mla_decode_ref.py`; the operation that launches it (splits, grid, combine) is `quantmla_hf/decode.py`.
+PyTorch version is `mla_decode_ref.py`; the operation that launches it (splits, grid, combine) is
+`quantmla_hf/decode.py`.
 
     rows m = (head h, query token t) of `q_lat: [B, H, Tq, d_c]`, `q_rot: [B, H, Tq, d_R]`, flattened to `M = H * Tq`
     score[m, j] = (q_lat[m] . c[j] + q_rot[m] . k_R[j]) * scaling          for every valid cached position j

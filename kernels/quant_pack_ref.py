@@ -111,9 +111,9 @@ def quantize_pack_at_ref(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, position: torch.Tensor,
     fmt: PathFormat,
 ) -> None:
-    """Reference of `quant_pack.quantize_pack` with a device-side start: quantize `x: [B, T, dim]` and write it into positions
-    `[position, position + T)` of the planes, `position` an int64 tensor `[1]` on the planes' device (no host
-    synchronisation; positions at or past the capacity are dropped, like the kernel)."""
+    """Reference of `quant_pack.quantize_pack` with a device-side start: quantize `x: [B, T, dim]` and write it into
+    positions `[position, position + T)` of the planes, `position` an int64 tensor `[1]` on the planes' device (no
+    host synchronisation; positions at or past the capacity are dropped, like the kernel)."""
     c, s, z = quantize_ref(x, fmt, check=False)
     T, cap = x.shape[1], codes.shape[1]
     pos = position.reshape(1) + torch.arange(T, device=codes.device)

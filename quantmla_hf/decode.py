@@ -243,7 +243,8 @@ def mla_decode_static(
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
-    launch = {"triton": portable.launch_triton, "gluon_regs": regs.launch_regs, "gluon_wide": wide.launch_wide}[backend]
+    launch = (portable.launch_triton if backend == "triton"
+              else functools.partial(regs.launch_gluon, wide_program=backend == "gluon_wide"))
     launch(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
            M, Tq, target, NS, scaling * LOG2E)
     o, lse = combine(o_part, lse_part, n_tail, out, sms)
@@ -263,14 +264,15 @@ def _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_
             raise ValueError(f"the paged Gluon kernel addresses pool rows with int32 offsets; {words} code words "
                              "are more: use backend='triton'")
     sms = num_sms(q_lat.device.index or 0)
-    block_m, launch = (regs.BLOCK_M, regs.launch_regs) if backend == "gluon_regs" else (wide.BLOCK_M, wide.launch_wide)
+    block_m = regs.BLOCK_M if backend == "gluon_regs" else wide.BLOCK_M
     target, NS = split_plan(backend, n, -(-H // block_m), longest, fmt, sms, num_splits)
     NSP = NS + copy_programs(fmt)
     o_part = torch.empty((n, H, NSP, d_c), dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty((n, H, NSP), dtype=torch.float32, device=q_lat.device)
-    launch(q_lat.contiguous(), q_rot.contiguous(), content, rope, fmt, sink_content, sink_rope, recent_content,
-           recent_rope, rows.to(torch.int32), seq_lens.to(torch.int32), o_part, lse_part, H, 1, target, NS,
-           float(scaling) * LOG2E, page_table=page_table.to(torch.int32).contiguous())
+    regs.launch_gluon(q_lat.contiguous(), q_rot.contiguous(), content, rope, fmt, sink_content, sink_rope,
+                      recent_content, recent_rope, rows.to(torch.int32), seq_lens.to(torch.int32), o_part, lse_part, H,
+                      1, target, NS, float(scaling) * LOG2E, wide_program=backend == "gluon_wide",
+                      page_table=page_table.to(torch.int32).contiguous())
     return combine(o_part, lse_part, copy_programs(fmt), None, sms)
 
 

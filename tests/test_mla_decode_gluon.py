@@ -10,6 +10,7 @@ script finds the packed loops. On the H200, `benchmarks/bench_decode.py --check`
 reference.
 """
 
+import inspect
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ import triton
 
 from quantmla_hf import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
+from quantmla_hf.kernels import mla_decode_gluon_regs as mr
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
 
@@ -37,45 +39,28 @@ def _compile(script: str):
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 
 
-# the pointer arguments' types of a Gluon decode launch (queries bf16 or fp32; int64 lengths and padding, or int32
-# lengths, copy rows and page numbers for the paged launch), for the compile scripts below
-POINTER_TYPES = textwrap.dedent(
-    """
-    def _pointer_types(q_split, paged):
-        qd = "*fp32" if q_split else "*bf16"
-        ix = "*i32" if paged else "*i64"
-        return dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32", rs_ptr="*fp16",
-                    rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16", lp_ptr=ix,
-                    len_ptr=ix, pt_ptr=ix, o_ptr="*fp32", lse_ptr="*fp32")
+# the compile scripts below build their launches with benchmarks/sass_decode.py (the SASS figures' command)
+COMPILE_PREFIX = textwrap.dedent(
+    f"""
+    import sys
+    sys.path.insert(0, {os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")!r})
+    import sass_decode as sd
     """
 )
 
-COMPILE_REGS = POINTER_TYPES + textwrap.dedent(
+COMPILE_REGS = COMPILE_PREFIX + textwrap.dedent(
     """
-    import re, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental import gluon
+    import re
     from quantmla_hf import CacheFormat, PathFormat
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
     from quantmla_hf.kernels import mla_decode_gluon_regs as mr
 
-    fn = mr.mla_decode_gluon_regs_kernel
-    strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
-    # (content bits, fp32 queries): the launch of each format
+    # (content bits, fp32 queries, paged): the launch of each format
     # and the paged launch (page pools read through a page table: int32 lengths, copy rows and page numbers)
     for cb, q_split, paged in ((4, False, False), (2, False, False), (4, True, False), (8, False, False),
                                (4, False, True), (2, False, True)):
-        ptr = _pointer_types(q_split, paged)
         rb = 8 if cb == 8 else 4
-        const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=16, Q_SPLIT=q_split, INFLIGHT=mr.INFLIGHT[cb],
-                     WC_L=mc.words_layout(cb // 2), WP_L=mc.words_layout(cb), WR_L=mc.words_layout(rb // 2),
-                     XL=mc.words_layout(16), PAGED=paged)
-        sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
-               for n in fn.arg_names}
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
-        src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                                                  for k, v in const.items()}, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        kernel = sd.compile_regs(cb, rb, q_split=q_split, inflight=mr.INFLIGHT[cb], paged=paged)
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = mr.smem_bytes(fmt, q_split)
         assert kernel.metadata.shared <= need, (cb, q_split, kernel.metadata.shared, need)
@@ -83,12 +68,12 @@ COMPILE_REGS = POINTER_TYPES + textwrap.dedent(
         ptx = kernel.asm["ptx"]
         mma = r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 \\{[^}]*\\}, "
         per = 2 if q_split else 1
-        # scores: 9 units x 4 k-steps with the A operand in registers, in the packed loop and the two copy loops
-        # (8-bit keys: the packed loop also on the remainders)
-        n_reg = 3 * 9 * 4 * per + (9 * 4 if cb == 8 else 0)
+        # scores: 9 units x 4 k-steps with the A operand in registers, in the packed loop and the copy loop (the
+        # sink's or the recent ring's tile, `_copy_tile`) (8-bit keys: the packed loop also on the remainders)
+        n_reg = 2 * 9 * 4 * per + (9 * 4 if cb == 8 else 0)
         assert len(re.findall(mma + r"\\{", ptx)) == n_reg, (cb, len(re.findall(mma + r"\\{", ptx)))
         # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
-        assert len(re.findall(mma + r"%rd", ptx)) == 3 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
+        assert len(re.findall(mma + r"%rd", ptx)) == 2 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
         assert "cp.async" not in ptx  # the code words go straight to registers
         # the metadata's fp16x2 pairs by `meta_asm`: one per step, i.e. per thread and tile groups q, q + 4 and RoPE
         # of its two tokens, in the packed loop
@@ -97,7 +82,7 @@ COMPILE_REGS = POINTER_TYPES + textwrap.dedent(
         # the P tile goes to shared memory by one stmatrix.x4 per loop, twice (at once, and again in the voted
         # branch where a row's reference moves); the content keys by plain stores
         n_stm = len(re.findall(r"stmatrix", ptx))
-        assert n_stm == 3 * 2, (cb, n_stm)
+        assert n_stm == 2 * 2, (cb, n_stm)
         # the content keys go to eight separate buffers: no barrier between the units' stores (one buffer indexed
         # per unit took one before each store, 46 in all with Triton 3.6)
         assert ptx.count("bar.sync") <= 27, (cb, ptx.count("bar.sync"))
@@ -114,32 +99,18 @@ COMPILE_REGS = POINTER_TYPES + textwrap.dedent(
 )
 
 
-COMPILE_WIDE = POINTER_TYPES + textwrap.dedent(
+COMPILE_WIDE = COMPILE_PREFIX + textwrap.dedent(
     """
-    import os, re, subprocess, sys, tempfile, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental import gluon
+    import re
     from quantmla_hf import CacheFormat, PathFormat
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
     from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 
-    fn = mw.mla_decode_gluon_wide_kernel
-    strides = [n for n in fn.arg_names if n.startswith("s_")]  # all multiples of 16 at DeepSeek widths
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     bm = mw.BLOCK_M
     # (content bits, fp32 queries, paged): the launch of each format and the paged launch
     for cb, q_split, paged in ((4, False, False), (2, True, False), (4, False, True), (8, False, False)):
-        ptr = _pointer_types(q_split, paged)
         rb = 8 if cb == 8 else 4
-        const = dict(GC=8, C_BITS=cb, R_BITS=rb, S=4, R=128, BM=bm, Q_SPLIT=q_split, INFLIGHT=mw.INFLIGHT,
-                     W_REGS=mw.REGS[cb], PAGED=paged)
-        sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
-               for n in fn.arg_names}
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides}
-        src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                                                  for k, v in const.items()}, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "maxnreg": mw.REGS[cb]})
+        kernel = sd.compile_wide(cb, rb, q_split=q_split, paged=paged)
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = mw.smem_bytes(fmt, q_split)
         assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, bm, q_split, kernel.metadata.shared, need)
@@ -154,14 +125,12 @@ COMPILE_WIDE = POINTER_TYPES + textwrap.dedent(
         # values, A (the stored keys) from shared memory: 4 units per warpgroup, 4 k-steps, three loops
         n_smem = len(re.findall(mma + r"%rd", ptx))
         assert n_smem == 3 * 8 * 4, (cb, bm, n_smem)
-        # no local memory
-        if os.path.exists(cuobjdump):
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"])
-                f.flush()
-                sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
-                                      check=True).stdout
-            assert not re.search(r"\\b(LDL|STL)\\b", sass), (cb, bm, q_split)
+        # no local memory (where this Triton bundles cuobjdump)
+        try:
+            sass = sd.disassemble(kernel.asm["cubin"], "-sass")
+        except FileNotFoundError:
+            continue
+        assert not re.search(r"\\b(LDL|STL)\\b", sass), (cb, bm, q_split)
     print("compiled")
     """
 )
@@ -356,16 +325,11 @@ def test_sass_script_counts_both_packed_loops():
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 @pytest.mark.parametrize("which", ["regs", "wide"])
 def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
-    """`launch_regs` / `launch_wide` (through `launch_flat`) give their kernel every parameter of its signature, by
-    name, once, and launch `flat_grid` programs: the kernel is replaced by a binder of its own signature, since it
+    """`launch_gluon` (through `launch_flat`) gives the kernel every parameter of its signature, by name, once, and
+    launches `flat_grid` programs of either program: the kernel is replaced by a binder of its own signature, since it
     cannot launch without a GPU."""
-    import inspect
-
-    from quantmla_hf.kernels import mla_decode_gluon_regs as mr
-
     module = {"regs": mr, "wide": mw}[which]
-    name = f"mla_decode_gluon_{which}_kernel"
-    kernel = getattr(module, name)
+    kernel = mr.mla_decode_gluon_kernel
     params = inspect.signature(kernel.fn).parameters
     seen = {}
 
@@ -376,7 +340,7 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
                 seen.update(grid=grid, bound=inspect.signature(kernel.fn).bind(*args, **kwargs), options=options)
             return launch
 
-    monkeypatch.setattr(module, name, Binder())
+    monkeypatch.setattr(mr, "mla_decode_gluon_kernel", Binder())
     fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64), 4, 128)
     B, M, cap, NS = 2, 16 if which == "regs" else 64, 300, 5
     cp = {"codes": torch.zeros(B, cap, 256, dtype=torch.uint8), "scale": torch.zeros(B, cap, 8, dtype=torch.float16),
@@ -384,13 +348,17 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     rp = {"codes": torch.zeros(B, cap, 32, dtype=torch.uint8), "scale": torch.zeros(B, cap, 1, dtype=torch.float16),
           "zero": torch.zeros(B, cap, 1, dtype=torch.int8)}
     copies = [torch.zeros(B, n, d, dtype=torch.bfloat16) for n, d in ((4, 512), (4, 64), (128, 512), (128, 64))]
-    launcher = getattr(module, f"launch_{which}")
+
+    def launcher(*args, **kwargs):
+        mr.launch_gluon(*args, wide_program=which == "wide", **kwargs)
+
     launcher(torch.zeros(B, M, 512, dtype=torch.bfloat16), torch.zeros(B, M, 64, dtype=torch.bfloat16), cp, rp, fmt,
              *copies, torch.zeros(B, dtype=torch.int64), torch.tensor([cap]), torch.zeros(B, M, NS + 3, 512),
              torch.zeros(B, M, NS + 3), M, 1, 8, NS, 0.1)
     assert set(seen["bound"].arguments) == set(params), set(params) ^ set(seen["bound"].arguments)
     assert seen["grid"] == mc.flat_grid(NS, fmt, M, module.BLOCK_M, B)
     assert seen["bound"].arguments["BM"] == module.BLOCK_M and seen["options"]["num_warps"] == 4
+    assert seen["bound"].arguments["WIDE"] == (which == "wide")
     # the paged launch: pools from their first row (batch strides 0), the page table's stride
     assert not seen["bound"].arguments["PAGED"]
     table = torch.zeros(B, 7, dtype=torch.int32)
