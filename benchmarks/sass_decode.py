@@ -52,7 +52,7 @@ def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide):
                  WP_L=mc.words_layout(content_bits), WR_L=mc.words_layout(rope_bits // 2), XL=mc.words_layout(16),
                  PAGED=paged)
     index = "*i32" if paged else "*i64"  # the paged launch's lengths, copy rows and page numbers
-    options = {"num_warps": 4, "maxnreg": regs} if wide else {"num_warps": 4}
+    options = {"num_warps": 4, "maxnreg": min(regs, mw.MAX_REGS)} if wide else {"num_warps": 4}
     return _compile(mr.mla_decode_gluon_kernel, const, q_split, options, dict(lp_ptr=index, len_ptr=index,
                                                                               pt_ptr=index))
 

@@ -121,21 +121,6 @@ def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: 
 
 
 @_jit
-def _copy_ranges(i_s, num_splits, length, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
-    """Copy program `d = i_s - num_splits` attends one 64-token tile: sink slots `[s_lo, s_hi)` for the first
-    `cdiv(S, 64)` programs, then recent positions `[r_lo, r_hi)` from `length - R`; empty ranges elsewhere. Returns
-    `(s_lo, s_hi, r_lo, r_hi)`."""
-    SINK_TILES: gl.constexpr = (S + BT - 1) // BT
-    d = i_s - num_splits
-    is_dense = i_s >= num_splits
-    s_lo = d * BT
-    s_hi = gl.where(is_dense & (d < SINK_TILES), gl.minimum(s_lo + BT, S), s_lo)
-    r_lo = gl.maximum(length - R, 0) + (d - SINK_TILES) * BT
-    r_hi = gl.where(is_dense & (d >= SINK_TILES), gl.minimum(r_lo + BT, length), r_lo)
-    return s_lo, s_hi, r_lo, r_hi
-
-
-@_jit
 def _copy_tile(i_s, num_splits, length, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt,
                s_rccb, s_rcct, s_rcrb, s_rcrt, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
     """The one 64-token tile of model-dtype copies that copy program `d = i_s - num_splits` attends: sink slots

@@ -257,7 +257,7 @@ def launch_gluon(*args, wide_program: bool = False, page_table=None):
     if wide_program:
         launch_flat(mla_decode_gluon_kernel, "two-warpgroup Gluon decode kernel", wide.smem_bytes, "gluon_regs",
                     wide.BLOCK_M, *args, page_table=page_table, INFLIGHT=wide.INFLIGHT, WIDE=True, W_REGS=wide.REGS[c],
-                    **layouts, num_warps=4, maxnreg=wide.REGS[c])
+                    **layouts, num_warps=4, maxnreg=min(wide.REGS[c], wide.MAX_REGS))
     else:
         launch_flat(mla_decode_gluon_kernel, "register-operand Gluon decode kernel", smem_bytes, "triton", BLOCK_M,
                     *args, page_table=page_table, INFLIGHT=INFLIGHT[c], WIDE=False, W_REGS=0, **layouts, num_warps=4)

@@ -35,16 +35,18 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
-    from .mla_decode_gluon_common import (_batch_planes, _copy_ranges, _cta_barrier, _finish, _load_dense,
+    from .mla_decode_gluon_common import (_batch_planes, _copy_rows, _copy_tile, _cta_barrier, _finish, _load_dense,
                                           _load_group_rows, _load_meta, _load_unit, _pair_meta, _planes_from,
                                           _program_rows, _pv, _references, _row_ptrs, _score_unit, _split_range,
                                           _store_o, _tile_rows, _unit_pair, _unpack_unit)
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 # Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width: one
-# program of 8 warps per SM. 2/4 bits: 240 (no spills, ptxas). 8 bits: 248 (256 threads x 248 = 63,488 of the SM's
-# 65,536), where 240 spilled (timings: docs/KERNELS.md).
-REGS = {2: 240, 4: 240, 8: 248}
+# program of 8 warps per SM. 2/4 bits: 240 (no spills, ptxas). 8 bits: 256, the whole register file for 256 threads
+# (the launch asks ptxas for its most, `MAX_REGS`, which it allocates as 256), where 240 and 248 spilled in the
+# packed loops (timings: docs/KERNELS.md).
+REGS = {2: 240, 4: 240, 8: 256}
+MAX_REGS = 255  # registers per thread ptxas takes at most (allocated in steps of 8)
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`decode.fill_splits`): the one resident, one
 # round (docs/KERNELS.md)
@@ -330,30 +332,13 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
 
     o_bt = gl.arange(0, BT, layout=row_h).to(gl.int64)
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
-    s_lo, s_hi, r_lo, r_hi = _copy_ranges(i_s, num_splits, length, S, R, BT)
-    p_snc = snc_ptr + i_c * s_sncb
-    p_snr = snr_ptr + i_c * s_snrb
-    for start in range(s_lo, s_hi, BT):
-        kz = (start.to(gl.int64) >> 40).to(gl.int32)
-        o_j = start + o_dt
-        acc = _half_dense_scores(p_snc, p_snr, o_j, (o_j < S) & (lp + o_j < length), s_snct, s_snrt, qbuf, qlo, kbuf,
-                                 kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
-        o_jr = start + o_bt
-        o_t = lp + o_jr
-        m_valid = ((o_jr < S) & (o_t < length))[:, None] & m_mh[None, :] & (o_t[:, None] < lim_mh[None, :])
-        m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
-                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
-        ph = ph ^ 1
-    lo_dense = lp + S
-    p_rcc = rcc_ptr + i_c * s_rccb
-    p_rcr = rcr_ptr + i_c * s_rcrb
-    for start in range(r_lo, r_hi, BT):
-        kz = (start.to(gl.int64) >> 40).to(gl.int32)
-        o_p = start + o_dt
-        acc = _half_dense_scores(p_rcc, p_rcr, o_p % R, (o_p < r_hi) & (o_p >= lo_dense), s_rcct, s_rcrt, qbuf, qlo,
-                                 kbuf, kz, U0, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
-        o_t = start + o_bt
-        m_valid = ((o_t < r_hi) & (o_t >= lo_dense))[:, None] & m_mh[None, :] & (o_t[:, None] < lim_mh[None, :])
+    if i_s >= num_splits:  # a copy program: its one tile
+        lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, lp, i_c, snc_ptr, snr_ptr,
+                                                             rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                                                             s_rcct, s_rcrb, s_rcrt, S, R, BT)
+        kz, slot, m_t, m_valid = _copy_rows(lo_c, hi_c, sink, lp, length, o_dt, o_bt, lim_mh, m_mh, S, R)
+        acc = _half_dense_scores(p_c, p_r, slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0, LEAD, GC, BM, Q_SPLIT,
+                                 C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
                                                 l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
         ph = ph ^ 1

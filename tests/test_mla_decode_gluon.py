@@ -119,12 +119,12 @@ COMPILE_WIDE = COMPILE_PREFIX + textwrap.dedent(
         mma = rf"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16 \\{{[^}}]*\\}}, "
         per = 2 if q_split else 1
         # scores, A from registers: the leader's 4 content units + RoPE and the worker's 4, 4 k-steps each, in the
-        # packed loop (twice at 8 bits: the keys' high and low parts) and the two copy loops
+        # packed loop (twice at 8 bits: the keys' high and low parts) and the copy tile
         n_reg = len(re.findall(mma + r"\\{", ptx))
-        assert n_reg == (4 if cb == 8 else 3) * 9 * 4 * per, (cb, bm, n_reg)
-        # values, A (the stored keys) from shared memory: 4 units per warpgroup, 4 k-steps, three loops
+        assert n_reg == (3 if cb == 8 else 2) * 9 * 4 * per, (cb, bm, n_reg)
+        # values, A (the stored keys) from shared memory: 4 units per warpgroup, 4 k-steps, packed loop and copy tile
         n_smem = len(re.findall(mma + r"%rd", ptx))
-        assert n_smem == 3 * 8 * 4, (cb, bm, n_smem)
+        assert n_smem == 2 * 8 * 4, (cb, bm, n_smem)
         # no local memory (where this Triton bundles cuobjdump)
         try:
             sass = sd.disassemble(kernel.asm["cubin"], "-sass")
