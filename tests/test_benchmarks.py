@@ -56,3 +56,36 @@ def test_generate_benchmark_runs_and_fits_a_largest_batch(tmp_path):
         ("dynamic-bf16", 2), ("dynamic-bf16", 3), ("C4R4", 2), ("C4R4", 3), ("C4R4-static", 2)}
     assert all(r["tok_s"] > 0 and r["ms_per_step"] > 0 for r in result["rows"])
     assert {f["method"] for f in result["max_batch"]} == {"dynamic-bf16", "C4R4"}
+
+
+def _ncu_source_page(path, rows):
+    """A source page as `ncu --page source --csv --print-source sass` writes it: a title row, a header, one row per
+    instruction (counts with thousands separators)."""
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+              "Instructions Executed", "stall_lg", "stall_wait", "stall_lg (Not Issued)"]
+    lines = ['"Kernel Name","mla_decode_gluon_kernel",', ",".join(f'"{h}"' for h in header)]
+    for i, (sass, lg, wait, executed) in enumerate(rows):
+        cells = [hex(i * 16), sass, str(lg + wait), "0", f"{executed:,}", str(lg), str(wait), "1"]
+        lines.append(",".join(f'"{c}"' for c in cells))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_ncu_stalls_sums_reasons_and_names_the_excess(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    import ncu_stalls
+
+    first = _ncu_source_page(tmp_path / "a.csv", [("LDG.E.64 R2, desc[UR4][R4.64]", 1, 5, 1200),
+                                                  ("STG.E desc[UR4][R6.64], R8", 2, 0, 64)])
+    second = _ncu_source_page(tmp_path / "b.csv", [("LDG.E.64 R2, desc[UR4][R4.64]", 1, 6, 1200),
+                                                   ("STG.E desc[UR4][R6.64], R8", 40, 1, 64)])
+    totals = ncu_stalls.reason_totals(ncu_stalls.read_source_page(second))
+    assert (totals["stall_lg"], totals["stall_wait"], totals["samples"], totals["executed"]) == (41, 7, 48, 1264)
+    assert "stall_lg (Not Issued)" not in totals
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "ncu_stalls.py"), first, second, "--top", "1"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "| stall_lg | 3 | 41 | +38 |" in out
+    assert "most stall_lg in" in out and out.strip().endswith("40  STG.E desc[UR4][R6.64], R8")
+    (tmp_path / "bad.csv").write_text('"Line No","Source"\n"1","x"\n')
+    with pytest.raises(ValueError, match="--print-source sass"):
+        ncu_stalls.read_source_page(str(tmp_path / "bad.csv"))

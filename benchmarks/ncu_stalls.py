@@ -1,0 +1,87 @@
+"""Where a kernel's warps wait: the warp-state samples of an Nsight Compute report, summed per stall reason, and the
+instructions that collect most of one reason; with two reports, the second's excess over the first per reason.
+
+    ncu --clock-control none -k regex:mla_decode_gluon -s 3 -c 1 --set full --warp-sampling-interval 0 -o C4R4 \
+        python3 benchmarks/bench_decode.py --profile 16:1:32768:C4R4 --iters 4
+    ncu -i C4R4.ncu-rep --page source --csv --print-source sass > C4R4_sass.csv
+    python3 benchmarks/ncu_stalls.py C4R4_sass.csv C2R4_sass.csv [--reason stall_lg] [--top 8]
+
+Input: the SASS source page of one profiled kernel as CSV (a title row, a header row, one row per instruction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def read_source_page(path: str) -> list[dict]:
+    """The instruction rows of `ncu --page source --csv --print-source sass`: `{"sass": text, "samples": n,
+    "executed": n, reason: n for every stall reason}` (all-sample counts; the not-issued columns are left out)."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    head = next((i for i, r in enumerate(rows) if "Source" in r and SAMPLES in r), None)
+    if head is None:
+        raise ValueError(f"{path}: no header with 'Source' and '{SAMPLES}': write it with "
+                         "`ncu -i REPORT --page source --csv --print-source sass`")
+    header = rows[head]
+    reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    out = []
+    for r in rows[head + 1:]:
+        if len(r) != len(header):
+            continue
+        cell = dict(zip(header, r))
+        row = {"sass": cell["Source"].strip(), "samples": _number(cell[SAMPLES]),
+               "executed": _number(cell.get(EXECUTED, "0"))}
+        row.update({k: _number(cell[k]) for k in reasons})
+        out.append(row)
+    return out
+
+
+def reason_totals(rows: list[dict]) -> collections.Counter:
+    """Samples per stall reason, plus `samples` and `executed` (warp instructions) over the kernel."""
+    total = collections.Counter()
+    for row in rows:
+        for k, v in row.items():
+            if k != "sass":
+                total[k] += v
+    return total
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("pages", nargs="+", help="CSV source pages (one or two)")
+    ap.add_argument("--reason", default="", help="list the instructions with most samples of this reason "
+                                                 "(default: the reason the last page exceeds the first by most)")
+    ap.add_argument("--top", type=int, default=8)
+    args = ap.parse_args()
+    if len(args.pages) > 2:
+        ap.error("give one or two source pages")
+    pages = [read_source_page(p) for p in args.pages]
+    totals = [reason_totals(rows) for rows in pages]
+    keys = ["executed", "samples"] + sorted((k for k in totals[-1] if k.startswith("stall_")),
+                                            key=lambda k: -totals[-1][k])
+    print("| " + " | ".join(["count"] + args.pages + (["last - first"] if len(pages) == 2 else [])) + " |")
+    print("| --- " * (len(pages) + 1 + (len(pages) == 2)) + "|")
+    for k in keys:
+        cells = [f"{t[k]:.0f}" for t in totals] + ([f"{totals[1][k] - totals[0][k]:+.0f}"] if len(pages) == 2 else [])
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    reason = args.reason or (max(keys[2:], key=lambda k: totals[-1][k] - totals[0][k]) if keys[2:] else "samples")
+    print(f"\nmost {reason} in {args.pages[-1]}:")
+    for row in sorted(pages[-1], key=lambda r: -r.get(reason, 0.0))[:args.top]:
+        print(f"  {row.get(reason, 0.0):7.0f}  {row['sass']}")
+
+
+if __name__ == "__main__":
+    main()
