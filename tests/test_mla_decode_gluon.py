@@ -219,6 +219,10 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         if not rope:
             vc = gluon_layout.value_channel(u, bits, n_groups)
             assert torch.equal(v.float(), ref[:, vc]), u
+            if bits == 2:  # `_store_o` puts 2-bit value rows in channel order: `[q, k, e] -> [q, e, k]`
+                st = v.reshape(T, 4, 8, 2).permute(0, 1, 3, 2).reshape(T, 64)
+                c = torch.arange(64)
+                assert torch.equal(st.float(), ref[:, gluon_layout.unit_base(u, c // 16, n_groups) + c % 16]), u
     for bits in (2, 4):
         content = torch.cat([gluon_layout.score_channel(u, bits, n_groups) for u in range(n_groups)])
         values = torch.cat([gluon_layout.value_channel(u, bits, n_groups) for u in range(n_groups)])
