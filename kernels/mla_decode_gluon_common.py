@@ -534,10 +534,8 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
              C_BITS: gl.constexpr, acc_l: gl.constexpr):
     """`o^T[64, BM]` of unit u, normalised, to the partial output rows: row c is the channel column c of the
     `_v_view` tile holds, `_unit_base(u, c // 16) + (r // 2E') 2E' + (r % 2E') // 2 + E' (r % 2)` with `r = c % 16`,
-    `E' = 16 / bits` (each stored 32-bit pair one register of the asm). At 2 bits (E' = 8) the 8 rows one store
-    instruction writes (one per lane group) would be channels k and k + 8, half of two 32-byte sectors: the rows are
-    first put in channel order within their 16 (`[k, e] -> [e, k]`, shuffles within each warp), so each store
-    writes one sector whole."""
+    `E' = 16 / bits`. At 2 bits (channels k and k + 8 in the 8 rows of one store instruction: half of two 32-byte
+    sectors) the rows are first put in channel order by shuffles within each warp (`[k, e] -> [e, k]`)."""
     if u < GC:
         N: gl.constexpr = 16 // C_BITS
         c = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
