@@ -63,7 +63,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("pages", nargs="+", help="CSV source pages (one or two)")
     ap.add_argument("--reason", default="", help="list the instructions with most samples of this reason "
-                                                 "(default: the reason the last page exceeds the first by most)")
+                                                 "(default: the reason the second page exceeds the first by most, or "
+                                                 "the one page's commonest)")
     ap.add_argument("--top", type=int, default=8)
     args = ap.parse_args()
     if len(args.pages) > 2:
@@ -77,7 +78,8 @@ def main():
     for k in keys:
         cells = [f"{t[k]:.0f}" for t in totals] + ([f"{totals[1][k] - totals[0][k]:+.0f}"] if len(pages) == 2 else [])
         print(f"| {k} | " + " | ".join(cells) + " |")
-    reason = args.reason or (max(keys[2:], key=lambda k: totals[-1][k] - totals[0][k]) if keys[2:] else "samples")
+    base = totals[0] if len(pages) == 2 else collections.Counter()  # one page: the reason with most samples
+    reason = args.reason or (max(keys[2:], key=lambda k: totals[-1][k] - base[k]) if keys[2:] else "samples")
     print(f"\nmost {reason} in {args.pages[-1]}:")
     for row in sorted(pages[-1], key=lambda r: -r.get(reason, 0.0))[:args.top]:
         print(f"  {row.get(reason, 0.0):7.0f}  {row['sass']}")
