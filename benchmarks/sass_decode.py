@@ -5,8 +5,11 @@ kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode
 packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide]
+    python benchmarks/sass_decode.py --dump DIR
 
-`--paged`: the paged launch (`PAGED`: page pools read through a page table) of either kernel.
+`--paged`: the paged launch (`PAGED`: page pools read through a page table) of either kernel. `--dump DIR`: the
+whole SASS (addresses removed) of every launch in `DUMP_LAUNCHES`, one file each, so that two trees' kernels can be
+compared with `diff -r` (a change whose SASS is identical needs no timing).
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -33,10 +36,19 @@ FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
 
 
-def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, paged: bool = False):
-    """The kernel's one-warpgroup program compiled for sm_90 at DeepSeek widths (8 content groups, 4 sink + 128 recent
-    tokens, 16 rows)."""
-    return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=False)
+# (content bits, RoPE bits, content groups, fp32 queries, paged, two warpgroups): DeepSeek (8 groups) and MiniCPM3
+# (4 groups) widths, every format and launch the dispatch sends to the Gluon kernels
+DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (8, 8)) for w in (False, True)
+                  for q, p in ((False, False), (False, True), (True, False))]
+                 + [(c, r, 4, False, p, False) for c, r in ((4, 4), (8, 8)) for p in (False, True)]
+                 + [(2, 2, 8, False, False, False)])
+
+
+def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, paged: bool = False,
+                 groups: int = 8):
+    """The kernel's one-warpgroup program compiled for sm_90 at DeepSeek widths (`groups` = 8 content groups, 4 sink
+    + 128 recent tokens, 16 rows)."""
+    return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=False, groups=groups)
 
 
 def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT,
@@ -45,9 +57,9 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
     return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=True)
 
 
-def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide):
+def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide, groups=8):
     regs = mw.REGS[content_bits] if wide else 0
-    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M if wide else mr.BLOCK_M,
+    const = dict(GC=groups, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M if wide else mr.BLOCK_M,
                  Q_SPLIT=q_split, INFLIGHT=inflight, WIDE=wide, W_REGS=regs, WC_L=mc.words_layout(content_bits // 2),
                  WP_L=mc.words_layout(content_bits), WR_L=mc.words_layout(rope_bits // 2), XL=mc.words_layout(16),
                  PAGED=paged)
@@ -130,6 +142,22 @@ def opcode_counts(instructions: list[str]) -> collections.Counter:
     return collections.Counter(".".join(op.split(".")[:2]) for op in ops)
 
 
+def dump(out_dir: str, launches=DUMP_LAUNCHES) -> None:
+    """Write the SASS of every launch in `launches` to `out_dir` (instruction addresses removed)."""
+    os.makedirs(out_dir, exist_ok=True)
+    for cb, rb, groups, q_split, paged, wide in launches:
+        if wide:
+            kernel = compile_wide(cb, rb, q_split=q_split, paged=paged)
+        else:
+            kernel = compile_regs(cb, rb, q_split, mr.INFLIGHT[cb], paged, groups)
+        sass = disassemble(kernel.asm["cubin"], "-sass")
+        name = (f"C{cb}R{rb}_{groups}groups_{'fp32' if q_split else 'bf16'}_{'paged' if paged else 'contiguous'}_"
+                f"{'wide' if wide else 'regs'}.sass")
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(re.sub(r"/\*[0-9a-f]{4,}\*/", "", sass))
+        print(f"{name}: {len(_instructions_and_loops(sass)[0])} instructions", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("format", nargs="?", default="C4R4", choices=sorted(FORMATS))
@@ -137,7 +165,11 @@ def main():
     ap.add_argument("--inflight", type=int, default=None, choices=(0, 1), help="default: the kernel's (`INFLIGHT`)")
     ap.add_argument("--paged", action="store_true", help="the paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
+    ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     a = ap.parse_args()
+    if a.dump:
+        dump(a.dump)
+        return
     if a.wide:
         main_wide(a)
         return

@@ -685,23 +685,25 @@ def _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC: gl.constexpr):
 
 
 @_jit
-def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, GC: gl.constexpr, BM: gl.constexpr,
-                  Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
-                  xl: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
-    """Scores `[64, BM]` (waited) of 64 model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys
-    stored to `kbuf`."""
+def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0: gl.constexpr, NU: gl.constexpr,
+                  ROPE: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
+                  R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, xl: gl.constexpr, acc_l: gl.constexpr,
+                  dot_a: gl.constexpr):
+    """Scores `[64, BM]` (waited) of content units `U0 .. U0 + NU - 1` (and with `ROPE` the RoPE unit) of 64
+    model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys stored to `kbuf`."""
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     # the unpacked units' element order: offset w * E + (E / 2) * e + k at [t, q, w, e, k]
-    x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, 0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
-    acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5,
-                                    qbuf, qlo, kbuf, 0, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0)
-    for u in gl.static_range(1, GC):
+    x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, U0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
+    acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, False, INFLIGHT,
+                                    dot_a, U0)
+    for u in gl.static_range(U0 + 1, U0 + NU):
         x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
-        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
-                                        qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0)
-    x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
-    acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2,
-                                    qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False, INFLIGHT, dot_a, 0)
+        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False,
+                                        INFLIGHT, dot_a, U0)
+    if ROPE:
+        x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
+        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
+                                        INFLIGHT, dot_a, U0)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc
 
@@ -746,47 +748,59 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
 
 @_jit
 def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz,
-                   p_cc, p_rc, tn, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr,
-                   C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr,
-                   wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, last):
-    """Scores `[64, BM]` (waited) of one packed tile from its code words `c01 .. c67` (content units in pairs, `[64,
-    4, 2 WU]`: a thread's 32 consecutive channels of group q, units 0-3, or q + 4, units 4-7), `cr` (RoPE) and fp16x2
-    metadata (`zz0, ss0, zh0`: groups q, `zz1, ss1, zh1`: groups q + 4, `zzr, ssr, zhr`: RoPE; `half_asm`); its
-    content keys stored to `kbuf`.
-    A pair's words are replaced by those of the tile at `tn` (row pointers `p_cc`, `p_rc`, rows up to `last`) once
-    both units are unpacked (one 8-, 16- or 32-byte load per token and thread instead of two of half the width: half
-    the L1 sector requests). Returns `(acc, c01,
-    c23, c45, c67, cr)`."""
+                   p_cc, p_rc, tn, lo, hi, last, U0: gl.constexpr, NU: gl.constexpr, ROPE: gl.constexpr,
+                   GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
+                   R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
+                   wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ROWS: gl.constexpr):
+    """Scores `[64, BM]` (waited) of content units `U0 .. U0 + NU - 1` (NU = 4 or 8) and, with `ROPE`, the RoPE unit
+    of one packed tile, from the code words in unit pairs `c01, c23` (units U0 .. U0 + 3) and `c45, c67` (4 .. 7,
+    NU = 8) (`[64, 4, 2 WU]`: a thread's 32 consecutive channels of group q for units 0-3, q + 4 for 4-7), `cr`
+    (RoPE) and fp16x2 metadata (`zz0, ss0, zh0`: the groups of units U0 .. U0 + 3, `zz1, ss1, zh1`: of units 4-7,
+    `zzr, ssr, zhr`: RoPE; `half_asm`); the content keys stored to `kbuf`. A pair's words are replaced by those of
+    the tile at `tn` once both units are unpacked (one 8-, 16- or 32-byte load per token and thread instead of two
+    of half the width: half the L1 sector requests): `_load_unit` masked to `[lo, hi)`, or with `ROWS` from the row
+    pointers `p_cc`, `p_rc` up to row `last`. Returns `(acc, c01, c23, c45, c67, cr)`.
+
+    8-bit keys (`LO`, C8R8): the scores take the keys' high and low fp16 parts, in accumulator chains of at most
+    three units (`_score_unit`): 0-2, 3-5 (the chain that starts at unit 3 starts inside the pair, `_unit_pair`),
+    6-7 + RoPE; in the two-warpgroup program the leader's 0-2 and 3 + RoPE, the worker's 4-5 and 6-7; summed in
+    fp32."""
     RWR: gl.constexpr = 2 * R_BITS
     LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
     acc = gl.zeros([64, BM], gl.float32, acc_l)
-    pend = acc  # LO: the finished accumulator chains (units 0-2, then 3-5)
+    pend = acc  # LO: the finished accumulator chains
     pend2 = acc
     p1 = acc
     p2 = acc
-    acc, pend, p1, p2, c01 = _unit_pair(
-        c01, 0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, True)
-    acc, pend, p1, p2, c23 = _unit_pair(
-        c23, 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-        INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, True)
-    if GC == 8:
-        acc, pend, p1, p2, c45 = _unit_pair(
-            c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, True)
+    acc, pend, p1, p2, c01 = _unit_pair(c01, U0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo,
+                                        hi, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, last, ROWS)
+    if LO and U0 == 4:  # the worker's second chain starts at unit 6
+        pend = acc
+        acc = gl.zeros([64, BM], gl.float32, acc_l)
+    acc, pend, p1, p2, c23 = _unit_pair(c23, U0 + 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
+                                        lo, hi, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, last,
+                                        ROWS)
+    if NU == 8:
+        acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
+                                            lo, hi, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
+                                            last, ROWS)
         if LO:  # the third chain starts at unit 6
             pend2 = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
-        acc, pend, p1, p2, c67 = _unit_pair(
-            c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi, GC, Q_SPLIT, C_BITS,
-            INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0, last, True)
-    x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
-    cr = _load_unit(p_rc, tn, lo, last, GC, RWR, R_BITS, GC, wr_l, 1, True)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a)
-    if LO:
+        acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
+                                            lo, hi, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
+                                            last, ROWS)
+    if ROPE:
+        x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
+        cr = _load_unit(p_rc, tn, lo, last, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
+        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO,
+                                        INFLIGHT, dot_a, U0)
+    if LO and NU == 8:
         acc, pend, pend2, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, pend2, p1, p2])
         acc = acc + pend + pend2
+    elif LO:
+        acc, pend, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, p1, p2])
+        acc = acc + pend
     else:
         acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc, c01, c23, c45, c67, cr
@@ -813,7 +827,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
     acc, c01, c23, c45, c67, cr = _packed_scores(
         c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
-        lo, hi, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, last)
+        lo, hi, last, 0, GC, True, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, True)
     return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr
 
 

@@ -216,8 +216,8 @@ def mla_decode_gluon_kernel(
         o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
         for start in range(lo_c, hi_c, BT):
             kz, slot, m_t, m_valid = _copy_rows(start, hi_c, sink, lp, length, o_dt, o_bt, lim_m, m_m, S, R)
-            acc = _dense_scores(p_c, p_r, slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, GC, BM, Q_SPLIT, C_BITS, R_BITS,
-                                INFLIGHT, XL, acc_l, dot_a)
+            acc = _dense_scores(p_c, p_r, slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, 0, GC, True, GC, BM, Q_SPLIT,
+                                C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
             m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
                 acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, vbuf)
 

@@ -35,10 +35,10 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
-    from .mla_decode_gluon_common import (_batch_planes, _copy_rows, _copy_tile, _cta_barrier, _finish, _load_dense,
-                                          _load_group_rows, _load_meta, _load_unit, _pair_meta, _planes_from,
-                                          _program_rows, _pv, _references, _row_ptrs, _score_unit, _split_range,
-                                          _store_o, _tile_rows, _unit_pair, _unpack_unit)
+    from .mla_decode_gluon_common import (_batch_planes, _copy_rows, _copy_tile, _cta_barrier, _dense_scores, _finish,
+                                          _load_group_rows, _load_meta, _load_unit, _packed_scores, _pair_meta,
+                                          _planes_from, _program_rows, _pv, _references, _row_ptrs, _split_range,
+                                          _store_o, _tile_rows)
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 # Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width: one
@@ -60,70 +60,6 @@ if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_
 
 
 # --------------------------------------------------------------------------------------------- one half tile
-@_jit
-def _half_packed_scores(ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn, lo, end,
-                        U0: gl.constexpr, ROPE: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
-                        Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
-                        wc_l: gl.constexpr, wp_l: gl.constexpr, wr_l: gl.constexpr, acc_l: gl.constexpr,
-                        dot_a: gl.constexpr, ROWS: gl.constexpr):
-    """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (words `ca`: units U0, U0 + 1, `cb`: U0 +
-    2, U0 + 3, as `_unit_pair` takes them; fp16x2 metadata `zz, ss, zh`) and, with `ROPE`, the RoPE unit (`cr`, `zzr,
-    ssr, zhr`) of one packed tile; the content keys stored to `kbuf[U0 .. U0 + 3]`; the words replaced by those of the
-    tile at `tn` (`_load_unit`: masked to `[lo, end)`, or with `ROWS` from the row pointers `p_cc`, `p_rc` up to
-    position `end`). Returns `(acc, ca, cb, cr)`.
-
-    8-bit keys (`LO`, C8R8): the scores take the keys' high and low fp16 parts, in accumulator chains of at most
-    three units as in the register kernel (`_score_unit`): the leader's units 0-2 and 3 + RoPE (the chain that starts
-    at unit 3 starts inside the pair, `_unit_pair`), the worker's 4-5 and 6-7, summed in fp32."""
-    RWR: gl.constexpr = 2 * R_BITS
-    LO: gl.constexpr = C_BITS == 8
-    acc = gl.zeros([64, BM], gl.float32, acc_l)
-    pend = acc
-    p1 = acc
-    p2 = acc
-    acc, pend, p1, p2, ca = _unit_pair(ca, U0, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end,
-                                       GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, end, ROWS)
-    if LO and not ROPE:  # the worker's second chain starts at unit 6
-        pend = acc
-        acc = gl.zeros([64, BM], gl.float32, acc_l)
-    acc, pend, p1, p2, cb = _unit_pair(cb, U0 + 2, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo,
-                                       end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, end, ROWS)
-    if ROPE:
-        x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
-        cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
-        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO,
-                                        INFLIGHT, dot_a, U0)
-    if LO:
-        acc, pend, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, p1, p2])
-        acc = acc + pend
-    else:
-        acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
-    return acc, ca, cb, cr
-
-
-@_jit
-def _half_dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0: gl.constexpr, ROPE: gl.constexpr,
-                       GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
-                       R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, xl: gl.constexpr, acc_l: gl.constexpr,
-                       dot_a: gl.constexpr):
-    """Partial scores `[64, BM]` (waited) of content units `U0 .. U0 + 3` (and with `ROPE` the RoPE unit) of 64
-    model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys stored to `kbuf`."""
-    acc = gl.zeros([64, BM], gl.float32, acc_l)
-    x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, U0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
-    acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, False, INFLIGHT,
-                                    dot_a, U0)
-    for u in gl.static_range(U0 + 1, U0 + 4):
-        x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
-        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False,
-                                        INFLIGHT, dot_a, U0)
-    if ROPE:
-        x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
-        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
-                                        INFLIGHT, dot_a, U0)
-    acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
-    return acc
-
-
 @_jit
 def _lane_sums(p):
     """`[64, BM]` probabilities (accumulator layout: a thread holds tokens `t` and `t + 8` of its warp's 16) ->
@@ -321,9 +257,9 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
             pc = p_cc
             pr = p_rc
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
-        acc, ca, cb, cr = _half_packed_scores(
-            ca, cb, cr, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, pc, pr, tn, lo, last, U0, LEAD, GC, BM,
-            Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ROWS)
+        acc, ca, cb, _, _, cr = _packed_scores(
+            ca, cb, ca, cb, cr, zz, ss, zh, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, pc, pr, tn, lo, last, last,
+            U0, 4, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ROWS)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo) & (o_t < hi))[:, None] & m_mh[None, :]
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
@@ -337,8 +273,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
                                                              rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                                                              s_rcct, s_rcrb, s_rcrt, S, R, BT)
         kz, slot, m_t, m_valid = _copy_rows(lo_c, hi_c, sink, lp, length, o_dt, o_bt, lim_mh, m_mh, S, R)
-        acc = _half_dense_scores(p_c, p_r, slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0, LEAD, GC, BM, Q_SPLIT,
-                                 C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
+        acc = _dense_scores(p_c, p_r, slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0, 4, LEAD, GC, BM, Q_SPLIT, C_BITS,
+                            R_BITS, INFLIGHT, XL, acc_l, dot_a)
         m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
                                                 l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
         ph = ph ^ 1

@@ -309,6 +309,21 @@ def test_sass_script_counts_the_packed_loop():
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_sass_dump_writes_comparable_sass(tmp_path):
+    """`sass_decode.py --dump` (how two trees' kernels are compared without a GPU) writes one file per launch with
+    the instruction addresses removed, so that the same code compiled twice gives identical files."""
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no bundled cuobjdump")
+    launch = [(4, 4, 8, False, False, False)]  # the C4R4 register program (compiled by the test above too)
+    for d in ("a", "b"):
+        _compile(COMPILE_PREFIX + f"sd.dump({str(tmp_path / d)!r}, {launch!r})\nprint('compiled')\n")
+    files = sorted(os.listdir(tmp_path / "a"))
+    assert files == ["C4R4_8groups_bf16_contiguous_regs.sass"]
+    a, b = ((tmp_path / d / files[0]).read_text() for d in ("a", "b"))
+    assert a == b and "HGMMA" in a and not re.search(r"/\*[0-9a-f]{4,}\*/", a)
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_sass_script_counts_both_packed_loops():
     """`benchmarks/sass_decode.py --wide` (the command behind the SASS figures of docs/KERNELS.md) finds one packed
     loop per warpgroup: the leader unpacks 5 units (4 content + RoPE: 80 multiplies per thread, one per pair) and
