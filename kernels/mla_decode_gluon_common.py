@@ -841,18 +841,9 @@ def _alloc_tiles(GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: 
     k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
                                               rank=2)
-    k0 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-    k1 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-    k2 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-    k3 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-    if GC == 8:
-        k4 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-        k5 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-        k6 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-        k7 = gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl)
-        kbuf = (k0, k1, k2, k3, k4, k5, k6, k7)
-    else:
-        kbuf = (k0, k1, k2, k3)
+    kbuf = ()
+    for u in gl.static_range(GC):
+        kbuf = kbuf + (gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl),)
     qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
     if Q_SPLIT:
         qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
