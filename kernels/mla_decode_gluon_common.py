@@ -424,7 +424,7 @@ def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.cons
     q and q + 4, RoPE), from int32 positions `t0, lo, hi, last` relative to the split, without masks: positions past
     `last` (a stored one) read `last`, and the steps (not the zero points) are zeroed outside `[lo, hi)`, so such a
     token's keys are exactly 0 whatever its codes and zero point (`_load_unit` with `ROWS`). Position p is read from
-    row `p + shift` of the planes (0 for contiguous planes; a page's row offset, `_page_row`)."""
+    row `p + shift` of the planes (0 for contiguous planes; a page's row offset, `_tile_rows`)."""
     o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
     o_a = gl.minimum(o_t, last) + shift
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
@@ -461,24 +461,19 @@ def _load_group_rows(p_s, p_z, t0, lo, hi, last, shift, G0: gl.constexpr, GC: gl
 @_jit
 def _tile_rows(p_pt, tn, last, PAGED: gl.constexpr):
     """`(row, shift)` of the tile at int32 position `tn`: the plane row its first token is read from and the offset
-    from positions to rows (`_page_row` for page pools; `(tn, 0)` for planes offset to the split's first tile)."""
+    from positions to rows; `(tn, 0)` for planes offset to the split's first tile.
+
+    `PAGED` (page pools; `p_pt[0]` the page number of the split's first tile): `row = page * 64` is the pool row of
+    the tile's first token, `shift = row - tn`. A tile past the split's last stored position `last` (>= 0) takes
+    that position's page, so every read stays inside a page of the request."""
     if PAGED:
-        row, shift = _page_row(p_pt, tn, last)
+        t_a = gl.maximum(gl.minimum(tn, last // 64 * 64), 0)
+        row = gl.load(p_pt + t_a // 64) * 64
+        shift = row - t_a
     else:
         row = tn
         shift = 0
     return row, shift
-
-
-@_jit
-def _page_row(p_pt, t0, last):
-    """Paged planes: `(row, shift)` of the 64-token tile at int32 position `t0` (relative to the split's first tile,
-    whose page number is `p_pt[0]`): `row = page * 64` is the pool row of its first token, `shift = row - t0` maps
-    its positions to pool rows. A tile past the split's last stored position `last` (>= 0) takes that position's
-    page, so every read stays inside a page of the request."""
-    t_a = gl.maximum(gl.minimum(t0, last // 64 * 64), 0)
-    row = gl.load(p_pt + t_a // 64) * 64
-    return row, row - t_a
 
 
 @_jit
@@ -815,7 +810,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     """Scores of the packed tile at int32 position `t0` (relative to the split's first tile) from its words `c01 ..
     cr` and metadata (steps `s0, s1, sr`, zero points `z0, z1, zr`: `_load_meta_rows`), loading the next tile's (`t0
     + 64`) through row pointers (a register pair per token, unit offsets immediate) up to row `last`. `PAGED`: the
-    planes are page pools and `p_pt` the split's page numbers (`_page_row`). Returns `(acc, c01, c23, c45, c67, cr,
+    planes are page pools and `p_pt` the split's page numbers (`_tile_rows`). Returns `(acc, c01, c23, c45, c67, cr,
     s0, z0, s1, z1, sr, zr)` with the next tile's words and metadata."""
     tn = t0 + 64
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)

@@ -41,9 +41,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from .mla_decode_gluon_common import (_alloc_tiles, _batch_planes, _copy_rows, _copy_tile, _cta_barrier,
-                                          _dense_scores, _finish, _load_meta, _load_meta_rows, _load_unit, _page_row,
+                                          _dense_scores, _finish, _load_meta, _load_meta_rows, _load_unit,
                                           _planes_from, _program_coords, _program_rows, _row_ptrs, _softmax_pv,
-                                          _split_range, _stage_queries, _store_o, _tile_scores)
+                                          _split_range, _stage_queries, _store_o, _tile_rows, _tile_scores)
     from .mla_decode_gluon_wide import _half_program
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
@@ -77,7 +77,7 @@ def mla_decode_gluon_kernel(
     `PAGED`: batch row b is request b of a decode step of the paged cache (one query token, `Tq = 1`): its length
     is `len_ptr[b]`, its copies are row `lp_ptr[b]` of the copy tensors, and its position p lives in row `page * 64
     + p % 64` of the page pools (batch strides 0), `page = pt_ptr[b * s_pt + p // 64]` (64-token pages, one per
-    tile: `_page_row`). Otherwise `len_ptr[0]` is every row's length and `lp_ptr[b]` its left padding."""
+    tile: `_tile_rows`). Otherwise `len_ptr[0]` is every row's length and `lp_ptr[b]` its left padding."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
@@ -161,7 +161,7 @@ def mla_decode_gluon_kernel(
         if PAGED:  # the pools from their first row, through the request's page numbers from the split's first tile on
             last = gl.maximum(hi_l - 1, 0)
             p_pt = pt_ptr + i_b * s_pt + gl.where(n_tiles > 0, base // BT, 0)
-            row, shift = _page_row(p_pt, 0, last)
+            row, shift = _tile_rows(p_pt, 0, last, True)
             pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
             c01 = _load_unit(pw, 0, lo_l, last, 0, RWC, C_BITS, GC, WP_L, 2, True)
             c23 = _load_unit(pw, 0, lo_l, last, 2, RWC, C_BITS, GC, WP_L, 2, True)

@@ -50,7 +50,7 @@ def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tu
 
 def paged_reads(length: int, split: int, num_splits: int, split_target: int, fmt: CacheFormat) -> tuple[list, list]:
     """The host's statement of the paged launch's reads for one request of `length` positions (`_split_range` with
-    no left padding, then `_page_row` for tile 0 and for every tile the loop loads, the last one a prefetch):
+    no left padding, then `_tile_rows` for tile 0 and for every tile the loop loads, the last one a prefetch):
     `(page_indices, tiles)`, the page-table columns read and the positions `[lo, hi)` each attended tile holds."""
     BT = BLOCK_T
     per = max(-(-(-(-max(length - fmt.recent_tokens, 0) // split_target)) // BT) * BT, min_split_tiles(fmt) * BT)
