@@ -127,6 +127,7 @@ def load_baseline(path):
 
         return run
 
+    factory.paged = getattr(op, "mla_decode_paged", None)  # the tree's paged decode, where it has one
     return factory
 
 
@@ -405,10 +406,11 @@ def summarize_rounds(times: dict, target: float | None = None) -> tuple[list[dic
     return rows, "met" if m.high < target else ("missed" if m.low > target else "tie (the interval holds it)")
 
 
-def paged_fn(args, page_size=64, num_splits=None, backend=None):
-    """The same cache laid out in pages (`quantmla_hf/decode.py`'s `mla_decode_paged`): each batch row one request of N positions
-    in consecutive pages of `page_size`, one query token each; a callable returning `(o [B, H, d_c], lse)`
-    (`num_splits`: the kernel's split target, default its own rule; `backend`: default `select_paged_backend`)."""
+def paged_fn(args, page_size=64, num_splits=None, backend=None, decode=None):
+    """The same cache laid out in pages (`quantmla_hf/decode.py`'s `mla_decode_paged`, or `decode`, another tree's):
+    each batch row one request of N positions in consecutive pages of `page_size`, one query token each; a callable
+    returning `(o [B, H, d_c], lse)` (`num_splits`: the kernel's split target, default its own rule; `backend`:
+    default `select_paged_backend`)."""
     q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, scaling = args
     B, H = q_lat.shape[:2]
     if N % page_size:
@@ -422,8 +424,9 @@ def paged_fn(args, page_size=64, num_splits=None, backend=None):
     cu = torch.arange(B + 1, device=DEVICE, dtype=torch.int32)
 
     def run():
-        return mla_decode_paged(ql, qr, pages["c"], pages["r"], fmt, sc, sr, rc, rr, table, rows, cu, lens, scaling,
-                                token_request=rows, max_seq_len=N, num_splits=num_splits, backend=backend)
+        return (decode or mla_decode_paged)(ql, qr, pages["c"], pages["r"], fmt, sc, sr, rc, rr, table, rows, cu, lens,
+                                            scaling, token_request=rows, max_seq_len=N, num_splits=num_splits,
+                                            backend=backend)
 
     return run
 
@@ -476,7 +479,8 @@ def check_paged(out_lines, cases=None, page_size=64):
 
 def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False):
     """Per point: the default dispatch for each format (`new-FMT`), the baseline tree's (`old-FMT`, given
-    `baseline`), the paged kernel on the same cache in pages (`paged-FMT`, given `paged`) and the torch bmm on a
+    `baseline`), the paged kernel on the same cache in pages (`paged-FMT`, given `paged`; with a baseline tree that
+    has a paged decode also its `old-paged-FMT`) and the torch bmm on a
     BF16 latent, each captured once in a CUDA graph, the replays timed `rounds` times in turns (the order rotated
     each round) in one process; reported by `summarize_rounds` (ratios to the first method) and, per format, the
     ratio new / old with its interval and a verdict."""
@@ -494,8 +498,10 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             if paged:  # the default paged kernel, and the other ones that take the case
                 choice = select_paged_backend(fmt, H, B, B, 64, sc.dtype, DEVICE)
                 others = {"gluon_wide": ("gluon_regs", "triton"), "gluon_regs": ("triton",)}.get(choice, ())
-                for tag, backend in [("paged", None)] + [(f"paged-{b}", b) for b in others]:
-                    run = paged_fn(args, backend=backend)
+                old_paged = [("old-paged", None, baseline.paged)] if baseline and baseline.paged else []
+                for tag, backend, decode in [("paged", None, None)] + old_paged + [(f"paged-{b}", b, None)
+                                                                                   for b in others]:
+                    run = paged_fn(args, backend=backend, decode=decode)
                     keep.append((run, args))
                     replays[f"{tag}-{name}"] = graphed(run)
         kv = torch.randn(B, N, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
@@ -514,13 +520,17 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             print(out_lines[-1], flush=True)
             out.append(dict(method=row["method"], H=H, B=B, N=N, ms=row["ms"].to_dict(),
                             ratio_to_first=row["ratio"].to_dict(), times=times[row["method"]]))
-        for name in formats if baseline else ():
-            new, old = (torch.tensor(times[f"{t}-{name}"], dtype=torch.float64) for t in ("new", "old"))
+        pairs = [(name, "new", "old") for name in formats] + [(f"paged {name}", "paged", "old-paged")
+                                                              for name in formats if f"old-paged-{name}" in times]
+        for label, new_tag, old_tag in pairs if baseline else ():
+            name = label.split()[-1]
+            new, old = (torch.tensor(times[f"{t}-{name}"], dtype=torch.float64) for t in (new_tag, old_tag))
             ratio = t_interval(new / old)
             word = "faster" if ratio.high < 1 else ("slower" if ratio.low > 1 else "tie")
-            out_lines.append(f"new/old H={H:3d} B={B:2d} N={N:6d} {name:6s} x{ratio.fmt(3)}: {word}")
+            out_lines.append(f"new/old H={H:3d} B={B:2d} N={N:6d} {label:12s} x{ratio.fmt(3)}: {word}")
             print(out_lines[-1], flush=True)
-            out.append(dict(method=f"new/old-{name}", H=H, B=B, N=N, ratio=ratio.to_dict(), verdict=word))
+            out.append(dict(method=f"new/old-{label.replace(' ', '-')}", H=H, B=B, N=N, ratio=ratio.to_dict(),
+                            verdict=word))
         if verdict is not None:
             out_lines.append(f"repeat H={H:3d} B={B:2d} N={N:6d} {names[0]} against {target} ms: "
                              f"{rows[0]['ms'].fmt(4)}: {verdict}")

@@ -596,10 +596,10 @@ def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
 
 
 @_jit
-def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC: gl.constexpr, vbuf=None):
+def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf):
     """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0) and the values of every
-    content unit (`o_u^T[64, BM] += kbuf[u]^T @ P`). Returns `(m_i, l_p, o0..o7)`; `l_p: [64, BM]` holds the row
-    sums per token lane (reduced once, at the end).
+    content unit (`outs[u] = o_u^T[64, BM] += kbuf[u]^T @ P`). Returns `(m_i, l_p, outs)`; `l_p: [64, BM]` holds the
+    row sums per token lane (reduced once, at the end).
 
     Lazy rescaling: a row's reference maximum `m_i` moves only when the tile's maximum passes it by more than
     `RESCALE_LOG2` (so the probabilities, `2 ** (s - m_i)`, stay below 2**8: exact in fp16 to its relative 2**-11,
@@ -622,23 +622,14 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o
     _cta_barrier()
     if gl.max(vbuf.load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
         move, m_new, m_use, p = _references(b_s, m_i)
-        l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _rescale(gl.exp2(m_i - m_use), l_p, o0, o1, o2, o3, o4, o5, o6, o7,
-                                                       GC)
+        alpha = gl.exp2(m_i - m_use)
+        l_p = l_p * alpha[None, :]
+        outs = _rescale(outs, alpha)
         pbuf.index(kz).store(p.to(gl.float16))
         fence_async_shared()
         _cta_barrier()
     l_p = l_p + p
-    o0 = _pv(kbuf, pbuf, o0, 0, kz)
-    o1 = _pv(kbuf, pbuf, o1, 1, kz)
-    o2 = _pv(kbuf, pbuf, o2, 2, kz)
-    o3 = _pv(kbuf, pbuf, o3, 3, kz)
-    if GC == 8:
-        o4 = _pv(kbuf, pbuf, o4, 4, kz)
-        o5 = _pv(kbuf, pbuf, o5, 5, kz)
-        o6 = _pv(kbuf, pbuf, o6, 6, kz)
-        o7 = _pv(kbuf, pbuf, o7, 7, kz)
-    o0, o1, o2, o3, o4, o5, o6, o7 = _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC)
-    return m_new, l_p, o0, o1, o2, o3, o4, o5, o6, o7
+    return m_new, l_p, _values(kbuf, pbuf, outs, 0, kz)
 
 
 @_jit
@@ -654,29 +645,21 @@ def _references(b_s, m_i):
 
 
 @_jit
-def _rescale(alpha, l_p, o0, o1, o2, o3, o4, o5, o6, o7, GC: gl.constexpr):
-    """The row sums and value accumulators times `alpha: [BM]` (per row); o4..o7 only with 8 content units."""
-    l_p = l_p * alpha[None, :]
-    o0 = o0 * alpha[None, :]
-    o1 = o1 * alpha[None, :]
-    o2 = o2 * alpha[None, :]
-    o3 = o3 * alpha[None, :]
-    if GC == 8:
-        o4 = o4 * alpha[None, :]
-        o5 = o5 * alpha[None, :]
-        o6 = o6 * alpha[None, :]
-        o7 = o7 * alpha[None, :]
-    return l_p, o0, o1, o2, o3, o4, o5, o6, o7
+def _rescale(outs, alpha):
+    """The value accumulators `outs` (a tuple of `[64, BM]`) times `alpha: [BM]` (per row)."""
+    scaled = ()
+    for u in gl.static_range(len(outs)):
+        scaled = scaled + (outs[u] * alpha[None, :],)
+    return scaled
 
 
 @_jit
-def _wait_values(o0, o1, o2, o3, o4, o5, o6, o7, GC: gl.constexpr):
-    """The value accumulators, waited for (`wgmma.wait_group 0`)."""
-    if GC == 8:
-        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3, o4, o5, o6, o7])
-    else:  # 4 content units (MiniCPM3's d_c = 256); o4..o7 unused
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
-    return o0, o1, o2, o3, o4, o5, o6, o7
+def _values(kbuf, pbuf, outs, U0: gl.constexpr, kz):
+    """`outs[u] + kbuf[U0 + u]^T[64, BT] @ P[BT, BM]` for each value accumulator of the tuple `outs`, waited."""
+    pv = ()
+    for u in gl.static_range(len(outs)):
+        pv = pv + (_pv(kbuf, pbuf, outs[u], U0 + u, kz),)
+    return warpgroup_mma_wait(0, deps=pv)
 
 
 @_jit

@@ -141,14 +141,9 @@ def mla_decode_gluon_kernel(
 
         m_i = gl.full([BM], float("-inf"), gl.float32, col_l)
         l_p = gl.zeros([BT, BM], gl.float32, acc_l)
-        o0 = gl.zeros([64, BM], gl.float32, acc_l)
-        o1 = gl.zeros([64, BM], gl.float32, acc_l)
-        o2 = gl.zeros([64, BM], gl.float32, acc_l)
-        o3 = gl.zeros([64, BM], gl.float32, acc_l)
-        o4 = gl.zeros([64, BM], gl.float32, acc_l)
-        o5 = gl.zeros([64, BM], gl.float32, acc_l)
-        o6 = gl.zeros([64, BM], gl.float32, acc_l)
-        o7 = gl.zeros([64, BM], gl.float32, acc_l)
+        outs = ()  # the value accumulators `o_u^T: [64, BM]` of the content units
+        for u in gl.static_range(GC):
+            outs = outs + (gl.zeros([64, BM], gl.float32, acc_l),)
         base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
         p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _batch_planes(cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, i_b, s_ccb,
                                                            s_csb, s_rcb, s_rsb)
@@ -206,8 +201,7 @@ def mla_decode_gluon_kernel(
                 dot_a, ml, last, p_pt, PAGED)
             o_t = t_l + o_bt32
             m_valid = ((o_t >= lo_l) & (o_t < hi_l))[:, None] & m_m[None, :]
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, vbuf)
+            m_i, l_p, outs = _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf)
 
         # The copied tile of a copy program: model-dtype sink copies or the recent ring (`_copy_tile`).
         lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, lp, i_c, snc_ptr, snr_ptr, rcc_ptr,
@@ -218,13 +212,11 @@ def mla_decode_gluon_kernel(
             kz, slot, m_t, m_valid = _copy_rows(start, hi_c, sink, lp, length, o_dt, o_bt, lim_m, m_m, S, R)
             acc = _dense_scores(p_c, p_r, slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, 0, GC, True, GC, BM, Q_SPLIT,
                                 C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
-            m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7 = _softmax_pv(
-                acc, kbuf, pbuf, f, m_valid, m_i, l_p, o0, o1, o2, o3, o4, o5, o6, o7, kz, GC, vbuf)
+            m_i, l_p, outs = _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf)
 
         inv_l, b_lse = _finish(gl.sum(l_p, axis=0), m_i)
         o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
-        outs = (o0, o1, o2, o3, o4, o5, o6, o7)
-        for u in gl.static_range(8):
+        for u in gl.static_range(GC):
             _store_o(o_ptr, o_row, m_m, outs[u], inv_l, u, GC, D_C, C_BITS, acc_l)
         gl.store(lse_ptr + o_row, b_lse, mask=m_m)
 

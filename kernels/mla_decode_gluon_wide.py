@@ -33,12 +33,12 @@ from .mla_decode_gluon_common import BLOCK_T, HAVE_GLUON, _jit, words_layout
 
 if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from .mla_decode_gluon_common import (_batch_planes, _copy_rows, _copy_tile, _cta_barrier, _dense_scores, _finish,
                                           _load_group_rows, _load_meta, _load_unit, _packed_scores, _pair_meta,
-                                          _planes_from, _program_rows, _pv, _references, _row_ptrs, _split_range,
-                                          _store_o, _tile_rows)
+                                          _planes_from, _program_rows, _references, _rescale, _row_ptrs, _split_range,
+                                          _store_o, _tile_rows, _values)
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 # Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width: one
@@ -78,7 +78,7 @@ def _row_halves(x, acc_h: gl.constexpr):
 
 
 @_jit
-def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i, l_p, oa, ob, oc, od, kz,
+def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i, l_p, outs, kz,
                  HF: gl.constexpr, U0: gl.constexpr, acc_l: gl.constexpr, acc_h: gl.constexpr, ibuf=None):
     """One tile's softmax step and value `wgmma`s for warpgroup `HF` (0: leader, 1: worker). `acc`: its partial
     scores `[64, BM]` (its units over all rows); `ph`: the tile's barrier phase. Each warpgroup runs the online
@@ -90,12 +90,12 @@ def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_
     2. updates its rows' `m_i` (lazy rescaling, as the register kernel) and row sums, stores its columns of P (fp16,
        `pbuf`) and its rows' rescale factors (`abuf`, 1 where a row's reference did not move), arrives on
        `p_bar[HF]` and waits for `p_bar[1 - HF]`;
-    3. rescales its value accumulators `oa..od` (all rows) where a factor is not 1, then `o_u^T += kbuf[u]^T P` for
+    3. rescales its value accumulators `outs` (all rows) where a factor is not 1, then `o_u^T += kbuf[u]^T P` for
        `u = U0 .. U0 + 3` (waited).
     Step 2 is the register kernel's voted test (`_softmax_pv`): P against the present references and factors of 1
     stored at once, each warp's vote in `ibuf[HF * BM/2 + w]` (unused until the final `1 / l` exchange), read back
     after the warpgroup's barrier; the cross-warp maximum only where a vote is set.
-    Returns `(m_i, l_p, oa, ob, oc, od)`."""
+    Returns `(m_i, l_p, outs)`."""
     BM: gl.constexpr = acc.shape[1]
     HM: gl.constexpr = BM // 2
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
@@ -132,16 +132,8 @@ def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_
     mbarrier.wait(p_bar.index(1 - HF), ph)
     alpha = abuf.load(col_l)
     if gl.max((alpha != 1.0).to(gl.int32), axis=0) > 0:
-        oa = oa * alpha[None, :]
-        ob = ob * alpha[None, :]
-        oc = oc * alpha[None, :]
-        od = od * alpha[None, :]
-    oa = _pv(kbuf, pbuf, oa, U0, kz)
-    ob = _pv(kbuf, pbuf, ob, U0 + 1, kz)
-    oc = _pv(kbuf, pbuf, oc, U0 + 2, kz)
-    od = _pv(kbuf, pbuf, od, U0 + 3, kz)
-    oa, ob, oc, od = warpgroup_mma_wait(0, deps=[oa, ob, oc, od])
-    return m_new, l_p, oa, ob, oc, od
+        outs = _rescale(outs, alpha)
+    return m_new, l_p, _values(kbuf, pbuf, outs, U0, kz)
 
 
 # --------------------------------------------------------------------------------------------- one warpgroup
@@ -190,10 +182,9 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
 
     m_i = gl.full([HM], float("-inf"), gl.float32, col_h)
     l_p = _lane_sums(gl.zeros([BT, HM], gl.float32, acc_h))
-    oa = gl.zeros([64, BM], gl.float32, acc_l)
-    ob = gl.zeros([64, BM], gl.float32, acc_l)
-    oc = gl.zeros([64, BM], gl.float32, acc_l)
-    od = gl.zeros([64, BM], gl.float32, acc_l)
+    outs = ()  # the value accumulators `o_u^T: [64, BM]` of units U0 .. U0 + 3
+    for u in gl.static_range(4):
+        outs = outs + (gl.zeros([64, BM], gl.float32, acc_l),)
 
     # ROWS (paged launches and 2-bit content): the register kernel's loads, int32 positions relative to the split's
     # first tile and one row pointer per token; else int64 positions and masked loads (faster for contiguous C4R4,
@@ -262,8 +253,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
             U0, 4, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ROWS)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo) & (o_t < hi))[:, None] & m_mh[None, :]
-        m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
-                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
+        m_i, l_p, outs = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i, l_p, outs,
+                                      kz, HF, U0, acc_l, acc_h, ibuf)
         ph = ph ^ 1
 
     o_bt = gl.arange(0, BT, layout=row_h).to(gl.int64)
@@ -275,8 +266,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         kz, slot, m_t, m_valid = _copy_rows(lo_c, hi_c, sink, lp, length, o_dt, o_bt, lim_mh, m_mh, S, R)
         acc = _dense_scores(p_c, p_r, slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0, 4, LEAD, GC, BM, Q_SPLIT, C_BITS,
                             R_BITS, INFLIGHT, XL, acc_l, dot_a)
-        m_i, l_p, oa, ob, oc, od = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i,
-                                                l_p, oa, ob, oc, od, kz, HF, U0, acc_l, acc_h, ibuf)
+        m_i, l_p, outs = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i, l_p, outs,
+                                      kz, HF, U0, acc_l, acc_h, ibuf)
         ph = ph ^ 1
 
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
@@ -288,10 +279,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     mbarrier.arrive(p_bar.index(HF), count=1)
     mbarrier.wait(p_bar.index(1 - HF), ph)
     inv_l = ibuf.load(col_l)
-    _store_o(o_ptr, o_row, m_m, oa, inv_l, U0, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, ob, inv_l, U0 + 1, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, oc, inv_l, U0 + 2, GC, D_C, C_BITS, acc_l)
-    _store_o(o_ptr, o_row, m_m, od, inv_l, U0 + 3, GC, D_C, C_BITS, acc_l)
+    for u in gl.static_range(4):
+        _store_o(o_ptr, o_row, m_m, outs[u], inv_l, U0 + u, GC, D_C, C_BITS, acc_l)
 
 
 # --------------------------------------------------------------------------------------------- host side
