@@ -695,14 +695,13 @@ def _split_units(w, WU: gl.constexpr, wl: gl.constexpr):
 
 
 @_jit
-def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, hi,
+def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end,
                GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
                wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
-               FIRST: gl.constexpr = 0, last=None,
-               ROWS: gl.constexpr = False):
+               FIRST: gl.constexpr, ROWS: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does;
-    `cp` replaced by the words of the tile at `tn` once both are unpacked (`ROWS`: `p_cc` holds the tile's row
-    pointers, `_load_unit`, rows up to `last`). 8-bit keys: the accumulator chain that
+    `cp` replaced by the words of the tile at `tn` once both are unpacked (`_load_unit`: masked to `[lo, end)`, or
+    with `ROWS` from the tile's row pointers `p_cc`, rows up to `end`). 8-bit keys: the accumulator chain that
     starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. `FIRST`: as in
     `_score_unit`. Returns `(acc, pend, p1, p2, cp)`."""
     LO: gl.constexpr = C_BITS == 8
@@ -715,10 +714,7 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
             pend = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
     x5, xlo = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
-    if ROWS:
-        cp = _load_unit(p_cc, tn, lo, last, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
-    else:
-        cp = _load_unit(p_cc, tn, lo, hi, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2)
+    cp = _load_unit(p_cc, tn, lo, end, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, ROWS)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, LO,
                                     INFLIGHT, dot_a, FIRST)
     return acc, pend, p1, p2, cp
@@ -726,7 +722,7 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
 
 @_jit
 def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz,
-                   p_cc, p_rc, tn, lo, hi, last, U0: gl.constexpr, NU: gl.constexpr, ROPE: gl.constexpr,
+                   p_cc, p_rc, tn, lo, end, U0: gl.constexpr, NU: gl.constexpr, ROPE: gl.constexpr,
                    GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
                    R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
                    wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ROWS: gl.constexpr):
@@ -736,8 +732,8 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     (RoPE) and fp16x2 metadata (`zz0, ss0, zh0`: the groups of units U0 .. U0 + 3, `zz1, ss1, zh1`: of units 4-7,
     `zzr, ssr, zhr`: RoPE; `half_asm`); the content keys stored to `kbuf`. A pair's words are replaced by those of
     the tile at `tn` once both units are unpacked (one 8-, 16- or 32-byte load per token and thread instead of two
-    of half the width: half the L1 sector requests): `_load_unit` masked to `[lo, hi)`, or with `ROWS` from the row
-    pointers `p_cc`, `p_rc` up to row `last`. Returns `(acc, c01, c23, c45, c67, cr)`.
+    of half the width: half the L1 sector requests): `_load_unit` masked to `[lo, end)`, or with `ROWS` from the row
+    pointers `p_cc`, `p_rc` up to row `end`. Returns `(acc, c01, c23, c45, c67, cr)`.
 
     8-bit keys (`LO`, C8R8): the scores take the keys' high and low fp16 parts, in accumulator chains of at most
     three units (`_score_unit`): 0-2, 3-5 (the chain that starts at unit 3 starts inside the pair, `_unit_pair`),
@@ -751,26 +747,25 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     p1 = acc
     p2 = acc
     acc, pend, p1, p2, c01 = _unit_pair(c01, U0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo,
-                                        hi, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, last, ROWS)
+                                        end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS)
     if LO and U0 == 4:  # the worker's second chain starts at unit 6
         pend = acc
         acc = gl.zeros([64, BM], gl.float32, acc_l)
     acc, pend, p1, p2, c23 = _unit_pair(c23, U0 + 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
-                                        lo, hi, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, last,
-                                        ROWS)
+                                        lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS)
     if NU == 8:
         acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
-                                            lo, hi, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
-                                            last, ROWS)
+                                            lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
+                                            ROWS)
         if LO:  # the third chain starts at unit 6
             pend2 = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
         acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
-                                            lo, hi, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
-                                            last, ROWS)
+                                            lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
+                                            ROWS)
     if ROPE:
         x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
-        cr = _load_unit(p_rc, tn, lo, last, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
+        cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
         acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO,
                                         INFLIGHT, dot_a, U0)
     if LO and NU == 8:
@@ -805,7 +800,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
     acc, c01, c23, c45, c67, cr = _packed_scores(
         c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
-        lo, hi, last, 0, GC, True, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, True)
+        lo, last, 0, GC, True, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, True)
     return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr
 
 

@@ -249,8 +249,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
             pr = p_rc
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, ca, cb, _, _, cr = _packed_scores(
-            ca, cb, ca, cb, cr, zz, ss, zh, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, pc, pr, tn, lo, last, last,
-            U0, 4, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ROWS)
+            ca, cb, ca, cb, cr, zz, ss, zh, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, pc, pr, tn, lo, last, U0, 4,
+            LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ROWS)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo) & (o_t < hi))[:, None] & m_mh[None, :]
         m_i, l_p, outs = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i, l_p, outs,
