@@ -405,22 +405,36 @@ def _row_ptrs(p, t0, ROW_WORDS: gl.constexpr, Q_WORDS: gl.constexpr, wl: gl.cons
 
 
 @_jit
-def _load_meta(p_s, p_z, t0, lo, hi, hf: gl.constexpr, GC: gl.constexpr, ml: gl.constexpr):
-    """Steps `[64, 4]` fp16 and stored zero points int8 of content group `q + 4 hf` (for `GC = 0`: the RoPE group,
-    the same for every q) of tokens `[t0, t0 + 64)`, zeros outside `[lo, hi)`."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)).to(gl.int64)
+def _load_group(p_s, p_z, t0, lo, hi, G0: gl.constexpr, GC: gl.constexpr, ml: gl.constexpr,
+                ROWS: gl.constexpr = False, last=0, shift=0):
+    """Steps `[64, 4]` fp16 and stored zero points int8 of content group `q + G0` (for `GC = 0`: the RoPE group, the
+    same for every q) of tokens `[t0, t0 + 64)`, zeros outside `[lo, hi)` (int64 positions, masked loads); with
+    `ROWS` as `_load_meta_rows` reads them (int32 positions clamped to `last`, row `p + shift`, no masks, the steps
+    zeroed outside `[lo, hi)`)."""
+    if ROWS:
+        o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
+        o_a = gl.minimum(o_t, last) + shift
+    else:
+        o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)).to(gl.int64)
+        o_a = o_t
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
     m = ((o_t >= lo) & (o_t < hi))[:, None]
     if GC == 0:
-        off = o_t[:, None] + 0 * o_q[None, :]
+        off = o_a[:, None] + 0 * o_q[None, :]
     else:
-        off = o_t[:, None] * GC + (o_q + 4 * hf)[None, :]
-    return gl.load(p_s + off, mask=m, other=0.0), gl.load(p_z + off, mask=m, other=0)
+        off = o_a[:, None] * GC + (o_q + G0)[None, :]
+    if ROWS:
+        s = gl.where(m, gl.load(p_s + off), 0.0)
+        z = gl.load(p_z + off)
+    else:
+        s = gl.load(p_s + off, mask=m, other=0.0)
+        z = gl.load(p_z + off, mask=m, other=0)
+    return s, z
 
 
 @_jit
 def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.constexpr, ml: gl.constexpr):
-    """The tile's steps and stored zero points as `_load_meta` gives them (`(s0, z0, s1, z1, sr, zr)`: content groups
+    """The tile's steps and stored zero points as `_load_group` gives them (`(s0, z0, s1, z1, sr, zr)`: content groups
     q and q + 4, RoPE), from int32 positions `t0, lo, hi, last` relative to the split, without masks: positions past
     `last` (a stored one) read `last`, and the steps (not the zero points) are zeroed outside `[lo, hi)`, so such a
     token's keys are exactly 0 whatever its codes and zero point (`_load_unit` with `ROWS`). Position p is read from
@@ -441,21 +455,6 @@ def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.cons
     off_r = o_a[:, None] + 0 * o_q[None, :]
     sr = gl.where(valid, gl.load(p_rs + off_r), 0.0)
     return s0, z0, s1, z1, sr, gl.load(p_rz + off_r)
-
-
-@_jit
-def _load_group_rows(p_s, p_z, t0, lo, hi, last, shift, G0: gl.constexpr, GC: gl.constexpr, ml: gl.constexpr):
-    """`_load_meta_rows` for one group: the steps `[64, 4]` (zeroed outside `[lo, hi)`) and stored zero points of
-    content group `q + G0` (`GC = 0`: the RoPE group, the same for every q)."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
-    o_a = gl.minimum(o_t, last) + shift
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    valid = ((o_t >= lo) & (o_t < hi))[:, None]
-    if GC == 0:
-        off = o_a[:, None] + 0 * o_q[None, :]
-    else:
-        off = o_a[:, None] * GC + (o_q + G0)[None, :]
-    return gl.where(valid, gl.load(p_s + off), 0.0), gl.load(p_z + off)
 
 
 @_jit

@@ -41,7 +41,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from .mla_decode_gluon_common import (_alloc_tiles, _batch_planes, _copy_rows, _copy_tile, _cta_barrier,
-                                          _dense_scores, _finish, _load_meta, _load_meta_rows, _load_unit,
+                                          _dense_scores, _finish, _load_group, _load_meta_rows, _load_unit,
                                           _planes_from, _program_coords, _program_rows, _row_ptrs, _softmax_pv,
                                           _split_range, _stage_queries, _store_o, _tile_rows, _tile_scores)
     from .mla_decode_gluon_wide import _half_program
@@ -176,16 +176,16 @@ def mla_decode_gluon_kernel(
             if GC == 8:
                 c45 = _load_unit(p_cc, base, lo_valid, hi, 4, RWC, C_BITS, GC, WP_L, 2)
                 c67 = _load_unit(p_cc, base, lo_valid, hi, 6, RWC, C_BITS, GC, WP_L, 2)
-                s1, z1 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 1, GC, ml)
+                s1, z1 = _load_group(p_cs, p_cz, base, lo_valid, hi, 4, GC, ml)
             else:
                 c45 = c01
                 c67 = c01
             cr = _load_unit(p_rc, base, lo_valid, hi, GC, RWR, R_BITS, GC, WR_L)
-            s0, z0 = _load_meta(p_cs, p_cz, base, lo_valid, hi, 0, GC, ml)
+            s0, z0 = _load_group(p_cs, p_cz, base, lo_valid, hi, 0, GC, ml)
             if GC != 8:
                 s1 = s0
                 z1 = z0
-            sr, zr = _load_meta(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
+            sr, zr = _load_group(p_rs, p_rz, base, lo_valid, hi, 0, 0, ml)
             last = hi_l - 1
             p_pt = pt_ptr
             p_cc_s, p_rc_s, p_cs_s, p_cz_s, p_rs_s, p_rz_s = _planes_from(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, base, GC,

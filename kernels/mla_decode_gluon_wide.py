@@ -36,9 +36,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from .mla_decode_gluon_common import (_batch_planes, _copy_rows, _copy_tile, _cta_barrier, _dense_scores, _finish,
-                                          _load_group_rows, _load_meta, _load_unit, _packed_scores, _pair_meta,
-                                          _planes_from, _program_rows, _references, _rescale, _row_ptrs, _split_range,
-                                          _store_o, _tile_rows, _values)
+                                          _load_group, _load_unit, _packed_scores, _pair_meta, _planes_from,
+                                          _program_rows, _references, _rescale, _row_ptrs, _split_range, _store_o,
+                                          _tile_rows, _values)
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 # Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width: one
@@ -207,22 +207,23 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
         ca = _load_unit(pw, 0, lo, last, U0, RWC, C_BITS, GC, WP_L, 2, True)
         cb = _load_unit(pw, 0, lo, last, U0 + 2, RWC, C_BITS, GC, WP_L, 2, True)
-        s0, z0 = _load_group_rows(p_cs, p_cz, 0, lo, hi, last, shift, 4 * HF, GC, ml)
+        s0, z0 = _load_group(p_cs, p_cz, 0, lo, hi, 4 * HF, GC, ml, True, last, shift)
         if LEAD:
             cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo, last, GC, RWR, R_BITS, GC, WR_L, 1,
                             True)
-            sr, zr = _load_group_rows(p_rs, p_rz, 0, lo, hi, last, shift, 0, 0, ml)
+            sr, zr = _load_group(p_rs, p_rz, 0, lo, hi, 0, 0, ml, True, last, shift)
         o_bt = gl.arange(0, BT, layout=row_h)
     else:
         lo = lo_valid
         last = hi
         t_first = base
+        p_pt = pt_ptr
         ca = _load_unit(p_cc, base, lo, hi, U0, RWC, C_BITS, GC, WP_L, 2)
         cb = _load_unit(p_cc, base, lo, hi, U0 + 2, RWC, C_BITS, GC, WP_L, 2)
-        s0, z0 = _load_meta(p_cs, p_cz, base, lo, hi, HF, GC, ml)
+        s0, z0 = _load_group(p_cs, p_cz, base, lo, hi, 4 * HF, GC, ml)
         if LEAD:
             cr = _load_unit(p_rc, base, lo, hi, GC, RWR, R_BITS, GC, WR_L)
-            sr, zr = _load_meta(p_rs, p_rz, base, lo, hi, 0, 0, ml)
+            sr, zr = _load_group(p_rs, p_rz, base, lo, hi, 0, 0, ml)
         o_bt = gl.arange(0, BT, layout=row_h).to(gl.int64)
     if not LEAD:
         cr = ca
@@ -234,17 +235,14 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         tn = t0 + BT
         zz, ss, zh = _pair_meta(s0, z0, C_BITS)
         zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
+        row, shift = _tile_rows(p_pt, tn, last, PAGED)
+        s0, z0 = _load_group(p_cs, p_cz, tn, lo, hi, 4 * HF, GC, ml, ROWS, last, shift)
+        if LEAD:
+            sr, zr = _load_group(p_rs, p_rz, tn, lo, hi, 0, 0, ml, ROWS, last, shift)
         if ROWS:
-            row, shift = _tile_rows(p_pt, tn, last, PAGED)
-            s0, z0 = _load_group_rows(p_cs, p_cz, tn, lo, hi, last, shift, 4 * HF, GC, ml)
-            if LEAD:
-                sr, zr = _load_group_rows(p_rs, p_rz, tn, lo, hi, last, shift, 0, 0, ml)
             pc = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
             pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L)
         else:
-            s0, z0 = _load_meta(p_cs, p_cz, tn, lo, hi, HF, GC, ml)
-            if LEAD:
-                sr, zr = _load_meta(p_rs, p_rz, tn, lo, hi, 0, 0, ml)
             pc = p_cc
             pr = p_rc
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
