@@ -205,26 +205,21 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         row, shift = _tile_rows(p_pt, 0, last, PAGED)
         t_first = 0
         pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
-        ca = _load_unit(pw, 0, lo, last, U0, RWC, C_BITS, GC, WP_L, 2, True)
-        cb = _load_unit(pw, 0, lo, last, U0 + 2, RWC, C_BITS, GC, WP_L, 2, True)
-        s0, z0 = _load_group(p_cs, p_cz, 0, lo, hi, 4 * HF, GC, ml, True, last, shift)
-        if LEAD:
-            cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo, last, GC, RWR, R_BITS, GC, WR_L, 1,
-                            True)
-            sr, zr = _load_group(p_rs, p_rz, 0, lo, hi, 0, 0, ml, True, last, shift)
-        o_bt = gl.arange(0, BT, layout=row_h)
     else:
         lo = lo_valid
         last = hi
         t_first = base
         p_pt = pt_ptr
-        ca = _load_unit(p_cc, base, lo, hi, U0, RWC, C_BITS, GC, WP_L, 2)
-        cb = _load_unit(p_cc, base, lo, hi, U0 + 2, RWC, C_BITS, GC, WP_L, 2)
-        s0, z0 = _load_group(p_cs, p_cz, base, lo, hi, 4 * HF, GC, ml)
-        if LEAD:
-            cr = _load_unit(p_rc, base, lo, hi, GC, RWR, R_BITS, GC, WR_L)
-            sr, zr = _load_group(p_rs, p_rz, base, lo, hi, 0, 0, ml)
-        o_bt = gl.arange(0, BT, layout=row_h).to(gl.int64)
+        shift = 0
+        pw = p_cc
+    ca = _load_unit(pw, t_first, lo, last, U0, RWC, C_BITS, GC, WP_L, 2, ROWS)
+    cb = _load_unit(pw, t_first, lo, last, U0 + 2, RWC, C_BITS, GC, WP_L, 2, ROWS)
+    s0, z0 = _load_group(p_cs, p_cz, t_first, lo, hi, 4 * HF, GC, ml, ROWS, last, shift)
+    if LEAD:
+        pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L) if ROWS else p_rc
+        cr = _load_unit(pr, t_first, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, ROWS)
+        sr, zr = _load_group(p_rs, p_rz, t_first, lo, hi, 0, 0, ml, ROWS, last, shift)
+    o_bt = gl.arange(0, BT, layout=row_h) if ROWS else gl.arange(0, BT, layout=row_h).to(gl.int64)
     if not LEAD:
         cr = ca
         sr = s0
@@ -239,12 +234,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         s0, z0 = _load_group(p_cs, p_cz, tn, lo, hi, 4 * HF, GC, ml, ROWS, last, shift)
         if LEAD:
             sr, zr = _load_group(p_rs, p_rz, tn, lo, hi, 0, 0, ml, ROWS, last, shift)
-        if ROWS:
-            pc = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
-            pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L)
-        else:
-            pc = p_cc
-            pr = p_rc
+        pc = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L) if ROWS else p_cc
+        pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L) if ROWS else p_rc
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, ca, cb, _, _, cr = _packed_scores(
             ca, cb, ca, cb, cr, zz, ss, zh, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, pc, pr, tn, lo, last, U0, 4,
