@@ -157,30 +157,25 @@ def mla_decode_gluon_kernel(
             last = gl.maximum(hi_l - 1, 0)
             p_pt = pt_ptr + i_b * s_pt + gl.where(n_tiles > 0, base // BT, 0)
             row, shift = _tile_rows(p_pt, 0, last, True)
-            pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
-            c01 = _load_unit(pw, 0, lo_l, last, 0, RWC, C_BITS, GC, WP_L, 2, True)
-            c23 = _load_unit(pw, 0, lo_l, last, 2, RWC, C_BITS, GC, WP_L, 2, True)
-            if GC == 8:
-                c45 = _load_unit(pw, 0, lo_l, last, 4, RWC, C_BITS, GC, WP_L, 2, True)
-                c67 = _load_unit(pw, 0, lo_l, last, 6, RWC, C_BITS, GC, WP_L, 2, True)
-            else:
-                c45 = c01
-                c67 = c01
-            cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo_l, last, GC, RWR, R_BITS, GC, WR_L, 1,
-                            True)
+            pw, t_w, lo_w, end_w = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L), 0, lo_l, last
+        else:  # the planes from the split's first tile on, the first tile masked
+            pw, t_w, lo_w, end_w = p_cc, base, lo_valid, hi
+        c01 = _load_unit(pw, t_w, lo_w, end_w, 0, RWC, C_BITS, GC, WP_L, 2, PAGED)
+        c23 = _load_unit(pw, t_w, lo_w, end_w, 2, RWC, C_BITS, GC, WP_L, 2, PAGED)
+        if GC == 8:
+            c45 = _load_unit(pw, t_w, lo_w, end_w, 4, RWC, C_BITS, GC, WP_L, 2, PAGED)
+            c67 = _load_unit(pw, t_w, lo_w, end_w, 6, RWC, C_BITS, GC, WP_L, 2, PAGED)
+            if not PAGED:
+                s1, z1 = _load_group(p_cs, p_cz, base, lo_valid, hi, 4, GC, ml)
+        else:
+            c45 = c01
+            c67 = c01
+        pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L) if PAGED else p_rc
+        cr = _load_unit(pr, t_w, lo_w, end_w, GC, RWR, R_BITS, GC, WR_L, 1, PAGED)
+        if PAGED:
             s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, 0, lo_l, hi_l, last, shift, GC, ml)
             p_cc_s, p_rc_s, p_cs_s, p_cz_s, p_rs_s, p_rz_s = p_cc, p_rc, p_cs, p_cz, p_rs, p_rz
-        else:  # the planes from the split's first tile on
-            c01 = _load_unit(p_cc, base, lo_valid, hi, 0, RWC, C_BITS, GC, WP_L, 2)
-            c23 = _load_unit(p_cc, base, lo_valid, hi, 2, RWC, C_BITS, GC, WP_L, 2)
-            if GC == 8:
-                c45 = _load_unit(p_cc, base, lo_valid, hi, 4, RWC, C_BITS, GC, WP_L, 2)
-                c67 = _load_unit(p_cc, base, lo_valid, hi, 6, RWC, C_BITS, GC, WP_L, 2)
-                s1, z1 = _load_group(p_cs, p_cz, base, lo_valid, hi, 4, GC, ml)
-            else:
-                c45 = c01
-                c67 = c01
-            cr = _load_unit(p_rc, base, lo_valid, hi, GC, RWR, R_BITS, GC, WR_L)
+        else:
             s0, z0 = _load_group(p_cs, p_cz, base, lo_valid, hi, 0, GC, ml)
             if GC != 8:
                 s1 = s0
