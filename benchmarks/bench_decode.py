@@ -520,10 +520,9 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             print(out_lines[-1], flush=True)
             out.append(dict(method=row["method"], H=H, B=B, N=N, ms=row["ms"].to_dict(),
                             ratio_to_first=row["ratio"].to_dict(), times=times[row["method"]]))
-        pairs = [(name, "new", "old") for name in formats] + [(f"paged {name}", "paged", "old-paged")
-                                                              for name in formats if f"old-paged-{name}" in times]
-        for label, new_tag, old_tag in pairs if baseline else ():
-            name = label.split()[-1]
+        pairs = [(name, name, "new", "old") for name in formats] + [
+            (f"paged {name}", name, "paged", "old-paged") for name in formats if f"old-paged-{name}" in times]
+        for label, name, new_tag, old_tag in pairs if baseline else ():
             new, old = (torch.tensor(times[f"{t}-{name}"], dtype=torch.float64) for t in (new_tag, old_tag))
             ratio = t_interval(new / old)
             word = "faster" if ratio.high < 1 else ("slower" if ratio.low > 1 else "tie")

@@ -530,18 +530,17 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
     `_v_view` tile holds, `_unit_base(u, c // 16) + (r // 2E') 2E' + (r % 2E') // 2 + E' (r % 2)` with `r = c % 16`,
     `E' = 16 / bits`. At 2 bits (channels k and k + 8 in the 8 rows of one store instruction: half of two 32-byte
     sectors) the rows are first put in channel order by shuffles within each warp (`[k, e] -> [e, k]`)."""
-    if u < GC:
-        N: gl.constexpr = 16 // C_BITS
-        c = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        r = c % 16
-        x = o * inv_l[None, :]
-        if C_BITS == 2:
-            x = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(x, [4, 8, 2, o.shape[1]]), (0, 2, 1, 3)),
-                                             [64, o.shape[1]]), acc_l)
-            o_d = _unit_base(u, c // 16, GC) + r
-        else:
-            o_d = _unit_base(u, c // 16, GC) + (r // (2 * N)) * (2 * N) + (r % (2 * N)) // 2 + N * (r % 2)
-        gl.store(o_ptr + o_row[None, :] * D_C + o_d[:, None], x, mask=m_m[None, :])
+    N: gl.constexpr = 16 // C_BITS
+    c = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+    r = c % 16
+    x = o * inv_l[None, :]
+    if C_BITS == 2:
+        x = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(x, [4, 8, 2, o.shape[1]]), (0, 2, 1, 3)),
+                                         [64, o.shape[1]]), acc_l)
+        o_d = _unit_base(u, c // 16, GC) + r
+    else:
+        o_d = _unit_base(u, c // 16, GC) + (r // (2 * N)) * (2 * N) + (r % (2 * N)) // 2 + N * (r % 2)
+    gl.store(o_ptr + o_row[None, :] * D_C + o_d[:, None], x, mask=m_m[None, :])
 
 
 @_jit
