@@ -11,7 +11,8 @@ fetched separately and never committed) and the stock transformers step (`--stoc
     python benchmarks/bench_decode.py --repeat ROUNDS --points H:B:N,... --formats C4R4,... [--baseline-path DIR]
         every method replayed from a CUDA graph, in turns, ROUNDS times: 95% intervals of each time and of the
         ratio new / baseline (`--baseline-path`: the kernels of an older tree, e.g. `git archive REV | tar -x -C DIR`,
-        imported side by side in the same process and run through that tree's dispatch; `--paged`: the paged
+        imported side by side in the same process and run through that tree's dispatch, or both trees through one
+        backend with `--repeat-backend NAME`, e.g. `triton` for the portable kernel; `--paged`: the paged
         kernels, the default choice and the others that take the case, on the same cache laid out in pages of 64)
     python benchmarks/bench_decode.py --check --paged
         also the paged backends (the Gluon kernels where they apply, triton) vs the fp64 paged reference: requests of
@@ -118,12 +119,13 @@ def load_baseline(path):
     in_package = os.path.exists(os.path.join(path, "quantmla_hf", "decode.py"))
     op = importlib.import_module(BASELINE_PACKAGE + (".decode" if in_package else ".kernels.mla_decode"))
 
-    def factory(N, capacity=None):
+    def factory(N, capacity=None, backend=None):
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
         cap = capacity or N
+        named = {"backend": backend} if backend else {}  # else the tree's own dispatch
 
         def run(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, n, scaling):
-            return op.mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling)
+            return op.mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling, **named)
 
         return run
 
@@ -477,9 +479,9 @@ def check_paged(out_lines, cases=None, page_size=64):
     return all_ok
 
 
-def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False):
-    """Per point: the default dispatch for each format (`new-FMT`), the baseline tree's (`old-FMT`, given
-    `baseline`), the paged kernel on the same cache in pages (`paged-FMT`, given `paged`; with a baseline tree that
+def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False, backend="default"):
+    """Per point: the default dispatch (or the named `backend`) for each format (`new-FMT`), the baseline tree's
+    (`old-FMT`, given `baseline`; the same named backend), the paged kernel on the same cache in pages (`paged-FMT`, given `paged`; with a baseline tree that
     has a paged decode also its `old-paged-FMT`) and the torch bmm on a
     BF16 latent, each captured once in a CUDA graph, the replays timed `rounds` times in turns (the order rotated
     each round) in one process; reported by `summarize_rounds` (ratios to the first method) and, per format, the
@@ -491,7 +493,8 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
         for name in formats:
             fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
             args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
-            makers = [("new", decode_fn("default", N))] + ([("old", baseline(N))] if baseline else [])
+            old = baseline(N, backend=None if backend == "default" else backend) if baseline else None
+            makers = [("new", decode_fn(backend, N))] + ([("old", old)] if baseline else [])
             for tag, fn in makers:
                 keep.append((fn, args))  # a graph reads the tensors it was captured with
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
@@ -591,6 +594,8 @@ def main():
     ap.add_argument("--paged", action="store_true",
                     help="--repeat: also the paged kernels on the same cache in pages; --check: also check them")
     ap.add_argument("--baseline-path", default="", help="--repeat: root of an older tree whose kernels to compare")
+    ap.add_argument("--repeat-backend", default="default",
+                    help="--repeat: the backend both trees run (default: each tree's own dispatch)")
     ap.add_argument("--target-ms", type=float, default=None, help="--repeat: where the first method stands")
     ap.add_argument("--profile", default="", help="H:B:N:FORMAT: run one point --iters times (first of --backends)")
     ap.add_argument("--iters", type=int, default=20)
@@ -617,7 +622,8 @@ def main():
         result["paged_ok"] = check_paged(lines) if a.paged else True
     if a.repeat:
         baseline = load_baseline(a.baseline_path) if a.baseline_path else None
-        result["repeats"] = run_repeats(lines, points, formats, baseline, a.repeat, a.target_ms, a.paged)
+        result["repeats"] = run_repeats(lines, points, formats, baseline, a.repeat, a.target_ms, a.paged,
+                                        a.repeat_backend)
     if a.bench:
         bf16 = load_bf16_kernel(a.bf16_kernel)
         lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")

@@ -40,19 +40,36 @@ from quantmla_hf.format import CacheFormat, PathFormat
 
 
 @triton.jit
-def _magic_codes(b_byte, BITS: tl.constexpr):
-    """`[BT, NB]` uint8 code bytes -> `[BT, NB * 8 // BITS]` fp16 `1024 + code` in element order (exact).
+def _code_bytes(p_bytes, o_t, s_t, m_t, first_byte, GROUP: tl.constexpr, BITS: tl.constexpr):
+    """The uint8 code bytes of one group of tokens `o_t: [BT]` (rows at stride `s_t`, the group from byte
+    `first_byte`) that `_magic_codes` unpacks: `[BT, GROUP * BITS // 8]` for 2 and 4 bits in groups of 32 or more,
+    else `[BT, GROUP]`, the byte of each element (a byte read once per element it holds)."""
+    if BITS == 8 or GROUP < 32:
+        o_b = tl.arange(0, GROUP) // (8 // BITS)
+    else:
+        o_b = tl.arange(0, GROUP * BITS // 8)
+    return tl.load(p_bytes + (o_t * s_t)[:, None] + first_byte + o_b[None, :], mask=m_t[:, None], other=0)
 
-    4 bits: byte i holds element 2i (bits 0-3) and 2i+1 (bits 4-7); 2 bits: elements 4i..4i+3 at bits 0-1, 2-3,
-    4-5, 6-7; 8 bits: one element per byte (quantmla_hf/format.py)."""
+
+@triton.jit
+def _magic_codes(b_byte, GROUP: tl.constexpr, BITS: tl.constexpr):
+    """`_code_bytes`' tile -> `[BT, GROUP]` fp16 `1024 + code` in element order (exact). Element e of a group sits in
+    byte `e * BITS // 8` at bit `(e * BITS) % 8` (quantmla_hf/format.py): at 4 bits byte i holds elements 2i (bits
+    0-3) and 2i+1 (bits 4-7), at 2 bits 4i .. 4i+3.
+
+    2 and 4 bits in groups of 32 or more: the bytes split into elements by `tl.join` and `tl.reshape`. 8 bits, and
+    groups of 16: each element's own byte shifted. Triton 3.6 compiles the join wrongly for 16-element groups (wrong
+    scores on an H200), and a byte per element took 4-5x the time at 2 and 4 bits in groups of 64 (docs/KERNELS.md)."""
     BT: tl.constexpr = b_byte.shape[0]
-    NB: tl.constexpr = b_byte.shape[1]
     x = b_byte.to(tl.int16)
-    if BITS == 4:
-        x = tl.reshape(tl.join(x & 15, x >> 4), (BT, NB * 2))
-    elif BITS == 2:
+    if BITS == 8 or GROUP < 32:
+        o_e = tl.arange(0, GROUP)
+        x = (x >> ((o_e % (8 // BITS)) * BITS).to(tl.int16)[None, :]) & ((1 << BITS) - 1)
+    elif BITS == 4:
+        x = tl.reshape(tl.join(x & 15, x >> 4), (BT, GROUP))
+    else:
         # join stacks on a new last axis: join(join(e0, e2), join(e1, e3))[..., k, j] = e(2k + j): flattened e0 e1 e2 e3
-        x = tl.reshape(tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, x >> 6)), (BT, NB * 4))
+        x = tl.reshape(tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, x >> 6)), (BT, GROUP))
     return (x | 0x6400).to(tl.float16, bitcast=True)
 
 
@@ -71,14 +88,12 @@ def _group_tile(p0, p1, p2, s_t, s_mt, o_t, m_t, g: tl.constexpr, GROUP: tl.cons
         b_k = b_v if NATIVE else b_v.to(tl.float16)
         b_s = tl.where(m_t, 1.0, 0.0)
     else:
-        NB: tl.constexpr = GROUP * BITS // 8
         HALF: tl.constexpr = 1 << (BITS - 1)
-        o_b = tl.arange(0, NB)
-        b_byte = tl.load(p0 + (o_t * s_t)[:, None] + g * NB + o_b[None, :], mask=m_t[:, None], other=0)
+        b_byte = _code_bytes(p0, o_t, s_t, m_t, g * (GROUP * BITS // 8), GROUP, BITS)
         b_s = tl.load(p1 + o_t * s_mt + g, mask=m_t, other=0.0).to(tl.float32)
         b_z = tl.load(p2 + o_t * s_mt + g, mask=m_t, other=0).to(tl.int32)
         z = (b_z + (1024 + HALF)).to(tl.float16)  # 1024 + z, exact
-        b_k = _magic_codes(b_byte, BITS) - z[:, None]
+        b_k = _magic_codes(b_byte, GROUP, BITS) - z[:, None]
         if NATIVE:
             b_k = b_k.to(tl.float32)
     return b_k, b_s

@@ -8,6 +8,10 @@ import transformers
 
 from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
+# Where the tests run the Triton kernels: the CUDA GPU when there is one (compiled), else the CPU in the Triton
+# interpreter (tests/conftest.py sets TRITON_INTERPRET only where no GPU is).
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 # transformers 5.17 names the cache argument `past_key_values`; later releases call it `cache`.
 CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__) < version.parse("5.18") else "cache"
 
@@ -34,3 +38,14 @@ def random_planes(f, lead: tuple[int, ...], g: torch.Generator, dtype: torch.dty
         codes, scale, zero = quantize_ref(x, f)
         return {"codes": codes, "scale": scale, "zero": zero}
     return {"values": x.to(dtype)}
+
+
+def to_device(x, device=KERNEL_DEVICE):
+    """`x` with every tensor in it (nested tuples, lists and dicts) moved to `device`; other values as they are."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    return x

@@ -12,7 +12,7 @@ from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks
 from quantmla_hf.masks import expected_mask
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
 
-from helpers import CACHE_KWARG, assert_close
+from helpers import CACHE_KWARG, KERNEL_DEVICE, assert_close, to_device
 
 TOL = 1e-4
 
@@ -45,9 +45,10 @@ CASES = [(m, "torch") for m in sorted(TINY_FAMILIES)] + [("deepseek_v3", "triton
 
 @pytest.mark.parametrize("model_type, kernel", CASES)
 def test_native_decode_matches_stock_attention(model_type, kernel):
-    model = tiny_mla_model(model_type)
+    device = KERNEL_DEVICE if kernel == "triton" else "cpu"
+    model = tiny_mla_model(model_type).to(device)
     install_cache_hooks(model)
-    ids, mask = _prompt()
+    ids, mask = to_device(_prompt(), device)
     # Both cache kernels write identical codes (tests/test_cache.py), so the stock side may use the fast one.
     stock = _generate(model, "sdpa", _cache(model, "torch"), ids, mask)
     cache = _cache(model, kernel)

@@ -8,7 +8,7 @@ from quantmla_hf import CacheFormat, PathFormat, QuantMLACache, QuantMLAConfig, 
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_config, tiny_mla_model
 
-from helpers import CACHE_KWARG
+from helpers import CACHE_KWARG, KERNEL_DEVICE
 
 D_C, D_R = 64, 16
 
@@ -93,12 +93,12 @@ def test_triton_and_torch_kernels_build_the_same_cache():
     torch.manual_seed(2)
     c, r = torch.randn(2, 16, D_C), torch.randn(2, 16, D_R)
     layers = [QuantMLALayer(_fmt(2, 4), kernel=k, block_size=8) for k in ("torch", "triton")]
-    for layer in layers:
-        _feed(layer, c, r, [9, 1, 6])
+    for layer, device in zip(layers, ("cpu", KERNEL_DEVICE)):
+        _feed(layer, c.to(device), r.to(device), [9, 1, 6])
     for name in ("content", "rope"):
         a, b = getattr(layers[0], name).planes, getattr(layers[1], name).planes
         for plane in a:
-            assert torch.equal(a[plane][:, :16], b[plane][:, :16]), (name, plane)
+            assert torch.equal(a[plane][:, :16], b[plane][:, :16].cpu()), (name, plane)
 
 
 def test_storage_grows_by_whole_blocks():

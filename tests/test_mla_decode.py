@@ -14,7 +14,7 @@ from quantmla_hf.decode import BACKENDS, mla_decode_static, select_backend, spli
 from quantmla_hf.kernels.mla_decode_combine import combine
 from quantmla_hf.kernels.mla_decode_ref import combine_ref, mla_decode_ref
 
-from helpers import assert_close, random_planes
+from helpers import KERNEL_DEVICE, assert_close, random_planes, to_device
 
 OUT_RATIO = 2e-3
 LSE_ABS = 1e-4
@@ -62,11 +62,11 @@ def random_case(B, N, H, Tq, dc, dr, cb, rb, S, R, dtype, left_padding, seed, q_
             dense(R, dc), dense(R, dr), torch.tensor(left_padding), N, 1 / math.sqrt(dc + dr))
 
 
-def run(args, backend, capacity=None, device="cpu", **kw):
-    """`mla_decode_static` on the case (device-side length; capacity: the planes' own by default)."""
-    a = [x.to(device) if isinstance(x, torch.Tensor) else x for x in args]
-    for i in (2, 3):
-        a[i] = {k: v.to(device) for k, v in a[i].items()}
+def run(args, backend, capacity=None, **kw):
+    """`mla_decode_static` on the case (device-side length; capacity: the planes' own by default), the kernels on
+    `KERNEL_DEVICE`, the reference path on the CPU; results on the CPU."""
+    device = "cpu" if backend == "torch" else KERNEL_DEVICE
+    a = to_device(list(args), device)
     cap = capacity or next(iter(a[2].values())).shape[1]
     length = torch.tensor([args[10]], dtype=torch.int64, device=device)
     o, lse = mla_decode_static(*a[:10], length, cap, a[11], backend=backend, **kw)
@@ -74,8 +74,7 @@ def run(args, backend, capacity=None, device="cpu", **kw):
 
 
 def check(args, backend, lse_abs=LSE_ABS, **kw):
-    device = "cuda" if backend.startswith("gluon") or (backend == "triton" and torch.cuda.is_available()) else "cpu"
-    out, lse = run(args, backend, device=device, **kw)
+    out, lse = run(args, backend, **kw)
     ref_out, ref_lse = mla_decode_ref(*args, dtype=torch.float64)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
@@ -119,6 +118,14 @@ def test_lengths_around_sink_recent_and_split_edges(backend, length):
     one row padded."""
     check(random_case(2, length, 2, 1, 64, 16, 4, 4, 2, 4, torch.bfloat16, [0, min(1, length - 1)], seed=length),
           backend, num_splits=2)
+
+
+@pytest.mark.parametrize("backend", PORTABLE)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_sixteen_element_groups(backend, bits):
+    """A RoPE key of 16 elements in one group (the tiny models' width) at 2 and 4 bits: the portable kernel unpacks
+    such groups a byte per element (Triton 3.6 compiles the `tl.join` unpacking wrongly for them on an H200)."""
+    check(random_case(2, 47, 2, 1, 64, 16, 4, bits, 2, 4, torch.bfloat16, [0, 1], seed=bits), backend, num_splits=2)
 
 
 @pytest.mark.parametrize("backend", PORTABLE)
@@ -207,13 +214,13 @@ def test_combine_matches_its_reference_and_ignores_trailing_empty_splits(n_tail)
     g = torch.Generator().manual_seed(n_tail)
     o_part, lse_part = torch.randn(2, 3, 5 + n_tail, 64, generator=g), torch.randn(2, 3, 5 + n_tail, generator=g)
     lse_part[0, 0] = float("-inf")
-    o, lse = combine(o_part, lse_part, n_tail)
+    o, lse = to_device(combine(*to_device((o_part, lse_part)), n_tail), "cpu")
     ro, rl = combine_ref(o_part, lse_part)
     assert_close("o", ro, o, 1e-6)
     assert torch.isinf(lse[0, 0]) and not o[0, 0].any()
     wide_o = torch.cat([o_part[:, :, :5], torch.zeros(2, 3, 11, 64), o_part[:, :, 5:]], 2)
     wide_l = torch.cat([lse_part[:, :, :5], torch.full((2, 3, 11), float("-inf")), lse_part[:, :, 5:]], 2)
-    o2, lse2 = combine(wide_o, wide_l, n_tail)
+    o2, lse2 = to_device(combine(*to_device((wide_o, wide_l)), n_tail), "cpu")
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 

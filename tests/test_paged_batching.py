@@ -13,6 +13,8 @@ from quantmla_hf.paged import CacheBudgetExceeded, PagedQuantMLACache
 from quantmla_hf.paged.batching import ContinuousBatcher, generate_batch
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
 
+from helpers import KERNEL_DEVICE
+
 NEW_TOKENS = 5
 PROMPT_LENS = (5, 13, 1, 9)
 ARRIVALS = (0, 0, 2, 3)
@@ -29,7 +31,8 @@ def prompts(seed=1, lens=PROMPT_LENS):
 
 
 def alone(model, prompt, n=NEW_TOKENS):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
@@ -59,10 +62,11 @@ def test_chunked_prefill_of_prompts_longer_than_a_forward(family):
 
 
 def test_triton_kernels_in_the_loop():
-    """Quantization and latent decode through the Triton kernels (interpreter on CPU) give the same tokens."""
-    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
+    """Quantization and latent decode through the Triton kernels (compiled on a GPU, the interpreter on CPU) give the
+    same tokens."""
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4)).to(KERNEL_DEVICE)
     cache = PagedQuantMLACache(model.config, qconfig(4, kernel="triton"), page_size=4, max_requests=3, num_pages=16,
-                               dtype=model.dtype)
+                               dtype=model.dtype, device=KERNEL_DEVICE)
     ps = prompts(lens=(6, 3, 11))
     outs, _ = generate_batch(model, ps, 4, cache=cache, max_batch_tokens=16)
     assert outs == [alone(model, p, 4) for p in ps]

@@ -14,6 +14,8 @@ from quantmla_hf.paged import (
 )
 from quantmla_hf.tiny_models import tiny_config
 
+from helpers import KERNEL_DEVICE, to_device
+
 
 def test_allocator_alloc_free_reuse():
     a = PageAllocator(5)
@@ -57,7 +59,8 @@ def _cache(bits, page_size=4, num_pages=40, max_requests=4, sink=2, recent=5, mo
 
     config = tiny_config(model)
     paged = PagedQuantMLACache(config, qconfig(kernel), page_size=page_size, max_requests=max_requests,
-                               num_pages=num_pages, dtype=torch.float32)
+                               num_pages=num_pages, dtype=torch.float32,
+                               device=KERNEL_DEVICE if kernel == "triton" else "cpu")
     return config, qconfig("torch"), paged  # the contiguous reference cache takes the returned config
 
 
@@ -131,8 +134,9 @@ def test_paged_writes_and_reads_match_contiguous_cache(bits, kernel):
         for layer in range(L):
             c = torch.cat([latents[r][0][layer, done[r] : done[r] + q] for r, q in plan])
             k = torch.cat([latents[r][1][layer, done[r] : done[r] + q] for r, q in plan])
+            c, k = to_device((c, k), paged.device)
             paged.write(layer, step, c, k)
-            hist_c, hist_k = paged.history(layer, step, c, k)
+            hist_c, hist_k = to_device(paged.history(layer, step, c, k), "cpu")
             for i, (r, q) in enumerate(plan):
                 exp_c, exp_k = ref[r].update(
                     latents[r][0][layer, None, None, done[r] : done[r] + q],
@@ -146,7 +150,7 @@ def test_paged_writes_and_reads_match_contiguous_cache(bits, kernel):
     for r, n in lengths.items():
         assert paged.get_seq_length(r) == n
         for layer in range(L):
-            got_c, got_r = paged.request_planes(layer, r)
+            got_c, got_r = to_device(paged.request_planes(layer, r), "cpu")
             ref_layer = ref[r].layers[layer]
             for got, store in ((got_c, ref_layer.content), (got_r, ref_layer.rope)):
                 for name, plane in got.items():

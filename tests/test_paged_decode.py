@@ -15,7 +15,7 @@ from quantmla_hf.decode import mla_decode_paged
 from quantmla_hf.kernels.mla_decode_triton import programs_per_sm
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref, mla_decode_ref
 
-from helpers import assert_close, random_planes
+from helpers import assert_close, random_planes, to_device
 
 D_C, D_R, PAGE = 64, 16, 8
 
@@ -53,7 +53,7 @@ def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float
 def check(args, **kw):
     """fp32 copies: fp32 IEEE dots (the contiguous kernel's exact path); bf16: fp16 operands, one rounding of the
     values, or bf16 operands when both paths are 16-bit (their bound in tests/test_mla_decode.py)."""
-    out, lse = mla_decode_paged(*args, **kw)
+    out, lse = to_device(mla_decode_paged(*to_device(args), **kw), "cpu")
     ref_out, ref_lse = mla_decode_paged_ref(*args, dtype=torch.float64)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     assert_close("o_lat", ref_out, out, 2e-5 if args[5].dtype == torch.float32 else 2e-3)
@@ -88,7 +88,7 @@ def test_bf16_copies_and_pages(cb, rb):
 
 
 def test_block_size_and_splits_do_not_change_the_result():
-    args = paged_case([45, 7, 100], [3, 1, 1])
+    args = to_device(paged_case([45, 7, 100], [3, 1, 1]))
     a, la = mla_decode_paged(*args, block_t=16, num_splits=1)
     for kw in (dict(block_t=64, num_splits=1), dict(block_t=16, num_splits=3), dict(block_t=16, num_splits=7)):
         b, lb = mla_decode_paged(*args, **kw)

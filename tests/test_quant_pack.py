@@ -8,6 +8,8 @@ from quantmla_hf.kernels.mla_decode_triton import mla_decode_triton_kernel
 from quantmla_hf.kernels.quant_pack import quant_pack_fwd_kernel, quantize_pack, quantize_pack_slots
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, pack_codes, quantize_ref, unpack_codes
 
+from helpers import to_device
+
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dim", [32, 64, 512])
@@ -76,7 +78,9 @@ def test_triton_kernel_matches_reference_and_writes_only_its_rows(bits, dim, T, 
     codes = torch.full((B, cap, fmt.code_bytes), 0xAB, dtype=torch.uint8)
     scale = torch.full((B, cap, fmt.n_groups), float("nan"), dtype=torch.float16)
     zero = torch.full((B, cap, fmt.n_groups), -77, dtype=torch.int8)
-    quantize_pack(x, codes, scale, zero, start, fmt)
+    planes = to_device((codes, scale, zero))
+    quantize_pack(to_device(x), *planes, start, fmt)
+    codes, scale, zero = to_device(planes, "cpu")
     ref_codes, ref_scale, ref_zero = quantize_ref(x, fmt)
     rows = slice(start, start + T)
     assert torch.equal(codes[:, rows], ref_codes)
@@ -99,7 +103,9 @@ def test_triton_kernel_writes_tokens_at_their_slots(bits, dim):
     codes = torch.full((rows, fmt.code_bytes), 0xAB, dtype=torch.uint8)
     scale = torch.full((rows, fmt.n_groups), float("nan"), dtype=torch.float16)
     zero = torch.full((rows, fmt.n_groups), -77, dtype=torch.int8)
-    quantize_pack_slots(x, codes, scale, zero, slots, fmt)
+    planes = to_device((codes, scale, zero))
+    quantize_pack_slots(to_device(x), *planes, to_device(slots), fmt)
+    codes, scale, zero = to_device(planes, "cpu")
     ref_codes, ref_scale, ref_zero = quantize_ref(x, fmt)
     assert torch.equal(codes[slots], ref_codes) and torch.equal(scale[slots], ref_scale)
     assert torch.equal(zero[slots], ref_zero)

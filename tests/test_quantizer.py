@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import quantmla_hf
-from quantmla_hf import QuantMLACache, QuantMLAConfig, QuantMLAHfQuantizer
+from quantmla_hf import QuantMLACache, QuantMLAConfig, QuantMLAHfQuantizer, StaticQuantMLACache
 from quantmla_hf.attention import ATTN_IMPLEMENTATION
 from quantmla_hf.hooks import mla_attention_modules
 from quantmla_hf.integration import generated_cache
@@ -145,7 +145,9 @@ def test_pipeline_uses_quantmla_cache_by_default(tmp_path):
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
     out = pipe("The history of the city", max_new_tokens=4, do_sample=False)
     assert out[0]["generated_text"].startswith("The history of the city")
-    assert seen and set(seen) == {QuantMLACache}
+    # On a GPU the pipeline places the model there and generate decodes from CUDA graphs on the static cache.
+    expected = StaticQuantMLACache if pipe.model.device.type == "cuda" else QuantMLACache
+    assert seen and set(seen) == {expected}
 
 
 def test_dtype_and_device_map(checkpoints):

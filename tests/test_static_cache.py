@@ -22,7 +22,7 @@ from quantmla_hf.kernels.quant_pack import quantize_pack
 from quantmla_hf.kernels.quant_pack_ref import quantize_pack_at_ref, quantize_ref
 from quantmla_hf.tiny_models import tiny_mla_model
 
-from helpers import CACHE_KWARG, assert_close
+from helpers import CACHE_KWARG, KERNEL_DEVICE, assert_close, to_device
 from test_mla_decode import LSE_ABS, OUT_RATIO, random_case
 
 
@@ -133,12 +133,12 @@ def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
         return out
 
     monkeypatch.setattr(ops, "decode_device_length", recording)
-    ids, mask = _prompt(length=12, seed=7)
-    model = tiny_mla_model("deepseek_v3", num_hidden_layers=1, dtype=torch.bfloat16)
+    ids, mask = to_device(_prompt(length=12, seed=7))
+    model = tiny_mla_model("deepseek_v3", num_hidden_layers=1, dtype=torch.bfloat16).to(KERNEL_DEVICE)
     install_cache_hooks(model)
     model.set_attn_implementation("quantmla")
     q = _qconfig(kernel="triton")
-    kw = _gen_kwargs(mask, 5)
+    kw = dict(_gen_kwargs(mask, 5), disable_compile=True)  # eager steps on a GPU too: the recording needs them
     grow = QuantMLACache(config=model.config, quantization_config=q)
     calls.append([])
     ref = model.generate(ids, **kw, **{CACHE_KWARG: grow})
@@ -163,12 +163,13 @@ def test_growing_and_static_caches_agree_bit_for_bit_fp32_fallback():
     bits away) and the greedy tokens are identical. A 140-token prompt gives several non-empty splits, and the
     8192-position static cache a grid whose capacity-sized splits would be 128 positions against the growing
     cache's 80: splits sized that way made the logits differ at the second decode step by 6e-8."""
-    ids, mask = _prompt(length=140, seed=9)
-    model = tiny_mla_model("deepseek_v3", num_hidden_layers=1, dtype=torch.float32)
+    ids, mask = to_device(_prompt(length=140, seed=9))
+    model = tiny_mla_model("deepseek_v3", num_hidden_layers=1, dtype=torch.float32).to(KERNEL_DEVICE)
     install_cache_hooks(model)
     model.set_attn_implementation("quantmla")
     q = _qconfig(kernel="triton")
-    kw = _gen_kwargs(mask, 3)
+    # eager steps on a GPU too: a captured or compiled step rounds the rest of the model differently
+    kw = dict(_gen_kwargs(mask, 3), disable_compile=True)
     grow = QuantMLACache(config=model.config, quantization_config=q)
     ref = model.generate(ids, **kw, **{CACHE_KWARG: grow})
     static = StaticQuantMLACache(config=model.config, quantization_config=q, max_cache_len=8192)
@@ -278,7 +279,7 @@ def test_quantize_at_device_position_matches_the_reference(bits):
     planes = [torch.zeros(3, 11, fmt.code_bytes, dtype=torch.uint8), torch.zeros(3, 11, 2, dtype=torch.float16),
               torch.zeros(3, 11, 2, dtype=torch.int8)]
     ref = [p.clone() for p in planes]
-    quantize_pack(x, *planes, torch.tensor([9]), fmt)
+    _pack_on_kernel_device(x, planes, torch.tensor([9]), fmt)
     quantize_pack_at_ref(x, *ref, torch.tensor([9]), fmt)
     for a, b in zip(planes, ref):
         assert torch.equal(a, b)
@@ -286,8 +287,16 @@ def test_quantize_at_device_position_matches_the_reference(bits):
     assert torch.equal(planes[0][:, 9:], codes) and torch.equal(planes[1][:, 9:], scale)
     assert torch.equal(planes[2][:, 9:], zero) and not planes[0][:, :9].any()
     # a write past the capacity is dropped, not wrapped
-    quantize_pack(x, *planes, torch.tensor([10]), fmt)
+    _pack_on_kernel_device(x, planes, torch.tensor([10]), fmt)
     assert torch.equal(planes[0][:, 10], codes[:, 0])
+
+
+def _pack_on_kernel_device(x, planes, start, fmt):
+    """`quantize_pack` at the device-side `start` on `KERNEL_DEVICE`, the CPU `planes` updated in place."""
+    on_device = to_device(planes)
+    quantize_pack(to_device(x), *on_device, to_device(start), fmt)
+    for plane, written in zip(planes, on_device):
+        plane.copy_(written.cpu())
 
 
 def test_ops_fake_implementations_and_opcheck():

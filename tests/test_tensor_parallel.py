@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from unittest import mock
 
 import pytest
 import torch
@@ -131,8 +132,12 @@ def tp_run(tmp_path_factory):
                   for name, path, bits, _ in cases(paths)}
     references["fused"] = greedy(AutoModelForCausalLM.from_pretrained(fused))
     # fork: the ranks start with torch and transformers already imported (spawn re-imports them, ~5-20 s each).
-    mp.start_processes(_worker, args=(_free_port(), paths, fused, str(root)), nprocs=WORLD, join=True,
-                       start_method="fork")
+    # Where a GPU is, spawn with the GPU hidden: a forked child cannot use CUDA once this process has, and
+    # transformers' tensor parallel takes a visible GPU; these ranks run on the CPU either way.
+    gpu = torch.cuda.is_available()
+    with mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": ""} if gpu else {}):
+        mp.start_processes(_worker, args=(_free_port(), paths, fused, str(root)), nprocs=WORLD, join=True,
+                           start_method="spawn" if gpu else "fork")
     ranks = [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     return references, ranks
 
