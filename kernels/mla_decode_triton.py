@@ -59,7 +59,7 @@ def _magic_codes(b_byte, GROUP: tl.constexpr, BITS: tl.constexpr):
 
     2 and 4 bits in groups of 32 or more: the bytes split into elements by `tl.join` and `tl.reshape`. 8 bits, and
     groups of 16: each element's own byte shifted. Triton 3.6 compiles the join wrongly for 16-element groups (wrong
-    scores on an H200), and a byte per element took 4-5x the time at 2 and 4 bits in groups of 64 (docs/KERNELS.md)."""
+    scores on an H200), and a byte per element is several times slower for wider groups (docs/KERNELS.md)."""
     BT: tl.constexpr = b_byte.shape[0]
     x = b_byte.to(tl.int16)
     if BITS == 8 or GROUP < 32:
