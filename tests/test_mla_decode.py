@@ -1,7 +1,7 @@
 """The decode operation (`quantmla_hf/decode.py`) against its PyTorch reference (fp64) on fresh random packed caches,
-for every backend this machine runs: on CPU the portable Triton kernel in the Triton interpreter (small sizes) and
-the reference path itself; on an sm_90 GPU also the Gluon kernels. The real-size run is
-`benchmarks/bench_decode.py --check` on a GPU.
+for every backend this machine runs: the reference path itself and the portable Triton kernel (compiled on a CUDA
+GPU, in the Triton interpreter on the CPU: small sizes), on an sm_90 GPU also the Gluon kernels. The real-size run
+is `benchmarks/bench_decode.py --check` on a GPU.
 """
 
 import math
