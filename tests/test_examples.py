@@ -7,7 +7,6 @@ the test server; this file run as a script is that child.
 from __future__ import annotations
 
 import json
-import os
 import runpy
 import subprocess
 import sys

@@ -4,15 +4,13 @@ CPU only, cheap: `torch.compile(backend="eager", fullgraph=True)` traces exactly
 (dynamo + the ops' fake implementations) without C++ compilation; one-layer tiny models keep tracing short.
 """
 
-import math
-
 import pytest
 import torch
 import torch._dynamo
 from transformers.generation import CompileConfig
 
 from quantmla_hf import (
-    CacheFormat, PathFormat, QuantMLACache, QuantMLAConfig, StaticQuantMLACache, apply_quantmla,
+    PathFormat, QuantMLACache, QuantMLAConfig, StaticQuantMLACache, apply_quantmla,
     install_cache_hooks,
 )
 from quantmla_hf import ops
@@ -302,7 +300,6 @@ def _pack_on_kernel_device(x, planes, start, fmt):
 def test_ops_fake_implementations_and_opcheck():
     """opcheck: schema, fake (meta) shapes, dispatch under FakeTensor and functionalization, for the three ops."""
     args = _static_args(2, 21, 24, 2, 1, 4, 16, 2, 4, torch.float32, [0, 3], seed=5)
-    fmt = args[4]
     c, r = args[2], args[3]
     e = torch.empty(0, dtype=torch.uint8)
     decode_args = (args[0], args[1], c["codes"], c["scale"], c["zero"], r["values"], e, e, *args[5:10],
