@@ -62,7 +62,7 @@ def _magic_codes(b_byte, GROUP: tl.constexpr, BITS: tl.constexpr):
     scores on an H200), and a byte per element is several times slower for wider groups (docs/KERNELS.md)."""
     BT: tl.constexpr = b_byte.shape[0]
     x = b_byte.to(tl.int16)
-    if BITS == 8 or GROUP < 32:
+    if b_byte.shape[1] == GROUP:  # a byte per element (`_code_bytes` chose)
         o_e = tl.arange(0, GROUP)
         x = (x >> ((o_e % (8 // BITS)) * BITS).to(tl.int16)[None, :]) & ((1 << BITS) - 1)
     elif BITS == 4:

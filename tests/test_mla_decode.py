@@ -29,9 +29,8 @@ def _available() -> list[str]:
     Gluon kernels on sm_90."""
     found = ["torch"]
     fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     for rows in (16, 128):
-        b = select_backend(fmt, rows, 1, torch.bfloat16, device)
+        b = select_backend(fmt, rows, 1, torch.bfloat16, KERNEL_DEVICE)
         if b not in found:
             found.append(b)
     if found[-1].startswith("gluon"):
