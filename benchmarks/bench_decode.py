@@ -14,6 +14,10 @@ fetched separately and never committed) and the stock transformers step (`--stoc
         imported side by side in the same process and run through that tree's dispatch, or both trees through one
         backend with `--repeat-backend NAME`, e.g. `triton` for the portable kernel; `--paged`: the paged
         kernels, the default choice and the others that take the case, on the same cache laid out in pages of 64)
+    python benchmarks/bench_decode.py --repeat ROUNDS --placements K --points H:B:N,... --formats C4R4,C2R4
+        each format's default decode on K caches allocated one after the other, in turns: the spread between
+        allocations of the same kernel (which one allocation's rounds do not show) and each format's ratio to the
+        first format's with its interval over the allocations
     python benchmarks/bench_decode.py --check --paged
         also the paged backends (the Gluon kernels where they apply, triton) vs the fp64 paged reference: requests of
         unequal lengths (page edges, shorter than sink + recent) with pages and copy rows shuffled
@@ -542,6 +546,57 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
     return out
 
 
+def summarize_placements(times: dict) -> list[dict]:
+    """Per-round replay times `{(format, allocation): [ms per round]}` -> per format (in order) `{format, ms,
+    allocations, ratio}`: its mean over every allocation's rounds with its interval, each allocation's mean, and for
+    the formats after the first the ratio of their allocation means to the first format's (allocation k against
+    allocation k) with its interval over the allocations (None for the first). The rounds' interval of one
+    allocation leaves out where the cache happens to lie in memory; this one holds it."""
+    formats = list(dict.fromkeys(f for f, _ in times))
+    means = {f: torch.tensor([sum(v) / len(v) for (g, _), v in times.items() if g == f], dtype=torch.float64)
+             for f in formats}
+    if len({m.numel() for m in means.values()}) != 1:
+        raise ValueError(f"every format needs the same allocations, got {[(f, m.numel()) for f, m in means.items()]}")
+    rows = []
+    for f in formats:
+        pooled = torch.tensor([t for (g, _), v in times.items() if g == f for t in v], dtype=torch.float64)
+        ratio = None if f == formats[0] else t_interval(means[f] / means[formats[0]])
+        rows.append(dict(format=f, ms=t_interval(pooled), allocations=means[f].tolist(), ratio=ratio))
+    return rows
+
+
+def run_placements(out_lines, points, formats, allocations, rounds):
+    """Per point: the default dispatch of each format on `allocations` caches allocated one after the other (seeds
+    0, 1, ..., a spacer allocation of k MiB after the k-th so that the next lands elsewhere), each captured in its
+    own CUDA graph, the replays timed `rounds` times in turns; reported by `summarize_placements`."""
+    out = []
+    for H, B, N in points:
+        q_lat, q_rot, lp = _queries(B, H)
+        replays, keep = {}, []
+        for k in range(allocations):
+            for name in formats:
+                fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N, seed=k)
+                args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+                fn = decode_fn("default", N)
+                keep.append((fn, args, torch.empty((k + 1) << 20, dtype=torch.uint8, device=DEVICE)))
+                replays[(name, k)] = graphed(lambda fn=fn, args=args: fn(*args))
+        names = list(replays)
+        times = {n: [] for n in names}
+        for r in range(rounds):
+            for n in names[r % len(names):] + names[: r % len(names)]:
+                times[n].append(bench(replays[n]))
+        for row in summarize_placements(times):
+            ratio = "" if row["ratio"] is None else f"  x{row['ratio'].fmt(3)} of {formats[0]} over the allocations"
+            out_lines.append(f"placements H={H:3d} B={B:2d} N={N:6d} {row['format']:7s} {row['ms'].fmt(4)} ms"
+                             f"{ratio}  (allocation means: {', '.join(f'{t:.4f}' for t in row['allocations'])})")
+            print(out_lines[-1], flush=True)
+            out.append(dict(format=row["format"], H=H, B=B, N=N, ms=row["ms"].to_dict(), allocations=row["allocations"],
+                            ratio=None if row["ratio"] is None else row["ratio"].to_dict()))
+        del replays, keep
+        torch.cuda.empty_cache()
+    return out
+
+
 def run_profile(point: str, backend: str, iters: int):
     """`H:B:N:FORMAT` decoded `iters` times through `backend` (eager launches, synchronised at the end)."""
     H, B, N, name = point.split(":")
@@ -597,6 +652,8 @@ def main():
     ap.add_argument("--repeat-backend", default="default",
                     help="--repeat: the backend both trees run (default: each tree's own dispatch)")
     ap.add_argument("--target-ms", type=float, default=None, help="--repeat: where the first method stands")
+    ap.add_argument("--placements", type=int, default=0,
+                    help="--repeat: instead, each format on this many separately allocated caches (the placement spread)")
     ap.add_argument("--profile", default="", help="H:B:N:FORMAT: run one point --iters times (first of --backends)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=".")
@@ -620,7 +677,9 @@ def main():
         result["check_ok"] = run_check(lines, cases=cases or None, backends=backends)
         result["capacity_ok"] = check_capacity_invariance(lines, backends)
         result["paged_ok"] = check_paged(lines) if a.paged else True
-    if a.repeat:
+    if a.repeat and a.placements:
+        result["placements"] = run_placements(lines, points, formats, a.placements, a.repeat)
+    elif a.repeat:
         baseline = load_baseline(a.baseline_path) if a.baseline_path else None
         result["repeats"] = run_repeats(lines, points, formats, baseline, a.repeat, a.target_ms, a.paged,
                                         a.repeat_backend)

@@ -46,6 +46,21 @@ def test_repeated_rounds_give_intervals_ratios_and_a_verdict(bench_decode):
         bench_decode.summarize_rounds({"ours": [0.2, 0.2], "bf16": [0.5]})
 
 
+def test_placements_pool_the_allocations_and_pair_them(bench_decode):
+    """`--placements`' summary: a format's mean over all its allocations' rounds, its allocation means, and the ratio
+    to the first format's taken allocation against allocation, with an interval over the allocations."""
+    times = {("C4R4", 0): [0.0200, 0.0202], ("C2R4", 0): [0.0210, 0.0212],
+             ("C4R4", 1): [0.0204, 0.0204], ("C2R4", 1): [0.0208, 0.0210]}
+    rows = bench_decode.summarize_placements(times)
+    assert [r["format"] for r in rows] == ["C4R4", "C2R4"] and rows[0]["ratio"] is None
+    assert rows[0]["ms"].value == pytest.approx(0.02025) and rows[0]["allocations"] == pytest.approx([0.0201, 0.0204])
+    pairs = [0.0211 / 0.0201, 0.0209 / 0.0204]
+    assert rows[1]["ratio"].value == pytest.approx(sum(pairs) / 2)
+    assert rows[1]["ratio"].low < min(pairs) and rows[1]["ratio"].high > max(pairs)
+    with pytest.raises(ValueError, match="same allocations"):
+        bench_decode.summarize_placements({("C4R4", 0): [0.02], ("C4R4", 1): [0.02], ("C2R4", 0): [0.02]})
+
+
 def test_generate_benchmark_runs_and_fits_a_largest_batch(tmp_path):
     cmd = [sys.executable, os.path.join(BENCH, "bench_generate.py"), "--tiny", "--out", str(tmp_path),
            "--methods", "dynamic-bf16,C4R4,C4R4-static", "--skip", "C4R4-static@3x40"]
