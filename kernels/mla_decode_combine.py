@@ -4,9 +4,8 @@
     o_part [B, M, NSP, d_c] fp32 (each split normalised by its own sum), lse_part [B, M, NSP] fp32 (natural log,
     -inf for an empty split)  ->  o [B, M, d_c] = sum_s exp(lse_s - lse) o_s,  lse [B, M] = logsumexp_s lse_s
 
-The last `n_tail` slots hold the sink/recent copies. The packed splits are summed in chunks of a fixed size, empty
-ones skipped, so the result (to the bit) depends on the non-empty partials only, not on the grid: a growing cache
-and a static one of any capacity agree exactly.
+The last `n_tail` slots hold the sink/recent copies. The result, to the bit, depends on the non-empty partials
+only, not on the grid (`combine_kernel`): a growing cache and a static one of any capacity agree exactly.
 """
 
 from __future__ import annotations
@@ -25,13 +24,9 @@ SMS_PER_PROGRAM = 2  # columns are split while the grid has fewer programs than 
 def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, N_TAIL: tl.constexpr = 1):
     """Log-sum-exp merge of the splits of one (batch row, query row) and block of d_c columns; a row with no
-    visible position gives zeros and lse -inf.
-
-    The packed splits `0 .. NSP-N_TAIL-1` are summed in chunks of a fixed `BLOCK_S` (one chunk sum after the
-    other), their partials read only where non-empty, then the `N_TAIL` sink/recent slots at the end, one by one
-    in order (1 for the Triton kernel's one copy split, `copy_programs` for the Gluon kernels'): a launch
-    with more (trailing, empty) packed splits adds exact zeros, so the result depends on the non-empty partials
-    only, not on `NSP`."""
+    visible position gives zeros and lse -inf. The packed splits `0 .. NSP-N_TAIL-1` are summed in chunks of a
+    fixed `BLOCK_S`, their partials read only where non-empty, then the `N_TAIL` copy slots one by one: trailing
+    empty splits add exact zeros, so the result does not depend on `NSP`."""
     i_bm = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     n_packed = NSP - N_TAIL
@@ -70,15 +65,9 @@ def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.conste
         tl.store(lse_ptr + i_bm, tl.where(tot > 0, m_use + tl.log(tot), float("-inf")))
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def column_block(rows: int, d_c: int, sms: int) -> int:
     """Latent columns per combine program: the whole row (up to `BLOCK_D`), halved down to `MIN_BLOCK_D` while the
-    programs are fewer than half the multiprocessors: at one batch row of 16 heads each program reads hundreds of
-    partials and most multiprocessors would idle; from about five rows, narrower programs measured slower
-    (docs/KERNELS.md, "Combine grid")."""
+    programs are fewer than half the multiprocessors (else few programs would read hundreds of partials each)."""
     block = min(triton.next_power_of_2(d_c), BLOCK_D)
     while block > MIN_BLOCK_D and rows * triton.cdiv(d_c, block) * SMS_PER_PROGRAM < sms:
         block //= 2

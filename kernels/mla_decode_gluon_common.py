@@ -1,12 +1,9 @@
-"""What the two programs of the Hopper (sm_90) Gluon decode kernel share: the Gluon imports, the preambles, the
-split and copy-program arithmetic, the unit layout of the keys in registers and its asm, the loads, the score and
-value steps, and the host-side checks and launch. The kernel and its one-warpgroup program (16 rows) are in
-`mla_decode_gluon_regs.py`, its two-warpgroup program (32 rows) in `mla_decode_gluon_wide.py`; the operation that
-picks and launches them is `quantmla_hf/decode.py`.
+"""What the two programs of the Hopper (sm_90) Gluon decode kernel share (the kernel and its one-warpgroup program:
+`mla_decode_gluon_regs.py`; its two-warpgroup program: `mla_decode_gluon_wide.py`; design: docs/KERNELS.md).
 
 Grid: one-dimensional, `B * cdiv(M, BM) * (NS + ND)` programs (`flat_grid`): the `NS` packed splits of every
 (batch row, head block) first, split fastest, then `ND = copy_programs(fmt)` copy programs that attend one 64-token
-tile of the sink or recent copies each (`program_coords`, the host's statement of `_program_coords`).
+tile of the sink or recent copies each (`_program_coords`).
 
 Unit layout (one of `GC` content units, then the RoPE unit, per 64-token tile): in unit u, thread `q = lane % 4`
 of each quad owns the 16 contiguous channels `[_unit_base(u, q), + 16)` of two tokens (rows `lane / 4` and `+ 8`
@@ -38,7 +35,7 @@ from quantmla_hf.format import CacheFormat
 
 GROUP = 64  # elements per quantization group the kernels take (content and RoPE)
 BLOCK_T = 64  # tokens per tile: the M of one warpgroup's wgmma
-MIN_SPLIT_TILES = 4  # fewest tiles in a split of 2/4-bit content (`_split_range`; timings: docs/KERNELS.md)
+MIN_SPLIT_TILES = 4  # fewest tiles in a split of 2/4-bit content (`_split_range`)
 MIN_SPLIT_TILES_8BIT = 2  # and of 8-bit content, whose tiles cost twice
 SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 block may use (227 KB)
 SMEM_PER_SM = 233472  # bytes of shared memory of one sm_90 multiprocessor (228 KB); each block also reserves 1 KB
@@ -72,9 +69,7 @@ def _order8(x0, x1, x2, x3, x4, x5, x6, x7):
 def _program_coords(num_splits, M, BM: gl.constexpr, ND: gl.constexpr):
     """`(i_s, i_hb, i_b)` of this program in the flat grid of `B * cdiv(M, BM) * (num_splits + ND)` programs: first
     the packed splits of every (batch row, head block) (split fastest, then head block, then row), then the one-tile
-    copy programs in the same order. The hardware starts programs in id order, so every packed
-    program starts in the first wave and the copies fill the slots left over (interleaved per batch row, the copies of
-    the first rows took slots the packed programs of the last rows then waited for)."""
+    copy programs in the same order (programs start in id order: the packed ones in the first wave)."""
     pid = gl.program_id(0)
     n_hb = (M + BM - 1) // BM
     n_long = gl.num_programs(0) // (num_splits + ND) * num_splits
@@ -105,10 +100,9 @@ def _program_rows(num_splits, M, len_ptr, lp_ptr, BM: gl.constexpr, ND: gl.const
 @_jit
 def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr,
                  C_BITS: gl.constexpr):
-    """The packed positions of split `i_s` (`decode.split_plan`: sized from the device-side length, not the
-    capacity, tile-aligned from 0, at least `min_split_tiles` tiles): `(base, lo_valid, hi, n_tiles)`: tiles start
-    at `base`, positions `[lo_valid, hi)` are valid (after the sink and the row's left padding `lp`, before the
-    recent ring); the copy programs (`i_s >= num_splits`) get no packed tiles."""
+    """The packed positions of split `i_s` (`decode.split_plan`: sized from the device-side length, tile-aligned
+    from 0, at least `min_split_tiles` tiles): `(base, lo_valid, hi, n_tiles)`: tiles start at `base`, positions
+    `[lo_valid, hi)` are valid; the copy programs (`i_s >= num_splits`) get no packed tiles."""
     covered = gl.maximum(length - R, 0)
     tokens_per_split = (covered + split_target - 1) // split_target
     MIN_TILES: gl.constexpr = 2 if C_BITS == 8 else 4  # min_split_tiles
@@ -160,13 +154,8 @@ def _copy_rows(start, hi, sink, lp, length, o_dt, o_bt, lim_m, m_m, S: gl.conste
 def _batch_planes(cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, i_b, s_ccb, s_csb, s_rcb, s_rsb):
     """The plane pointers of batch row `i_b`: `(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz)`, content and RoPE code words,
     steps and zero points (the zero points share their steps' strides)."""
-    p_cc = cc_ptr + i_b * s_ccb
-    p_rc = rc_ptr + i_b * s_rcb
-    p_cs = cs_ptr + i_b * s_csb
-    p_cz = cz_ptr + i_b * s_csb
-    p_rs = rs_ptr + i_b * s_rsb
-    p_rz = rz_ptr + i_b * s_rsb
-    return p_cc, p_rc, p_cs, p_cz, p_rs, p_rz
+    return (cc_ptr + i_b * s_ccb, rc_ptr + i_b * s_rcb, cs_ptr + i_b * s_csb, cz_ptr + i_b * s_csb,
+            rs_ptr + i_b * s_rsb, rz_ptr + i_b * s_rsb)
 
 
 @_jit
@@ -188,24 +177,20 @@ def _finish(l_i, m_i):
     return inv_l, gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
 
-
 def half_asm(bits: int, split: bool = False) -> str:
     """PTX that turns one 32-bit code word into its `E = 32 / bits` fp16 elements `(code - z) * s`, in word order.
 
     Elements k and k + E/2 (bits `[bits*k, bits*(k+1))` and 16 higher) are put under the fp16 magic number `0x6400`
-    in the two halves of one register by one `lop3`, then made `code - z` exactly, then one `mul.f16x2` by `(s, s)`
-    (one rounding); the halves are the outputs (a free register split).
+    in the two halves of one register by one `lop3`, made `code - z` exactly, then one `mul.f16x2` by `(s, s)`.
 
     2 and 4 bits: operands: outputs `$0 .. $(E-1)` (16-bit), then the word, fp16x2 `(1024 + z, 1024 + z)`, fp16x2
-    `(s, s)`, fp16x2 `-(1024 / 2**bits + z)` and fp16x2 `(2**-bits, 2**-bits)`. Elements come in shift groups of
-    two (one `shr` by `2 bits` per group after the first): the even one masked in place (`1024 + code`, then
-    `sub.f16x2` of `1024 + z`), the odd one masked one field higher (`1024 + code * 2**bits`, then `fma.rn.f16x2` by
-    `2**-bits` plus `-(1024 / 2**bits + z)`); both exact. Half the shifts of masking every element at bit 0.
+    `(s, s)`, fp16x2 `-(1024 / 2**bits + z)` and fp16x2 `(2**-bits, 2**-bits)`. In each shift group of two the even
+    element is masked in place (`sub.f16x2` of `1024 + z`), the odd one a field higher (`fma.rn.f16x2` by `2**-bits`
+    plus `-(1024 / 2**bits + z)`): half the shifts, both exact.
 
-    8 bits (`split`: keys of up to 255 steps would round too coarsely for the scores): operands: outputs `$0 ..
-    $(2E-1)`, the word, `(1024 + z)` and `(s, s)`; every element shifted to bit 0 (`code << 8` does not fit the
-    fp16 mantissa), `sub.f16x2`, `mul.f16x2`, and the remainder `lo = (code - z) * s - hi` by one `fma.rn.f16x2`
-    (exact up to fp16 subnormals), outputs `E + j`."""
+    8 bits (`split`): operands: outputs `$0 .. $(2E-1)`, the word, `(1024 + z)` and `(s, s)`; every element shifted
+    to bit 0, and the remainder `lo = (code - z) * s - hi` by one `fma.rn.f16x2` in outputs `E + j` (a key of up to
+    255 steps rounded once would be too coarse for the scores)."""
     n = 16 // bits
     e = 2 * n
     o = 2 * e if split else e  # first input operand
@@ -241,12 +226,6 @@ def half_asm(bits: int, split: bool = False) -> str:
     return "\n".join(lines)
 
 
-if HAVE_GLUON:
-    _HALF_ASM_2 = gl.constexpr(half_asm(2))
-    _HALF_ASM_4 = gl.constexpr(half_asm(4))
-    _HALF_ASM_8 = gl.constexpr(half_asm(8, split=True))
-
-
 @_jit
 def _unit_base(u: gl.constexpr, q, GC: gl.constexpr):
     """First channel of the 16 that thread `q` (of a quad) owns in unit u: content units `0 .. GC - 1` (`64 * (q + 4
@@ -274,11 +253,8 @@ def _order16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x1
 def meta_asm(bits: int) -> str:
     """PTX that turns a token's stored zero point (its byte `b`, zero-extended: `z - HALF` as int8) and fp16 step
     `s` into the fp16x2 pairs `half_asm` takes: outputs `$0` `(1024 + z, 1024 + z)`, `$1` `(s, s)`, `$2` `-(1024 /
-    2**bits + z)` (both halves), inputs `$3` = `b`, `$4` = `s` (16-bit).
-
-    `(b ^ 0x80) | 0x6400` is the fp16 `1024 + (z - HALF + 128)` (an 8-bit integer under the magic number), put in
-    both halves by one `prmt` and one `xor`; one `add.f16x2` of `HALF - 128` makes it `1024 + z` and one `sub.f16x2`
-    from `1024 - 1024 / 2**bits` the odd elements' offset; all exact integers below 2048 (five instructions)."""
+    2**bits + z)` (both halves), inputs `$3` = `b`, `$4` = `s` (16-bit). `(b ^ 0x80) | 0x6400` is the fp16 `1024 +
+    z - HALF + 128`, then `add.f16x2` of `HALF - 128` and `sub.f16x2` from `1024 - 1024 / 2**bits` (all exact)."""
     half = 1 << (bits - 1)
     c1 = _fp16_bits(half - 128)
     c2 = _fp16_bits(1024 - 1024 / 2**bits)
@@ -303,6 +279,9 @@ def _fp16_bits(x: float) -> int:
 
 
 if HAVE_GLUON:
+    _HALF_ASM_2 = gl.constexpr(half_asm(2))
+    _HALF_ASM_4 = gl.constexpr(half_asm(4))
+    _HALF_ASM_8 = gl.constexpr(half_asm(8, split=True))
     _META_ASM_2 = gl.constexpr(meta_asm(2))
     _META_ASM_4 = gl.constexpr(meta_asm(4))
     _META_ASM_8 = gl.constexpr(meta_asm(8))
@@ -373,10 +352,8 @@ def _load_unit(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: 
     + 64)` (zeros outside `[lo, hi)`): thread q's words `_unit_base(u, q) * bits / 32 + [0, NU * WU)` of each token
     row of `ROW_WORDS` words.
 
-    `ROWS`: `p_c` is the tile's `[64, 4]` row pointers (`_row_ptrs`: token row and quad slot applied; `lo` unused),
-    `t0` and `hi` int32 rows: one base register pair per token and an immediate offset per unit, rows past `hi` not
-    read (Triton zero-fills them; nothing depends on it: their steps are zero, `_load_meta_rows`, so their keys are
-    0 whatever the registers hold)."""
+    `ROWS`: `p_c` is the tile's `[64, 4]` row pointers (`_row_ptrs`; `lo` unused), `t0` and `hi` int32 rows, rows
+    past `hi` not read (their steps are zero, `_load_meta_rows`, so their keys are 0 whatever the registers hold)."""
     WU: gl.constexpr = BITS // 2 * NU
     ml: gl.constexpr = gl.SliceLayout(2, wl)
     o_w = gl.arange(0, WU, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
@@ -408,9 +385,10 @@ def _row_ptrs(p, t0, ROW_WORDS: gl.constexpr, Q_WORDS: gl.constexpr, wl: gl.cons
 def _load_group(p_s, p_z, t0, lo, hi, G0: gl.constexpr, GC: gl.constexpr, ml: gl.constexpr,
                 ROWS: gl.constexpr = False, last=0, shift=0):
     """Steps `[64, 4]` fp16 and stored zero points int8 of content group `q + G0` (for `GC = 0`: the RoPE group, the
-    same for every q) of tokens `[t0, t0 + 64)`, zeros outside `[lo, hi)` (int64 positions, masked loads); with
-    `ROWS` as `_load_meta_rows` reads them (int32 positions clamped to `last`, row `p + shift`, no masks, the steps
-    zeroed outside `[lo, hi)`)."""
+    same for every q) of tokens `[t0, t0 + 64)`, zeros outside `[lo, hi)` (int64 positions, masked loads). `ROWS`:
+    int32 positions, those past `last` (a stored one) read `last`, position p from row `p + shift` (`_tile_rows`),
+    no masks, the steps (not the zero points) zeroed outside `[lo, hi)`: such a token's keys are exactly 0 whatever
+    its codes and zero point (`_load_unit` with `ROWS`)."""
     if ROWS:
         o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
         o_a = gl.minimum(o_t, last) + shift
@@ -434,37 +412,25 @@ def _load_group(p_s, p_z, t0, lo, hi, G0: gl.constexpr, GC: gl.constexpr, ml: gl
 
 @_jit
 def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.constexpr, ml: gl.constexpr):
-    """The tile's steps and stored zero points as `_load_group` gives them (`(s0, z0, s1, z1, sr, zr)`: content groups
-    q and q + 4, RoPE), from int32 positions `t0, lo, hi, last` relative to the split, without masks: positions past
-    `last` (a stored one) read `last`, and the steps (not the zero points) are zeroed outside `[lo, hi)`, so such a
-    token's keys are exactly 0 whatever its codes and zero point (`_load_unit` with `ROWS`). Position p is read from
-    row `p + shift` of the planes (0 for contiguous planes; a page's row offset, `_tile_rows`)."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
-    o_a = gl.minimum(o_t, last) + shift
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    valid = ((o_t >= lo) & (o_t < hi))[:, None]
-    off = o_a[:, None] * GC + o_q[None, :]
-    s0 = gl.where(valid, gl.load(p_cs + off), 0.0)
-    z0 = gl.load(p_cz + off)
+    """The tile's steps and stored zero points `(s0, z0, s1, z1, sr, zr)` (content groups q and q + 4, RoPE) from
+    int32 positions relative to the split: `_load_group` with `ROWS` for each (group q + 4 through the planes
+    offset by 4 columns, which compiles as the offset of group q's addresses)."""
+    s0, z0 = _load_group(p_cs, p_cz, t0, lo, hi, 0, GC, ml, True, last, shift)
     if GC == 8:
-        s1 = gl.where(valid, gl.load(p_cs + off + 4), 0.0)
-        z1 = gl.load(p_cz + off + 4)
+        s1, z1 = _load_group(p_cs + 4, p_cz + 4, t0, lo, hi, 0, GC, ml, True, last, shift)
     else:
         s1 = s0
         z1 = z0
-    off_r = o_a[:, None] + 0 * o_q[None, :]
-    sr = gl.where(valid, gl.load(p_rs + off_r), 0.0)
-    return s0, z0, s1, z1, sr, gl.load(p_rz + off_r)
+    sr, zr = _load_group(p_rs, p_rz, t0, lo, hi, 0, 0, ml, True, last, shift)
+    return s0, z0, s1, z1, sr, zr
 
 
 @_jit
 def _tile_rows(p_pt, tn, last, PAGED: gl.constexpr):
     """`(row, shift)` of the tile at int32 position `tn`: the plane row its first token is read from and the offset
-    from positions to rows; `(tn, 0)` for planes offset to the split's first tile.
-
-    `PAGED` (page pools; `p_pt[0]` the page number of the split's first tile): `row = page * 64` is the pool row of
-    the tile's first token, `shift = row - tn`. A tile past the split's last stored position `last` (>= 0) takes
-    that position's page, so every read stays inside a page of the request."""
+    from positions to rows; `(tn, 0)` for planes offset to the split's first tile. `PAGED` (page pools; `p_pt[0]`
+    the page number of the split's first tile): `row = page * 64`, `shift = row - tn`; a tile past the last stored
+    position `last` (>= 0) takes that position's page, so every read stays inside a page of the request."""
     if PAGED:
         t_a = gl.maximum(gl.minimum(tn, last // 64 * 64), 0)
         row = gl.load(p_pt + t_a // 64) * 64
@@ -476,15 +442,15 @@ def _tile_rows(p_pt, tn, last, PAGED: gl.constexpr):
 
 
 @_jit
-def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, xl: gl.constexpr):
-    """Model-dtype copies `[64, 4, 16]` -> fp16 of unit u: rows `o_slot: [64]` (valid `m_t`), thread q's 16 channels
-    from `_unit_base(u, q)`."""
+def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, BITS: gl.constexpr, xl: gl.constexpr):
+    """Model-dtype copies `[64, 4, 16]` of unit u (rows `o_slot: [64]`, valid `m_t`; thread q's 16 channels from
+    `_unit_base(u, q)`) -> fp16 `[64, 4, BITS / 2, 2, E / 2]`, the unpacked keys' order (`_unpack_unit`)."""
     sl: gl.constexpr = gl.SliceLayout(2, xl)
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
     o_e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
     off = ((o_slot * s_t)[:, None] + _unit_base(u, o_q, GC)[None, :])[:, :, None] + o_e[None, None, :]
     x = gl.load(p + off, mask=m_t[:, None, None], other=0.0)
-    return x.to(gl.float16)
+    return gl.reshape(x.to(gl.float16), [64, 4, BITS // 2, 2, 16 // BITS])
 
 
 @_jit
@@ -528,8 +494,8 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
              C_BITS: gl.constexpr, acc_l: gl.constexpr):
     """`o^T[64, BM]` of unit u, normalised, to the partial output rows: row c is the channel column c of the
     `_v_view` tile holds, `_unit_base(u, c // 16) + (r // 2E') 2E' + (r % 2E') // 2 + E' (r % 2)` with `r = c % 16`,
-    `E' = 16 / bits`. At 2 bits (channels k and k + 8 in the 8 rows of one store instruction: half of two 32-byte
-    sectors) the rows are first put in channel order by shuffles within each warp (`[k, e] -> [e, k]`)."""
+    `E' = 16 / bits`. At 2 bits the rows are first put in channel order by shuffles within each warp (`[k, e] -> [e,
+    k]`), so one store instruction covers whole 32-byte sectors."""
     N: gl.constexpr = 16 // C_BITS
     c = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
     r = c % 16
@@ -547,17 +513,13 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
 def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
                 Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
                 FIRST: gl.constexpr = 0):
-    """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]`, then wait
-    until at most `INFLIGHT` (0 or 1) units' `wgmma`s are in flight (`p1`: the A operand of the last unit, kept
-    alive until its `wgmma`s have finished). Returns `(acc, pend, p1, p2)` for the next unit. `FIRST`: the
-    tile's first unit in this warpgroup (it starts the accumulator and waits for the previous tile's value reads;
-    0 here, the second warpgroup's first unit in `mla_decode_gluon_wide.py`). The keys are stored in the `_v_view`
-    order.
-
-    `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, and the units' scores go into three
-    accumulator chains (units 0-2, 3-5, 6-8: `use_acc` off where one starts; the caller keeps the finished chains
-    in `pend` and adds them in fp32; one chain loses the LSE's 1e-4, docs/KERNELS.md). One unit in flight; `p1`,
-    `p2` hold its high and low A operands."""
+    """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]` (`_v_view`
+    order), then wait until at most `INFLIGHT` (0 or 1) units' `wgmma`s are in flight (`p1`: the A operand of the
+    last unit, kept alive until its `wgmma`s have finished). Returns `(acc, pend, p1, p2)` for the next unit.
+    `FIRST`: the warpgroup's first unit of the tile (it starts the accumulator and waits for the previous tile's
+    value reads). `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, in accumulator chains of
+    units 0-2, 3-5, 6-8 (`use_acc` off where one starts; the caller keeps the finished ones in `pend` and adds them
+    in fp32); one unit in flight, `p1`, `p2` its high and low A operands."""
     a = _a_view(x5, dot_a)
     if LO:
         alo = _a_view(x5lo, dot_a)
@@ -596,20 +558,13 @@ def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
 @_jit
 def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf):
     """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0) and the values of every
-    content unit (`outs[u] = o_u^T[64, BM] += kbuf[u]^T @ P`). Returns `(m_i, l_p, outs)`; `l_p: [64, BM]` holds the
-    row sums per token lane (reduced once, at the end).
+    content unit (`outs[u] = o_u^T[64, BM] += kbuf[u]^T @ P`, waited). Returns `(m_i, l_p, outs)`; `l_p: [64, BM]`
+    holds the row sums per token lane (reduced once, at the end).
 
-    Lazy rescaling: a row's reference maximum `m_i` moves only when the tile's maximum passes it by more than
-    `RESCALE_LOG2` (so the probabilities, `2 ** (s - m_i)`, stay below 2**8: exact in fp16 to its relative 2**-11,
-    and the fp32 sums have room), and the accumulators are rescaled only in a tile where some row moved (one
-    branch, the same in every thread): after the first tiles the 64 multiplies per thread of a rescale are
-    skipped. The result is the same softmax (the LSE is `m_i + log2(l)` for whatever reference `m_i` holds). The
-    test is voted per warp (`vbuf: [4]` int32 in shared memory) instead of reducing the tile's maximum across warps
-    first; the value accumulators are returned waited for."""
+    Lazy rescaling (`_references`): P is computed against the rows' present references and stored; whether any
+    score passed its reference by more than 8 is voted per warp (`vbuf: [4]` int32) and read back after the barrier
+    that publishes P; only then are the references moved, the accumulators rescaled and P stored again."""
     b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
-    # P against the rows' present references, stored at once; whether any score passed its reference by more
-    # than RESCALE_LOG2 is voted per warp (no cross-warp reduction) and read back after the barrier that
-    # publishes P; only then (rare) is the tile's maximum reduced across warps and P stored again
     m_new = m_i
     m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
     p = gl.exp2(b_s - m_use[None, :])
@@ -668,16 +623,15 @@ def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0: gl
     """Scores `[64, BM]` (waited) of content units `U0 .. U0 + NU - 1` (and with `ROPE` the RoPE unit) of 64
     model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys stored to `kbuf`."""
     acc = gl.zeros([64, BM], gl.float32, acc_l)
-    # the unpacked units' element order: offset w * E + (E / 2) * e + k at [t, q, w, e, k]
-    x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, U0, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
+    x5 = _load_dense(p_c, o_slot, m_t, s_ct, U0, GC, C_BITS, xl)
     acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, False, INFLIGHT,
                                     dot_a, U0)
     for u in gl.static_range(U0 + 1, U0 + NU):
-        x5 = gl.reshape(_load_dense(p_c, o_slot, m_t, s_ct, u, GC, xl), [64, 4, C_BITS // 2, 2, 16 // C_BITS])
+        x5 = _load_dense(p_c, o_slot, m_t, s_ct, u, GC, C_BITS, xl)
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False,
                                         INFLIGHT, dot_a, U0)
     if ROPE:
-        x5 = gl.reshape(_load_dense(p_r, o_slot, m_t, s_rt, GC, GC, xl), [64, 4, R_BITS // 2, 2, 16 // R_BITS])
+        x5 = _load_dense(p_r, o_slot, m_t, s_rt, GC, GC, R_BITS, xl)
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
                                         INFLIGHT, dot_a, U0)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
@@ -697,11 +651,10 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
                GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
                wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
                FIRST: gl.constexpr, ROWS: gl.constexpr):
-    """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does;
-    `cp` replaced by the words of the tile at `tn` once both are unpacked (`_load_unit`: masked to `[lo, end)`, or
-    with `ROWS` from the tile's row pointers `p_cc`, rows up to `end`). 8-bit keys: the accumulator chain that
-    starts at unit 3 (`_score_unit`) starts inside the pair (2, 3), the finished one kept in `pend`. `FIRST`: as in
-    `_score_unit`. Returns `(acc, pend, p1, p2, cp)`."""
+    """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does,
+    `cp` replaced by the words of the tile at `tn` once both are unpacked (`_load_unit`). 8-bit keys: the chain that
+    starts at unit 3 starts inside the pair (2, 3), the finished one kept in `pend`. Returns `(acc, pend, p1, p2,
+    cp)`."""
     LO: gl.constexpr = C_BITS == 8
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
@@ -729,14 +682,10 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     NU = 8) (`[64, 4, 2 WU]`: a thread's 32 consecutive channels of group q for units 0-3, q + 4 for 4-7), `cr`
     (RoPE) and fp16x2 metadata (`zz0, ss0, zh0`: the groups of units U0 .. U0 + 3, `zz1, ss1, zh1`: of units 4-7,
     `zzr, ssr, zhr`: RoPE; `half_asm`); the content keys stored to `kbuf`. A pair's words are replaced by those of
-    the tile at `tn` once both units are unpacked (one 8-, 16- or 32-byte load per token and thread instead of two
-    of half the width: half the L1 sector requests): `_load_unit` masked to `[lo, end)`, or with `ROWS` from the row
-    pointers `p_cc`, `p_rc` up to row `end`. Returns `(acc, c01, c23, c45, c67, cr)`.
-
-    8-bit keys (`LO`, C8R8): the scores take the keys' high and low fp16 parts, in accumulator chains of at most
-    three units (`_score_unit`): 0-2, 3-5 (the chain that starts at unit 3 starts inside the pair, `_unit_pair`),
-    6-7 + RoPE; in the two-warpgroup program the leader's 0-2 and 3 + RoPE, the worker's 4-5 and 6-7; summed in
-    fp32."""
+    the tile at `tn` once both units are unpacked (one load per token and thread): `_load_unit` masked to `[lo,
+    end)`, or with `ROWS` from the row pointers `p_cc`, `p_rc` up to row `end`. Returns `(acc, c01, c23, c45, c67,
+    cr)`. 8-bit keys: accumulator chains 0-2, 3-5, 6-7 + RoPE (the leader's 0-2 and 3 + RoPE, the worker's 4-5 and
+    6-7 in the two-warpgroup program; `_score_unit`), summed in fp32."""
     RWR: gl.constexpr = 2 * R_BITS
     LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
     acc = gl.zeros([64, BM], gl.float32, acc_l)
@@ -785,9 +734,8 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
                  PAGED: gl.constexpr):
     """Scores of the packed tile at int32 position `t0` (relative to the split's first tile) from its words `c01 ..
     cr` and metadata (steps `s0, s1, sr`, zero points `z0, z1, zr`: `_load_meta_rows`), loading the next tile's (`t0
-    + 64`) through row pointers (a register pair per token, unit offsets immediate) up to row `last`. `PAGED`: the
-    planes are page pools and `p_pt` the split's page numbers (`_tile_rows`). Returns `(acc, c01, c23, c45, c67, cr,
-    s0, z0, s1, z1, sr, zr)` with the next tile's words and metadata."""
+    + 64`) through row pointers up to row `last`. `PAGED`: the planes are page pools and `p_pt` the split's page
+    numbers (`_tile_rows`). Returns `(acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr)`, the next tile's."""
     tn = t0 + 64
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
     zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
@@ -805,10 +753,9 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
 @_jit
 def _alloc_tiles(GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr):
     """The shared buffers of a program: `(kbuf, qbuf, qlo, pbuf)`. `kbuf`, the content keys of a tile for the value
-    `wgmma`s, is a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit (separate allocations, so the barrier
-    analysis sees the units' stores as disjoint; `[u].index(kz)` keeps the value `wgmma` descriptors computed in the
-    loop); `qbuf`, `qlo: [GC + 1, BM, 64]` fp16 the staged queries (`qlo`, their low parts, only for `Q_SPLIT`; else
-    `qbuf` again); `pbuf: [1, BT, BM]` fp16 the probabilities."""
+    `wgmma`s, is a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit (separate allocations: the barrier analysis
+    sees the units' stores as disjoint); `qbuf`, `qlo: [GC + 1, BM, 64]` fp16 the staged queries (`qlo`, their low
+    parts, only for `Q_SPLIT`; else `qbuf` again); `pbuf: [1, BT, BM]` fp16 the probabilities."""
     k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
                                               rank=2)
@@ -833,6 +780,14 @@ def words_layout(wu: int):
                                       warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, wu])
 
 
+def tile_smem(fmt: CacheFormat, q_split: bool, block_m: int) -> int:
+    """Shared memory of a program's tiles: content keys `[GC, 64, 64]` fp16, queries `[GC + 1, block_m, 64]` fp16
+    (twice for fp32 queries), P `[64, block_m]` fp16, plus 1 KB of compiler scratch."""
+    gc = fmt.content.n_groups
+    return gc * BLOCK_T * GROUP * 2 + (gc + 1) * block_m * GROUP * 2 * (2 if q_split else 1) + BLOCK_T * block_m * 2 \
+        + 1024
+
+
 def min_split_tiles(fmt: CacheFormat) -> int:
     """Fewest 64-token tiles in a packed split of the Gluon kernels (`_split_range`)."""
     return MIN_SPLIT_TILES_8BIT if fmt.content.bits == 8 else MIN_SPLIT_TILES
@@ -853,13 +808,12 @@ def flat_grid(NS: int, fmt: CacheFormat, M: int, block_m: int, B: int) -> tuple[
 def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, qr, cp, rp, fmt: CacheFormat,
                 sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, split_target, NS, qk_scale,
                 page_table=None, **meta):
-    """Launch a Gluon decode kernel on `flat_grid` with the arguments they all take (queries `[B, M, d_c]` / `[B, M,
-    d_R]`, code planes viewed as int32 words, scale/zero planes, copies, left padding, device-side length, partial
-    outputs `[B, M, NS + copy_programs(fmt), d_c]` / `[B, M, NS + copy_programs(fmt)]`) plus its own constexprs and
-    options `meta`. `page_table` (int32 `[B, max_pages]`): the kernel's `PAGED` launch, the planes page pools `[P,
-    64, width]` addressed from their first row (batch strides 0), `lp` the requests' copy rows and `length` their
-    lengths `[B]`. Refuses a format needing more than `SMEM_LIMIT` bytes of shared memory (`smem_bytes(fmt,
-    q_split)`), naming `fallback`."""
+    """Launch a Gluon decode kernel on `flat_grid`: queries `[B, M, d_c]` / `[B, M, d_R]`, code planes viewed as
+    int32 words, scale/zero planes, copies, left padding, device-side length, partial outputs `[B, M, NS +
+    copy_programs(fmt), d_c]` / `[B, M, NS + copy_programs(fmt)]`, plus the kernel's own constexprs and options
+    `meta`. `page_table` (int32 `[B, max_pages]`): the `PAGED` launch, the planes page pools `[P, 64, width]` (batch
+    strides 0), `lp` the requests' copy rows and `length` their lengths `[B]`. Refuses a format needing more than
+    `SMEM_LIMIT` bytes of shared memory (`smem_bytes(fmt, q_split)`), naming `fallback`."""
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
     smem_need = smem_bytes(fmt, q_split)
     if smem_need > SMEM_LIMIT:

@@ -1,31 +1,14 @@
 """Hopper (sm_90) packed MLA decode in Gluon, the keys unpacked into *registers* as the score `wgmma`'s A operand:
 the kernel (`mla_decode_gluon_kernel`, one entry and one launch, `launch_gluon`) and its one-warpgroup program for up
 to 16 query rows per program; with `WIDE` the kernel runs the two-warpgroup program of `mla_decode_gluon_wide.py`
-(32 rows). Same function as `mla_decode_ref.mla_decode_static_ref`; launched by `quantmla_hf/decode.py`'s
-`mla_decode_static` (backends "gluon_regs" and "gluon_wide") and, for decode steps of the paged cache, by its
-`mla_decode_paged` (the `PAGED` launch, reference `mla_decode_paged_ref`: one 64-token page per tile, found through
-the page table); shared pieces in `mla_decode_gluon_common.py`.
+(32 rows). Same function as `mla_decode_ref.mla_decode_static_ref` (the `PAGED` launch: `mla_decode_paged_ref`),
+launched by `quantmla_hf/decode.py`; shared pieces in `mla_decode_gluon_common.py`; design: docs/KERNELS.md.
 
-* No cp.async ring and no shared staging of the codes: every thread loads the code words it unpacks straight from
-  global memory into registers, one tile ahead (a thread's two units are 32 contiguous channels of its group, one
-  8-, 16- or 32-byte load per token).
-* The unpacked fp16 keys `(code - z) * s` are the register A operand of the score `wgmma`s: the scores read no
-  shared memory for the keys, and the RoPE keys never touch shared memory.
-* The content keys are stored once to shared memory for the value `wgmma`s (`O^T = V^T P`), one buffer per unit
-  (`_alloc_tiles`: with one buffer indexed per unit the compiler put a CTA barrier before each store).
-* The packed loop's loads use int32 rows relative to the split's first tile and one row pointer per token
-  (`_row_ptrs`); rows past the split's last valid one are not read, their steps zeroed (`_load_meta_rows`), so
-  their keys are exactly 0 whatever the registers hold.
-* The softmax's lazy-rescaling test is voted per warp (`_softmax_pv`): P is computed against the rows' present
-  references and stored; only a tile where some score passed its reference by more than 8 reduces the maximum
-  across warps and stores P again.
-
-Shared memory (C4R4, 16 rows, bf16 queries): content tiles 64 KB + queries 18 KB + P 2 KB = 86 KB: two programs
-per SM. The sink and recent copies take one program per 64-token tile, loaded in the same unit layout.
-
-Accuracy: one fp16 rounding of `(code - z) * s` at 2 and 4 bits. At 8 bits (C8R8) a key of up to 255 steps rounded
-once to fp16 would move the LSE by ~4.5e-3, so the asm also returns the remainder `lo = (code - z) * s - hi` (one
-`fma.rn.f16x2`) and the scores take a second register-A `wgmma` on it; the values use the rounded keys.
+Each thread loads the code words it unpacks straight from global memory into registers, one tile ahead; the fp16
+keys `(code - z) * s` (one rounding) are the register A operand of the score `wgmma`s and are stored once per unit
+to shared memory for the value `wgmma`s (`O^T = V^T P`). At 8 bits the asm also returns the remainder `lo = (code -
+z) * s - hi` for a second score `wgmma` (one rounding would move the LSE by ~4.5e-3); the values use the rounded
+keys. Shared memory (C4R4, 16 rows, bf16 queries): 86 KB, two programs per SM.
 """
 
 
@@ -34,7 +17,7 @@ from __future__ import annotations
 from quantmla_hf.format import CacheFormat
 
 from . import mla_decode_gluon_wide as wide
-from .mla_decode_gluon_common import BLOCK_T, GROUP, HAVE_GLUON, _jit_dynamic, launch_flat, words_layout
+from .mla_decode_gluon_common import HAVE_GLUON, _jit_dynamic, launch_flat, tile_smem, words_layout
 
 if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
@@ -47,10 +30,8 @@ if HAVE_GLUON:
     from .mla_decode_gluon_wide import _half_program
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
-INFLIGHT = {4: 0, 2: 1, 8: 1}  # score units whose wgmmas may be in flight while the next is unpacked, per content
-# width (docs/KERNELS.md)
+INFLIGHT = {4: 0, 2: 1, 8: 1}  # score units whose wgmmas may be in flight while the next is unpacked, per C_BITS
 FILL_PER_SM = 2  # programs per multiprocessor the splits provide (`decode.fill_splits`): the two resident ones
-# (255 registers x 128 threads and at most ~104 KB of shared memory each)
 
 
 @_jit_dynamic
@@ -71,8 +52,7 @@ def mla_decode_gluon_kernel(
     the default warps, then the leader and the worker, `W_REGS` registers, attend each tile together:
     `mla_decode_gluon_wide._half_program`). `WC_L`, `WR_L`: the content and RoPE word layouts (`words_layout`), `WP_L`:
     two consecutive content units' words loaded together, `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`:
-    score units whose `wgmma`s may be in flight while the next is unpacked (0 or 1). The packed loop loads from
-    one row pointer per token with int32 rows relative to the split (`_row_ptrs`, `_load_meta_rows`).
+    score units whose `wgmma`s may be in flight while the next is unpacked (0 or 1).
 
     `PAGED`: batch row b is request b of a decode step of the paged cache (one query token, `Tq = 1`): its length
     is `len_ptr[b]`, its copies are row `lp_ptr[b]` of the copy tensors, and its position p lives in row `page * 64
@@ -148,8 +128,7 @@ def mla_decode_gluon_kernel(
         p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _batch_planes(cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, i_b, s_ccb,
                                                            s_csb, s_rcb, s_rsb)
 
-        # int32 positions relative to the split's first tile; the loop's loads from one row pointer per token, the
-        # metadata unmasked (positions clamped to the last valid one, steps zeroed outside)
+        # int32 positions relative to the split's first tile (`_row_ptrs`, `_load_meta_rows`)
         lo_l = (lo_valid - base).to(gl.int32)
         hi_l = (hi - base).to(gl.int32)
         # tile 0's words and metadata (each later tile's are loaded while the one before is attended)
@@ -220,11 +199,8 @@ def mla_decode_gluon_kernel(
 
 
 def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
-    """Shared memory of one program: content tiles, queries (twice for fp32), one P tile, plus 1 KB for the
-    compiler's scratch."""
-    gc = fmt.content.n_groups
-    return gc * BLOCK_T * GROUP * 2 + (gc + 1) * BLOCK_M * GROUP * 2 * (2 if q_split else 1) + BLOCK_T * BLOCK_M * 2 \
-        + 1024
+    """Shared memory of one program (`tile_smem`)."""
+    return tile_smem(fmt, q_split, BLOCK_M)
 
 
 def regs_handles(fmt: CacheFormat) -> bool:

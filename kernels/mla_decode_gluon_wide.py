@@ -1,35 +1,25 @@
 """Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads): the two-warpgroup program of the
-register-operand kernel (`mla_decode_gluon_regs.mla_decode_gluon_kernel` with `WIDE`), 32 rows per program. Same
-function, splits, copy programs and partials as the one-warpgroup program; launched by `quantmla_hf/decode.py`'s
-`mla_decode_static` (backend "gluon_wide") and, for decode steps of the paged cache, by its `mla_decode_paged` (the
-`PAGED` launch); shared pieces in `mla_decode_gluon_common.py`.
+register-operand kernel (`mla_decode_gluon_regs.mla_decode_gluon_kernel` with `WIDE`), 32 rows per program, so each
+token is unpacked once per 32 rows instead of 16. Same function, splits, copy programs and partials as the
+one-warpgroup program; shared pieces in `mla_decode_gluon_common.py`; design: docs/KERNELS.md.
 
-Why: the one-warpgroup kernel holds 16 rows (its 8 value accumulators take 64 of its 255 registers), so at 128 heads
-every token is unpacked 8 times; here a program is two warpgroups (`gl.warp_specialize`: the leader and one 4-warp
-worker, 240 registers each, 248 at 8 bits, one program per SM) and each token is unpacked once per 32 rows:
-
-* the leader unpacks content units 0-3 and the RoPE unit, the worker units 4-7, into the register A operands of
-  their own score `wgmma`s (`m64n32k16`), and each stores its content keys to its half of `kbuf`;
-* the softmax is split by rows: warpgroup h stores its partial scores of the other half's rows (`sbuf[h]`), arrives
-  on `s_bar[h]`, waits for `s_bar[1 - h]`, adds the other's partial of its rows, updates their references (lazy,
-  voted) and sums, stores its columns of P and its rows' rescale factors (`abuf`), arrives on `p_bar[h]` and waits
-  for `p_bar[1 - h]` (faster than the leader running the whole softmax);
-* each warpgroup runs the value `wgmma`s of its own four units over all rows, rescaling first where a factor is not
-  1; at the end the halves' `1 / l` go through `ibuf`.
+A program is two warpgroups (`gl.warp_specialize`, one program per SM): the leader unpacks content units 0-3 and the
+RoPE unit, the worker units 4-7, into their own score `wgmma`s (`m64n32k16`), each storing its content keys to its
+half of `kbuf`; each runs the softmax of half the rows (`_exchange_pv`: partial scores through `sbuf`, rescale
+factors through `abuf`) and the value `wgmma`s of its own four units over all rows; at the end the halves' `1 / l`
+go through `ibuf`.
 
 Ordering (each barrier counts one arrival per tile, phase `j & 1`): a warpgroup rewrites `sbuf[h]` only after
 `p_bar[1 - h]` of the tile before (the other has read it), its P columns and factors only after `s_bar[1 - h]` of
 the next tile (the other's value `wgmma`s of the tile before have finished). A column half of the `m64nBM`
 accumulator is the `m64n(BM/2)` layout (`_row_halves`, `assert_trivial=True`).
-
-Shared memory (C4R4, bf16 queries): tiles 64 KB + queries 36 KB + P 4 KB + partial scores 8 KB + factors: 115,636 B.
 """
 
 from __future__ import annotations
 
 from quantmla_hf.format import CacheFormat
 
-from .mla_decode_gluon_common import BLOCK_T, HAVE_GLUON, _jit, words_layout
+from .mla_decode_gluon_common import BLOCK_T, HAVE_GLUON, _jit, tile_smem, words_layout
 
 if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
@@ -41,15 +31,12 @@ if HAVE_GLUON:
                                           _tile_rows, _values)
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
-# Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width: one
-# program of 8 warps per SM. 2/4 bits: 240 (no spills, ptxas). 8 bits: 256, the whole register file for 256 threads
-# (the launch asks ptxas for its most, `MAX_REGS`, which it allocates as 256), where 240 and 248 spilled in the
-# packed loops (timings: docs/KERNELS.md).
+# Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width. 8 bits:
+# the whole register file (the launch asks ptxas for `MAX_REGS`, allocated as 256); 240 and 248 spilled.
 REGS = {2: 240, 4: 240, 8: 256}
 MAX_REGS = 255  # registers per thread ptxas takes at most (allocated in steps of 8)
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
-FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`decode.fill_splits`): the one resident, one
-# round (docs/KERNELS.md)
+FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`decode.fill_splits`): the one resident
 
 if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_specialize's argument tuples)
     _WORDS_1 = gl.constexpr(words_layout(1))  # 2-bit words
@@ -87,15 +74,11 @@ def _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_
 
     1. stores its partial scores of the *other* half's rows to `sbuf[HF]`, arrives on `s_bar[HF]`, waits for
        `s_bar[1 - HF]` and adds the other's partial of its own rows;
-    2. updates its rows' `m_i` (lazy rescaling, as the register kernel) and row sums, stores its columns of P (fp16,
-       `pbuf`) and its rows' rescale factors (`abuf`, 1 where a row's reference did not move), arrives on
-       `p_bar[HF]` and waits for `p_bar[1 - HF]`;
+    2. updates its rows' `m_i` (lazy and voted as `_softmax_pv`, each warp's vote in `ibuf[HF * BM/2 + w]`) and row
+       sums, stores its columns of P (fp16, `pbuf`) and its rows' rescale factors (`abuf`, 1 where a row's
+       reference did not move), arrives on `p_bar[HF]` and waits for `p_bar[1 - HF]`;
     3. rescales its value accumulators `outs` (all rows) where a factor is not 1, then `o_u^T += kbuf[u]^T P` for
-       `u = U0 .. U0 + 3` (waited).
-    Step 2 is the register kernel's voted test (`_softmax_pv`): P against the present references and factors of 1
-    stored at once, each warp's vote in `ibuf[HF * BM/2 + w]` (unused until the final `1 / l` exchange), read back
-    after the warpgroup's barrier; the cross-warp maximum only where a vote is set.
-    Returns `(m_i, l_p, outs)`."""
+       `u = U0 .. U0 + 3` (waited). Returns `(m_i, l_p, outs)`."""
     BM: gl.constexpr = acc.shape[1]
     HM: gl.constexpr = BM // 2
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
@@ -186,10 +169,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     for u in gl.static_range(4):
         outs = outs + (gl.zeros([64, BM], gl.float32, acc_l),)
 
-    # ROWS (paged launches and 2-bit content): the register kernel's loads, int32 positions relative to the split's
-    # first tile and one row pointer per token; else int64 positions and masked loads (faster for contiguous C4R4,
-    # docs/KERNELS.md). Positions `[lo, hi)` are valid; the word loads end at `last` (the last position read with
-    # ROWS, `hi` for the masked loads).
+    # ROWS (paged launches and 2-bit content): the register kernel's loads (int32 positions relative to the split,
+    # row pointers); else int64 positions and masked loads. Positions `[lo, hi)` are valid; word loads end at `last`.
     ROWS: gl.constexpr = PAGED or C_BITS == 2
     if ROWS:
         lo = (lo_valid - base).to(gl.int32)
@@ -274,12 +255,9 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
 
 # --------------------------------------------------------------------------------------------- host side
 def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
-    """Shared memory of one program: content tiles `[GC, 64, 64]` fp16, queries `[GC + 1, BM, 64]` fp16 (twice for
-    fp32 queries), P `[64, BM]` fp16, the worker's partial scores `[64, BM]` fp32, the rescale factors and `1 / l`
-    (`[BM]` fp32 each), two mbarriers and 1 KB of compiler scratch."""
-    gc = fmt.content.n_groups
-    return (gc * BLOCK_T * 64 * 2 + (gc + 1) * BLOCK_M * 64 * 2 * (2 if q_split else 1) + BLOCK_T * BLOCK_M * 2
-            + BLOCK_T * BLOCK_M * 4 + 2 * BLOCK_M * 4 + 16 + 1024)
+    """Shared memory of one program: `tile_smem`, the partial scores `[64, BM]` fp32, the rescale factors and `1 / l`
+    (`[BM]` fp32 each) and two mbarriers."""
+    return tile_smem(fmt, q_split, BLOCK_M) + BLOCK_T * BLOCK_M * 4 + 2 * BLOCK_M * 4 + 16
 
 
 def wide_handles(fmt: CacheFormat) -> bool:

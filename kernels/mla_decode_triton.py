@@ -1,8 +1,6 @@
-"""The portable Triton decode kernel: split-K absorbed MLA attention on the packed QuantMLA cache.
-
-Runs on any CUDA GPU of compute capability >= 8 and, for the tests, in the Triton interpreter on CPU. The plain
-PyTorch version is `mla_decode_ref.py`; the operation that launches it (splits, grid, combine) is
-`quantmla_hf/decode.py`.
+"""The portable Triton decode kernel: split-K absorbed MLA attention on the packed QuantMLA cache, for any CUDA GPU
+of compute capability >= 8 and, in the tests, the Triton interpreter. Reference: `mla_decode_ref.py`; launched by
+`quantmla_hf/decode.py` (splits, grid, combine); design and measurements: docs/KERNELS.md.
 
     rows m = (head h, query token t) of `q_lat: [B, H, Tq, d_c]`, `q_rot: [B, H, Tq, d_R]`, flattened to `M = H * Tq`
     score[m, j] = (q_lat[m] . c[j] + q_rot[m] . k_R[j]) * scaling          for every valid cached position j
@@ -12,22 +10,10 @@ Valid positions of batch row b are `[left_padding[b], length)`; query t sees pos
 Positions `[lp, lp + S)` come from the model-dtype sink copy, the last `R` from the recent ring (slot `p % R`), the
 others from the planes (byte layout: `quantmla_hf/format.py`).
 
-Arithmetic:
-
-* Queries are loaded once per program, per group, scaled per row by a power of two that keeps them inside fp16's
-  range: bf16/fp16 queries are exact in one fp16 operand, fp32 queries take a high/low split (two dots).
-* A packed group is read as bytes and unpacked into the exact fp16 integers `code - z` (fp16 "magic number":
-  `code | 0x6400` is `1024 + code`, no int-to-float conversion); scores `s += (q_g . (code - z)_g) * scale_g`, values
-  `acc_g = acc_g * alpha + p @ fp16((code - z) * s)` (one rounding), eight `[BM, group]` accumulators.
-* The sink/recent copies of a packed format go through the same tiles with unit scales, converted to fp16 (exact
-  for bf16 magnitudes in [6e-5, 65504]).
-* `NATIVE` (both paths 16-bit, or fp32 models): every operand stays in the model dtype, no query scaling and no
-  conversion: bf16/fp16 tensor-core dots (probabilities rounded to the model dtype), fp32 IEEE dots for fp32.
-
-One program per (split, head block, batch row): splits `0 .. NS-1` take `tokens_per_split` packed positions each
-from `S`, sized in the kernel from the device-side `length` (`decode.split_plan`: the same boundaries whatever
-the capacity); split `NS` takes the sink and recent copies. Each writes a normalised partial and its lse, merged by
-`mla_decode_combine.py`.
+Queries are scaled per row by a power of two into fp16's range (fp32 queries: a high/low split); packed keys are
+the exact fp16 integers `code - z` for the scores, `s += (q_g . (code - z)_g) * scale_g`, and `fp16((code - z) * s)`
+(one rounding) for the values; the sink/recent copies go through the same tiles with unit scales. `NATIVE` keeps
+every operand in the model dtype. Each split writes a normalised partial and its lse (`mla_decode_combine.py`).
 """
 
 from __future__ import annotations
@@ -54,12 +40,9 @@ def _code_bytes(p_bytes, o_t, s_t, m_t, first_byte, GROUP: tl.constexpr, BITS: t
 @triton.jit
 def _magic_codes(b_byte, GROUP: tl.constexpr, BITS: tl.constexpr):
     """`_code_bytes`' tile -> `[BT, GROUP]` fp16 `1024 + code` in element order (exact). Element e of a group sits in
-    byte `e * BITS // 8` at bit `(e * BITS) % 8` (quantmla_hf/format.py): at 4 bits byte i holds elements 2i (bits
-    0-3) and 2i+1 (bits 4-7), at 2 bits 4i .. 4i+3.
-
-    2 and 4 bits in groups of 32 or more: the bytes split into elements by `tl.join` and `tl.reshape`. 8 bits, and
-    groups of 16: each element's own byte shifted. Triton 3.6 compiles the join wrongly for 16-element groups (wrong
-    scores on an H200), and a byte per element is several times slower for wider groups (docs/KERNELS.md)."""
+    byte `e * BITS // 8` at bit `(e * BITS) % 8` (quantmla_hf/format.py). 2 and 4 bits in groups of 32 or more: the
+    bytes split into elements by `tl.join` and `tl.reshape`; 8 bits, and groups of 16, each element's own byte
+    shifted (Triton 3.6 compiles the join wrongly for 16-element groups; a byte per element is slower for wider)."""
     BT: tl.constexpr = b_byte.shape[0]
     x = b_byte.to(tl.int16)
     if b_byte.shape[1] == GROUP:  # a byte per element (`_code_bytes` chose)
@@ -78,10 +61,8 @@ def _group_tile(p0, p1, p2, s_t, s_mt, o_t, m_t, g: tl.constexpr, GROUP: tl.cons
                 NATIVE: tl.constexpr):
     """Group `g` of tokens `o_t: [BT]` of one path (row-offset pointers): keys `[BT, GROUP]` (fp16; the model
     dtype when NATIVE, fp32 for packed codes) and scales `[BT]` fp32. Packed (`BITS` < 16): `p0, p1, p2` = codes,
-    scale, zero planes; the keys are the exact integers `code - z` (fp16 magic number: `(code | 0x6400) - (1024 +
-    z)`, no int-to-float conversion).
-    Model-dtype values (`BITS` == 16: a 16-bit path or the sink/recent copies): `p0` holds them, with unit scales.
-    Masked tokens give zero scales (and zero keys for values)."""
+    scale, zero planes, the keys the exact integers `(code | 0x6400) - (1024 + z)`. `BITS` == 16 (a 16-bit path or
+    the copies): `p0` holds the values, unit scales. Masked tokens give zero scales (and zero keys for values)."""
     if BITS == 16:
         o_k = tl.arange(0, GROUP)
         b_v = tl.load(p0 + (o_t * s_t)[:, None] + g * GROUP + o_k[None, :], mask=m_t[:, None], other=0.0)
@@ -247,11 +228,9 @@ def mla_decode_triton_kernel(
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """One program per (split, head block, sequence program `i_p`): splits `0 .. num_splits-1` take
-    `tokens_per_split` packed positions each from `S`, where `tokens_per_split = max(2 * BLOCK_T,
-    round_up(cdiv(length - S - R, split_target), BLOCK_T))` comes from the device-side length (`split_plan`: the
-    same boundaries whatever the capacity); split `num_splits` takes the sink and recent copies. Writes the
-    normalised partial `o: [P, M, num_splits + 1, D_C]` and `lse: [P, M, num_splits + 1]` (natural log, -inf when
-    empty) for the `P` sequence programs.
+    `tokens_per_split` packed positions each from `S`, sized from the device-side length (`decode.split_plan`);
+    split `num_splits` takes the sink and recent copies. Writes the normalised partial `o: [P, M, num_splits + 1,
+    D_C]` and `lse: [P, M, num_splits + 1]` (natural log, -inf when empty) for the `P` sequence programs.
 
     `PAGE = 0` (contiguous planes): `i_p` is batch row b with `M = H * Tq` query rows, the shared length
     `len_ptr[0]`, left padding `lp_ptr[b]`, planes and copies at batch strides `s_*b`.
@@ -280,7 +259,6 @@ def mla_decode_triton_kernel(
     m_m = o_m < M
     lim_m = limit0 + (o_m % Tq)  # query t of Tq sees positions < length - Tq + t + 1
 
-    # Queries, once per program: per-row powers of two, then fp16 high/low parts per group.
     fc, fr, qh, ql, qrh, qrl = _stage_queries(q_ptr + i_p * s_qb, qr_ptr + i_p * s_qrb, o_m, m_m, qk_scale, D_C, GC,
                                               GROUP_C, D_R, NATIVE)
     m_i, l_i, acc = _empty_state(BLOCK_M, GROUP_C, GC)
@@ -373,10 +351,9 @@ def native_operands(fmt: CacheFormat, q_dtype: torch.dtype, qr_dtype: torch.dtyp
 
 
 def launch_shape(fmt: CacheFormat, M: int) -> tuple[int, int, int]:
-    """`(tokens per tile, warps, pipeline stages)` of a launch over `M` rows: 16-bit content 64-token tiles, 4 warps
-    and 2 stages; packed content 32-token tiles, 4 warps, 1 stage up to 32 rows and 2 above (the fastest measured
-    on the H200: docs/KERNELS.md "The portable Triton kernel"). The tile depends on the format alone: `split_plan`
-    sizes the grid with it."""
+    """`(tokens per tile, warps, pipeline stages)` of a launch over `M` rows (the fastest measured): 16-bit content
+    64-token tiles, 4 warps and 2 stages; packed content 32-token tiles, 4 warps, 1 stage up to 32 rows and 2 above.
+    The tile depends on the format alone: `split_plan` sizes the grid with it."""
     if not fmt.content.quantized:
         return 64, 4, 2
     return 32, 4, 1 if M <= 32 else 2
@@ -384,10 +361,8 @@ def launch_shape(fmt: CacheFormat, M: int) -> tuple[int, int, int]:
 
 def programs_per_sm(rows: int) -> int:
     """Programs per multiprocessor the splits aim at, from the `rows` (batch row or query token, head block) pairs
-    of a launch: the power of two at or above `rows / 4`, between 1 and 8. Few rows take few, long splits: every
-    split adds a `[rows, d_c]` fp32 partial that the combine reads back, which at one to eight rows weighs as much
-    as the packed tokens themselves; many rows need more programs per multiprocessor to hide the loads (H200 sweep
-    of the paged kernel in docs/KERNELS.md, "The paged kernel")."""
+    of a launch: the power of two at or above `rows / 4`, between 1 and 8 (few rows: few splits, whose partials the
+    combine reads back; many rows: more programs to hide the loads)."""
     return min(8, 1 << max(0, -(-rows // 4) - 1).bit_length())
 
 

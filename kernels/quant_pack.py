@@ -29,33 +29,14 @@ def _scale_and_zero(lo, hi, QMAX: tl.constexpr, S_MIN: tl.constexpr):
 
 
 # The write position and the token count change every decode step: specialising on them (% 16, == 1) would
-# recompile the kernel in the middle of a generation (the likely cause of a slow first timed window on the H200,
-# docs/BENCHMARKS_ARCHIVE.md).
+# recompile the kernel in the middle of a generation.
 @triton.jit(do_not_specialize=["T", "start", "capacity"])
 def quant_pack_fwd_kernel(
-    x_ptr,
-    codes_ptr,
-    scale_ptr,
-    zero_ptr,
-    start_ptr,
-    T,
-    start,
-    capacity,
-    stride_xb,
-    stride_xt,
-    stride_cb,
-    stride_ct,
-    stride_sb,
-    stride_st,
-    stride_zb,
-    stride_zt,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    GROUP: tl.constexpr,
-    BITS: tl.constexpr,
-    S_MIN: tl.constexpr,
-    START_FROM_PTR: tl.constexpr,
-    SLOTS: tl.constexpr = False,
+    x_ptr, codes_ptr, scale_ptr, zero_ptr, start_ptr,
+    T, start, capacity,
+    stride_xb, stride_xt, stride_cb, stride_ct, stride_sb, stride_st, stride_zb, stride_zt,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, S_MIN: tl.constexpr,
+    START_FROM_PTR: tl.constexpr, SLOTS: tl.constexpr = False,
 ):
     # One program per (batch row, new token); int64 so that offsets past 2**31 bytes stay valid.
     pid = tl.program_id(0).to(tl.int64)
@@ -153,14 +134,11 @@ def quantize_pack(
     _check("quantize_pack", x, codes, scale, zero, fmt)
     if isinstance(start, torch.Tensor):
         if start.numel() != 1 or start.dtype != torch.int64 or start.device != codes.device:
-            raise ValueError(
-                f"start must be an int or an int64 tensor of one element on {codes.device}, got {start.dtype} "
-                f"{tuple(start.shape)} on {start.device}"
-            )
+            raise ValueError(f"start must be an int or an int64 tensor of one element on {codes.device}, got "
+                             f"{start.dtype} {tuple(start.shape)} on {start.device}")
     elif start < 0 or start + x.shape[1] > codes.shape[1]:
-        raise ValueError(
-            f"writing {x.shape[1]} tokens at position {start} overflows the cache capacity {codes.shape[1]}"
-        )
+        raise ValueError(f"writing {x.shape[1]} tokens at position {start} overflows the cache capacity "
+                         f"{codes.shape[1]}")
     quant_pack_fwd(x, codes, scale, zero, start, fmt)
 
 

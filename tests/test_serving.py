@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
