@@ -412,17 +412,25 @@ def _load_group(p_s, p_z, t0, lo, hi, G0: gl.constexpr, GC: gl.constexpr, ml: gl
 
 @_jit
 def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.constexpr, ml: gl.constexpr):
-    """The tile's steps and stored zero points `(s0, z0, s1, z1, sr, zr)` (content groups q and q + 4, RoPE) from
-    int32 positions relative to the split: `_load_group` with `ROWS` for each (group q + 4 through the planes
-    offset by 4 columns, which compiles as the offset of group q's addresses)."""
-    s0, z0 = _load_group(p_cs, p_cz, t0, lo, hi, 0, GC, ml, True, last, shift)
+    """The tile's steps and stored zero points `(s0, z0, s1, z1, sr, zr)` (content groups q and q + 4, RoPE) as
+    `_load_group` with `ROWS` reads them, the three groups' addresses computed once (as three `_load_group` calls
+    the 8-bit launches compile to other SASS)."""
+    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
+    o_a = gl.minimum(o_t, last) + shift
+    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
+    valid = ((o_t >= lo) & (o_t < hi))[:, None]
+    off = o_a[:, None] * GC + o_q[None, :]
+    s0 = gl.where(valid, gl.load(p_cs + off), 0.0)
+    z0 = gl.load(p_cz + off)
     if GC == 8:
-        s1, z1 = _load_group(p_cs + 4, p_cz + 4, t0, lo, hi, 0, GC, ml, True, last, shift)
+        s1 = gl.where(valid, gl.load(p_cs + off + 4), 0.0)
+        z1 = gl.load(p_cz + off + 4)
     else:
         s1 = s0
         z1 = z0
-    sr, zr = _load_group(p_rs, p_rz, t0, lo, hi, 0, 0, ml, True, last, shift)
-    return s0, z0, s1, z1, sr, zr
+    off_r = o_a[:, None] + 0 * o_q[None, :]
+    sr = gl.where(valid, gl.load(p_rs + off_r), 0.0)
+    return s0, z0, s1, z1, sr, gl.load(p_rz + off_r)
 
 
 @_jit
