@@ -8,8 +8,9 @@ packed loop per warpgroup (the leader's unpacks the RoPE unit too).
     python benchmarks/sass_decode.py --dump DIR
 
 `--paged`: the paged launch (`PAGED`: page pools read through a page table) of either kernel. `--dump DIR`: the
-whole SASS (addresses removed) of every launch in `DUMP_LAUNCHES`, one file each, so that two trees' kernels can be
-compared with `diff -r` (a change whose SASS is identical needs no timing).
+whole SASS (addresses removed) of every Gluon launch in `DUMP_LAUNCHES` and every portable Triton launch in
+`PORTABLE_LAUNCHES`, one file each, so that two trees' kernels can be compared with `diff -r` (a change whose SASS is
+identical needs no timing).
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -24,13 +25,20 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 from triton.experimental import gluon
 
+from quantmla_hf.format import CacheFormat, PathFormat
+from quantmla_hf.kernels import mla_decode_combine as combine
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
+from quantmla_hf.kernels import mla_decode_triton as portable
+from quantmla_hf.kernels import quant_pack
+from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN
 
 FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
@@ -42,6 +50,63 @@ DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (8, 8)) for w 
                   for q, p in ((False, False), (False, True), (True, False))]
                  + [(c, r, 4, False, p, False) for c, r in ((4, 4), (8, 8)) for p in (False, True)]
                  + [(2, 2, 8, False, False, False)])
+
+
+# (content bits, RoPE bits, RoPE width, query rows, fp32 model, page size): the portable kernel's launches, every
+# dtype path (bf16 packed, bf16 `NATIVE` C16R16, fp32 `NATIVE`), contiguous and paged, and a tiny model's 16-dim RoPE
+PORTABLE_LAUNCHES = ([(c, r, 64, m, f32, page) for c, r in ((4, 4), (2, 4), (8, 8), (16, 16)) for m in (16, 128)
+                      for f32 in (False, True) for page in (0, 64)]
+                     + [(c, r, 16, 16, False, page) for c, r in ((4, 4), (16, 16)) for page in (0, 64)])
+
+
+def compile_portable(content_bits: int, rope_bits: int, rope_dim: int, rows: int, fp32: bool, page: int):
+    """The portable Triton kernel compiled for sm_90 as `launch_triton` launches it (d_c 512, 4 sink + 128 recent
+    tokens): its tiling, warps and stages for `rows` query rows, bf16 or fp32 operands, page pools of `page` tokens
+    (0: contiguous planes)."""
+    fmt = CacheFormat(PathFormat(512, content_bits, 64), PathFormat(rope_dim, rope_bits, 64), 4, 128)
+    dt = torch.float32 if fp32 else torch.bfloat16
+    groups, group = portable.path_tiling(fmt.content, 8)
+    tile, warps, stages = portable.launch_shape(fmt, rows)
+    const = dict(D_C=512, GC=groups, GROUP_C=group, C_BITS=content_bits, D_R=rope_dim, R_BITS=rope_bits, S=4, R=128,
+                 PAGE=page, BLOCK_M=portable.block_rows(rows), BLOCK_T=tile, Q_SPLIT=fp32,
+                 NATIVE=portable.native_operands(fmt, dt, dt, dt))
+    copy = "*fp32" if fp32 else "*bf16"
+    plane, scale, zero = (copy, copy, copy) if content_bits == 16 else ("*u8", "*fp16", "*i8")
+    index = "*i32" if page else "*i64"
+    ptr = dict(q_ptr=copy, qr_ptr=copy, cc_ptr=plane, cs_ptr=scale, cz_ptr=zero, rc_ptr=plane, rs_ptr=scale,
+               rz_ptr=zero, snc_ptr=copy, snr_ptr=copy, rcc_ptr=copy, rcr_ptr=copy, len_ptr=index, lp_ptr="*i64",
+               pt_ptr=index, rows_ptr=index, cu_q_ptr=index, tok_req_ptr=index, o_ptr="*fp32", lse_ptr="*fp32")
+    ptr["qk_scale"] = "fp32"
+    return _compile_triton(portable.mla_decode_triton_kernel, const, ptr, "i32",
+                           dict(num_warps=warps, num_stages=stages))
+
+
+# the other kernels of a decode step: quantize-and-pack (bits, width, page slots) and the combine (columns, copy slots)
+QUANT_PACK_LAUNCHES = [(4, 512, False), (2, 512, True), (4, 64, True)]
+COMBINE_LAUNCHES = [(512, 1), (64, 3)]
+
+
+def compile_quant_pack(bits: int, width: int, slots: bool):
+    """`quant_pack_fwd_kernel` compiled for sm_90: one `width`-wide path of bf16 rows in groups of 64, written at
+    consecutive positions from a device-side start or (`slots`) at page slots."""
+    fn = quant_pack.quant_pack_fwd_kernel
+    const = dict(G=width // 64, BLOCK_G=triton.next_power_of_2(width // 64), GROUP=64, BITS=bits, S_MIN=SCALE_MIN,
+                 START_FROM_PTR=True, SLOTS=slots)
+    ptr = dict(x_ptr="*bf16", codes_ptr="*u8", scale_ptr="*fp16", zero_ptr="*i8", start_ptr="*i64")
+    return _compile_triton(fn, const, ptr, "i64", dict(num_warps=4))
+
+
+def compile_combine(block_d: int, n_tail: int):
+    """`combine_kernel` compiled for sm_90 over d_c 512 in `block_d`-column programs with `n_tail` copy slots."""
+    const = dict(D_C=512, BLOCK_S=combine.CHUNK, BLOCK_D=block_d, N_TAIL=n_tail)
+    ptr = dict(o_part_ptr="*fp32", lse_part_ptr="*fp32", o_ptr="*fp32", lse_ptr="*fp32")
+    return _compile_triton(combine.combine_kernel, const, ptr, "i32", dict(num_warps=4))
+
+
+def _compile_triton(fn, const: dict, ptr: dict, default: str, options: dict):
+    sig = {n: "constexpr" if n in const else ptr.get(n, default) for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, paged: bool = False,
@@ -142,8 +207,10 @@ def opcode_counts(instructions: list[str]) -> collections.Counter:
     return collections.Counter(".".join(op.split(".")[:2]) for op in ops)
 
 
-def dump(out_dir: str, launches=DUMP_LAUNCHES) -> None:
-    """Write the SASS of every launch in `launches` to `out_dir` (instruction addresses removed)."""
+def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCHES, quant_pack_launches=
+         QUANT_PACK_LAUNCHES, combine_launches=COMBINE_LAUNCHES) -> None:
+    """Write the SASS of every Gluon launch in `launches`, every portable launch in `portable_launches` and the
+    quantize-and-pack and combine launches to `out_dir` (instruction addresses removed)."""
     os.makedirs(out_dir, exist_ok=True)
     for cb, rb, groups, q_split, paged, wide in launches:
         if wide:
@@ -156,6 +223,16 @@ def dump(out_dir: str, launches=DUMP_LAUNCHES) -> None:
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(re.sub(r"/\*[0-9a-f]{4,}\*/", "", sass))
         print(f"{name}: {len(_instructions_and_loops(sass)[0])} instructions", flush=True)
+    others = ([(compile_portable(*a), "portable_C{}R{}_rope{}_{}rows_{}_page{}.sass".format(
+        *a[:4], "fp32" if a[4] else "bf16", a[5])) for a in portable_launches]
+        + [(compile_quant_pack(*a), "quant_pack_{}bit_{}wide_{}.sass".format(*a[:2], "slots" if a[2] else "start"))
+           for a in quant_pack_launches]
+        + [(compile_combine(*a), "combine_{}cols_{}tail.sass".format(*a)) for a in combine_launches])
+    for kernel, name in others:
+        sass = disassemble(kernel.asm["cubin"], "-sass")
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(re.sub(r"/\*[0-9a-f]{4,}\*/", "", sass))
+        print(f"{name}: {sass.count(chr(10))} lines", flush=True)
 
 
 def main():

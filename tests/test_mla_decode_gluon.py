@@ -319,12 +319,18 @@ def test_sass_dump_writes_comparable_sass(tmp_path):
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("this Triton has no bundled cuobjdump")
     launch = [(4, 4, 8, False, False, False)]  # the C4R4 register program (compiled by the test above too)
+    portable = [(4, 4, 64, 16, False, 0)]  # and the portable kernel's C4R4 launch at 16 rows
     for d in ("a", "b"):
-        _compile(COMPILE_PREFIX + f"sd.dump({str(tmp_path / d)!r}, {launch!r})\nprint('compiled')\n")
+        _compile(COMPILE_PREFIX + f"sd.dump({str(tmp_path / d)!r}, {launch!r}, {portable!r})\nprint('compiled')\n")
     files = sorted(os.listdir(tmp_path / "a"))
-    assert files == ["C4R4_8groups_bf16_contiguous_regs.sass"]
-    a, b = ((tmp_path / d / files[0]).read_text() for d in ("a", "b"))
-    assert a == b and "HGMMA" in a and not re.search(r"/\*[0-9a-f]{4,}\*/", a)
+    assert files == ["C4R4_8groups_bf16_contiguous_regs.sass", "combine_512cols_1tail.sass", "combine_64cols_3tail.sass",
+                     "portable_C4R4_rope64_16rows_bf16_page0.sass", "quant_pack_2bit_512wide_slots.sass",
+                     "quant_pack_4bit_512wide_start.sass", "quant_pack_4bit_64wide_slots.sass"]
+    for name in files:
+        a, b = ((tmp_path / d / name).read_text() for d in ("a", "b"))
+        assert a == b and "EXIT" in a and not re.search(r"/\*[0-9a-f]{4,}\*/", a)
+    assert "HGMMA" in (tmp_path / "a" / files[0]).read_text()
+    assert "HMMA" in (tmp_path / "a" / files[3]).read_text()
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
