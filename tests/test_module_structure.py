@@ -16,6 +16,7 @@ OPTIONAL_IMPORTS = {
     ".cli": "optimum-cli imports every registered module to list its commands: torch loads only when one runs",
     "transformers.cli.serving": "the serve extra (fastapi, uvicorn, openai)", "uvicorn": "the serve extra",
     ".paged.serving": "the serve extra",
+    ".serving_loader": "transformers' server from 5.25 (its ModelLoader), with the serve extra",
 }
 
 

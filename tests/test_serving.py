@@ -21,6 +21,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla  # noqa: E402
 from quantmla_hf.paged.serving import CacheOptions, build_app, quantmla_config_of  # noqa: E402
+from quantmla_hf.paged.serving_manager import PagedBatchingManager  # noqa: E402
 from quantmla_hf.tiny_models import tiny_mla_model  # noqa: E402
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "quantmla_hf" / "assets" / "reference_model"
@@ -95,9 +96,50 @@ def test_chat_completion_and_streaming_use_the_packed_cache(server, checkpoint):
     assert want.strip()
     assert chat(url, model, "Hello there") == want
     assert chat(url, model, "Hello there", stream=True) == want
-    manager = next(iter(state.managers.values()))
-    assert manager.cache.format.name == "C4R4"  # the paged packed cache served it, not an ordinary one
-    assert manager.thread.batcher.stats.generated_tokens >= 2 * MAX_TOKENS
+    if hasattr(state, "managers"):  # transformers <= 5.24: the batcher runs in this process
+        manager = next(iter(state.managers.values()))
+        assert manager.cache.format.name == "C4R4"  # the paged packed cache served it, not an ordinary one
+        assert manager.thread.batcher.stats.generated_tokens >= 2 * MAX_TOKENS
+    else:  # from 5.25 in the model's process, whose loader gives the model the paged batching manager
+        from quantmla_hf.paged.serving_loader import PagedModelLoader
+
+        assert isinstance(state.loader, PagedModelLoader)
+        assert [e.process_running and not e.is_dead for e in state.engines.values()] == [True]
+
+
+def test_the_batching_manager_streams_each_request_on_the_packed_cache(checkpoint):
+    """The manager transformers' runner drives from 5.25 (`add_request`, `get_result`, `cancel_request`), in this
+    process: each output carries the request's tokens so far, the last one all of them, greedy as `generate` on the
+    contiguous packed cache; a cancelled request ends without output; the batcher ran on the paged C4R4 cache."""
+    _, model, tok = checkpoint
+    prompts = {rid: tok(text, return_tensors="pt")["input_ids"]
+               for rid, text in (("a", "Hello there"), ("b", "a somewhat longer message to the model"))}
+    want = {rid: model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)[
+        0, ids.shape[1]:].tolist() for rid, ids in prompts.items()}  # before the batcher takes the model
+    manager = PagedBatchingManager(model, CacheOptions(num_pages=32, page_size=8, max_requests=2, max_batch_tokens=64))
+    manager.warmup()
+    manager.start()
+    try:
+        for rid, ids in prompts.items():
+            manager.add_request(ids, request_id=rid, streaming=True, max_new_tokens=MAX_TOKENS, top_k=1)
+        manager.add_request([5, 6, 7], request_id="gone", max_new_tokens=1000, top_k=1)
+        manager.cancel_request("gone")
+        seen, final = {rid: [] for rid in prompts}, {}
+        deadline = time.time() + 120
+        while len(final) < len(prompts):
+            assert time.time() < deadline, "the batcher did not finish within 120 s"
+            out = manager.get_result(timeout=1)
+            if out is None or out.request_id == "gone":
+                continue
+            assert out.error is None and out.generated_tokens[:len(seen[out.request_id])] == seen[out.request_id]
+            seen[out.request_id] = out.generated_tokens
+            if out.is_finished():
+                final[out.request_id] = out.generated_tokens
+        assert final == want
+        assert manager.cache.format.name == "C4R4" and manager.background_thread_status.fatal_error is None
+        assert manager.batcher.stats.generated_tokens >= 2 * MAX_TOKENS
+    finally:
+        manager.stop()
 
 
 def test_concurrent_requests_are_batched(server, checkpoint):

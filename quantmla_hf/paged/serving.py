@@ -1,13 +1,19 @@
 """`quantmla serve`: transformers' OpenAI-compatible server, generating through continuous batching on the paged
 QuantMLA cache.
 
-transformers' server (`transformers serve`, `transformers.cli.serving`, the same in 5.17 and 5.24) builds its FastAPI app
-from a model manager, request handlers and a `GenerationState` that hands each request to a generation manager.
-It offers no hook for an out-of-tree quantization method's cache: it never imports this package, and its continuous
-batching allows only "paged|eager", "sdpa" and flash attention on a K/V page layout MLA does not have. So this
-module keeps every piece of that server (app, routes, handlers, chat templates, SSE streaming, model loading) and
-replaces one: the `GenerationState` returns `PagedGenerateManager`, which runs `ContinuousBatcher` on a background
-thread. A model that is not a QuantMLA MLA checkpoint is refused, never served with an ordinary cache.
+transformers' server (`transformers serve`, `transformers.cli.serving`) offers no hook for an out-of-tree
+quantization method's cache: it never imports this package, and its continuous batching allows only "paged|eager",
+"sdpa" and flash attention on a K/V page layout MLA does not have. So `build_app` keeps every piece of that server
+(app, routes, handlers, chat templates, SSE streaming, model loading) and replaces one, `ContinuousBatcher` stepping
+on a background thread (`BatcherThread`) in its place:
+
+- up to 5.24 the server hands each request to the generation manager its `GenerationState` returns: here
+  `PagedGenerateManager` (`make_generation_state`);
+- from 5.25 it runs each model in a process of its own that drives `model.init_continuous_batching()`'s manager:
+  there the model is loaded by `serving_loader.PagedModelLoader`, whose models return
+  `serving_manager.PagedBatchingManager`.
+
+A model that is not a QuantMLA MLA checkpoint is refused, never served with an ordinary cache.
 """
 
 from __future__ import annotations
@@ -62,6 +68,21 @@ def quantmla_config_of(model) -> QuantMLAConfig:
             "quantmla serve does not fall back to an ordinary cache"
         )
     return qc
+
+
+def paged_cache_for(model, options: CacheOptions) -> PagedQuantMLACache:
+    """The paged QuantMLA cache `options` size for `model` (a `ValueError` for a model that is not a QuantMLA
+    checkpoint), its size logged by the server's logger."""
+    qc = quantmla_config_of(model)
+    sizing = ({"num_pages": options.num_pages} if options.num_pages is not None else
+              {"budget_bytes": int((options.budget_gib or 1.0) * 2**30)})
+    cache = PagedQuantMLACache(model.config, qc, page_size=options.page_size, max_requests=options.max_requests,
+                               dtype=model.dtype, device=model.device, **sizing)
+    _serving().logger.warning(
+        f"QuantMLA paged cache: {cache.format.name}, {cache.num_pages} pages x {cache.page_size} tokens "
+        f"({cache.capacity_tokens()} tokens, {cache.nbytes() / 2**20:.1f} MiB)"
+    )
+    return cache
 
 
 class BatcherThread:
@@ -142,7 +163,7 @@ class BatcherThread:
                 self._callbacks.pop(rid)[1](req.generated, None)
 
 
-def _prompt_ids(inputs) -> list[int]:
+def prompt_ids(inputs) -> list[int]:
     """The one prompt's token ids from the server's `inputs["input_ids"]`: a `[1, T]` tensor, `[[...]]` or `[...]`."""
     ids = inputs["input_ids"]
     if isinstance(ids, torch.Tensor):
@@ -164,20 +185,11 @@ def make_generation_state(options: CacheOptions):
         def init_cb(self, model, gen_config) -> None:
             if self.thread is not None:
                 return
-            qc = quantmla_config_of(model)
-            sizing = ({"num_pages": options.num_pages} if options.num_pages is not None else
-                      {"budget_bytes": int((options.budget_gib or 1.0) * 2**30)})
-            self.cache = PagedQuantMLACache(model.config, qc, page_size=options.page_size,
-                                            max_requests=options.max_requests, dtype=model.dtype,
-                                            device=model.device, **sizing)
-            utils.logger.warning(
-                f"QuantMLA paged cache: {self.cache.format.name}, {self.cache.num_pages} pages x "
-                f"{self.cache.page_size} tokens ({self.cache.capacity_tokens()} tokens, {self.cache.nbytes() / 2**20:.1f} MiB)"
-            )
+            self.cache = paged_cache_for(model, options)
             self.thread = BatcherThread(ContinuousBatcher(model, self.cache, options.max_batch_tokens))
 
         def _submit(self, inputs, gen_config, request_id, on_token, on_done) -> None:
-            ids = _prompt_ids(inputs)
+            ids = prompt_ids(inputs)
             self.thread.submit(request_id, ids, gen_config.max_new_tokens or 256, gen_config.eos_token_id,
                                Sampling.from_generation_config(gen_config), on_token, on_done)
 
@@ -217,7 +229,7 @@ def make_generation_state(options: CacheOptions):
 
             self._submit(inputs, gen_config, request_id, lambda token: None, on_done)
             tokens = await future
-            return processor.decode(tokens, skip_special_tokens=True), len(_prompt_ids(inputs)), tokens
+            return processor.decode(tokens, skip_special_tokens=True), len(prompt_ids(inputs)), tokens
 
         def stop(self) -> None:
             if self.thread is not None:
@@ -252,8 +264,11 @@ def make_generation_state(options: CacheOptions):
 
 def build_app(model: str, options: CacheOptions | None = None, device: str = "auto", dtype: str = "auto"):
     """transformers' FastAPI app serving `model` (a QuantMLA checkpoint: a hub id or a local folder) with the
-    packed paged cache; returns `(app, generation_state)`."""
-    _serving()
+    packed paged cache; returns `(app, state)`, `state.shutdown()` stopping the batcher (up to transformers 5.24 the
+    `GenerationState`, whose `managers` hold each model's `PagedGenerateManager`; from 5.25 the `ModelManager`,
+    which has started the model's process and loaded the model)."""
+    if not hasattr(_serving(), "BaseGenerateManager"):  # transformers >= 5.25: a process per model
+        return _build_engine_app(model, options or CacheOptions(), device, dtype)
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.model_manager import ModelManager
@@ -278,6 +293,33 @@ def build_app(model: str, options: CacheOptions | None = None, device: str = "au
         **handlers,
     )
     return app, state
+
+
+def _build_engine_app(model: str, options: CacheOptions, device: str, dtype: str):
+    """`build_app` on transformers >= 5.25: the model's process loads it with `PagedModelLoader` (started here,
+    never stopped for being idle); returns `(app, model_manager)`."""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.response import ResponseHandler
+    from transformers.cli.serving.server import build_server
+    from transformers.cli.serving.systemone import SystemOneHandler
+    from transformers.cli.serving.transcription import TranscriptionHandler
+
+    from .serving_loader import PagedModelLoader
+
+    state = _serving().GenerationState(continuous_batching=True)
+    manager = ModelManager(PagedModelLoader(options, device=device, dtype=dtype), state, model_timeout=-1,
+                           force_model=model)
+    app = build_server(
+        manager,
+        ChatCompletionHandler(model_manager=manager, generation_state=state),
+        completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
+        response_handler=ResponseHandler(model_manager=manager, generation_state=state),
+        transcription_handler=TranscriptionHandler(manager),
+        systemone_handler=SystemOneHandler(model_manager=manager, generation_state=state),
+    )
+    return app, manager
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, options: CacheOptions | None = None,
