@@ -75,8 +75,8 @@ def compile_portable(content_bits: int, rope_bits: int, rope_dim: int, rows: int
     index = "*i32" if page else "*i64"
     ptr = dict(q_ptr=copy, qr_ptr=copy, cc_ptr=plane, cs_ptr=scale, cz_ptr=zero, rc_ptr=plane, rs_ptr=scale,
                rz_ptr=zero, snc_ptr=copy, snr_ptr=copy, rcc_ptr=copy, rcr_ptr=copy, len_ptr=index, lp_ptr="*i64",
-               pt_ptr=index, rows_ptr=index, cu_q_ptr=index, tok_req_ptr=index, o_ptr="*fp32", lse_ptr="*fp32")
-    ptr["qk_scale"] = "fp32"
+               pt_ptr=index, rows_ptr=index, cu_q_ptr=index, tok_req_ptr=index, o_ptr="*fp32", lse_ptr="*fp32",
+               qk_scale="fp32")
     return _compile_triton(portable.mla_decode_triton_kernel, const, ptr, "i32",
                            dict(num_warps=warps, num_stages=stages))
 

@@ -266,9 +266,7 @@ def build_app(model: str, options: CacheOptions | None = None, device: str = "au
     """transformers' FastAPI app serving `model` (a QuantMLA checkpoint: a hub id or a local folder) with the
     packed paged cache; returns `(app, state)`, `state.shutdown()` stopping the batcher (up to transformers 5.24 the
     `GenerationState`, whose `managers` hold each model's `PagedGenerateManager`; from 5.25 the `ModelManager`,
-    which has started the model's process and loaded the model)."""
-    if not hasattr(_serving(), "BaseGenerateManager"):  # transformers >= 5.25: a process per model
-        return _build_engine_app(model, options or CacheOptions(), device, dtype)
+    which has started the model's process, loaded by `PagedModelLoader` and never stopped for being idle)."""
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.model_manager import ModelManager
@@ -276,50 +274,34 @@ def build_app(model: str, options: CacheOptions | None = None, device: str = "au
     from transformers.cli.serving.server import build_server
     from transformers.cli.serving.transcription import TranscriptionHandler
 
-    state = make_generation_state(options or CacheOptions())
-    manager = ModelManager(device=device, dtype=dtype, force_model=model)
-    handlers = {}
-    if "systemone_handler" in inspect.signature(build_server).parameters:  # transformers >= 5.24
+    options = options or CacheOptions()
+    server_args = inspect.signature(build_server).parameters
+    if hasattr(_serving(), "BaseGenerateManager"):  # up to 5.24: the model in this process
+        state = make_generation_state(options)
+        manager = ModelManager(device=device, dtype=dtype, force_model=model)
+        transcription = TranscriptionHandler(manager, state)
+        extra = {"generation_state": state}
+    else:  # from 5.25: a process per model
+        from .serving_loader import PagedModelLoader
+
+        state = _serving().GenerationState(continuous_batching=True)
+        manager = ModelManager(PagedModelLoader(options, device=device, dtype=dtype), state, model_timeout=-1,
+                               force_model=model)
+        transcription = TranscriptionHandler(manager)
+        extra = {}
+    if "systemone_handler" in server_args:  # transformers >= 5.24
         from transformers.cli.serving.systemone import SystemOneHandler
 
-        handlers["systemone_handler"] = SystemOneHandler(model_manager=manager, generation_state=state)
+        extra["systemone_handler"] = SystemOneHandler(model_manager=manager, generation_state=state)
     app = build_server(
         manager,
         ChatCompletionHandler(model_manager=manager, generation_state=state),
         completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
         response_handler=ResponseHandler(model_manager=manager, generation_state=state),
-        transcription_handler=TranscriptionHandler(manager, state),
-        generation_state=state,
-        **handlers,
+        transcription_handler=transcription,
+        **extra,
     )
-    return app, state
-
-
-def _build_engine_app(model: str, options: CacheOptions, device: str, dtype: str):
-    """`build_app` on transformers >= 5.25: the model's process loads it with `PagedModelLoader` (started here,
-    never stopped for being idle); returns `(app, model_manager)`."""
-    from transformers.cli.serving.chat_completion import ChatCompletionHandler
-    from transformers.cli.serving.completion import CompletionHandler
-    from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.response import ResponseHandler
-    from transformers.cli.serving.server import build_server
-    from transformers.cli.serving.systemone import SystemOneHandler
-    from transformers.cli.serving.transcription import TranscriptionHandler
-
-    from .serving_loader import PagedModelLoader
-
-    state = _serving().GenerationState(continuous_batching=True)
-    manager = ModelManager(PagedModelLoader(options, device=device, dtype=dtype), state, model_timeout=-1,
-                           force_model=model)
-    app = build_server(
-        manager,
-        ChatCompletionHandler(model_manager=manager, generation_state=state),
-        completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
-        response_handler=ResponseHandler(model_manager=manager, generation_state=state),
-        transcription_handler=TranscriptionHandler(manager),
-        systemone_handler=SystemOneHandler(model_manager=manager, generation_state=state),
-    )
-    return app, manager
+    return app, state if "generation_state" in extra else manager
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, options: CacheOptions | None = None,

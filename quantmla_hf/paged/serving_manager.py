@@ -18,13 +18,36 @@ from .serving import BatcherThread, CacheOptions, paged_cache_for, prompt_ids
 SUPPORTED_SAMPLING = {"temperature": float, "top_k": int, "top_p": float}
 
 
+class TokenPrefix:
+    """The first `count` tokens of a request's growing token list, without copying them: the runner reads each
+    streamed output's new tail (`[sent:]`) and length, so a copy per token would cost quadratic time in the answer's
+    length. Tokens are only ever appended, so the prefix never changes."""
+
+    def __init__(self, tokens: list[int], count: int):
+        self._tokens, self._count = tokens, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._tokens[slice(*index.indices(self._count))]
+        return self._tokens[range(self._count)[index]]
+
+    def __iter__(self):
+        return iter(self._tokens[: self._count])
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, TokenPrefix)) else NotImplemented
+
+
 @dataclass
 class PagedOutput:
-    """One request's state as the runner reads it: `generated_tokens` so far (all of them once finished), the
-    error that failed it, and whether it ended."""
+    """One request's state as the runner reads it: `generated_tokens` so far (a `TokenPrefix` while it streams,
+    the list of all of them once finished), the error that failed it, and whether it ended."""
 
     request_id: str
-    generated_tokens: list[int] = field(default_factory=list)
+    generated_tokens: "list[int] | TokenPrefix" = field(default_factory=list)
     error: str | None = None
     finished: bool = False
 
@@ -79,7 +102,8 @@ class PagedBatchingManager:
 
         def on_token(token: int) -> None:
             tokens.append(token)
-            self._results.put(PagedOutput(request_id, list(tokens)))
+            if streaming:  # a request that does not stream is read once, at its end
+                self._results.put(PagedOutput(request_id, TokenPrefix(tokens, len(tokens))))
 
         def on_done(generated, error) -> None:
             self._results.put(PagedOutput(request_id, list(generated) or list(tokens),
