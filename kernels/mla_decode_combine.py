@@ -76,9 +76,8 @@ def column_block(rows: int, d_c: int, sms: int) -> int:
 
 def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
             out: tuple[torch.Tensor, torch.Tensor] | None = None, sms: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`o_part: [B, M, NSP, d_c]`, `lse_part: [B, M, NSP]` -> `(o [B, M, d_c], lse [B, M])` fp32, written into
-    `out` (contiguous tensors of `B * M * d_c` and `B * M` elements, any shape) when given. `sms`: the device's
-    multiprocessors, for `column_block` (0: whole rows)."""
+    """The merge above (`o [B, M, d_c]`, `lse [B, M]`), written into `out` (contiguous tensors of `B * M * d_c` and
+    `B * M` elements, any shape) when given. `sms`: the device's multiprocessors, for `column_block` (0: whole rows)."""
     B, M, NSP, D_C = o_part.shape
     if out is None:
         o = torch.empty((B, M, D_C), dtype=torch.float32, device=o_part.device)

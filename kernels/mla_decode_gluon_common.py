@@ -476,24 +476,25 @@ def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC
 def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
                    Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr):
     """Rows `row0 + [0, BM)` of `p_q: [M, D_C]` and `p_qr: [M, 64]`, divided by one per-row power of two `f` (so
-    `|q| / f < 2**14`), as fp16 (high, and low for fp32 queries) in `qbuf[u]: [BM, 64]` in `score_channel` order
+    `|q| / f < 2**14`), as fp16 (high, and low for fp32 queries) in `qbuf[u]: [1, BM, 64]` in `score_channel` order
     (units 0..GC-1 content, GC RoPE). Returns `f: [BM]` (q_l rows)."""
     o_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
     m_m = (o_m < M)[:, None]
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
     amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, q_l))
+    xs = ()
     for u in gl.static_range(GC + 1):
         x = _query_unit(p_q, p_qr, o_m, m_m, o_c, u, D_C, GC, C_BITS, R_BITS)
         amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
+        xs = xs + (x,)
     e = gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0)
     inv_f = gl.exp2(-e)
     for u in gl.static_range(GC + 1):
-        x = _query_unit(p_q, p_qr, o_m, m_m, o_c, u, D_C, GC, C_BITS, R_BITS)
-        x = x * inv_f[:, None]
+        x = xs[u] * inv_f[:, None]
         hi = x.to(gl.float16)
-        qbuf.index(u).store(hi)
+        qbuf[u].index(0).store(hi)
         if Q_SPLIT:
-            qlo.index(u).store((x - hi.to(gl.float32)).to(gl.float16))
+            qlo[u].index(0).store((x - hi.to(gl.float32)).to(gl.float16))
     return gl.exp2(e)
 
 
@@ -531,14 +532,14 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
     a = _a_view(x5, dot_a)
     if LO:
         alo = _a_view(x5lo, dot_a)
-        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=(u % 3) > 0, is_async=True)
-        acc = warpgroup_mma(alo, qbuf.index(u + kz).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a, qbuf[u].index(kz).permute((1, 0)), acc, use_acc=(u % 3) > 0, is_async=True)
+        acc = warpgroup_mma(alo, qbuf[u].index(kz).permute((1, 0)), acc, is_async=True)
         if Q_SPLIT:
-            acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a, qlo[u].index(kz).permute((1, 0)), acc, is_async=True)
     else:
-        acc = warpgroup_mma(a, qbuf.index(u + kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
+        acc = warpgroup_mma(a, qbuf[u].index(kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
         if Q_SPLIT:
-            acc = warpgroup_mma(a, qlo.index(u + kz).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a, qlo[u].index(kz).permute((1, 0)), acc, is_async=True)
     PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
     if u < GC:
         if u == FIRST:
@@ -629,18 +630,24 @@ def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0: gl
                   R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, xl: gl.constexpr, acc_l: gl.constexpr,
                   dot_a: gl.constexpr):
     """Scores `[64, BM]` (waited) of content units `U0 .. U0 + NU - 1` (and with `ROPE` the RoPE unit) of 64
-    model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys stored to `kbuf`."""
+    model-dtype copied tokens (rows `o_slot`, valid `m_t`), their content keys stored to `kbuf`; each unit's copies
+    loaded while the unit before is scored."""
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     x5 = _load_dense(p_c, o_slot, m_t, s_ct, U0, GC, C_BITS, xl)
+    nx = _load_dense(p_c, o_slot, m_t, s_ct, U0 + 1, GC, C_BITS, xl)
     acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, False, INFLIGHT,
                                     dot_a, U0)
-    for u in gl.static_range(U0 + 1, U0 + NU):
-        x5 = _load_dense(p_c, o_slot, m_t, s_ct, u, GC, C_BITS, xl)
+    for u in gl.static_range(U0 + 1, U0 + NU - 1):
+        x5 = nx
+        nx = _load_dense(p_c, o_slot, m_t, s_ct, u + 1, GC, C_BITS, xl)
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False,
                                         INFLIGHT, dot_a, U0)
     if ROPE:
-        x5 = _load_dense(p_r, o_slot, m_t, s_rt, GC, GC, R_BITS, xl)
-        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
+        xr = _load_dense(p_r, o_slot, m_t, s_rt, GC, GC, R_BITS, xl)
+    acc, pend, p1, p2 = _score_unit(nx, nx, acc, pend, p1, p2, qbuf, qlo, kbuf, U0 + NU - 1, kz, GC, Q_SPLIT, False,
+                                    INFLIGHT, dot_a, U0)
+    if ROPE:
+        acc, pend, p1, p2 = _score_unit(xr, xr, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
                                         INFLIGHT, dot_a, U0)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc
@@ -761,20 +768,24 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
 @_jit
 def _alloc_tiles(GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr):
     """The shared buffers of a program: `(kbuf, qbuf, qlo, pbuf)`. `kbuf`, the content keys of a tile for the value
-    `wgmma`s, is a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit (separate allocations: the barrier analysis
-    sees the units' stores as disjoint); `qbuf`, `qlo: [GC + 1, BM, 64]` fp16 the staged queries (`qlo`, their low
-    parts, only for `Q_SPLIT`; else `qbuf` again); `pbuf: [1, BT, BM]` fp16 the probabilities."""
+    `wgmma`s, is a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit; `qbuf`, `qlo`, the staged queries, tuples
+    of `GC + 1` buffers `[1, BM, 64]` fp16 (`qlo`, their low parts, only for `Q_SPLIT`; else `qbuf` again): separate
+    allocations, so the barrier analysis sees the units' stores as disjoint; `pbuf: [1, BT, BM]` fp16 the
+    probabilities."""
     k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
                                               rank=2)
     kbuf = ()
     for u in gl.static_range(GC):
         kbuf = kbuf + (gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl),)
-    qbuf = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
+    qbuf = ()
+    for u in gl.static_range(GC + 1):
+        qbuf = qbuf + (gl.allocate_shared_memory(gl.float16, [1, BM, 64], k_sl),)
+    qlo = qbuf
     if Q_SPLIT:
-        qlo = gl.allocate_shared_memory(gl.float16, [GC + 1, BM, 64], k_sl)
-    else:
-        qlo = qbuf
+        qlo = ()
+        for u in gl.static_range(GC + 1):
+            qlo = qlo + (gl.allocate_shared_memory(gl.float16, [1, BM, 64], k_sl),)
     return kbuf, qbuf, qlo, gl.allocate_shared_memory(gl.float16, [1, BT, BM], p_sl)
 
 

@@ -169,9 +169,9 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     for u in gl.static_range(4):
         outs = outs + (gl.zeros([64, BM], gl.float32, acc_l),)
 
-    # ROWS (paged launches and 2-bit content): the register kernel's loads (int32 positions relative to the split,
+    # ROWS (all but the contiguous 8-bit launch): the register kernel's loads (int32 positions relative to the split,
     # row pointers); else int64 positions and masked loads. Positions `[lo, hi)` are valid; word loads end at `last`.
-    ROWS: gl.constexpr = PAGED or C_BITS == 2
+    ROWS: gl.constexpr = PAGED or C_BITS != 8
     if ROWS:
         lo = (lo_valid - base).to(gl.int32)
         hi = (hi - base).to(gl.int32)

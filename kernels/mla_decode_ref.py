@@ -9,12 +9,6 @@ For each batch row b the history is rebuilt position by position exactly as the 
     positions before lp_b                   -> not attended (left padding)
 
 and query t of Tq (rows `[B, H, Tq]`) attends to positions `< length - Tq + t + 1` with one softmax.
-
-The paged cache (`mla_decode_paged_ref`) packs the requests of a step without padding (varlen): request i has `q_i`
-query tokens, rows `[cu_seqlens_q[i], cu_seqlens_q[i + 1])` of `q_lat: [Nq, H, d_c]`, and `seq_lens[i]` cached
-tokens (its new ones included), read by the rule above with no left padding, `S = sink.shape[1]`, `R =
-recent.shape[1]` (0 for a cache that keeps no copies, C16R16), copies from row `rows[i]`, and packed position p from
-page `page_table[i, p // page_size]`, slot `p % page_size` of the pools `[P, page_size, width]`.
 """
 
 from __future__ import annotations
@@ -28,78 +22,16 @@ from quantmla_hf.format import CacheFormat, PathFormat
 from .quant_pack_ref import dequantize_ref
 
 
-def read_path(planes: dict[str, torch.Tensor], fmt: PathFormat, dtype) -> torch.Tensor:
-    """One path's stored positions (planes of any leading shape) in `dtype`: `[..., dim]`."""
-    if not fmt.quantized:
-        return planes["values"].to(dtype)
-    return dequantize_ref(planes["codes"], planes["scale"], planes["zero"], fmt, dtype)
-
-
-def attend(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax of `scores` (`-inf` where masked) over the last axis times `values`: `(o, lse)` in fp32 (zeros and
-    `-inf` for a row with nothing visible)."""
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return (probs @ values).float(), lse.float()
-
-
 def history_ref(
-    planes: dict[str, torch.Tensor], fmt: PathFormat, sink: torch.Tensor, recent: torch.Tensor, b: int, lp: int,
-    length: int, sink_tokens: int, recent_tokens: int, dtype=torch.float32,
-) -> torch.Tensor:
-    """Row `b` of one path as attention sees it: `[length, dim]` (positions before `lp` are left as stored)."""
-    x = read_path({k: v[b, :length] for k, v in planes.items()}, fmt, dtype).clone()
-    return overlay_copies(x, sink, recent, b, lp, sink_tokens, recent_tokens)
-
-
-def overlay_copies(x: torch.Tensor, sink: torch.Tensor, recent: torch.Tensor, b: int, lp: int, S: int,
-                   R: int) -> torch.Tensor:
-    """Row `b`'s model-dtype copies over its dequantized positions `x: [length, dim]` (in place, returned): the last
-    `R` positions from the recent ring `recent: [rows, R, dim]` (position `p` in slot `p % R`), then the first `S`
-    positions from `lp` on from `sink: [rows, S, dim]` (a path that keeps no copies may hold no rows at all)."""
-    length = x.shape[0]
-    rlo = max(0, length - R)
-    if R:
-        pos = torch.arange(rlo, length, device=x.device)
-        x[rlo:length] = recent[b, pos % R].to(x.dtype)
-    n_sink = max(0, min(S, length - lp))
-    if n_sink:
-        x[lp : lp + n_sink] = sink[b, :n_sink].to(x.dtype)
-    return x
-
-
-def mla_decode_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content, recent_rope,
-                   left_padding, length: int, scaling: float,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The function of `decode.mla_decode_static` with the length a host int (and no capacity): `o_lat: [B, H,
-    Tq, d_c]`, `lse: [B, H, Tq]` (fp32).
-
-    One batch row at a time, so a long context costs `[length, d_c + d_R]` of `dtype`, not `[B, length, ...]`.
-    """
-    B, H, Tq, d_c = q_lat.shape
-    S, R = fmt.sink_tokens, fmt.recent_tokens
-    o_out = torch.zeros((B, H, Tq, d_c), dtype=torch.float32, device=q_lat.device)
-    lse_out = torch.full((B, H, Tq), float("-inf"), dtype=torch.float32, device=q_lat.device)
-    lps = left_padding.tolist()
-    for b in range(B):
-        lp = int(lps[b])
-        c = history_ref(content, fmt.content, sink_content, recent_content, b, lp, length, S, R, dtype)
-        r = history_ref(rope, fmt.rope, sink_rope, recent_rope, b, lp, length, S, R, dtype)
-        scores = (q_lat[b].to(dtype) @ c.T + q_rot[b].to(dtype) @ r.T) * scaling  # [H, Tq, length]
-        pos = torch.arange(length, device=c.device)
-        limit = length - Tq + 1 + torch.arange(Tq, device=c.device)
-        visible = (pos[None, :] >= lp) & (pos[None, :] < limit[:, None])  # [Tq, length]
-        o_out[b], lse_out[b] = attend(scores.masked_fill(~visible, float("-inf")), c)
-    return o_out, lse_out
-
-
-def history_static_ref(
     planes: dict[str, torch.Tensor], fmt: PathFormat, sink: torch.Tensor, recent: torch.Tensor,
     left_padding: torch.Tensor, length: torch.Tensor, sink_tokens: int, recent_tokens: int, dtype=torch.float32,
 ) -> torch.Tensor:
-    """All rows of one path as attention sees them, `[B, capacity, dim]`, with the length on the device (same
-    precedence as `history_ref`: sink copy, then recent ring, then packed planes)."""
-    x = read_path(planes, fmt, dtype)
+    """Every row of one path as attention sees it (the rule above), `[B, N, dim]` over the planes' `N` positions:
+    `left_padding: [B]` and `length` (int64 `[1]`) on the planes' device, `sink: [B, S, dim]`, `recent: [B, R, dim]`
+    (a path that keeps no copies may hold no rows at all). Positions past the length are zeros; those before the
+    left padding are left as stored."""
+    x = (dequantize_ref(planes["codes"], planes["scale"], planes["zero"], fmt, dtype) if fmt.quantized
+         else planes["values"].to(dtype))
     B, N, _ = x.shape
     S, R = sink_tokens, recent_tokens
     pos = torch.arange(N, device=x.device)
@@ -119,23 +51,27 @@ def history_static_ref(
 def mla_decode_static_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content,
                           recent_rope, left_padding, length, capacity: int, scaling: float, out: tuple | None = None,
                           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """`mla_decode_ref` with the length on the device (int64 `[1]`) and every row at once over the static
-    `capacity` positions: no host synchronisation and no data-dependent shape, so it traces into one graph
-    (`torch.compile(fullgraph=True)`). Costs `[B, capacity, d_c + d_R]` of `dtype` per call.
+    """The function of `decode.mla_decode_static`: the length on the device (int64 `[1]`) and every row at once over
+    the static `capacity` positions, so no host synchronisation and no data-dependent shape: it traces into one
+    graph (`torch.compile(fullgraph=True)`). Costs `[B, capacity, d_c + d_R]` of `dtype` per call.
 
-    Returns `o_lat: [B, H, Tq, d_c]`, `lse: [B, H, Tq]` (fp32; zeros and `-inf` for a row with nothing visible).
+    Returns `o_lat: [B, H, Tq, d_c]`, `lse: [B, H, Tq]` (fp32; zeros and `-inf` for a row with nothing visible),
+    written into `out` when given.
     """
     B, H, Tq, d_c = q_lat.shape
     S, R = fmt.sink_tokens, fmt.recent_tokens
-    c = history_static_ref(content, fmt.content, sink_content, recent_content, left_padding, length, S, R, dtype)
-    r = history_static_ref(rope, fmt.rope, sink_rope, recent_rope, left_padding, length, S, R, dtype)
+    c = history_ref(content, fmt.content, sink_content, recent_content, left_padding, length, S, R, dtype)
+    r = history_ref(rope, fmt.rope, sink_rope, recent_rope, left_padding, length, S, R, dtype)
     c, r = c[:, :capacity], r[:, :capacity]
     scores = (q_lat.to(dtype) @ c.unsqueeze(1).transpose(-1, -2)
               + q_rot.to(dtype) @ r.unsqueeze(1).transpose(-1, -2)) * scaling  # [B, H, Tq, capacity]
     pos = torch.arange(c.shape[1], device=c.device)
     limit = length.reshape(()) - Tq + 1 + torch.arange(Tq, device=c.device)  # [Tq]
     visible = (pos[None, None, :] >= left_padding.reshape(B, 1, 1)) & (pos[None, None, :] < limit[None, :, None])
-    o, lse = attend(scores.masked_fill(~visible.unsqueeze(1), float("-inf")), c.unsqueeze(1))
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # a row with nothing visible: zeros, lse -inf
+    o, lse = (probs @ c.unsqueeze(1)).float(), lse.float()
     if out is not None:
         out[0].copy_(o)
         out[1].copy_(lse)
@@ -143,11 +79,33 @@ def mla_decode_static_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_co
     return o, lse
 
 
+def mla_decode_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content, recent_rope,
+                   left_padding, length: int, scaling: float,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode_static_ref` with the length a host int, one batch row at a time over its first `length`
+    positions, so a long context costs `[length, d_c + d_R]` of `dtype`, not `[B, length, ...]`."""
+    B, H, Tq, d_c = q_lat.shape
+    o = torch.empty((B, H, Tq, d_c), dtype=torch.float32, device=q_lat.device)
+    lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q_lat.device)
+    n = torch.tensor([length], device=q_lat.device)
+    left_padding = left_padding.to(q_lat.device)
+    for b in range(B):
+        row = slice(b, b + 1)
+        planes = [{k: v[row, :length] for k, v in p.items()} for p in (content, rope)]
+        copies = [t[row] for t in (sink_content, sink_rope, recent_content, recent_rope)]
+        mla_decode_static_ref(q_lat[row], q_rot[row], *planes, fmt, *copies, left_padding[row], n, length, scaling,
+                              out=(o[row], lse[row]), dtype=dtype)
+    return o, lse
+
+
 def mla_decode_paged_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content,
                          recent_rope, page_table, rows, cu_seqlens_q, seq_lens, scaling: float,
                          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of every query token of a paged step over its request's pages: `mla_decode_ref` of each request's
-    positions gathered from its pages.
+    """Attention of every query token of a paged step, its requests packed without padding: request i has the query
+    rows `[cu_seqlens_q[i], cu_seqlens_q[i + 1])` and `seq_lens[i]` cached tokens (its new ones included), read by
+    the rule above with no left padding, `S = sink.shape[1]`, `R = recent.shape[1]` (0 for a cache that keeps no
+    copies, C16R16), copies from row `rows[i]` and packed position p from slot `p % page_size` of page
+    `page_table[i, p // page_size]`: `mla_decode_ref` of each request's positions gathered from its pages.
 
     Args:
         q_lat: `[Nq, H, d_c]` absorbed content queries; q_rot: `[Nq, H, d_R]` RoPE queries.
@@ -178,8 +136,7 @@ def mla_decode_paged_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_con
 
 
 def combine_ref(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of `mla_decode_combine.combine`: `o_part: [B, M, NSP, d_c]`, `lse_part: [B, M, NSP]` ->
-    `(o [B, M, d_c], lse [B, M])` (fp32; zeros and -inf where every split is empty)."""
+    """`mla_decode_combine.combine` (shapes: its module docstring); zeros and -inf where every split is empty."""
     lse_part = lse_part.float()
     lse = torch.logsumexp(lse_part, dim=-1)
     w = torch.exp(lse_part - lse.unsqueeze(-1)).nan_to_num(0.0)

@@ -1,14 +1,7 @@
 """The portable Triton decode kernel: split-K absorbed MLA attention on the packed QuantMLA cache, for any CUDA GPU
-of compute capability >= 8 and, in the tests, the Triton interpreter. Reference: `mla_decode_ref.py`; launched by
-`quantmla_hf/decode.py` (splits, grid, combine); design and measurements: docs/KERNELS.md.
-
-    rows m = (head h, query token t) of `q_lat: [B, H, Tq, d_c]`, `q_rot: [B, H, Tq, d_R]`, flattened to `M = H * Tq`
-    score[m, j] = (q_lat[m] . c[j] + q_rot[m] . k_R[j]) * scaling          for every valid cached position j
-    o_lat[m] = softmax_j(score[m]) @ c,  lse[m] = logsumexp_j score[m]
-
-Valid positions of batch row b are `[left_padding[b], length)`; query t sees positions `< length - Tq + t + 1`.
-Positions `[lp, lp + S)` come from the model-dtype sink copy, the last `R` from the recent ring (slot `p % R`), the
-others from the planes (byte layout: `quantmla_hf/format.py`).
+of compute capability >= 8 and, in the tests, the Triton interpreter. It computes `mla_decode_ref.py`'s function
+(which position comes from which copy: its module docstring) over rows m = (head h, query token t) flattened to
+`M = H * Tq`; launched by `quantmla_hf/decode.py` (splits, grid, combine); design and measurements: docs/KERNELS.md.
 
 Queries are scaled per row by a power of two into fp16's range (fp32 queries: a high/low split); packed keys are
 the exact fp16 integers `code - z` for the scores, `s += (q_g . (code - z)_g) * scale_g`, and `fp16((code - z) * s)`
@@ -143,9 +136,9 @@ def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, f
           R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr):
     """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (keys as exact
     integers), an online-softmax step in base 2, and per group `a_g = a_g * alpha + p @ fp16(k_g * s_g)` (the
-    group re-read and re-unpacked, scaled: one fp16 rounding). Queries: tuples `qh, ql` of `GC` `[BM, GROUP_C]`
-    groups (content) and `qrh, qrl: [BM, GROUP_R]`; accumulators: the tuple `acc` of `GC` `[BM, GROUP_C]` fp32;
-    `m_valid: [BM, BT]`. Returns `(m_i, l_i, acc)`."""
+    group re-read, an L1 hit, and re-unpacked, scaled: one fp16 rounding). Queries: tuples `qh, ql` of `GC`
+    `[BM, GROUP_C]` groups (content) and `qrh, qrl: [BM, GROUP_R]`; accumulators: the tuple `acc` of `GC`
+    `[BM, GROUP_C]` fp32; `m_valid: [BM, BT]`. Returns `(m_i, l_i, acc)`."""
     k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, 0, GROUP_C, C_BITS, NATIVE)
     sc = _qk(qh[0], ql[0], k, Q_SPLIT, NATIVE) * s[None, :]
     for g in tl.static_range(1, GC):
@@ -161,7 +154,6 @@ def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, f
     b_p = tl.exp2(b_s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(b_p, axis=1)
 
-    # Values: the group tiles again (an L1 hit), scaled per token: fp16((code - z) * s).
     out = ()
     for g in tl.static_range(GC):
         k, s = _group_tile(c0, c1, c2, s_ct, s_cmt, o_t, m_t, g, GROUP_C, C_BITS, NATIVE)
@@ -316,24 +308,19 @@ def mla_decode_triton_kernel(
     _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, acc, GROUP_C, D_C, GC)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def path_tiling(path: PathFormat, max_groups: int) -> tuple[int, int] | None:
     """`(groups, group width)` the kernel takes a path in, or None: a packed path in its own groups (powers of two,
     at least 16 elements, at most `max_groups`); a 16-bit path in the fewest power-of-two groups of at most 64
     elements that `max_groups` allows."""
-    if not _pow2(path.dim) or path.dim < 16:
+    if path.dim < 16 or path.dim & (path.dim - 1):
         return None
     if path.quantized:
         g, w = path.n_groups, path.group
     else:
         w = max(16, min(64, path.dim), path.dim // max_groups)
         g = path.dim // w
-    if not (_pow2(w) and w >= 16 and _pow2(g) and g <= max_groups):
-        return None
-    return g, w
+    # g and w divide the power-of-two width (`max_groups` is a power of two too), so are powers of two.
+    return (g, w) if w >= 16 and g <= max_groups else None
 
 
 def triton_handles(fmt: CacheFormat, copy_dtype: torch.dtype) -> bool:
@@ -397,11 +384,8 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
     """Launch `mla_decode_triton_kernel` on the grid `(NS + 1, cdiv(M, block_rows(M)), B)`: `q: [B, M, d_c]`,
     `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32, in the launch
     measured on the H200 (`block_rows`, `launch_shape`; `block_t` overrides the tile). `native`: `NATIVE`, default
-    from the copies' dtype.
-
-    `pages` (the `PAGE` launch): `(page_table, rows, cu_seqlens_q, token_request)` int32 of the requests, whose
-    page planes `cp`, `rp` are `[P, page_size, width]`; B is then the query tokens, `M = H`, `length` the requests'
-    lengths and `Tq = 1`; the copies are indexed by `rows`."""
+    from the copies' dtype. `pages` (the kernel's `PAGE` launch, B the query tokens): `(page_table, rows,
+    cu_seqlens_q, token_request)` int32 of the requests, whose page planes `cp`, `rp` are `[P, page_size, width]`."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
     if native is None:
@@ -417,10 +401,8 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
     mla_decode_triton_kernel[(NS + 1, triton.cdiv(M, block_m), B)](
         q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, length, lp, pt, rows, cu_q, tok_req,
         o_part, lse_part, M, Tq, pt.stride(0) if pages else 0, split_target, NS, qk_scale,
-        q.stride(0), qr.stride(0), c0.stride(0), c0.stride(1), c1.stride(0), c1.stride(1), r0.stride(0),
-        r0.stride(1), r1.stride(0), r1.stride(1),
-        sink_c.stride(0), sink_c.stride(1), sink_r.stride(0), sink_r.stride(1),
-        recent_c.stride(0), recent_c.stride(1), recent_r.stride(0), recent_r.stride(1),
+        q.stride(0), qr.stride(0),
+        *(t.stride(i) for t in (c0, c1, r0, r1, sink_c, sink_r, recent_c, recent_r) for i in (0, 1)),
         D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
         S=fmt.sink_tokens, R=fmt.recent_tokens, PAGE=page_size, BLOCK_M=block_m, BLOCK_T=block_t or tile,
         Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, NATIVE=native, num_warps=warps,

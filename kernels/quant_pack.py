@@ -96,9 +96,12 @@ def quant_pack_fwd(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start, fmt: PathFormat,
     slots: bool = False,
 ) -> None:
-    """Host wrapper: launch one program per (row, token) of `x`. `start` is an int, or an int64 tensor `[1]` on the
-    device holding the first write position (read in the kernel: no host synchronisation), or with `slots` an int64
-    tensor `[T]` of each token's row in planes of one batch row."""
+    """Host wrapper of `quantize_pack` (`start` as there) and, with `slots`, `quantize_pack_slots` (planes of one
+    batch row, `start` an int64 tensor `[T]` of each token's row): one program per (row, token) of `x: [B, T, dim]`."""
+    if not fmt.quantized:
+        raise ValueError("quantize_pack handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
+    if any(t.stride(-1) != 1 for t in (x, codes, scale, zero)):
+        raise ValueError("quantize_pack needs the last dimension of every tensor to be contiguous")
     B, T, _ = x.shape
     if B * T == 0:
         return
@@ -109,15 +112,6 @@ def quant_pack_fwd(
         G=fmt.n_groups, BLOCK_G=triton.next_power_of_2(fmt.n_groups), GROUP=fmt.group, BITS=fmt.bits, S_MIN=SCALE_MIN,
         START_FROM_PTR=from_ptr, SLOTS=slots,
     )
-
-
-def _check(name: str, x, codes, scale, zero, fmt: PathFormat, rank: int = 3) -> None:
-    if not fmt.quantized:
-        raise ValueError(f"{name} handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
-    if rank == 3 and (x.dim() != 3 or x.shape[-1] != fmt.dim):
-        raise ValueError(f"x must be [B, T, {fmt.dim}], got {tuple(x.shape)}")
-    if any(t.stride(-1) != 1 for t in (x, codes, scale, zero)):
-        raise ValueError(f"{name} needs the last dimension of every tensor to be contiguous")
 
 
 def quantize_pack(
@@ -131,7 +125,8 @@ def quantize_pack(
     kernel so that nothing waits for the device; then positions at or past the capacity are not written (the static
     cache checks its capacity where it can: docs/USAGE.md, "Static cache").
     """
-    _check("quantize_pack", x, codes, scale, zero, fmt)
+    if x.dim() != 3 or x.shape[-1] != fmt.dim:
+        raise ValueError(f"x must be [B, T, {fmt.dim}], got {tuple(x.shape)}")
     if isinstance(start, torch.Tensor):
         if start.numel() != 1 or start.dtype != torch.int64 or start.device != codes.device:
             raise ValueError(f"start must be an int or an int64 tensor of one element on {codes.device}, got "
@@ -151,7 +146,6 @@ def quantize_pack_slots(
     on the planes' device, each below `rows` (not checked on the device; tokens that share a row leave one of them
     there, as the padding rows of captured decode steps do in their scratch slot). One launch for the three planes,
     nothing staged."""
-    _check("quantize_pack_slots", x, codes, scale, zero, fmt, rank=2)
     if x.dim() != 2 or x.shape[-1] != fmt.dim or slots.shape != (x.shape[0],) or slots.dtype != torch.int64:
         raise ValueError(f"x must be [N, {fmt.dim}] and slots int64 [N], got {tuple(x.shape)} and "
                          f"{slots.dtype} {tuple(slots.shape)}")

@@ -47,11 +47,14 @@ def chunk_window_attention(module, layer, query: torch.Tensor, scaling: float) -
     # still reads its own token exactly (it is the new token, not yet read back from the cache).
     own_window = (pos[None, :] > query_pos[:, None] - max(R, 1)) & (pos[None, :] >= lo)  # [Tq, L]
     o_lat = torch.zeros((B, H, Tq, fmt.content.dim), dtype=torch.float32, device=query.device)
+    length = torch.tensor([L], device=query.device)
+    paths = ((layer.content.planes, fmt.content, layer.sink_content, layer.recent_content),
+             (layer.rope.planes, fmt.rope, layer.sink_rope, layer.recent_rope))
     for b in range(B):
-        lp = int(layer.left_padding[b])
+        lp, row = int(layer.left_padding[b]), slice(b, b + 1)
         # Packed copies with the sink overlaid (no recent ring: R=0), exactly as the decode reference reads them.
-        c = history_ref(layer.content.planes, fmt.content, layer.sink_content, layer.recent_content, b, lp, L, S, 0)
-        r = history_ref(layer.rope.planes, fmt.rope, layer.sink_rope, layer.recent_rope, b, lp, L, S, 0)
+        c, r = (history_ref({k: v[row, :L] for k, v in planes.items()}, path_fmt, sink_copy[row], ring[row],
+                            layer.left_padding[row], length, S, 0)[0] for planes, path_fmt, sink_copy, ring in paths)
         c_win, r_win = c.clone(), r.clone()
         c_win[lo:L], r_win[lo:L] = win_c[b].float(), win_r[b].float()
         sink = (pos >= lp) & (pos < lp + S)
