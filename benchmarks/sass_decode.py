@@ -41,6 +41,7 @@ from quantmla_hf.kernels import quant_pack
 from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN
 
 FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}
+INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+[^;]*;", re.M)  # one SASS instruction line
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
 
 
@@ -212,27 +213,25 @@ def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCH
     """Write the SASS of every Gluon launch in `launches`, every portable launch in `portable_launches` and the
     quantize-and-pack and combine launches to `out_dir` (instruction addresses removed)."""
     os.makedirs(out_dir, exist_ok=True)
-    for cb, rb, groups, q_split, paged, wide in launches:
+
+    def gluon(cb, rb, groups, q_split, paged, wide):
         if wide:
-            kernel = compile_wide(cb, rb, q_split=q_split, paged=paged)
-        else:
-            kernel = compile_regs(cb, rb, q_split, mr.INFLIGHT[cb], paged, groups)
-        sass = disassemble(kernel.asm["cubin"], "-sass")
-        name = (f"C{cb}R{rb}_{groups}groups_{'fp32' if q_split else 'bf16'}_{'paged' if paged else 'contiguous'}_"
-                f"{'wide' if wide else 'regs'}.sass")
+            return compile_wide(cb, rb, q_split=q_split, paged=paged)
+        return compile_regs(cb, rb, q_split, mr.INFLIGHT[cb], paged, groups)
+
+    jobs = ([(gluon, a, "C{}R{}_{}groups_{}_{}_{}.sass".format(
+        *a[:3], "fp32" if a[3] else "bf16", "paged" if a[4] else "contiguous", "wide" if a[5] else "regs"))
+             for a in launches]
+            + [(compile_portable, a, "portable_C{}R{}_rope{}_{}rows_{}_page{}.sass".format(
+                *a[:4], "fp32" if a[4] else "bf16", a[5])) for a in portable_launches]
+            + [(compile_quant_pack, a, "quant_pack_{}bit_{}wide_{}.sass".format(*a[:2], "slots" if a[2] else "start"))
+               for a in quant_pack_launches]
+            + [(compile_combine, a, "combine_{}cols_{}tail.sass".format(*a)) for a in combine_launches])
+    for compile_fn, args, name in jobs:
+        sass = disassemble(compile_fn(*args).asm["cubin"], "-sass")
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(re.sub(r"/\*[0-9a-f]{4,}\*/", "", sass))
-        print(f"{name}: {len(_instructions_and_loops(sass)[0])} instructions", flush=True)
-    others = ([(compile_portable(*a), "portable_C{}R{}_rope{}_{}rows_{}_page{}.sass".format(
-        *a[:4], "fp32" if a[4] else "bf16", a[5])) for a in portable_launches]
-        + [(compile_quant_pack(*a), "quant_pack_{}bit_{}wide_{}.sass".format(*a[:2], "slots" if a[2] else "start"))
-           for a in quant_pack_launches]
-        + [(compile_combine(*a), "combine_{}cols_{}tail.sass".format(*a)) for a in combine_launches])
-    for kernel, name in others:
-        sass = disassemble(kernel.asm["cubin"], "-sass")
-        with open(os.path.join(out_dir, name), "w") as f:
-            f.write(re.sub(r"/\*[0-9a-f]{4,}\*/", "", sass))
-        print(f"{name}: {sass.count(chr(10))} lines", flush=True)
+        print(f"{name}: {len(INSTRUCTION.findall(sass))} instructions", flush=True)
 
 
 def main():

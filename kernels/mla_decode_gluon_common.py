@@ -775,18 +775,19 @@ def _alloc_tiles(GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: 
     k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
                                               rank=2)
-    kbuf = ()
-    for u in gl.static_range(GC):
-        kbuf = kbuf + (gl.allocate_shared_memory(gl.float16, [1, BT, 64], k_sl),)
-    qbuf = ()
-    for u in gl.static_range(GC + 1):
-        qbuf = qbuf + (gl.allocate_shared_memory(gl.float16, [1, BM, 64], k_sl),)
-    qlo = qbuf
-    if Q_SPLIT:
-        qlo = ()
-        for u in gl.static_range(GC + 1):
-            qlo = qlo + (gl.allocate_shared_memory(gl.float16, [1, BM, 64], k_sl),)
+    kbuf = _unit_buffers(GC, BT, k_sl)
+    qbuf = _unit_buffers(GC + 1, BM, k_sl)
+    qlo = _unit_buffers(GC + 1, BM, k_sl) if Q_SPLIT else qbuf
     return kbuf, qbuf, qlo, gl.allocate_shared_memory(gl.float16, [1, BT, BM], p_sl)
+
+
+@_jit
+def _unit_buffers(N: gl.constexpr, ROWS: gl.constexpr, sl: gl.constexpr):
+    """A tuple of `N` separately allocated shared buffers `[1, ROWS, 64]` fp16, one per unit."""
+    bufs = ()
+    for u in gl.static_range(N):
+        bufs = bufs + (gl.allocate_shared_memory(gl.float16, [1, ROWS, 64], sl),)
+    return bufs
 
 
 def words_layout(wu: int):

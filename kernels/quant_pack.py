@@ -98,10 +98,11 @@ def quant_pack_fwd(
 ) -> None:
     """Host wrapper of `quantize_pack` (`start` as there) and, with `slots`, `quantize_pack_slots` (planes of one
     batch row, `start` an int64 tensor `[T]` of each token's row): one program per (row, token) of `x: [B, T, dim]`."""
+    caller = "quantize_pack_slots" if slots else "quantize_pack"
     if not fmt.quantized:
-        raise ValueError("quantize_pack handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
+        raise ValueError(f"{caller} handles 2, 4 and 8 bits; 16-bit paths are copied as they are")
     if any(t.stride(-1) != 1 for t in (x, codes, scale, zero)):
-        raise ValueError("quantize_pack needs the last dimension of every tensor to be contiguous")
+        raise ValueError(f"{caller} needs the last dimension of every tensor to be contiguous")
     B, T, _ = x.shape
     if B * T == 0:
         return
