@@ -188,7 +188,7 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
             except ValueError as e:  # a backend that does not take this case
-                out_lines.append(f"check {label} {name} H={H} B={B} N={N} Tq={Tq} q={qdt}: skipped ({str(e)[:120]})")
+                out_lines.append(f"check {label} {name} H={H} B={B} N={N} Tq={Tq} q={qdt}: skipped ({e})")
                 print(out_lines[-1], flush=True)
                 continue
             except RuntimeError as e:  # reported as a failed row; a CUDA fault still ends the process
@@ -470,7 +470,7 @@ def check_paged(out_lines, cases=None, page_size=64):
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
             except ValueError as e:
-                out_lines.append(f"check {label} {name} H={H} B={B} N={N}: skipped ({str(e)[:120]})")
+                out_lines.append(f"check {label} {name} H={H} B={B} N={N}: skipped ({e})")
                 print(out_lines[-1], flush=True)
                 continue
             rel = ((o - ref_o).norm() / ref_o.norm()).item()

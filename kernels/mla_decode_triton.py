@@ -11,6 +11,8 @@ every operand in the model dtype. Each split writes a normalised partial and its
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -330,10 +332,18 @@ def triton_handles(fmt: CacheFormat, copy_dtype: torch.dtype) -> bool:
             and copy_dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
+def interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (`TRITON_INTERPRET=1`, the tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def native_operands(fmt: CacheFormat, q_dtype: torch.dtype, qr_dtype: torch.dtype, copy_dtype: torch.dtype) -> bool:
     """Whether a launch keeps every operand in the model dtype (`NATIVE`): fp32 copies, or both paths 16-bit with
-    queries in the copies' dtype."""
+    queries in the copies' dtype, except bf16 in the interpreter, whose `tl.dot` multiplies the bit patterns of bf16
+    operands (there bf16 launches take the fp16 operands of the packed path)."""
     both16 = not fmt.content.quantized and not fmt.rope.quantized
+    if copy_dtype == torch.bfloat16 and interpreting():
+        return False
     return copy_dtype == torch.float32 or (both16 and q_dtype == qr_dtype == copy_dtype)
 
 

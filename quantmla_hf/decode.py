@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
@@ -47,11 +46,6 @@ BACKENDS = ("gluon_regs", "gluon_wide", "triton", "torch")
 PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "triton")
 
 
-def interpreting() -> bool:
-    """Whether Triton runs in its CPU interpreter (`TRITON_INTERPRET=1`, the tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, device) -> str:
     """The decode kernel for this format, `rows = H * Tq` query rows per batch row, `batch` rows, model dtype
     `dtype` (of the sink/recent copies and 16-bit planes) and device: one of `BACKENDS`.
@@ -68,8 +62,8 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
     device = torch.device(device)
     if not portable.triton_handles(fmt, dtype):
         return "torch"
-    if device.type != "cuda" or interpreting():
-        return "triton" if interpreting() else "torch"
+    if device.type != "cuda" or portable.interpreting():
+        return "triton" if portable.interpreting() else "torch"
     if hopper_handles(fmt, dtype, device) and regs.regs_handles(fmt):
         return "gluon_wide" if rows > 16 and wide.wide_handles(fmt) else "gluon_regs"
     if torch.cuda.get_device_capability(device)[0] < 8:
@@ -235,7 +229,7 @@ def mla_decode_static(
         block_m = regs.BLOCK_M if backend == "gluon_regs" else wide.BLOCK_M
         n_tail = copy_programs(fmt)
     head_blocks = -(-M // block_m)
-    sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda and not interpreting() else 8
+    sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda and not portable.interpreting() else 8
     target, NS = split_plan(backend, B, head_blocks, capacity, fmt, sms, num_splits)
     NSP = NS + n_tail  # partial slots: packed splits, then the sink/recent copies
     q = q_lat.reshape(B, M, D_C).contiguous()
@@ -319,16 +313,16 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
         return (torch.empty((0, H, d_c), dtype=torch.float32, device=q_lat.device),
                 torch.empty((0, H), dtype=torch.float32, device=q_lat.device))
     page_size = next(iter(content.values())).shape[1]
-    choice = "triton" if interpreting() else select_paged_backend(fmt, H, n, Nq, page_size, copy_dtype, q_lat.device)
+    choice = "triton" if portable.interpreting() else select_paged_backend(fmt, H, n, Nq, page_size, copy_dtype, q_lat.device)
     backend = backend or choice
     if backend not in PAGED_BACKENDS:
         raise ValueError(f"backend must be one of {PAGED_BACKENDS}, got {backend!r}")
     if backend.startswith("gluon"):
         if choice == "triton" or (backend == "gluon_wide" and not wide.wide_handles(fmt)):
-            raise ValueError(f"the paged {backend} kernel takes a decode step (one query token per request) of "
-                             f"{fmt.name} in pages of {GLUON_BLOCK_T} tokens on sm_90 (wide: C4R4, C2R4, C8R8), got "
-                             f"{Nq} tokens of {n} requests in pages of {page_size} on {q_lat.device}: use "
-                             "backend='triton'")
+            raise ValueError(f"the paged {backend} kernel does not take {fmt.name}, {Nq} query tokens of {n} requests "
+                             f"in pages of {page_size} on {q_lat.device}: it takes decode steps (one query token per "
+                             f"request) of 2/4/8-bit formats with sink and recent copies (wide: C4R4, C2R4, C8R8) in "
+                             f"pages of {GLUON_BLOCK_T} tokens on sm_90; use backend='triton'")
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         return _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content,
                              recent_rope, page_table, rows, seq_lens, scaling, longest, num_splits)

@@ -140,6 +140,16 @@ def test_deepseek_widths_eight_groups_and_bf16_queries(backend):
     check(tuple(args), backend, num_splits=2)
 
 
+@pytest.mark.parametrize("backend", PORTABLE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_cache_of_a_sixteen_bit_model(backend, dtype):
+    # C16R16 with queries in the model dtype: on a GPU every operand stays in it (`NATIVE`); in the interpreter bf16
+    # takes the fp16 operands (its dots multiply bf16 bit patterns)
+    args = list(random_case(2, 150, 2, 1, 64, 16, 16, 16, 4, 16, dtype, [0, 5], seed=31))
+    args[0], args[1] = args[0].to(dtype), args[1].to(dtype)
+    check(tuple(args), backend, num_splits=3)
+
+
 def test_huge_bf16_queries_stay_finite_and_peaked_attention_keeps_the_lse():
     """|q| ~ 1e6 is past fp16's range: the per-row power of two keeps the operands finite and exact; large scores
     (one token dominating) keep the LSE within 1e-4."""

@@ -92,9 +92,10 @@ def test_split_plan_and_fill_splits():
         assert B * hb * n <= per * sms < B * hb * (n + 1)
 
 
-def test_portable_launch_and_operands():
+def test_portable_launch_and_operands(monkeypatch):
     """The portable kernel's launch by format (16-bit content: 64-token tiles, 2 stages; packed: 32-token tiles, 1
-    stage up to 32 rows, 2 above) and which launches keep the model dtype's operands (`NATIVE`)."""
+    stage up to 32 rows, 2 above) and which launches keep the model dtype's operands (`NATIVE`; bf16 not in the
+    interpreter, whose dots multiply bf16 bit patterns)."""
     c16, c4, c4r8 = fmt(16, 16), fmt(4, 4), fmt(4, 8)
     assert [pt.launch_shape(c16, m) for m in (16, 128)] == [(64, 4, 2), (64, 4, 2)]
     assert [pt.launch_shape(c, m) for c in (c4, c4r8) for m in (16, 32, 33)] == [(32, 4, 1), (32, 4, 1), (32, 4, 2)] * 2
@@ -102,6 +103,9 @@ def test_portable_launch_and_operands():
     assert md.split_plan("triton", 1, 1, 1000, c16, 132)[1] == -(-(1000 - 128 - 4) // 128)
     assert md.split_plan("triton", 1, 1, 1000, c4, 132)[1] == -(-(1000 - 128 - 4) // 64)
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pt.native_operands(c16, bf16, bf16, bf16) and pt.native_operands(c16, fp16, fp16, fp16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a GPU launch decides
     assert pt.native_operands(c16, bf16, bf16, bf16) and pt.native_operands(c16, fp16, fp16, fp16)
     assert not pt.native_operands(c16, fp32, bf16, bf16)  # fp32 queries over bf16 values: the fp16 split path
     assert not pt.native_operands(c4, bf16, bf16, bf16)  # packed codes are unpacked into fp16

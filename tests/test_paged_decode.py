@@ -82,9 +82,16 @@ def test_many_heads_take_several_head_blocks():
     check(paged_case([13, 21], [2, 1], H=70))
 
 
-@pytest.mark.parametrize("cb, rb", [(4, 16), (16, 16)])  # (16, 16): the NATIVE launch, bf16 operands and probabilities
+@pytest.mark.parametrize("cb, rb", [(4, 16), (16, 16)])
 def test_bf16_copies_and_pages(cb, rb):
     check(paged_case([19, 12], [1, 2], cb=cb, rb=rb, dtype=torch.bfloat16))
+
+
+def test_bf16_model_with_bf16_queries():
+    # C16R16 with queries in the model dtype: the `NATIVE` launch on a GPU, fp16 operands in the interpreter
+    args = list(paged_case([19, 12], [1, 2], cb=16, rb=16, dtype=torch.bfloat16))
+    args[0], args[1] = args[0].bfloat16(), args[1].bfloat16()
+    check(tuple(args))
 
 
 def test_block_size_and_splits_do_not_change_the_result():
@@ -141,3 +148,11 @@ def test_bad_shapes_are_refused():
     args[1] = args[1][..., :8]
     with pytest.raises(ValueError, match="expected q_lat"):
         mla_decode_paged(*args)
+
+
+@pytest.mark.parametrize("backend", ["gluon_regs", "gluon_wide"])
+def test_a_gluon_backend_that_cannot_take_the_step_says_what_it_takes(backend):
+    # pages of 8 tokens (and, on this machine, no sm_90): the paged Gluon kernels refuse, naming what they take
+    with pytest.raises(ValueError, match=r"does not take C4R4, 3 query tokens of 2 requests in pages of 8 .*"
+                                         r"takes decode steps .* use backend='triton'"):
+        mla_decode_paged(*paged_case([17, 9], [1, 2]), backend=backend)
