@@ -108,8 +108,9 @@ def decode_fn(backend, N, capacity=None):
 def load_baseline(path):
     """The decode operation of an older tree at `path`, run beside this tree's: its `kernels/` imported as the
     package `BASELINE_PACKAGE.kernels` (their own relative imports; `quantmla_hf.format` is this tree's, the same
-    byte layout) and its `mla_decode_static` from `quantmla_hf/decode.py`, or from `kernels/mla_decode.py` in trees
-    that kept the operation there. Returns a `decode_fn`-like factory."""
+    byte layout) and its `mla_decode_static` from `quantmla_hf/decode.py`, or, in trees that kept the operation in
+    `kernels/`, as their `ops.py` chose it: `kernels/mla_decode_fast.py` where its `fast_supported` says so, else
+    `kernels/mla_decode.py`. Returns a `decode_fn`-like factory."""
     root = types.ModuleType(BASELINE_PACKAGE)
     root.__path__ = [os.path.join(path, "quantmla_hf")]
     sys.modules[BASELINE_PACKAGE] = root
@@ -122,6 +123,9 @@ def load_baseline(path):
     spec.loader.exec_module(kernels)
     in_package = os.path.exists(os.path.join(path, "quantmla_hf", "decode.py"))
     op = importlib.import_module(BASELINE_PACKAGE + (".decode" if in_package else ".kernels.mla_decode"))
+    fast = None  # trees before the one decode module: `mla_decode_fast` took the cases its `fast_supported` named
+    if not in_package and os.path.exists(os.path.join(path, "kernels", "mla_decode_fast.py")):
+        fast = importlib.import_module(BASELINE_PACKAGE + ".kernels.mla_decode_fast")
 
     def factory(N, capacity=None, backend=None):
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
@@ -129,7 +133,11 @@ def load_baseline(path):
         named = {"backend": backend} if backend else {}  # else the tree's own dispatch
 
         def run(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, n, scaling):
-            return op.mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling, **named)
+            decode = op
+            if fast is not None and fast.fast_supported(fmt, q_lat.dtype, q_lat.device, sc.dtype):
+                decode = fast
+            return decode.mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling,
+                                            **named)
 
         return run
 
