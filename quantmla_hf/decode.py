@@ -62,8 +62,10 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
     device = torch.device(device)
     if not portable.triton_handles(fmt, dtype):
         return "torch"
-    if device.type != "cuda" or portable.interpreting():
-        return "triton" if portable.interpreting() else "torch"
+    if portable.interpreting():
+        return "triton"
+    if device.type != "cuda":
+        return "torch"
     if hopper_handles(fmt, dtype, device) and regs.regs_handles(fmt):
         return "gluon_wide" if rows > 16 and wide.wide_handles(fmt) else "gluon_regs"
     if torch.cuda.get_device_capability(device)[0] < 8:

@@ -281,6 +281,7 @@ def build_app(model: str, options: CacheOptions | None = None, device: str = "au
         manager = ModelManager(device=device, dtype=dtype, force_model=model)
         transcription = TranscriptionHandler(manager, state)
         extra = {"generation_state": state}
+        handle = state
     else:  # from 5.25: a process per model
         from .serving_loader import PagedModelLoader
 
@@ -289,6 +290,7 @@ def build_app(model: str, options: CacheOptions | None = None, device: str = "au
                                force_model=model)
         transcription = TranscriptionHandler(manager)
         extra = {}
+        handle = manager
     if "systemone_handler" in server_args:  # transformers >= 5.24
         from transformers.cli.serving.systemone import SystemOneHandler
 
@@ -301,7 +303,7 @@ def build_app(model: str, options: CacheOptions | None = None, device: str = "au
         transcription_handler=transcription,
         **extra,
     )
-    return app, state if "generation_state" in extra else manager
+    return app, handle
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, options: CacheOptions | None = None,
