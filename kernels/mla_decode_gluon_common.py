@@ -13,8 +13,8 @@ checked at compile time (`convert_layout(..., assert_trivial=True)`):
   - the A fragment of `m64n16k16` (row = token, column `16 kc + 8 h + 2 q + e`, holding the element `E w + k +
     (E / 2) e` of the thread's words with `(E / 2) w + k = 2 kc + h`, `E = 32 / bits`): the queries are staged in
     that order (`_score_channel`);
-  - the tile row of `kbuf[u]`, column `16 q + E w + 2 k + e` (`_store_o`): the value rows of `O^T` come out
-    in it and are stored back to their channels.
+  - the tile row of `kbuf[u]`, column `16 q + 8 (k % 2) + (E / 2) w + 2 (k // 2) + e` (`_v_view`): the value
+    rows of `O^T` come out in it, a thread's two rows adjacent channels, stored back as pairs (`_store_o`).
 """
 
 from __future__ import annotations
@@ -339,10 +339,13 @@ def _a_view(x5, dot_a: gl.constexpr):
 
 @_jit
 def _v_view(x5):
-    """`[64, 4, WU, 2, E / 2]` unit keys -> the `[64, 64]` tile stored for the values: column `16 q + E w + 2 k + e`
-    holds element `E w + k + (E / 2) e` of quad slot q, so each 32-bit pair of a store is one register of the asm
-    (no byte permutes)."""
-    return gl.reshape(gl.permute(x5, (0, 1, 2, 4, 3)), [64, 64])
+    """`[64, 4, WU, 2, K]` unit keys (`K = E / 2`, element `E w + k + K e` at `[t, q, w, e, k]`) -> the `[64, 64]` tile
+    stored for the values: column `16 q + 8 (k % 2) + K w + 2 (k // 2) + e`. Each 32-bit pair of a store is one
+    register of the asm (no byte permutes), and the value rows `c` and `c + 8` that one thread of the `O^T`
+    accumulator holds are adjacent channels (`_store_o`)."""
+    K: gl.constexpr = x5.shape[4]
+    x = gl.reshape(x5, [64, 4, x5.shape[2], 2, K // 2, 2])  # [t, q, w, e, k // 2, k % 2]
+    return gl.reshape(gl.permute(x, (0, 1, 5, 2, 4, 3)), [64, 64])
 
 
 @_jit
@@ -501,21 +504,38 @@ def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.cons
 @_jit
 def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C: gl.constexpr,
              C_BITS: gl.constexpr, acc_l: gl.constexpr):
-    """`o^T[64, BM]` of unit u, normalised, to the partial output rows: row c is the channel column c of the
-    `_v_view` tile holds, `_unit_base(u, c // 16) + (r // 2E') 2E' + (r % 2E') // 2 + E' (r % 2)` with `r = c % 16`,
-    `E' = 16 / bits`. At 2 bits the rows are first put in channel order by shuffles within each warp (`[k, e] -> [e,
-    k]`), so one store instruction covers whole 32-byte sectors."""
+    """`o^T[64, BM]` of unit u, normalised, to the partial output rows. Row `16 q + 8 h + i` holds the channel column
+    of the `_v_view` tile holds: `_unit_base(u, q) + E (i // K) + 2 ((i % K) // 2) + K (i % 2) + h` (`E = 32 /
+    bits`, `K = E / 2`). The thread that holds row i also holds row `i + 8` (h = 1), the next channel: one 8-byte
+    store writes both, and one instruction covers whole 32-byte sectors."""
+    BM: gl.constexpr = o.shape[1]
     N: gl.constexpr = 16 // C_BITS
-    c = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-    r = c % 16
     x = o * inv_l[None, :]
-    if C_BITS == 2:
-        x = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(x, [4, 8, 2, o.shape[1]]), (0, 2, 1, 3)),
-                                         [64, o.shape[1]]), acc_l)
-        o_d = _unit_base(u, c // 16, GC) + r
-    else:
-        o_d = _unit_base(u, c // 16, GC) + (r // (2 * N)) * (2 * N) + (r % (2 * N)) // 2 + N * (r % 2)
-    gl.store(o_ptr + o_row[None, :] * D_C + o_d[:, None], x, mask=m_m[None, :])
+    x = gl.reshape(gl.permute(gl.reshape(x, [4, 2, 8, BM]), (0, 2, 3, 1)), [32, BM, 2])  # [8 q + i, row, h]
+    st_l: gl.constexpr = _PAIRS_16 if BM == 16 else _PAIRS_32
+    x = gl.convert_layout(x, st_l, assert_trivial=True)  # h the first register: one 8-byte store
+    c = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
+    i = c % 8
+    o_d = _unit_base(u, c // 8, GC) + (i // N) * (2 * N) + ((i % N) // 2) * 2 + N * (i % 2)
+    o_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
+    r = gl.convert_layout(o_row, gl.SliceLayout(0, gl.SliceLayout(2, st_l)), assert_trivial=True)
+    m = gl.convert_layout(m_m, gl.SliceLayout(0, gl.SliceLayout(2, st_l)), assert_trivial=True)
+    gl.store(o_ptr + (r[None, :, None] * D_C + o_d[:, None, None]) + o_h[None, None, :], x,
+             mask=m[None, :, None] & (o_h < 2)[None, None, :])
+
+
+def pair_layout(BM: int):
+    """The `m64nBMk16` accumulator `[64, BM]` viewed as `[32, BM, 2]` (`[8 q + i, row, h]` for accumulator row `16 q
+    + 8 h + i`) with h in the first register (`_store_o`)."""
+    regs = [[0, 0, 1], [0, 1, 0]] + [[0, 8 << j, 0] for j in range(BM.bit_length() - 4)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0],
+                                                                  [4, 0, 0]],
+                                      warp_bases=[[8, 0, 0], [16, 0, 0]], block_bases=[], shape=[32, BM, 2])
+
+
+if HAVE_GLUON:
+    _PAIRS_16 = gl.constexpr(pair_layout(16))  # the one-warpgroup program's 16 rows
+    _PAIRS_32 = gl.constexpr(pair_layout(32))  # the two-warpgroup program's 32
 
 
 @_jit

@@ -30,11 +30,12 @@ def score_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
 
 def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
     """`[64]` int64: the content channel held by row c of `kbuf[u]`'s transpose (the value output's row c): column
-    `16 q + E w + 2 k + e` of the stored tile holds element `E w + k + (E / 2) e` of quad slot q's 16 channels
-    (`E = 32 / bits`), so each stored 32-bit pair is one asm register."""
+    `16 q + 8 (k % 2) + K w + 2 (k // 2) + e` of the stored tile holds element `E w + k + K e` of quad slot q's 16
+    channels (`E = 32 / bits`, `K = E / 2`), so each stored 32-bit pair is one asm register and rows c and c + 8
+    are adjacent channels."""
     c = torch.arange(64)
-    r, n = c % 16, 16 // bits
-    return unit_base(u, c // 16, n_groups) + (r // (2 * n)) * (2 * n) + (r % (2 * n)) // 2 + n * (r % 2)
+    i, h, n = c % 8, (c // 8) % 2, 16 // bits
+    return unit_base(u, c // 16, n_groups) + (i // n) * (2 * n) + ((i % n) // 2) * 2 + n * (i % 2) + h
 
 
 def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tuple[int, int, int]:

@@ -211,7 +211,7 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         # `_a_view`
         a = x5.permute(0, 1, 2, 4, 3).reshape(T, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(T, 64)
         # `_v_view`
-        v = x5.permute(0, 1, 2, 4, 3).reshape(T, 64)
+        v = x5.reshape(T, 4, wu, 2, x5.shape[-1] // 2, 2).permute(0, 1, 5, 2, 4, 3).reshape(T, 64)
         exact = dequantize_ref(codes, torch.ones_like(scale), zero, f, torch.float32)  # code - z
         ref = (exact.half() * scale.repeat_interleave(64, dim=1)).float()  # one rounding, as the kernel
         sc = gluon_layout.score_channel(u, bits, n_groups)
@@ -223,10 +223,9 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         if not rope:
             vc = gluon_layout.value_channel(u, bits, n_groups)
             assert torch.equal(v.float(), ref[:, vc]), u
-            if bits == 2:  # `_store_o` puts 2-bit value rows in channel order: `[q, k, e] -> [q, e, k]`
-                st = v.reshape(T, 4, 8, 2).permute(0, 1, 3, 2).reshape(T, 64)
-                c = torch.arange(64)
-                assert torch.equal(st.float(), ref[:, gluon_layout.unit_base(u, c // 16, n_groups) + c % 16]), u
+            # `_store_o`: a thread's rows c and c + 8 (c % 16 < 8) are adjacent channels, stored as one pair
+            lead = vc.reshape(4, 2, 8)
+            assert torch.equal(lead[:, 1], lead[:, 0] + 1), u
     for bits in (2, 4):
         content = torch.cat([gluon_layout.score_channel(u, bits, n_groups) for u in range(n_groups)])
         values = torch.cat([gluon_layout.value_channel(u, bits, n_groups) for u in range(n_groups)])
