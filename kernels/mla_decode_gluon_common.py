@@ -520,11 +520,10 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
     o_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
     r = gl.convert_layout(o_row, gl.SliceLayout(0, gl.SliceLayout(2, st_l)), assert_trivial=True)
     m = gl.convert_layout(m_m, gl.SliceLayout(0, gl.SliceLayout(2, st_l)), assert_trivial=True)
-    gl.store(o_ptr + (r[None, :, None] * D_C + o_d[:, None, None]) + o_h[None, None, :], x,
-             mask=m[None, :, None] & (o_h < 2)[None, None, :])
+    gl.store(o_ptr + (r[None, :, None] * D_C + o_d[:, None, None]) + o_h[None, None, :], x, mask=m[None, :, None])
 
 
-def pair_layout(BM: int):
+def _pair_layout(BM: int):
     """The `m64nBMk16` accumulator `[64, BM]` viewed as `[32, BM, 2]` (`[8 q + i, row, h]` for accumulator row `16 q
     + 8 h + i`) with h in the first register (`_store_o`)."""
     regs = [[0, 0, 1], [0, 1, 0]] + [[0, 8 << j, 0] for j in range(BM.bit_length() - 4)]
@@ -534,8 +533,8 @@ def pair_layout(BM: int):
 
 
 if HAVE_GLUON:
-    _PAIRS_16 = gl.constexpr(pair_layout(16))  # the one-warpgroup program's 16 rows
-    _PAIRS_32 = gl.constexpr(pair_layout(32))  # the two-warpgroup program's 32
+    _PAIRS_16 = gl.constexpr(_pair_layout(16))  # the one-warpgroup program's 16 rows
+    _PAIRS_32 = gl.constexpr(_pair_layout(32))  # the two-warpgroup program's 32
 
 
 @_jit
