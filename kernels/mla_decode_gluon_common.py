@@ -115,7 +115,7 @@ def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: 
 
 
 @_jit
-def _copy_tile(i_s, num_splits, length, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt,
+def _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt,
                s_rccb, s_rcct, s_rcrb, s_rcrt, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
     """The one 64-token tile of model-dtype copies that copy program `d = i_s - num_splits` attends: sink slots
     `[lo, hi)` (slot j holds position `lp + j`) for the first `cdiv(S, 64)` programs, then recent positions `[lo,
@@ -503,20 +503,20 @@ def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.cons
 
 @_jit
 def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C: gl.constexpr,
-             C_BITS: gl.constexpr, acc_l: gl.constexpr):
-    """`o^T[64, BM]` of unit u, normalised, to the partial output rows. Row `16 q + 8 h + i` holds the channel column
-    of the `_v_view` tile holds: `_unit_base(u, q) + E (i // K) + 2 ((i % K) // 2) + K (i % 2) + h` (`E = 32 /
-    bits`, `K = E / 2`). The thread that holds row i also holds row `i + 8` (h = 1), the next channel: one 8-byte
-    store writes both, and one instruction covers whole 32-byte sectors."""
+             C_BITS: gl.constexpr):
+    """`o^T[64, BM]` of unit u, normalised, to the partial output rows. Row `16 q + 8 h + i` of `o^T` is channel
+    `_unit_base(u, q) + E (i // K) + 2 ((i % K) // 2) + K (i % 2) + h` (`_v_view`'s column order, `E = 32 / bits`,
+    `K = E / 2`): the thread that holds row i holds row `i + 8`, the next channel, and writes both in one 8-byte
+    store; the 8 threads of a column cover 64 contiguous bytes."""
     BM: gl.constexpr = o.shape[1]
-    N: gl.constexpr = 16 // C_BITS
+    K: gl.constexpr = 16 // C_BITS
     x = o * inv_l[None, :]
     x = gl.reshape(gl.permute(gl.reshape(x, [4, 2, 8, BM]), (0, 2, 3, 1)), [32, BM, 2])  # [8 q + i, row, h]
     st_l: gl.constexpr = _PAIRS_16 if BM == 16 else _PAIRS_32
     x = gl.convert_layout(x, st_l, assert_trivial=True)  # h the first register: one 8-byte store
     c = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
     i = c % 8
-    o_d = _unit_base(u, c // 8, GC) + (i // N) * (2 * N) + ((i % N) // 2) * 2 + N * (i % 2)
+    o_d = _unit_base(u, c // 8, GC) + (i // K) * (2 * K) + ((i % K) // 2) * 2 + K * (i % 2)
     o_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
     r = gl.convert_layout(o_row, gl.SliceLayout(0, gl.SliceLayout(2, st_l)), assert_trivial=True)
     m = gl.convert_layout(m_m, gl.SliceLayout(0, gl.SliceLayout(2, st_l)), assert_trivial=True)

@@ -178,7 +178,7 @@ def mla_decode_gluon_kernel(
             m_i, l_p, outs = _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf)
 
         # The copied tile of a copy program: model-dtype sink copies or the recent ring (`_copy_tile`).
-        lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, lp, i_c, snc_ptr, snr_ptr, rcc_ptr,
+        lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr,
                                                              rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct,
                                                              s_rcrb, s_rcrt, S, R, BT)
         o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
@@ -191,7 +191,7 @@ def mla_decode_gluon_kernel(
         inv_l, b_lse = _finish(gl.sum(l_p, axis=0), m_i)
         o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
         for u in gl.static_range(GC):
-            _store_o(o_ptr, o_row, m_m, outs[u], inv_l, u, GC, D_C, C_BITS, acc_l)
+            _store_o(o_ptr, o_row, m_m, outs[u], inv_l, u, GC, D_C, C_BITS)
         gl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 

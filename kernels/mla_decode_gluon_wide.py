@@ -230,7 +230,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     o_bt = gl.arange(0, BT, layout=row_h).to(gl.int64)
     o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
     if i_s >= num_splits:  # a copy program: its one tile
-        lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, lp, i_c, snc_ptr, snr_ptr,
+        lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr,
                                                              rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                                                              s_rcct, s_rcrb, s_rcrt, S, R, BT)
         kz, slot, m_t, m_valid = _copy_rows(lo_c, hi_c, sink, lp, length, o_dt, o_bt, lim_mh, m_mh, S, R)
@@ -250,7 +250,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     mbarrier.wait(p_bar.index(1 - HF), ph)
     inv_l = ibuf.load(col_l)
     for u in gl.static_range(4):
-        _store_o(o_ptr, o_row, m_m, outs[u], inv_l, U0 + u, GC, D_C, C_BITS, acc_l)
+        _store_o(o_ptr, o_row, m_m, outs[u], inv_l, U0 + u, GC, D_C, C_BITS)
 
 
 # --------------------------------------------------------------------------------------------- host side

@@ -203,8 +203,7 @@ def main():
     log("step\ttokens\telapsed_s\tlr\ttrain_loss\ttok_per_s")
     t0 = time.time()
     step, tokens, next_eval = 0, 0, args.eval_every_frac
-    loss_acc, n_acc, tlast, toklast = 0.0, 0, t0, 0
-    last_loss = float("nan")
+    tlast, toklast = t0, 0
     while step < args.max_steps:
         frac = (time.time() - t0) / args.time_budget
         if frac >= 1.0:
@@ -226,7 +225,6 @@ def main():
         if step % args.log_every == 0 or step == 1:
             l = ltot.item()
             now = time.time()
-            last_loss = l
             log(f"{step}\t{tokens}\t{now - t0:.1f}\t{lr:.3e}\t{l:.4f}\t{(tokens - toklast) / (now - tlast):.0f}")
             tlast, toklast = now, tokens
         if frac >= next_eval:
