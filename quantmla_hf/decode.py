@@ -315,7 +315,7 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
         return (torch.empty((0, H, d_c), dtype=torch.float32, device=q_lat.device),
                 torch.empty((0, H), dtype=torch.float32, device=q_lat.device))
     page_size = next(iter(content.values())).shape[1]
-    choice = "triton" if portable.interpreting() else select_paged_backend(fmt, H, n, Nq, page_size, copy_dtype, q_lat.device)
+    choice = select_paged_backend(fmt, H, n, Nq, page_size, copy_dtype, q_lat.device)  # "triton" in the interpreter
     backend = backend or choice
     if backend not in PAGED_BACKENDS:
         raise ValueError(f"backend must be one of {PAGED_BACKENDS}, got {backend!r}")
