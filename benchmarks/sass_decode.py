@@ -33,7 +33,6 @@ from triton.experimental import gluon
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_combine as combine
-from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 from quantmla_hf.kernels import mla_decode_triton as portable
@@ -126,9 +125,7 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
 def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide, groups=8):
     regs = mw.REGS[content_bits] if wide else 0
     const = dict(GC=groups, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M if wide else mr.BLOCK_M,
-                 Q_SPLIT=q_split, INFLIGHT=inflight, WIDE=wide, W_REGS=regs, WC_L=mc.words_layout(content_bits // 2),
-                 WP_L=mc.words_layout(content_bits), WR_L=mc.words_layout(rope_bits // 2), XL=mc.words_layout(16),
-                 PAGED=paged)
+                 Q_SPLIT=q_split, INFLIGHT=inflight, WIDE=wide, W_REGS=regs, PAGED=paged)
     index = "*i32" if paged else "*i64"  # the paged launch's lengths, copy rows and page numbers
     options = {"num_warps": 4, "maxnreg": min(regs, mw.MAX_REGS)} if wide else {"num_warps": 4}
     return _compile(mr.mla_decode_gluon_kernel, const, q_split, options, dict(lp_ptr=index, len_ptr=index,

@@ -42,6 +42,7 @@ SMEM_PER_SM = 233472  # bytes of shared memory of one sm_90 multiprocessor (228 
 
 
 _jit = gluon.jit if HAVE_GLUON else (lambda fn: fn)
+_constexpr_fn = gluon.constexpr_function if HAVE_GLUON else (lambda fn: fn)  # called in a kernel at compile time
 
 
 def _jit_dynamic(fn):
@@ -238,8 +239,7 @@ def _unit_base(u: gl.constexpr, q, GC: gl.constexpr):
 @_jit
 def _score_channel(u: gl.constexpr, c, BITS: gl.constexpr, GC: gl.constexpr):
     """The channel (of the content latent for u < GC, of the RoPE key for u = GC) held by column `c` of unit u's
-    score A operand (row-major `m64n16k16` A fragments: column `16 kc + 8 h + 2 q + e` of thread q holds element `E w
-    + k + (E / 2) e` of its words, `(E / 2) w + k = 2 kc + h`); the queries are staged in it."""
+    score A operand (the A-fragment order of the module docstring); the queries are staged in it."""
     N: gl.constexpr = 16 // BITS
     p = 2 * (c // 16) + (c // 8) % 2
     return _unit_base(u, (c // 2) % 4, GC) + (p // N) * (2 * N) + p % N + N * (c % 2)
@@ -278,7 +278,7 @@ def _fp16_bits(x: float) -> int:
     return int(v.view(torch.int16)) & 0xFFFF
 
 
-if HAVE_GLUON:
+if HAVE_GLUON:  # the asm of each width (plain functions cannot be called in a kernel: they read torch)
     _HALF_ASM_2 = gl.constexpr(half_asm(2))
     _HALF_ASM_4 = gl.constexpr(half_asm(4))
     _HALF_ASM_8 = gl.constexpr(half_asm(8, split=True))
@@ -340,9 +340,8 @@ def _a_view(x5, dot_a: gl.constexpr):
 @_jit
 def _v_view(x5):
     """`[64, 4, WU, 2, K]` unit keys (`K = E / 2`, element `E w + k + K e` at `[t, q, w, e, k]`) -> the `[64, 64]` tile
-    stored for the values: column `16 q + 8 (k % 2) + K w + 2 (k // 2) + e`. Each 32-bit pair of a store is one
-    register of the asm (no byte permutes), and the value rows `c` and `c + 8` that one thread of the `O^T`
-    accumulator holds are adjacent channels (`_store_o`)."""
+    stored for the values, in the `kbuf` column order of the module docstring: each 32-bit pair of a store is one
+    register of the asm (no byte permutes)."""
     K: gl.constexpr = x5.shape[4]
     x = gl.reshape(x5, [64, 4, x5.shape[2], 2, K // 2, 2])  # [t, q, w, e, k // 2, k % 2]
     return gl.reshape(gl.permute(x, (0, 1, 5, 2, 4, 3)), [64, 64])
@@ -512,7 +511,7 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
     K: gl.constexpr = 16 // C_BITS
     x = o * inv_l[None, :]
     x = gl.reshape(gl.permute(gl.reshape(x, [4, 2, 8, BM]), (0, 2, 3, 1)), [32, BM, 2])  # [8 q + i, row, h]
-    st_l: gl.constexpr = _PAIRS_16 if BM == 16 else _PAIRS_32
+    st_l: gl.constexpr = _pair_layout(BM)
     x = gl.convert_layout(x, st_l, assert_trivial=True)  # h the first register: one 8-byte store
     c = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
     i = c % 8
@@ -523,6 +522,7 @@ def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C
     gl.store(o_ptr + (r[None, :, None] * D_C + o_d[:, None, None]) + o_h[None, None, :], x, mask=m[None, :, None])
 
 
+@_constexpr_fn
 def _pair_layout(BM: int):
     """The `m64nBMk16` accumulator `[64, BM]` viewed as `[32, BM, 2]` (`[8 q + i, row, h]` for accumulator row `16 q
     + 8 h + i`) with h in the first register (`_store_o`)."""
@@ -532,22 +532,15 @@ def _pair_layout(BM: int):
                                       warp_bases=[[8, 0, 0], [16, 0, 0]], block_bases=[], shape=[32, BM, 2])
 
 
-if HAVE_GLUON:
-    _PAIRS_16 = gl.constexpr(_pair_layout(16))  # the one-warpgroup program's 16 rows
-    _PAIRS_32 = gl.constexpr(_pair_layout(32))  # the two-warpgroup program's 32
-
-
 @_jit
 def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
                 Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
                 FIRST: gl.constexpr = 0):
-    """Issue unit u's score `wgmma`(s) on the A view of `x5` and store its content keys to `kbuf[u]` (`_v_view`
-    order), then wait until at most `INFLIGHT` (0 or 1) units' `wgmma`s are in flight (`p1`: the A operand of the
-    last unit, kept alive until its `wgmma`s have finished). Returns `(acc, pend, p1, p2)` for the next unit.
-    `FIRST`: the warpgroup's first unit of the tile (it starts the accumulator and waits for the previous tile's
-    value reads). `LO` (8-bit keys): also a register-A `wgmma` on the remainder `x5lo`, in accumulator chains of
-    units 0-2, 3-5, 6-8 (`use_acc` off where one starts; the caller keeps the finished ones in `pend` and adds them
-    in fp32); one unit in flight, `p1`, `p2` its high and low A operands."""
+    """Issue unit u's score `wgmma`(s) on the A view of `x5`, store its content keys to `kbuf[u]` (`_v_view`), then
+    wait until at most `INFLIGHT` (0 or 1) units' `wgmma`s are in flight (`p1`, `p2`: the last unit's A operands,
+    alive until its `wgmma`s finish). Returns `(acc, pend, p1, p2)`. `FIRST`: the warpgroup's first unit of the tile
+    (starts the accumulator, waits for the previous tile's value reads). `LO` (8-bit keys): also a `wgmma` on the
+    remainder `x5lo`, in accumulator chains of units 0-2, 3-5, 6-8 (the caller keeps finished chains in `pend`)."""
     a = _a_view(x5, dot_a)
     if LO:
         alo = _a_view(x5lo, dot_a)
@@ -585,13 +578,11 @@ def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
 
 @_jit
 def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf):
-    """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0) and the values of every
-    content unit (`outs[u] = o_u^T[64, BM] += kbuf[u]^T @ P`, waited). Returns `(m_i, l_p, outs)`; `l_p: [64, BM]`
-    holds the row sums per token lane (reduced once, at the end).
-
-    Lazy rescaling (`_references`): P is computed against the rows' present references and stored; whether any
-    score passed its reference by more than 8 is voted per warp (`vbuf: [4]` int32) and read back after the barrier
-    that publishes P; only then are the references moved, the accumulators rescaled and P stored again."""
+    """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0), then the values of every
+    content unit (`outs[u] = o_u^T[64, BM] += kbuf[u]^T @ P`, waited). Returns `(m_i, l_p, outs)`, `l_p: [64, BM]`
+    the row sums per token (reduced at the end). Lazy rescaling (`_references`): P is stored against the present
+    references; a per-warp vote (`vbuf: [4]` int32, read after the barrier that publishes P) on any score passing
+    its reference by more than 8 moves the references, rescales the accumulators and stores P again."""
     b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
     m_new = m_i
     m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -712,14 +703,12 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
                    R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
                    wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ROWS: gl.constexpr):
     """Scores `[64, BM]` (waited) of content units `U0 .. U0 + NU - 1` (NU = 4 or 8) and, with `ROPE`, the RoPE unit
-    of one packed tile, from the code words in unit pairs `c01, c23` (units U0 .. U0 + 3) and `c45, c67` (4 .. 7,
-    NU = 8) (`[64, 4, 2 WU]`: a thread's 32 consecutive channels of group q for units 0-3, q + 4 for 4-7), `cr`
-    (RoPE) and fp16x2 metadata (`zz0, ss0, zh0`: the groups of units U0 .. U0 + 3, `zz1, ss1, zh1`: of units 4-7,
-    `zzr, ssr, zhr`: RoPE; `half_asm`); the content keys stored to `kbuf`. A pair's words are replaced by those of
-    the tile at `tn` once both units are unpacked (one load per token and thread): `_load_unit` masked to `[lo,
-    end)`, or with `ROWS` from the row pointers `p_cc`, `p_rc` up to row `end`. Returns `(acc, c01, c23, c45, c67,
-    cr)`. 8-bit keys: accumulator chains 0-2, 3-5, 6-7 + RoPE (the leader's 0-2 and 3 + RoPE, the worker's 4-5 and
-    6-7 in the two-warpgroup program; `_score_unit`), summed in fp32."""
+    of one packed tile, from the words of unit pairs `c01, c23` (units U0 .. U0 + 3: a thread's 32 channels of group
+    q) and `c45, c67` (units 4-7, group q + 4), `cr` (RoPE), with the fp16x2 metadata of those groups (`zz0, ss0,
+    zh0`; `zz1, ss1, zh1`; `zzr, ssr, zhr`: `half_asm`); the content keys stored to `kbuf`. Each pair's words are
+    replaced by the next tile's (at `tn`) once both units are unpacked: `_load_unit` masked to `[lo, end)`, or with
+    `ROWS` from the row pointers `p_cc`, `p_rc` up to row `end`. Returns `(acc, c01, c23, c45, c67, cr)`. 8-bit
+    keys: accumulator chains 0-2, 3-5, 6-7 + RoPE (`_score_unit`), summed in fp32."""
     RWR: gl.constexpr = 2 * R_BITS
     LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
     acc = gl.zeros([64, BM], gl.float32, acc_l)
@@ -786,11 +775,10 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
 
 @_jit
 def _alloc_tiles(GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr):
-    """The shared buffers of a program: `(kbuf, qbuf, qlo, pbuf)`. `kbuf`, the content keys of a tile for the value
-    `wgmma`s, is a tuple of `GC` buffers `[1, BT, 64]` fp16, one per unit; `qbuf`, `qlo`, the staged queries, tuples
-    of `GC + 1` buffers `[1, BM, 64]` fp16 (`qlo`, their low parts, only for `Q_SPLIT`; else `qbuf` again): separate
-    allocations, so the barrier analysis sees the units' stores as disjoint; `pbuf: [1, BT, BM]` fp16 the
-    probabilities."""
+    """The shared buffers of a program, one allocation per unit (so the barrier analysis sees the units' stores as
+    disjoint): `kbuf`, `GC` `[1, BT, 64]` fp16, a tile's content keys for the value `wgmma`s; `qbuf`, `qlo`, `GC + 1`
+    `[1, BM, 64]` fp16, the staged queries and (`Q_SPLIT`, else `qbuf` again) their low parts; `pbuf: [1, BT, BM]`
+    fp16, the probabilities."""
     k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BM if BM < 64 else 128, element_bitwidth=16,
                                               rank=2)
@@ -809,6 +797,7 @@ def _unit_buffers(N: gl.constexpr, ROWS: gl.constexpr, sl: gl.constexpr):
     return bufs
 
 
+@_constexpr_fn
 def words_layout(wu: int):
     """`[64, 4, wu]` words: lane `4 r + q` of warp w holds token `16 w + r` (and `+ 8`, a register) and quad slot
     q, its `wu` words in registers (the rows and quad slots of the `m64n16k16` A fragments); `wu = 16` is the
@@ -847,12 +836,11 @@ def flat_grid(NS: int, fmt: CacheFormat, M: int, block_m: int, B: int) -> tuple[
 def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, qr, cp, rp, fmt: CacheFormat,
                 sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, split_target, NS, qk_scale,
                 page_table=None, **meta):
-    """Launch a Gluon decode kernel on `flat_grid`: queries `[B, M, d_c]` / `[B, M, d_R]`, code planes viewed as
-    int32 words, scale/zero planes, copies, left padding, device-side length, partial outputs `[B, M, NS +
-    copy_programs(fmt), d_c]` / `[B, M, NS + copy_programs(fmt)]`, plus the kernel's own constexprs and options
-    `meta`. `page_table` (int32 `[B, max_pages]`): the `PAGED` launch, the planes page pools `[P, 64, width]` (batch
-    strides 0), `lp` the requests' copy rows and `length` their lengths `[B]`. Refuses a format needing more than
-    `SMEM_LIMIT` bytes of shared memory (`smem_bytes(fmt, q_split)`), naming `fallback`."""
+    """Launch a Gluon decode kernel on `flat_grid`: queries `[B, M, d_c]` / `[B, M, d_R]`, code planes (read as int32
+    words), copies, left padding, device-side length, partials `[B, M, NS + copy_programs(fmt), d_c]` and `[B, M, NS
+    + copy_programs(fmt)]`, the kernel's own constexprs and options `meta`. `page_table` (int32 `[B, max_pages]`):
+    the `PAGED` launch, planes `[P, 64, width]` page pools, `lp` the requests' copy rows, `length` their lengths
+    `[B]`. Refuses a format needing more than `SMEM_LIMIT` bytes of shared memory, naming `fallback`."""
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
     smem_need = smem_bytes(fmt, q_split)
     if smem_need > SMEM_LIMIT:

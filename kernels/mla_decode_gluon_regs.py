@@ -45,14 +45,13 @@ def mla_decode_gluon_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WIDE: gl.constexpr, W_REGS: gl.constexpr,
-    WC_L: gl.constexpr, WP_L: gl.constexpr, WR_L: gl.constexpr, XL: gl.constexpr, pt_ptr, s_pt, PAGED: gl.constexpr,
+    pt_ptr, s_pt, PAGED: gl.constexpr,
 ):
     """One program per split, block of BM rows and batch row (`_program_coords`; the last `ND` splits attend one
     copied tile each): one warpgroup, or with `WIDE` two (the queries and the rows' score factors, `fbuf`, staged by
     the default warps, then the leader and the worker, `W_REGS` registers, attend each tile together:
-    `mla_decode_gluon_wide._half_program`). `WC_L`, `WR_L`: the content and RoPE word layouts (`words_layout`), `WP_L`:
-    two consecutive content units' words loaded together, `XL`: the copies' `[64, 4, 16]` layout, `INFLIGHT`:
-    score units whose `wgmma`s may be in flight while the next is unpacked (0 or 1).
+    `mla_decode_gluon_wide._half_program`). `INFLIGHT`: score units whose `wgmma`s may be in flight while the next
+    is unpacked (0 or 1).
 
     `PAGED`: batch row b is request b of a decode step of the paged cache (one query token, `Tq = 1`): its length
     is `len_ptr[b]`, its copies are row `lp_ptr[b]` of the copy tensors, and its position p lives in row `page * 64
@@ -100,6 +99,10 @@ def mla_decode_gluon_kernel(
         ], [4], [W_REGS])
     else:  # one warpgroup
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        WC_L: gl.constexpr = words_layout(C_BITS // 2)  # one content unit's words
+        WP_L: gl.constexpr = words_layout(C_BITS)  # two consecutive content units' words, loaded together
+        WR_L: gl.constexpr = words_layout(R_BITS // 2)  # the RoPE unit's words
+        XL: gl.constexpr = words_layout(16)  # the copies' 16 channels per quad slot
         row_l: gl.constexpr = gl.SliceLayout(1, acc_l)  # per token
         ml: gl.constexpr = gl.SliceLayout(2, WC_L)  # per (token, quad slot)
         RWC: gl.constexpr = GC * 2 * C_BITS  # code words per token row
@@ -215,12 +218,11 @@ def launch_gluon(*args, wide_program: bool = False, page_table=None):
     """Launch `mla_decode_gluon_kernel` with `launch_flat`'s arguments (after its `block_m`): `B * cdiv(M, 16) * (NS +
     copy_programs(fmt))` programs of one warpgroup or, `wide_program`, `B * cdiv(M, 32) * (NS + copy_programs(fmt))`
     programs of two (8 warps at `wide.REGS[content bits]` registers, the worker's set again by `setmaxnreg`)."""
-    c, r = args[4].content.bits, args[4].rope.bits  # the format's
-    layouts = dict(WC_L=words_layout(c // 2), WP_L=words_layout(c), WR_L=words_layout(r // 2), XL=words_layout(16))
+    c = args[4].content.bits  # the format's
     if wide_program:
         launch_flat(mla_decode_gluon_kernel, "two-warpgroup Gluon decode kernel", wide.smem_bytes, "gluon_regs",
                     wide.BLOCK_M, *args, page_table=page_table, INFLIGHT=wide.INFLIGHT, WIDE=True, W_REGS=wide.REGS[c],
-                    **layouts, num_warps=4, maxnreg=min(wide.REGS[c], wide.MAX_REGS))
+                    num_warps=4, maxnreg=min(wide.REGS[c], wide.MAX_REGS))
     else:
         launch_flat(mla_decode_gluon_kernel, "register-operand Gluon decode kernel", smem_bytes, "triton", BLOCK_M,
-                    *args, page_table=page_table, INFLIGHT=INFLIGHT[c], WIDE=False, W_REGS=0, **layouts, num_warps=4)
+                    *args, page_table=page_table, INFLIGHT=INFLIGHT[c], WIDE=False, W_REGS=0, num_warps=4)

@@ -38,13 +38,6 @@ MAX_REGS = 255  # registers per thread ptxas takes at most (allocated in steps o
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`decode.fill_splits`): the one resident
 
-if HAVE_GLUON:  # the layouts the partitions use (layouts cannot travel in warp_specialize's argument tuples)
-    _WORDS_1 = gl.constexpr(words_layout(1))  # 2-bit words
-    _WORDS_2 = gl.constexpr(words_layout(2))  # 4-bit words, 2-bit unit pairs
-    _WORDS_4 = gl.constexpr(words_layout(4))  # 4-bit unit pairs, 8-bit words
-    _WORDS_8 = gl.constexpr(words_layout(8))  # 8-bit unit pairs
-    _DENSE = gl.constexpr(words_layout(16))  # model-dtype copies
-
 
 # --------------------------------------------------------------------------------------------- one half tile
 @_jit
@@ -135,10 +128,10 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     U0: gl.constexpr = 0 if LEAD else 4
-    WC_L: gl.constexpr = _WORDS_4 if C_BITS == 8 else (_WORDS_2 if C_BITS == 4 else _WORDS_1)  # one unit's words
-    WP_L: gl.constexpr = _WORDS_8 if C_BITS == 8 else (_WORDS_4 if C_BITS == 4 else _WORDS_2)  # two units'
-    WR_L: gl.constexpr = _WORDS_4 if R_BITS == 8 else _WORDS_2
-    XL: gl.constexpr = _DENSE
+    WC_L: gl.constexpr = words_layout(C_BITS // 2)  # one content unit's words
+    WP_L: gl.constexpr = words_layout(C_BITS)  # two units'
+    WR_L: gl.constexpr = words_layout(R_BITS // 2)
+    XL: gl.constexpr = words_layout(16)
     HF: gl.constexpr = 0 if LEAD else 1
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
