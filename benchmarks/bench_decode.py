@@ -21,6 +21,10 @@ fetched separately and never committed) and the stock transformers step (`--stoc
     python benchmarks/bench_decode.py --check --paged
         also the paged backends (the Gluon kernels where they apply, triton) vs the fp64 paged reference: requests of
         unequal lengths (page edges, shorter than sink + recent) with pages and copy rows shuffled
+    python benchmarks/bench_decode.py --repeat ROUNDS --flashmla DIR --points H:B:N,... --formats C4R4,...
+        also DeepSeek's FlashMLA (its BF16 dense decode, built from source into DIR: `flash_mla_cuda*.so`, never
+        committed) on the same history as a BF16 page pool, replayed from a CUDA graph beside every format: each
+        format's ratio to FlashMLA with its interval, and the outputs compared (`--bench` gets a FlashMLA row too)
     python benchmarks/bench_decode.py --profile H:B:N:FORMAT [--backends B] [--iters 20]
         one point run a few times for a profiler to attach (`ncu -k regex:mla_decode -s 2 -c 1 ...`)
     TRITON_INTERPRET=1 python benchmarks/bench_decode.py --tiny     # CPU smoke run of the script itself
@@ -54,7 +58,7 @@ from quantmla_hf.decode import (BACKENDS, PAGED_BACKENDS, mla_decode_paged, mla_
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.intervals import t_interval
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref
-from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
+from quantmla_hf.kernels.mla_decode_ref import history_ref, mla_decode_ref
 
 D_C, D_R, D_NOPE, D_V, HIDDEN = 512, 64, 128, 128, 2048
 SCALING = (D_NOPE + D_R) ** -0.5
@@ -341,6 +345,73 @@ def bf16_kernel_fn(decode_attention_fwd, B, H, N, kv):
     return lambda: decode_attention_fwd(q, k_buf, v_buf, o, lse, req_to_token, seq_lens, logits, splits, SCALING, 1)
 
 
+def load_flashmla(path):
+    """DeepSeek's FlashMLA extension (`flash_mla_cuda`) from the folder `path` it was built in, or None."""
+    if not path:
+        return None
+    if not os.path.isdir(path):
+        raise SystemExit(f"--flashmla {path!r} is not a folder; build FlashMLA there (its README) and pass the folder")
+    sys.path.insert(0, path)
+    try:
+        import flash_mla_cuda
+    except ImportError as e:
+        raise SystemExit(f"--flashmla {path!r}: could not import flash_mla_cuda ({e}); build it in that folder") from e
+    return flash_mla_cuda
+
+
+FLASHMLA_PAGE = 64  # FlashMLA's page size (page_block_size)
+
+
+def flashmla_fn(flash_mla_cuda, q_lat, q_rot, history_c, history_r):
+    """One FlashMLA decode step on the history `[B, N, d_c]`, `[B, N, d_R]` laid out as its BF16 page pool
+    `[B * ceil(N / 64), 64, 1, 576]` (RoPE key in the last 64 columns, identity block table), queries
+    `[B, 1, H, 576]`; the scheduler metadata is computed once, outside the timed call (as a server does per batch
+    shape). Returns `(step, outputs)`: `step()` runs it, `outputs()` gives `(o [B, H, d_c] fp32, lse [B, H])`."""
+    B, N, _ = history_c.shape
+    H = q_lat.shape[1]
+    pages = -(-N // FLASHMLA_PAGE)
+    kv = torch.zeros(B, pages * FLASHMLA_PAGE, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
+    kv[:, :N, :D_C] = history_c.to(torch.bfloat16)
+    kv[:, :N, D_C:] = history_r.to(torch.bfloat16)
+    pool = kv.view(B * pages, FLASHMLA_PAGE, 1, D_C + D_R)
+    q = torch.cat([q_lat, q_rot], dim=-1).to(torch.bfloat16).transpose(1, 2).contiguous()  # [B, 1, H, 576]
+    table = torch.arange(B * pages, device=DEVICE, dtype=torch.int32).view(B, pages)
+    lengths = torch.full((B,), N, device=DEVICE, dtype=torch.int32)
+    meta, splits = flash_mla_cuda.get_mla_metadata(lengths, H, 1)
+    result = {}
+
+    def step():
+        result["out"] = flash_mla_cuda.fwd_kvcache_mla(q, pool, D_C, lengths, table, SCALING, False, meta, splits)
+
+    def outputs():
+        o, lse = result["out"]
+        return o[:, 0].float(), lse[:, :, 0]
+
+    return step, outputs
+
+
+def flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N):
+    """The `[B, N, d]` history the packed decode attends to (sink and recent copies, the rest dequantized), as
+    FlashMLA's BF16 latent: both methods then compute the same function."""
+    length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
+    S, R = fmt.sink_tokens, fmt.recent_tokens
+    c = history_ref(cp, fmt.content, sc, rc, lp, length, S, R)
+    r = history_ref(rp, fmt.rope, sr, rr, lp, length, S, R)
+    return c[:, :N].to(torch.bfloat16), r[:, :N].to(torch.bfloat16)
+
+
+def compare_flashmla(flash_mla_cuda, fmt, args, N):
+    """Relative difference of this library's decode (`args` of `decode_fn`) and FlashMLA's on the same history:
+    `(output, max |lse difference|)`; both read bf16 values, so they differ by bf16 rounding only."""
+    q_lat, q_rot, cp, rp, _, sc, sr, rc, rr, lp, _, _ = args
+    o, lse = decode_fn("default", N)(*args)
+    step, outputs = flashmla_fn(flash_mla_cuda, q_lat, q_rot, *flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N))
+    step()
+    fo, flse = outputs()
+    o = o[:, :, 0].float()
+    return ((o - fo).norm() / fo.norm()).item(), (lse[:, :, 0] - flse).abs().max().item()
+
+
 def _queries(B, H):
     g = torch.Generator(device=DEVICE).manual_seed(1)
     q_lat = torch.randn(B, H, 1, D_C, device=DEVICE, generator=g).bfloat16()  # bf16: what the attention swap passes
@@ -348,9 +419,9 @@ def _queries(B, H):
     return q_lat, q_rot, torch.zeros(B, dtype=torch.long, device=DEVICE)
 
 
-def run_bench(out_lines, points, formats, bf16_kernel=None, stock=False, graph=False):
+def run_bench(out_lines, points, formats, bf16_kernel=None, stock=False, graph=False, flashmla=None):
     """Timing table: every point times the default dispatch per format, the torch bmm on a BF16 latent cache and,
-    when given, the BF16 Triton kernel, in the same process. `graph`: every method replayed from a CUDA graph (no
+    when given, the BF16 Triton kernel and FlashMLA (`flashmla`: the `flash_mla_cuda` module), in the same process. `graph`: every method replayed from a CUDA graph (no
     host or launch overhead; a method that cannot be captured is timed eagerly and says so)."""
 
     def timed(fn):
@@ -385,6 +456,11 @@ def run_bench(out_lines, points, formats, bf16_kernel=None, stock=False, graph=F
         if bf16_kernel is not None and B * N * (D_C + D_R) < 2**31:  # that kernel's int32 offsets
             ms, sfx = timed(bf16_kernel_fn(bf16_kernel, B, H, N, kv))
             here.append(dict(method="vllm-triton-bf16" + sfx, H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
+        if flashmla is not None:
+            step, _ = flashmla_fn(flashmla, q_lat, q_rot, kv[..., :D_C], kv[..., D_C:])
+            ms, sfx = timed(step)
+            here.append(dict(method="flashmla-bf16" + sfx, H=H, B=B, N=N, ms=ms, bytes=kv_bytes))
+            del step
         del kv
         if stock and B * N * H * (D_NOPE + D_V) * 2 * 3 < 60e9:
             step = stock_step_fn(*stock_layer(H), B, N)
@@ -491,13 +567,16 @@ def check_paged(out_lines, cases=None, page_size=64):
     return all_ok
 
 
-def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False, backend="default"):
+def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False, backend="default",
+                flashmla=None):
     """Per point: the default dispatch (or the named `backend`) for each format (`new-FMT`), the baseline tree's
     (`old-FMT`, given `baseline`; the same named backend), the paged kernel on the same cache in pages (`paged-FMT`, given `paged`; with a baseline tree that
     has a paged decode also its `old-paged-FMT`) and the torch bmm on a
     BF16 latent, each captured once in a CUDA graph, the replays timed `rounds` times in turns (the order rotated
     each round) in one process; reported by `summarize_rounds` (ratios to the first method) and, per format, the
-    ratio new / old with its interval and a verdict."""
+    ratio new / old with its interval and a verdict. `flashmla` (the `flash_mla_cuda` module): FlashMLA on the first
+    format's history as a BF16 page pool (`flashmla-bf16`), each format's ratio to it with its interval, and each
+    format's output against FlashMLA's on its own history."""
     out = []
     for H, B, N in points:
         q_lat, q_rot, lp = _queries(B, H)
@@ -519,6 +598,15 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
                     run = paged_fn(args, backend=backend, decode=decode)
                     keep.append((run, args))
                     replays[f"{tag}-{name}"] = graphed(run)
+            if flashmla is not None:
+                rel, lse_err = compare_flashmla(flashmla, fmt, args, N)
+                out_lines.append(f"flashmla H={H:3d} B={B:2d} N={N:6d} {name:6s} vs FlashMLA on the same history: "
+                                 f"out_rel={rel:.2e} lse_abs={lse_err:.2e}")
+                print(out_lines[-1], flush=True)
+                if "flashmla-bf16" not in replays:
+                    step, _ = flashmla_fn(flashmla, q_lat, q_rot, *flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N))
+                    keep.append(step)
+                    replays["flashmla-bf16"] = graphed(step)
         kv = torch.randn(B, N, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
         q = torch.randn(B, H, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
         replays["torch-bmm-bf16"] = graphed(lambda: torch_absorbed(q, kv, SCALING))
@@ -545,6 +633,13 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             print(out_lines[-1], flush=True)
             out.append(dict(method=f"new/old-{label.replace(' ', '-')}", H=H, B=B, N=N, ratio=ratio.to_dict(),
                             verdict=word))
+        for name in formats if "flashmla-bf16" in times else ():
+            ours, theirs = (torch.tensor(times[k], dtype=torch.float64) for k in (f"new-{name}", "flashmla-bf16"))
+            ratio = t_interval(ours / theirs)
+            word = "faster" if ratio.high < 1 else ("slower" if ratio.low > 1 else "tie")
+            out_lines.append(f"vs FlashMLA H={H:3d} B={B:2d} N={N:6d} {name:6s} x{ratio.fmt(3)} of FlashMLA's time: {word}")
+            print(out_lines[-1], flush=True)
+            out.append(dict(method=f"new/flashmla-{name}", H=H, B=B, N=N, ratio=ratio.to_dict(), verdict=word))
         if verdict is not None:
             out_lines.append(f"repeat H={H:3d} B={B:2d} N={N:6d} {names[0]} against {target} ms: "
                              f"{rows[0]['ms'].fmt(4)}: {verdict}")
@@ -653,6 +748,8 @@ def main():
     ap.add_argument("--stock", action="store_true", help="--bench: also time the stock transformers step (slow)")
     ap.add_argument("--bf16-kernel", default=os.environ.get("BF16_MLA_KERNEL", ""),
                     help="path to a local copy of vLLM's triton_decode_attention.py (not part of this repository)")
+    ap.add_argument("--flashmla", default="",
+                    help="--repeat/--bench: folder where FlashMLA was built (flash_mla_cuda*.so; not part of this repository)")
     ap.add_argument("--repeat", type=int, default=0, help="ROUNDS of every method in turns (CUDA-graph replays)")
     ap.add_argument("--paged", action="store_true",
                     help="--repeat: also the paged kernels on the same cache in pages; --check: also check them")
@@ -690,11 +787,12 @@ def main():
     elif a.repeat:
         baseline = load_baseline(a.baseline_path) if a.baseline_path else None
         result["repeats"] = run_repeats(lines, points, formats, baseline, a.repeat, a.target_ms, a.paged,
-                                        a.repeat_backend)
+                                        a.repeat_backend, load_flashmla(a.flashmla))
     if a.bench:
         bf16 = load_bf16_kernel(a.bf16_kernel)
         lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")
-        result["ceiling_GBps"], result["rows"] = run_bench(lines, points, formats, bf16, a.stock, a.graph)
+        result["ceiling_GBps"], result["rows"] = run_bench(lines, points, formats, bf16, a.stock, a.graph,
+                                                           load_flashmla(a.flashmla))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
