@@ -18,12 +18,13 @@ KERNELS = ("auto", "triton", "torch")
 # Version of the `quantization_config` layout this library writes (the `format_version` key of config.json). A
 # config without the key predates versioning and is read as version 1; a higher version is refused (newer library).
 FORMAT_VERSION = 1
-# Options that only shape the cache at run time: a loaded checkpoint takes them from a `QuantMLAConfig` passed to
-# `from_pretrained` (its weights do not depend on them). The other options describe the weights (transform,
-# calibrated) or how they were made (calibration_*, seed) and come from the checkpoint.
+# Options that only shape the cache and the decode at run time: a loaded checkpoint takes every one given in a
+# `QuantMLAConfig` passed to `from_pretrained` (its weights hold only the fused transform, which none of them changes).
+# The other options describe the weights (transform, calibrated) or how they were made (calibration_*, seed) and come
+# from the checkpoint.
 CACHE_OPTIONS = (
     "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "kernel", "cache_block_size",
-    "static_cache",
+    "static_cache", "decode_graphs",
 )
 
 
@@ -101,7 +102,21 @@ class QuantMLAConfig(QuantizationConfigMixin):
         decode_graphs: whether plain `generate()` replays its decode steps from CUDA graphs (static cache, no
             compiler; `quantmla_hf.decode_graphs`): "auto" (default) on one CUDA device where the call can be
             captured, True to insist (an error where it cannot be used), False for eager decode.
+
+    The config remembers which options were given (`explicit_options`): passed beside an already quantized checkpoint,
+    every cache option given applies, one equal to its default too.
     """
+
+    def __new__(cls, *args, **kwargs):
+        # The options given are read from the call itself: a value equal to the default is still a request (it
+        # overrides a checkpoint's value), which the values alone cannot tell.
+        self = super().__new__(cls)
+        try:
+            given = _SIGNATURE.bind(self, *args, **kwargs).arguments
+        except TypeError:
+            given = {}  # __init__ raises the error
+        object.__setattr__(self, "_explicit", frozenset(k for k in given if k in FIELDS))
+        return self
 
     def __init__(
         self,
@@ -167,7 +182,8 @@ class QuantMLAConfig(QuantizationConfigMixin):
         self._assign({name: value})
 
     def _assign(self, values: dict[str, Any]) -> None:
-        """Set `values` together and validate; on a bad value every field keeps its previous value."""
+        """Set `values` together and validate; on a bad value every field keeps its previous value (and nothing is
+        remembered as given)."""
         old = {k: getattr(self, k) for k in values}
         for k, v in values.items():
             object.__setattr__(self, k, v)
@@ -177,6 +193,13 @@ class QuantMLAConfig(QuantizationConfigMixin):
             for k, v in old.items():
                 object.__setattr__(self, k, v)
             raise
+        object.__setattr__(self, "_explicit", self._explicit | {k for k in values if k in FIELDS})
+
+    @property
+    def explicit_options(self) -> frozenset[str]:
+        """The options given to the constructor, `update` or by assignment, whatever their value (a config read with
+        `from_dict` was given every key of the dict). A copy remembers them; a saved config does not."""
+        return self._explicit
 
     def update(self, **kwargs) -> dict[str, Any]:
         """Set several options at once, validated together; an unknown option is an error (not silently returned).
@@ -266,14 +289,11 @@ class QuantMLAConfig(QuantizationConfigMixin):
         return (config, unused) if return_unused_kwargs else config
 
     def get_loading_attributes(self) -> dict[str, Any]:
-        """What this config, passed to `from_pretrained` for an already quantized checkpoint, changes in the
-        checkpoint's config (transformers' loading attributes): the cache options set here (those that differ from
-        the defaults). The other options set here cannot change weights already saved; they travel under
-        `_requested_options` and `check_checkpoint_config` names each one that differs from the checkpoint."""
-        changed = {k: getattr(self, k) for k in FIELDS if getattr(self, k) != _DEFAULTS[k]}
-        cache = {k: v for k, v in changed.items() if k in CACHE_OPTIONS}
-        others = {k: v for k, v in changed.items() if k not in CACHE_OPTIONS}
-        return {**cache, "_requested_options": others} if others else cache
+        """What this config, passed to `from_pretrained` for an already quantized checkpoint, sets in the checkpoint's
+        config (transformers' loading attributes): every cache option given here (`explicit_options`), also one equal
+        to its default. The weight options given here cannot change weights already saved: `weight_conflicts` names
+        each one that differs from the checkpoint (the quantizer warns)."""
+        return {k: getattr(self, k) for k in CACHE_OPTIONS if k in self._explicit}
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -303,6 +323,10 @@ class QuantMLAConfig(QuantizationConfigMixin):
         }
         out.update(copy.deepcopy(self.extra))
         return out
+
+    def __iter__(self):
+        """`dict(config)`, which transformers may call on a quantization config: the serialized fields only."""
+        yield from self.to_dict().items()
 
     def get(self, key: str, default: Any = None) -> Any:
         """Dict-style read of a serialized field. transformers reads a model config's `quantization_config` with
@@ -340,7 +364,8 @@ def check_checkpoint_config(config: QuantMLAConfig) -> list[str]:
     A downloaded config.json must not choose files on this machine or make loading calibrate: calibration data
     named in it, or a transform it claims but whose weights were never calibrated, are refused with the fix.
     Keys a checkpoint always holds must be present (else the weights' transform is unknown). Returns one sentence
-    per option passed to `from_pretrained` that cannot change this checkpoint (see `get_loading_attributes`).
+    per weight option passed to `from_pretrained` that differs from this checkpoint (`weight_conflicts`, handed
+    over by the merge that `quantmla_hf.quantizer.register_quantmla` wraps; read once).
     """
     loaded = getattr(config, "_loaded_keys", None)
     if loaded is not None:
@@ -368,9 +393,21 @@ def check_checkpoint_config(config: QuantMLAConfig) -> list[str]:
             f"{config.transform!r}), calibration_data=...)), or set transform to \"none\" in config.json if its weights "
             "are the stock ones"
         )
-    requested = getattr(config, "_requested_options", None) or {}
-    return [f"{k}={v!r} (the checkpoint has {getattr(config, k)!r})" for k, v in requested.items()
-            if v != getattr(config, k)]
+    conflicts = vars(config).pop("_weight_conflicts", {})
+    return [f"{k}={_short(given)} (the checkpoint has {_short(saved)})" for k, (given, saved) in conflicts.items()]
+
+
+def weight_conflicts(requested: QuantMLAConfig, checkpoint: QuantMLAConfig) -> dict[str, tuple[Any, Any]]:
+    """The weight options given in `requested` (its `explicit_options` outside `CACHE_OPTIONS`) that differ from
+    `checkpoint`'s, as name -> (requested value, checkpoint's value): a quantized checkpoint's weights hold its
+    transform, so none of them can apply to it."""
+    given = [k for k in FIELDS if k in requested.explicit_options and k not in CACHE_OPTIONS]
+    return {k: (getattr(requested, k), getattr(checkpoint, k)) for k in given
+            if getattr(requested, k) != getattr(checkpoint, k)}
+
+
+def _short(value: Any) -> str:
+    return f"<{len(value)} texts>" if isinstance(value, (list, tuple)) else repr(value)
 
 
 FIELDS = (
@@ -378,8 +415,5 @@ FIELDS = (
     "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_steps", "calibration_lr", "seed",
     "calibrated", "cache_block_size", "static_cache", "decode_graphs",
 )
-_DEFAULTS = {
-    name: p.default
-    for name, p in inspect.signature(QuantMLAConfig.__init__).parameters.items()
-    if name in FIELDS
-}
+_SIGNATURE = inspect.signature(QuantMLAConfig.__init__)
+_DEFAULTS = {name: p.default for name, p in _SIGNATURE.parameters.items() if name in FIELDS}

@@ -41,13 +41,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-from transformers.utils import logging
 
 from .cache import CACHE_KWARGS, NATIVE_MAX_QUERY, cache_argument
+from .log import get_logger
 from .masks import mask_is_padding_causal
 from .static_cache import StaticQuantMLACache
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 WARMUP_STEPS = 2
 GRAPHS_PER_CACHE = 8

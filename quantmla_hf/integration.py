@@ -39,13 +39,14 @@ from .calibration_check import (
 from .config import QuantMLAConfig
 from .decode_graphs import compiled_call, masks_for_generate
 from .hooks import _pre_forward, install_cache_hooks, mla_attention_modules
+from .log import get_logger
 from .mla import MLADims, mla_dims
 from .model_card import has_own_card, hub_id_of, write_model_card
 from .staged_output import staged_directory
 from .static_generate import generation_cache, plan_for_given_cache, static_cache_wanted
 from .static_generate import model_qconfig as _model_qconfig
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 # transformers 5.17 passes the cache to forward as `past_key_values`; 5.18 renamed it `cache`.
 GENERATE_CACHE_KWARG = (

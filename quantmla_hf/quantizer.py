@@ -13,10 +13,10 @@ import warnings
 
 import transformers.quantizers.auto as transformers_quantizers_auto
 from transformers.quantizers.base import HfQuantizer
-from transformers.quantizers.auto import register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AutoHfQuantizer, register_quantization_config, register_quantizer
 
 from .calibration_check import check_calibration_inputs
-from .config import QUANT_METHOD, QuantMLAConfig, check_checkpoint_config
+from .config import QUANT_METHOD, QuantMLAConfig, check_checkpoint_config, weight_conflicts
 from .distributed import check_load_not_sharded_for_calibration, check_not_sharded_for_calibration
 from .integration import prepare_model, resolve_auto_transform, resolve_tokenizer, unprepare_model
 from .mla import mla_dims
@@ -47,8 +47,9 @@ class QuantMLAHfQuantizer(HfQuantizer):
             if ignored:
                 warnings.warn(
                     "this checkpoint is already quantized; options of the QuantMLAConfig passed to from_pretrained that "
-                    f"describe its weights cannot change them and are ignored: {'; '.join(ignored)}. Its cache options "
-                    "(bits, group_size, sink/recent tokens, kernel) do apply",
+                    f"describe its weights cannot change them and are ignored: {'; '.join(ignored)}. Every cache "
+                    "option given (bits, group_size, sink/recent tokens, kernel, cache_block_size, static_cache, "
+                    "decode_graphs) does apply",
                     UserWarning, stacklevel=2,
                 )
 
@@ -168,15 +169,40 @@ def quantize(model, quantization_config: QuantMLAConfig | dict | None = None, ca
     return apply_quantmla(model, quantization_config, calibration_data, tokenizer, **calibration_options)
 
 
+def _merge_with_weight_conflicts(merge):
+    """transformers' `AutoHfQuantizer.merge_quantization_configs` (the function `merge`), which also hands the
+    quantizer the weight options of the config passed to `from_pretrained` that the checkpoint cannot take.
+
+    transformers sets the passed config's loading attributes (`QuantMLAConfig.get_loading_attributes`: its cache
+    options) on the checkpoint's config and names them in its note; the weight options given travel on the merged
+    config object instead (`_weight_conflicts`, read by `check_checkpoint_config`), so no private name reaches that
+    note.
+    """
+    def merge_quantization_configs(cls, quantization_config, quantization_config_from_args):
+        merged = merge(cls, quantization_config, quantization_config_from_args)
+        if isinstance(merged, QuantMLAConfig):
+            given = quantization_config_from_args
+            conflicts = weight_conflicts(given, merged) if isinstance(given, QuantMLAConfig) else {}
+            object.__setattr__(merged, "_weight_conflicts", conflicts)
+        return merged
+
+    merge_quantization_configs.quantmla_wraps = merge
+    return classmethod(merge_quantization_configs)
+
+
 def register_quantmla() -> None:
     """Register `QuantMLAConfig` and `QuantMLAHfQuantizer` under "quantmla" with transformers (idempotent)."""
     mapping = transformers_quantizers_auto
     AUTO_QUANTIZATION_CONFIG_MAPPING = mapping.AUTO_QUANTIZATION_CONFIG_MAPPING
     AUTO_QUANTIZER_MAPPING = mapping.AUTO_QUANTIZER_MAPPING
     # A QuantMLAConfig passed to from_pretrained for a QuantMLA checkpoint brings its cache options
-    # (QuantMLAConfig.get_loading_attributes), as GPTQ/AWQ configs bring their loading attributes.
+    # (QuantMLAConfig.get_loading_attributes), as GPTQ/AWQ configs bring their loading attributes; the merge also
+    # hands over the weight options given, to be named when they differ from the checkpoint.
     kinds = mapping.LOADING_ATTRIBUTES_CONFIG_TYPES
     mapping.LOADING_ATTRIBUTES_CONFIG_TYPES = (*(k for k in kinds if k.__name__ != "QuantMLAConfig"), QuantMLAConfig)
+    merge = vars(AutoHfQuantizer)["merge_quantization_configs"].__func__
+    merge = getattr(merge, "quantmla_wraps", merge)  # wrap transformers' own, once, also after a module reload
+    AutoHfQuantizer.merge_quantization_configs = _merge_with_weight_conflicts(merge)
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not QuantMLAConfig:
         AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)  # a stale class from a reloaded module
         register_quantization_config(QUANT_METHOD)(QuantMLAConfig)

@@ -21,15 +21,15 @@ step's own inputs (their cache writes are the ones the replay repeats) and the c
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
+from ..log import get_logger
 from .attention import PagedForward
 from .cache import PagedQuantMLACache, PagedStep
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 EXACT_REQUESTS = 8  # request counts up to this get a graph each; above it, powers of two
