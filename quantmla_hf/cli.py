@@ -33,7 +33,7 @@ from .analysis import analyze
 from .calibration import calibration_token_ids
 from .calibration.defaults import resolve_transform
 from .calibration_check import CLI_NAMES, check_calibration_inputs, no_tokenizer_for_default_text, read_calibration_text
-from .config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig
+from .config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig, weight_conflicts
 from .demo import main as demo_main
 from .evaluation import decode_perplexity
 from .integration import build_cache, generated_cache, upload_saved_files
@@ -48,6 +48,10 @@ HUB_TIMEOUT = 60.0
 
 class CLIError(Exception):
     """An error the user can fix; printed without a traceback."""
+
+
+class UsageError(CLIError):
+    """A command line that cannot work as given (exit status 2, as argparse's own usage errors)."""
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +73,8 @@ WEIGHT_FLAGS = (("--transform", "transform"), ("--calibration", "calibration_dat
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cache options (a MODEL already quantized with QuantMLA takes only the first five)")
+    g = p.add_argument_group("cache options (a MODEL already quantized with QuantMLA takes the first five; the others "
+                             "must match it)")
     g.add_argument("--content-bits", type=int, default=None, choices=(2, 4, 8, 16),
                    help=f"(default {_DEFAULTS['content_bits']})")
     g.add_argument("--rope-bits", type=int, default=None, choices=(4, 8, 16),
@@ -174,16 +179,22 @@ def _quant_config(args):
     return QuantMLAConfig(**options)
 
 
-def _cache_options_for_checkpoint(args):
-    """A QuantMLAConfig of the cache flags given for a MODEL already quantized with QuantMLA (None if none given);
-    a flag that would change its weights is an error naming it."""
-    weight_flags = [flag for flag, _ in WEIGHT_FLAGS if getattr(args, _dest(flag), None) is not None]
-    if weight_flags:
-        raise CLIError(f"{args.model} is already quantized with QuantMLA (its transform is fused into the weights); "
-                       f"{', '.join(weight_flags)} cannot change it: drop {'it' if len(weight_flags) == 1 else 'them'}, "
-                       "or quantize the unquantized model. Cache options (--content-bits, --rope-bits, --group-size, "
-                       "--sink-tokens, --recent-tokens) do apply")
+def _cache_options_for_checkpoint(args, saved):
+    """A QuantMLAConfig of the cache flags given for a MODEL already quantized with QuantMLA (`saved`: its
+    quantization_config), None if none given; each one applies, also one equal to its default. A weight flag that
+    differs from the checkpoint is a usage error naming it (one equal to it changes nothing)."""
+    checkpoint = saved if isinstance(saved, QuantMLAConfig) else QuantMLAConfig.from_dict(saved)
     given = _given(args, CACHE_FLAGS)
+    conflicts = weight_conflicts(QuantMLAConfig(**given, **_given(args, WEIGHT_FLAGS)), checkpoint)
+    if conflicts:
+        flags = {field: flag for flag, field in WEIGHT_FLAGS}
+        named = [f"{flags[k]} {value}" + (f" (the checkpoint has {ckpt})" if ckpt is not None else "")
+                 for k, (value, ckpt) in conflicts.items()]
+        raise UsageError(
+            f"{args.model} is already quantized with QuantMLA (its weights were made with "
+            f"transform={checkpoint.transform}); {', '.join(named)} cannot change it: drop "
+            f"{'it' if len(named) == 1 else 'them'}, or quantize the unquantized model. Cache options (--content-bits, "
+            "--rope-bits, --group-size, --sink-tokens, --recent-tokens) do apply")
     return QuantMLAConfig(**given) if given else None
 
 
@@ -208,7 +219,7 @@ def load_quantized(args, quantize_if_needed: bool = True, need_tokenizer: bool =
         kwargs["device_map"] = args.device_map
     tokenizer = None
     if method == QUANT_METHOD and hasattr(args, "content_bits"):
-        cache_options = _cache_options_for_checkpoint(args)
+        cache_options = _cache_options_for_checkpoint(args, saved)
         if cache_options is not None:
             kwargs["quantization_config"] = cache_options
     if method != QUANT_METHOD:
@@ -472,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise
         print(f"quantmla {command}: error: {message}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, UsageError) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
