@@ -1,7 +1,11 @@
 """Serving benchmark: continuous batching on the paged QuantMLA cache (C4R4 vs C16R16, the BF16-latent baseline
-through the same pages) under cache pressure, and against `generate` with static batches.
+through the same pages): serving metrics under an open-loop load, whole jobs under cache pressure, and against
+`generate` with static batches.
 
     python benchmarks/bench_serve.py --out DIR [--layers 27] [--heads 16] [--tiny] [--check]
+        [--serve] [--requests 100] [--rates 1,2,4,8] [--goodput-bisect 0] [--slo-ttft-s 2] [--slo-tpot-ms 50]
+        [--prompt-median 4096] [--prompt-sigma 1.0] [--prompt-min 1024] [--prompt-max 32768] [--output-min 64]
+        [--output-max 1024] [--max-requests 64] [--seed 0]
         [--pressure] [--pressure-requests 5] [--pressure-input 32768] [--pressure-output 1024] [--budget-gib G]
         [--budgets pressure,no-pressure] [--repeat 1]
         [--scale 64,256] [--scale-min 4096] [--scale-max 32768] [--scale-output 256] [--static-batch 8]
@@ -9,9 +13,22 @@ through the same pages) under cache pressure, and against `generate` with static
 
 Model: the DeepSeek-V2-Lite attention shape (`bench_generate.v2_lite`: 16 heads, d_c 512, d_R 64, dense MLPs,
 random bf16 weights, `--layers` layers; `--heads 128` for V2/V3's head count); `--tiny` swaps in a 4-head toy for
-a CPU smoke run. Prompts are random token ids; generation is greedy with no end token, so every request yields
-exactly its output length.
+a CPU smoke run (and toy sizes for `--serve`'s workload). Prompts are random token ids; generation is greedy with no
+end token, so every request yields exactly its output length.
 
+- `--serve`: serving metrics as vLLM's `benchmark_serving` and SGLang's `bench_serving` define them
+  (`serving_metrics.py`). A workload of `--requests` requests, prompt lengths lognormal (median `--prompt-median`,
+  log sigma `--prompt-sigma`) rounded and clipped to `[--prompt-min, --prompt-max]`, output lengths uniform in
+  `[--output-min, --output-max]`, arriving as a Poisson process (the first at 0) at each of `--rates` requests/s
+  (`inf`: all at once); all of it seeded by `--seed`, and every rate replays the same arrival pattern stretched.
+  Per format one cache of `--budget-gib` GiB (default 2) with `--max-requests` request rows, and its batcher,
+  warmed once before any load (`ready_s`, the time to ready); then per rate an open-loop load: requests join the
+  batcher between its steps once their arrival time has passed, each token stamped with the host time its step
+  returned. Per format and rate: TTFT, TPOT and ITL (mean, p50, p99), E2E latency, request and output-token
+  throughput, preemptions, peak running requests, SLO attainment; per format the goodput: the highest rate whose
+  p99 TTFT <= `--slo-ttft-s` and p99 TPOT <= `--slo-tpot-ms`, every lower rate meeting them too, searched over
+  `--rates` and then `--goodput-bisect` bisection steps between the goodput and the lowest failing rate. A table
+  ends the run.
 - `--check`: six requests of mixed lengths arriving at different steps; each request's tokens from continuous
   batching must equal `generate` on it alone with the contiguous `QuantMLACache` of the same format. It runs on an
   fp32 copy of the model (`--check-dtype model` for the bf16 one, where near-tied logits of random weights flip
@@ -32,10 +49,11 @@ exactly its output length.
   decode steps on a GPU) over static batches of `--static-batch` of the same requests, left-padded, one batch after
   another.
 
-Before its first timed run each path runs once untimed (Triton compiles its kernels on first use): three small
-requests per format for continuous batching, two for static `generate`. Continuous batching replays its decode-only
-steps from CUDA graphs (`quantmla_hf.paged.graphs`; `graph_steps` and
-`graph_captures` in each row, and the wall time of the replayed and of the eager steps, `graph_s` and `eager_s`: the
+Every timed batcher is warmed first (`warm_batcher`: its kernels run once and the decode graph of every bucket the
+load can reach is captured; `ready_s`, `warm_buckets`, `warm_captures` in its rows), so no timed request waits for a
+compilation or a capture; static `generate` runs two small requests untimed first. Continuous batching replays its
+decode-only steps from CUDA graphs (`quantmla_hf.paged.graphs`; `graph_steps` and `graph_captures`, the captures
+while timed, in each row, and the wall time of the replayed and of the eager steps, `graph_s` and `eager_s`: the
 eager ones are the prefill chunks) unless `--eager`. Rows are printed as JSON lines as they finish and all of them
 written to `DIR/bench_serve.json`.
 """
@@ -44,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -59,7 +78,9 @@ from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla  # noqa: E
 from quantmla_hf.attention import ATTN_IMPLEMENTATION  # noqa: E402
 from quantmla_hf.intervals import t_interval  # noqa: E402
 from quantmla_hf.paged import PagedQuantMLACache, page_bytes, protected_bytes_per_request  # noqa: E402
-from quantmla_hf.paged.batching import CACHE_KWARG, ContinuousBatcher  # noqa: E402
+from quantmla_hf.paged.batching import CACHE_KWARG, BatchingStats, ContinuousBatcher  # noqa: E402
+from quantmla_hf.paged.graphs import bucket, request_bucket  # noqa: E402
+from serving_metrics import SLO, RequestTimes, bisection_rate, goodput, summarize  # noqa: E402
 
 ROWS: list[dict] = []
 
@@ -110,27 +131,98 @@ def first_differences(got: list[list[int]], want: list[list[int]], logits: list[
     return first, margins
 
 
-WARM: set[str] = set()
+WARM_PROMPT = 8  # tokens of a short warm-up request: past the 4-token sink, in one page with what it generates
 
 
-def warm_up(model, fmt: str, args) -> None:
-    """One small untimed run per format first (Triton compiles its kernels on first use): three requests, one of
-    them prefilled in chunks, decoded past a graph capture."""
-    if fmt in WARM:
-        return
-    reqs = prompts(3, 100, 700, model.config.vocab_size, seed=99)
-    warm_args = argparse.Namespace(**{**vars(args), "max_batch_tokens": 256})
-    run_batcher(model, fmt, reqs, 8, warm_args, num_pages=sum(-(-(len(p) + 8) // args.page_size) for p in reqs) + 2)
-    WARM.add(fmt)
+def request_counts(max_requests: int) -> list[int]:
+    """The fewest requests that reach each graph bucket (`graphs.request_bucket`) of up to `max_requests`."""
+    first: dict[int, int] = {}
+    for n in range(1, max_requests + 1):
+        first.setdefault(request_bucket(n), n)
+    return sorted(first.values())
+
+
+def warm_batcher(batcher: ContinuousBatcher, max_tokens: int, min_tokens: int = 1) -> dict:
+    """Make `batcher` ready before a timed load, as a server is before its first request: run its kernels once
+    (Triton compiles on first use) and capture the decode graph of every bucket the load can reach that fits the
+    cache: `graphs.request_bucket` of 1 to `cache.max_requests` requests x page-table widths (powers of two) from
+    `min_tokens` to `max_tokens` tokens. Each width gets one request of that many pages (prefilled, in chunks where it
+    is longer than a forward), beside which short requests join, bucket by bucket; a bucket is reached by one step in
+    which every request decodes (captured, then replayed), after the steps that prefill the new ones beside decoding
+    ones. Without graphs (a CPU, `--eager`) there is no bucket to capture: only the widest width with the most
+    requests runs. Every warm-up request is cancelled at the end and the stats start afresh.
+
+    This is the one place the benchmark warms a batcher (every timed mode calls it). Returns `ready_s` (its wall
+    time), `warm_buckets` (the (requests, width) points stepped) and `warm_captures` (graphs captured).
+    """
+    cache, graphs = batcher.cache, batcher.graphs
+    ps = cache.page_size
+    widths, w = [], bucket(-(-(min_tokens + 1) // ps))
+    while w <= bucket(-(-max_tokens // ps)):
+        widths.append(w)
+        w *= 2
+    counts = request_counts(cache.max_requests)
+    if graphs is None:
+        widths, counts = widths[-1:], counts[-1:]
+    short_pages = cache.pages_needed(None, WARM_PROMPT + 2 * len(counts) + 2)
+    rng = torch.Generator().manual_seed(97)
+    vocab = batcher.model.config.vocab_size
+    warmed = []
+
+    def settle(label: str) -> None:
+        """Step until every request has its prompt cached, then once more: a step in which every request decodes."""
+        for _ in range(10_000):
+            if not batcher.waiting and all(r.cached == len(r.tokens) - 1 for r in batcher.running):
+                batcher.step()
+                return
+            batcher.step()
+        raise RuntimeError(f"warm-up of {label} never reached a decode step; the cache may be too small for it")
+
+    sync()
+    t0 = time.perf_counter()
+    with batcher.paged_attention_mode():
+        for w in widths:
+            length = WARM_PROMPT if w == 1 else (w // 2) * ps + 1  # its pages round up to w
+            spare = cache.allocator.num_free - (graphs is not None and graphs.scratch_page is None)
+            if cache.pages_needed(None, length + 2 * len(counts) + 2) > spare:
+                break  # nor will any wider one fit
+            resident = [f"<warm-up {w}>"]
+            batcher.add_request(resident[0], torch.randint(0, vocab, (length,), generator=rng).tolist(), 10_000)
+            for n in counts:
+                add = n - len(resident)
+                if cache.allocator.num_free - 2 < add * short_pages or add > cache.free_rows:
+                    break
+                for _ in range(add):
+                    resident.append(f"<warm-up {w}:{len(resident)}>")
+                    batcher.add_request(resident[-1], torch.randint(0, vocab, (WARM_PROMPT,), generator=rng).tolist(),
+                                        10_000)
+                settle(f"{n} requests of width {w}")
+                warmed.append((n, w))
+            for rid in resident:
+                batcher.cancel(rid)
+    sync()
+    ready = time.perf_counter() - t0
+    batcher.stats = BatchingStats()
+    return dict(ready_s=ready, warm_buckets=len(warmed), warm_captures=graphs.captures if graphs is not None else 0)
+
+
+def captured_while_timed(batcher: ContinuousBatcher, before: int) -> int:
+    """Decode graphs the batcher captured since it had captured `before` (0 after a complete warm-up)."""
+    return (batcher.graphs.captures if batcher.graphs is not None else 0) - before
 
 
 def run_batcher(model, fmt: str, reqs: list[list[int]], new_tokens: int, args, budget_bytes=None, num_pages=None,
-                arrivals=None, step_medians=False) -> tuple[dict, ContinuousBatcher]:
-    """One continuous-batching run: its row, and the batcher (its results; with `step_medians`, `step_ms_median`:
-    the median wall time of the replayed and of the eager steps, where the stats keep only their sums)."""
+                arrivals=None, step_medians=False, warm=True) -> tuple[dict, ContinuousBatcher]:
+    """One continuous-batching run, after `warm_batcher` (unless not `warm`) for the lengths of `reqs`: its row, and
+    the batcher (its results; with `step_medians`, `step_ms_median`: the median wall time of the replayed and of the
+    eager steps, where the stats keep only their sums)."""
     cache = PagedQuantMLACache(model.config, qconfig(fmt), page_size=args.page_size, max_requests=len(reqs),
                                budget_bytes=budget_bytes, num_pages=num_pages, dtype=model.dtype, device=DEVICE)
     batcher = ContinuousBatcher(model, cache, args.max_batch_tokens, decode_graphs=False if args.eager else "auto")
+    ready = {}
+    if warm:
+        ready = warm_batcher(batcher, max(len(p) for p in reqs) + new_tokens, min(len(p) for p in reqs))
+    captures = captured_while_timed(batcher, 0)
     for i, p in enumerate(reqs):
         batcher.add_request(str(i), p, new_tokens, arrivals[i] if arrivals else 0)
     step_times = {"replayed": [], "eager": []}
@@ -156,8 +248,9 @@ def run_batcher(model, fmt: str, reqs: list[list[int]], new_tokens: int, args, b
     row = dict(format=fmt, requests=len(reqs), cache_tokens=cache.capacity_tokens(), cache_gib=cache.nbytes() / 2**30,
                wall_s=wall, generated=s.generated_tokens, out_tok_s=s.generated_tokens / wall, steps=s.steps,
                forward_tokens=s.forward_tokens, preemptions=s.preemptions, peak_running=s.peak_running,
-               peak_pages=s.peak_pages, graph_steps=s.graph_steps, graph_captures=s.graph_captures,
-               graph_s=s.graph_seconds, eager_s=s.eager_seconds)
+               peak_pages=s.peak_pages, graph_steps=s.graph_steps,
+               graph_captures=captured_while_timed(batcher, captures), graph_s=s.graph_seconds, eager_s=s.eager_seconds,
+               **ready)
     batcher.results = results
     del cache
     return row, batcher
@@ -171,7 +264,8 @@ def check(model, args) -> bool:
     arrivals = [0, 0, 1, 3, 5, 8]
     for fmt in args.formats:
         pages = sum(-(-(len(p) + args.check_tokens) // args.page_size) for p in reqs)
-        row, batcher = run_batcher(model, fmt, reqs, args.check_tokens, args, num_pages=pages, arrivals=arrivals)
+        row, batcher = run_batcher(model, fmt, reqs, args.check_tokens, args, num_pages=pages, arrivals=arrivals,
+                                  warm=False)
         t0 = time.perf_counter()
         alone = [generate_alone(model, p, args.check_tokens, fmt) for p in reqs]
         want = [tokens for tokens, _ in alone]
@@ -206,8 +300,6 @@ def pressure(model, args) -> None:
     budgets = {"pressure": pressured, "no-pressure": relaxed}
     for label in args.budgets:
         budget = budgets[label]
-        for fmt in args.formats:
-            warm_up(model, fmt, args)
         ratios = []
         for round_ in range(args.repeat):
             rows = {}
@@ -239,7 +331,6 @@ def profile(model, args) -> None:
     reqs = prompts(n, lin, lin, model.config.vocab_size, seed=2)
     pages = n * -(-(lin + lout) // args.page_size) + 8
     for fmt in args.formats:
-        warm_up(model, fmt, args)
         _, batcher = run_batcher(model, fmt, reqs, lout, args, num_pages=pages, step_medians=True)
         s = batcher.stats
         emit(args.out, dict(bench="profile-steps", format=fmt, requests=n, input=lin, output=lout,
@@ -295,7 +386,6 @@ def scale(model, args) -> None:
         reqs = prompts(n, args.scale_min, args.scale_max, model.config.vocab_size, seed=3 + n)
         pages = sum(-(-(len(p) + args.scale_output) // args.page_size) for p in reqs)
         budget = int(args.budget_gib * 2**30) if args.budget_gib else None
-        warm_up(model, "C4R4", args)
         row, _ = run_batcher(model, "C4R4", reqs, args.scale_output, args, budget_bytes=budget,
                              num_pages=None if budget else pages)
         emit(args.out, dict(bench="scale-cb", **row))
@@ -307,7 +397,175 @@ def scale(model, args) -> None:
                             cb_over_static=row["out_tok_s"] / (generated / wall)))
 
 
-def main() -> int:
+# ---- serving metrics under an open-loop load -----------------------------------------------------------------------
+def sample_workload(n: int, seed: int, median: float, sigma: float, lo: int, hi: int, out_lo: int,
+                    out_hi: int) -> tuple[list[int], list[int]]:
+    """Prompt and output lengths of `n` requests: prompts lognormal (median `median` tokens, `sigma` the standard
+    deviation of the log), rounded and clipped to `[lo, hi]`; outputs uniform integers in `[out_lo, out_hi]`;
+    drawn from `random.Random(seed)`."""
+    rng = random.Random(seed)
+    prompt_lens = [min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
+    return prompt_lens, [rng.randint(out_lo, out_hi) for _ in range(n)]
+
+
+def unit_arrivals(n: int, seed: int) -> list[float]:
+    """Arrival times (s) of `n` requests of a Poisson process of rate 1 whose first arrival is at 0; divided by a
+    rate `r` they are a Poisson process of rate `r` (every rate replays the same pattern, stretched in time)."""
+    rng = random.Random(seed)
+    times = [0.0]
+    for _ in range(n - 1):
+        times.append(times[-1] + rng.expovariate(1.0))
+    return times
+
+
+def serve_load(batcher: ContinuousBatcher, reqs: list[list[int]], outs: list[int], arrivals: list[float],
+               tag: str) -> tuple[list[RequestTimes], float]:
+    """Serve `reqs` (`outs[i]` new tokens each) arriving at `arrivals[i]` seconds (ascending) of wall time, as a
+    server sees an open-loop load: between steps every request whose arrival time has passed joins the batcher
+    (queued behind the running ones when nothing is free), and each token is stamped with the host time the step
+    that produced it returned (a step ends reading its tokens back). Returns each request's times (its arrival the
+    scheduled one, so time spent waiting for the running step counts in its TTFT) and the duration: from the first
+    arrival to the last token."""
+    times: dict[str, list[float]] = {f"{tag}/{i}": [] for i in range(len(reqs))}
+    nxt = 0
+    sync()
+    start = time.perf_counter()
+    with batcher.paged_attention_mode():
+        while nxt < len(reqs) or batcher.has_work():
+            now = time.perf_counter() - start
+            while nxt < len(reqs) and arrivals[nxt] <= now:
+                batcher.add_request(f"{tag}/{nxt}", reqs[nxt], outs[nxt])
+                nxt += 1
+            if not batcher.has_work():
+                time.sleep(max(0.0, arrivals[nxt] - now))  # idle until the next arrival
+                continue
+            produced = batcher.step()
+            now = time.perf_counter() - start
+            for rid, _ in produced:
+                times[rid].append(now)
+    traces = [RequestTimes(arrivals[i], tuple(times[f"{tag}/{i}"]), len(reqs[i])) for i in range(len(reqs))]
+    return traces, max(t.token_times[-1] for t in traces if t.token_times)
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def rate_value(rate: float | None) -> float | str | None:
+    """A rate as a JSON value: the number, or "inf" (all requests at once)."""
+    return "inf" if rate is not None and math.isinf(rate) else rate
+
+
+def serving(model, args) -> None:
+    """Per format: one cache of the `--budget-gib` budget and its batcher, warmed (`ready_s`), then the workload
+    at each `--rates` rate and `--goodput-bisect` bisection rates; rows per rate, per format and a table."""
+    lens, outs = sample_workload(args.requests, args.seed, args.prompt_median, args.prompt_sigma, args.prompt_min,
+                                 args.prompt_max, args.output_min, args.output_max)
+    g = torch.Generator().manual_seed(args.seed)
+    reqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+    unit = unit_arrivals(args.requests, args.seed + 1)
+    slo = SLO(args.slo_ttft_s, args.slo_tpot_ms)
+    budget = int(args.serve_budget_gib * 2**30)
+    emit(args.out, dict(bench="serve-workload", requests=args.requests, seed=args.seed,
+                        prompt=dict(distribution="lognormal", median=args.prompt_median, sigma=args.prompt_sigma,
+                                    clip=[args.prompt_min, args.prompt_max]),
+                        output=dict(distribution="uniform", range=[args.output_min, args.output_max]),
+                        arrivals="Poisson, first at 0", budget_gib=args.serve_budget_gib,
+                        max_requests=args.max_requests,
+                        slo_ttft_s=slo.ttft_s, slo_tpot_ms=slo.tpot_ms, prompt_tokens_mean=statistics.mean(lens),
+                        output_tokens_mean=statistics.mean(outs), prompt_lens=lens, output_lens=outs,
+                        unit_arrivals=[round(t, 6) for t in unit]))
+    rows, goodputs = [], {}
+    for fmt in args.formats:
+        cache = PagedQuantMLACache(model.config, qconfig(fmt), page_size=args.page_size,
+                                   max_requests=args.max_requests, budget_bytes=budget, dtype=model.dtype,
+                                   device=DEVICE)
+        largest = max(n + o for n, o in zip(lens, outs))
+        if cache.pages_needed(None, largest + 1) + 1 > cache.num_pages:
+            raise SystemExit(f"{fmt}: the largest request ({largest} tokens) does not fit {args.serve_budget_gib} GiB "
+                             f"({cache.capacity_tokens()} tokens); raise --budget-gib or lower --prompt-max")
+        batcher = ContinuousBatcher(model, cache, args.max_batch_tokens, decode_graphs=False if args.eager else "auto")
+        ready = warm_batcher(batcher, largest)
+        emit(args.out, dict(bench="serve-ready", format=fmt, cache_tokens=cache.capacity_tokens(),
+                            cache_gib=cache.nbytes() / 2**30, **ready))
+        met: dict[float, bool] = {}
+
+        def run_at(rate: float) -> None:
+            captures = captured_while_timed(batcher, 0)
+            batcher.stats = BatchingStats()
+            traces, duration = serve_load(batcher, reqs, outs, [0.0 if math.isinf(rate) else t / rate for t in unit],
+                                          f"{fmt}@{rate!r}")
+            s = batcher.stats
+            row = dict(bench="serve", format=fmt, rate=rate_value(rate), **summarize(traces, duration, slo),
+                       preemptions=s.preemptions, peak_running=s.peak_running, peak_pages=s.peak_pages,
+                       steps=s.steps, graph_steps=s.graph_steps,
+                       graph_captures=captured_while_timed(batcher, captures), graph_s=s.graph_seconds,
+                       eager_s=s.eager_seconds)
+            met[rate] = row["slo_met"]
+            rows.append(row)
+            emit(args.out, row)
+
+        for rate in args.rates:
+            run_at(rate)
+        for _ in range(args.goodput_bisect):
+            rate = bisection_rate(met)
+            if rate is None:
+                break
+            run_at(rate)
+        if batcher.graphs is not None:
+            batcher.graphs.release()
+        best, failing = goodput(met)
+        goodputs[fmt] = best
+        emit(args.out, dict(bench="serve-goodput", format=fmt, goodput_rps=rate_value(best),
+                            lowest_failing_rps=rate_value(failing), measured=[rate_value(r) for r in sorted(met)],
+                            slo_ttft_s=slo.ttft_s,
+                            slo_tpot_ms=slo.tpot_ms, ready_s=ready["ready_s"]))
+        del batcher, cache
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    ratio = None
+    if goodputs.get("C4R4") and goodputs.get("C16R16") and not math.isinf(goodputs["C4R4"] + goodputs["C16R16"]):
+        ratio = goodputs["C4R4"] / goodputs["C16R16"]
+        emit(args.out, dict(bench="serve-goodput-ratio", c4r4_over_c16r16=ratio))
+    print_serving_table(rows, goodputs, ratio, slo, args)
+
+
+def print_serving_table(rows: list[dict], goodputs: dict, ratio: float | None, slo: SLO, args) -> None:
+    def ms(x):
+        return "-" if x is None else f"{x:.1f}"
+
+    def sec(x):
+        return "-" if x is None else f"{x / 1e3:.2f}"
+
+    print(f"\nserving: {args.requests} requests, prompts lognormal (median {args.prompt_median:g}, sigma "
+          f"{args.prompt_sigma:g}) in [{args.prompt_min}, {args.prompt_max}], outputs uniform in [{args.output_min}, "
+          f"{args.output_max}], Poisson arrivals; KV budget {args.serve_budget_gib:g} GiB, at most {args.max_requests} "
+          "requests running")
+    print(f"{'format':8} {'rate/s':>6} {'TTFT p50':>9} {'p99 (s)':>8} {'TPOT p50':>9} {'p99 (ms)':>9} "
+          f"{'ITL p50':>8} {'p99 (ms)':>9} {'req/s':>6} {'tok/s':>8} {'preempt':>7} {'peak':>4} SLO")
+    for r in sorted(rows, key=lambda r: (r["format"], float(r["rate"]))):
+        print(f"{r['format']:8} {rate_label(float(r['rate'])):>6} {sec(r['ttft_ms_p50']):>9} "
+              f"{sec(r['ttft_ms_p99']):>8} "
+              f"{ms(r['tpot_ms_p50']):>9} {ms(r['tpot_ms_p99']):>9} {ms(r['itl_ms_p50']):>8} {ms(r['itl_ms_p99']):>9} "
+              f"{r['request_throughput']:>6.2f} {r['output_throughput']:>8.0f} {r['preemptions']:>7} "
+              f"{r['peak_running']:>4} {'yes' if r['slo_met'] else 'no'}")
+    print(f"goodput (highest rate whose p99 TTFT <= {slo.ttft_s:g} s and p99 TPOT <= {slo.tpot_ms:g} ms, every lower "
+          f"rate too; over --rates, then {args.goodput_bisect} bisection steps):")
+    for fmt, best in goodputs.items():
+        print(f"  {fmt}: " + (f"{rate_label(best)} req/s" if best is not None else "below the lowest rate measured"))
+    if ratio is not None:
+        print(f"  C4R4 / C16R16: {ratio:.2f}x")
+    elif goodputs.get("C4R4") and goodputs.get("C16R16", 0) is None:
+        print("  C4R4 / C16R16: unbounded here (C16R16 met no measured rate): add lower --rates")
+
+
+# --serve's workload: (default, default with --tiny)
+SERVE_DEFAULTS = dict(requests=(100, 6), rates=("1,2,4,8", "4,inf"), prompt_median=(4096, 48), prompt_sigma=(1.0, 0.5),
+                      prompt_min=(1024, 16), prompt_max=(32768, 128), output_min=(64, 4), output_max=(1024, 12))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ROWS.clear()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--layers", type=int, default=27)
@@ -330,7 +588,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of each --pressure budget (formats alternating in order); >= 2 adds the mean "
                          "C4R4 / C16R16 ratio with its 95%% Student-t interval")
-    ap.add_argument("--budget-gib", type=float, default=None)
+    ap.add_argument("--budget-gib", type=float, default=None,
+                    help="KV cache budget: --pressure (default: what C4R4 needs, +2%%), --scale (default: what the "
+                         "requests need), --serve (default 2; --tiny 0.002)")
     ap.add_argument("--scale", default="", help="concurrent request counts, e.g. 64,256")
     ap.add_argument("--profile", action="store_true",
                     help="step times and a profile of eager decode steps at the --pressure-* sizes (no pressure)")
@@ -338,7 +598,34 @@ def main() -> int:
     ap.add_argument("--scale-max", type=int, default=32768)
     ap.add_argument("--scale-output", type=int, default=256)
     ap.add_argument("--static-batch", type=int, default=8)
-    args = ap.parse_args()
+    ap.add_argument("--serve", action="store_true",
+                    help="serving metrics (TTFT, TPOT, ITL, throughput, goodput) under Poisson arrivals per rate")
+    ap.add_argument("--requests", type=int, default=None, help="requests of the --serve load (100; --tiny 6)")
+    ap.add_argument("--rates", default=None, help="request rates (requests/s; inf: all at once), e.g. 1,2,4,8")
+    ap.add_argument("--goodput-bisect", type=int, default=0,
+                    help="after --rates, this many more rates at the midpoint of the goodput and the lowest "
+                         "failing rate")
+    ap.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput's p99 TTFT objective (seconds)")
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput's p99 TPOT objective (milliseconds)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the --serve lengths, token ids and arrivals")
+    ap.add_argument("--prompt-median", type=float, default=None, help="lognormal prompt lengths' median (4096)")
+    ap.add_argument("--prompt-sigma", type=float, default=None, help="lognormal prompt lengths' log sigma (1.0)")
+    ap.add_argument("--prompt-min", type=int, default=None, help="prompt lengths clipped to at least (1024)")
+    ap.add_argument("--prompt-max", type=int, default=None, help="prompt lengths clipped to at most (32768)")
+    ap.add_argument("--output-min", type=int, default=None, help="output lengths uniform from (64)")
+    ap.add_argument("--output-max", type=int, default=None, help="output lengths uniform to (1024)")
+    ap.add_argument("--max-requests", type=int, default=64, help="requests running at once in --serve (cache rows)")
+    args = ap.parse_args(argv)
+    for name, (real, tiny) in SERVE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else real)
+    args.rates = [float(x) for x in args.rates.split(",") if x]
+    args.serve_budget_gib = args.budget_gib or (0.002 if args.tiny else 2.0)
+    if args.serve and not (args.rates and min(args.rates) > 0 and args.requests >= 1
+                           and 1 <= args.prompt_min <= args.prompt_max and 1 <= args.output_min <= args.output_max):
+        ap.error(f"--serve needs rates > 0 (got {args.rates}), --requests >= 1 (got {args.requests}) and "
+                 f"1 <= min <= max for --prompt-min/max ({args.prompt_min}, {args.prompt_max}) and --output-min/max "
+                 f"({args.output_min}, {args.output_max})")
     args.formats = args.formats.split(",")
     args.budgets = args.budgets.split(",")
     unknown = set(args.budgets) - {"pressure", "no-pressure"}
@@ -356,7 +643,7 @@ def main() -> int:
 
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     emit(args.out, dict(bench="setup", device=gpu, torch=torch.__version__, transformers=transformers.__version__,
-                        layers=args.layers, heads=args.heads, tiny=args.tiny, argv=" ".join(sys.argv[1:])))
+                        layers=args.layers, heads=args.heads, tiny=args.tiny, argv=" ".join(sys.argv[1:] if argv is None else argv)))
     ok = True
     if args.check:
         if args.check_dtype == "float32" and model.dtype != torch.float32:
@@ -377,6 +664,8 @@ def main() -> int:
         scale(model, args)
     if args.profile:
         profile(model, args)
+    if args.serve:
+        serving(model, args)
     if args.check:
         print("check:", "outputs equal per-request generate" if ok else "MISMATCH", flush=True)
     return 0 if ok else 1
