@@ -1,5 +1,6 @@
 """QuantMLA: 4- and 2-bit KV cache for MLA models in Hugging Face Transformers."""
 
+from . import _source_kernels  # noqa: F401  (first: quantmla_hf.kernels where an editable install cannot map it)
 from .attention import ATTN_IMPLEMENTATION, register_attention
 from .cache import QuantMLACache, QuantMLALayer
 from .config import QuantMLAConfig
