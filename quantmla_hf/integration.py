@@ -42,7 +42,7 @@ from .hooks import _pre_forward, install_cache_hooks, mla_attention_modules
 from .log import get_logger
 from .mla import MLADims, mla_dims
 from .model_card import has_own_card, hub_id_of, write_model_card
-from .staged_output import staged_directory
+from .staged_output import staged_directory, write_errors
 from .static_generate import generation_cache, plan_for_given_cache, static_cache_wanted
 from .static_generate import model_qconfig as _model_qconfig
 
@@ -370,9 +370,10 @@ def _install_model_card(model) -> None:
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as tmp:
-            stock_save(tmp, max_shard_size=max_shard_size)
-            write_model_card(self, tmp, overwrite=True, repo_id=repo_id, tags=tags, base_model=base_model,
-                             eval_results=eval_results, measured_tokens=measured_tokens)
+            with write_errors(tmp, "Free space there or set TMPDIR to another folder"):
+                stock_save(tmp, max_shard_size=max_shard_size)
+                write_model_card(self, tmp, overwrite=True, repo_id=repo_id, tags=tags, base_model=base_model,
+                                 eval_results=eval_results, measured_tokens=measured_tokens)
             return api.upload_folder(
                 repo_id=repo_id, folder_path=tmp, commit_message=commit_message or "Upload QuantMLA model",
                 commit_description=commit_description, revision=revision, create_pr=create_pr,

@@ -3,10 +3,12 @@
 `calibrate(..., checkpoint_dir=DIR)` writes, after each decoder layer, `DIR/layer_{index:05d}.pt` holding for each of
 its MLA attention modules the transforms it fused (content `rotation [d_c, d_c]`, `scale [d_c]`; RoPE
 `theta [d_R/2]`, `scale [d_R/2]`, fp32 as learned) and the calibration record entry. Files are written to a
-temporary name and renamed (atomic on POSIX), so a killed run leaves only whole layers. `DIR/manifest.json` holds a
-fingerprint of what was calibrated (model config, QuantMLA settings, the calibration token ids); a rerun with the
-same fingerprint re-fuses the finished layers from their files (the same fusion calls on the same original
-weights, so the result is bitwise that of an uninterrupted run) and calibrates from the first missing layer on.
+temporary name and renamed (atomic on POSIX), so a killed run leaves only whole layers; a write the storage refuses
+(disk full, quota) removes its temporary file and raises a one-line `OutputError` (`quantmla_hf.staged_output`).
+`DIR/manifest.json` holds a fingerprint of what was calibrated (model config, QuantMLA settings, the calibration
+token ids); a rerun with the same fingerprint re-fuses the finished layers from their files (the same fusion calls on
+the same original weights, so the result is bitwise that of an uninterrupted run) and calibrates from the first
+missing layer on.
 A different fingerprint is refused: the transforms of one model or text do not belong to another.
 
 Size: `4 d_c^2 + 4 d_c + 4 d_R` bytes per attention module (1.0 MiB for d_c 512), not the fused weights.
@@ -20,6 +22,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from ..staged_output import write_errors
 
 MANIFEST = "manifest.json"
 
@@ -41,7 +45,8 @@ class CalibrationCheckpoint:
 
     def __init__(self, directory: str | os.PathLike, expected: dict):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        with write_errors(self.dir):
+            self.dir.mkdir(parents=True, exist_ok=True)
         manifest = self.dir / MANIFEST
         if manifest.exists():
             found = json.loads(manifest.read_text())
@@ -50,7 +55,7 @@ class CalibrationCheckpoint:
                 raise ValueError(f"checkpoint_dir {str(self.dir)!r} holds a calibration of another model, text or "
                                  f"setting (differs in {', '.join(differ)}); give an empty directory to start over")
         else:
-            _atomic_write(manifest, json.dumps(expected, indent=1).encode())
+            _atomic_write(manifest, lambda tmp: tmp.write_bytes(json.dumps(expected, indent=1).encode()))
 
     def _path(self, index: int) -> Path:
         return self.dir / f"layer_{index:05d}.pt"
@@ -62,15 +67,18 @@ class CalibrationCheckpoint:
         return torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
 
     def save(self, index: int, modules: list[dict]) -> None:
-        tmp = self._path(index).with_suffix(".tmp")
-        torch.save(modules, tmp)
-        os.replace(tmp, self._path(index))
+        _atomic_write(self._path(index), lambda tmp: torch.save(modules, tmp))
 
     def finished(self) -> int:
         return sum(1 for _ in self.dir.glob("layer_*.pt"))
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, write) -> None:
+    """`write(tmp)` to a temporary sibling of `path`, renamed to `path` once whole; a failed write leaves no file."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        with write_errors(path):
+            write(tmp)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
