@@ -49,9 +49,9 @@ end token, so every request yields exactly its output length.
   decode steps on a GPU) over static batches of `--static-batch` of the same requests, left-padded, one batch after
   another.
 
-Every timed batcher is warmed first (`warm_batcher`: its kernels run once and the decode graph of every bucket the
-load can reach is captured; `ready_s`, `warm_buckets`, `warm_captures` in its rows), so no timed request waits for a
-compilation or a capture; static `generate` runs two small requests untimed first. Continuous batching replays its
+Every timed batcher is warmed first (`ContinuousBatcher.warmup` in `warm_batcher`: its kernels run once and the
+decode graph of every bucket the load can reach is captured; `ready_s`, `warm_steps`, `warm_captures` in its rows),
+so no timed request waits for a compilation or a capture; static `generate` runs two small requests untimed first. Continuous batching replays its
 decode-only steps from CUDA graphs (`quantmla_hf.paged.graphs`; `graph_steps` and `graph_captures`, the captures
 while timed, in each row, and the wall time of the replayed and of the eager steps, `graph_s` and `eager_s`: the
 eager ones are the prefill chunks) unless `--eager`. Rows are printed as JSON lines as they finish and all of them
@@ -79,7 +79,6 @@ from quantmla_hf.attention import ATTN_IMPLEMENTATION  # noqa: E402
 from quantmla_hf.intervals import t_interval  # noqa: E402
 from quantmla_hf.paged import PagedQuantMLACache, page_bytes, protected_bytes_per_request  # noqa: E402
 from quantmla_hf.paged.batching import CACHE_KWARG, BatchingStats, ContinuousBatcher  # noqa: E402
-from quantmla_hf.paged.graphs import bucket, request_bucket  # noqa: E402
 from serving_metrics import SLO, RequestTimes, bisection_rate, goodput, summarize  # noqa: E402
 
 ROWS: list[dict] = []
@@ -131,79 +130,17 @@ def first_differences(got: list[list[int]], want: list[list[int]], logits: list[
     return first, margins
 
 
-WARM_PROMPT = 8  # tokens of a short warm-up request: past the 4-token sink, in one page with what it generates
-
-
-def request_counts(max_requests: int) -> list[int]:
-    """The fewest requests that reach each graph bucket (`graphs.request_bucket`) of up to `max_requests`."""
-    first: dict[int, int] = {}
-    for n in range(1, max_requests + 1):
-        first.setdefault(request_bucket(n), n)
-    return sorted(first.values())
-
-
-def warm_batcher(batcher: ContinuousBatcher, max_tokens: int, min_tokens: int = 1) -> dict:
-    """Make `batcher` ready before a timed load, as a server is before its first request: run its kernels once
-    (Triton compiles on first use) and capture the decode graph of every bucket the load can reach that fits the
-    cache: `graphs.request_bucket` of 1 to `cache.max_requests` requests x page-table widths (powers of two) from
-    `min_tokens` to `max_tokens` tokens. Each width gets one request of that many pages (prefilled, in chunks where it
-    is longer than a forward), beside which short requests join, bucket by bucket; a bucket is reached by one step in
-    which every request decodes (captured, then replayed), after the steps that prefill the new ones beside decoding
-    ones. Without graphs (a CPU, `--eager`) there is no bucket to capture: only the widest width with the most
-    requests runs. Every warm-up request is cancelled at the end and the stats start afresh.
-
-    This is the one place the benchmark warms a batcher (every timed mode calls it). Returns `ready_s` (its wall
-    time), `warm_buckets` (the (requests, width) points stepped) and `warm_captures` (graphs captured).
-    """
-    cache, graphs = batcher.cache, batcher.graphs
-    ps = cache.page_size
-    widths, w = [], bucket(-(-(min_tokens + 1) // ps))
-    while w <= bucket(-(-max_tokens // ps)):
-        widths.append(w)
-        w *= 2
-    counts = request_counts(cache.max_requests)
-    if graphs is None:
-        widths, counts = widths[-1:], counts[-1:]
-    short_pages = cache.pages_needed(None, WARM_PROMPT + 2 * len(counts) + 2)
-    rng = torch.Generator().manual_seed(97)
-    vocab = batcher.model.config.vocab_size
-    warmed = []
-
-    def settle(label: str) -> None:
-        """Step until every request has its prompt cached, then once more: a step in which every request decodes."""
-        for _ in range(10_000):
-            if not batcher.waiting and all(r.cached == len(r.tokens) - 1 for r in batcher.running):
-                batcher.step()
-                return
-            batcher.step()
-        raise RuntimeError(f"warm-up of {label} never reached a decode step; the cache may be too small for it")
-
+def warm_batcher(batcher: ContinuousBatcher, max_tokens: int) -> dict:
+    """Make `batcher` ready before a timed load, as a server is before its first request:
+    `ContinuousBatcher.warmup` runs every kernel and captures the decode graph of every batch bucket up to the
+    cache's `max_requests` and every page-table width up to `max_tokens` tokens, so that no timed request waits for a
+    compilation or a capture. Returns `ready_s` (the time to ready, the device's work included), `warm_steps` (the
+    warm-up's steps) and `warm_captures` (graphs captured)."""
     sync()
     t0 = time.perf_counter()
-    with batcher.paged_attention_mode():
-        for w in widths:
-            length = WARM_PROMPT if w == 1 else (w // 2) * ps + 1  # its pages round up to w
-            spare = cache.allocator.num_free - (graphs is not None and graphs.scratch_page is None)
-            if cache.pages_needed(None, length + 2 * len(counts) + 2) > spare:
-                break  # nor will any wider one fit
-            resident = [f"<warm-up {w}>"]
-            batcher.add_request(resident[0], torch.randint(0, vocab, (length,), generator=rng).tolist(), 10_000)
-            for n in counts:
-                add = n - len(resident)
-                if cache.allocator.num_free - 2 < add * short_pages or add > cache.free_rows:
-                    break
-                for _ in range(add):
-                    resident.append(f"<warm-up {w}:{len(resident)}>")
-                    batcher.add_request(resident[-1], torch.randint(0, vocab, (WARM_PROMPT,), generator=rng).tolist(),
-                                        10_000)
-                settle(f"{n} requests of width {w}")
-                warmed.append((n, w))
-            for rid in resident:
-                batcher.cancel(rid)
+    report = batcher.warmup(max_context=max_tokens)
     sync()
-    ready = time.perf_counter() - t0
-    batcher.stats = BatchingStats()
-    return dict(ready_s=ready, warm_buckets=len(warmed), warm_captures=graphs.captures if graphs is not None else 0)
+    return dict(ready_s=time.perf_counter() - t0, warm_steps=report.steps, warm_captures=report.graphs)
 
 
 def captured_while_timed(batcher: ContinuousBatcher, before: int) -> int:
@@ -221,7 +158,7 @@ def run_batcher(model, fmt: str, reqs: list[list[int]], new_tokens: int, args, b
     batcher = ContinuousBatcher(model, cache, args.max_batch_tokens, decode_graphs=False if args.eager else "auto")
     ready = {}
     if warm:
-        ready = warm_batcher(batcher, max(len(p) for p in reqs) + new_tokens, min(len(p) for p in reqs))
+        ready = warm_batcher(batcher, max(len(p) for p in reqs) + new_tokens + 1)
     captures = captured_while_timed(batcher, 0)
     for i, p in enumerate(reqs):
         batcher.add_request(str(i), p, new_tokens, arrivals[i] if arrivals else 0)
@@ -485,7 +422,7 @@ def serving(model, args) -> None:
             raise SystemExit(f"{fmt}: the largest request ({largest} tokens) does not fit {args.serve_budget_gib} GiB "
                              f"({cache.capacity_tokens()} tokens); raise --budget-gib or lower --prompt-max")
         batcher = ContinuousBatcher(model, cache, args.max_batch_tokens, decode_graphs=False if args.eager else "auto")
-        ready = warm_batcher(batcher, largest)
+        ready = warm_batcher(batcher, largest + 1)
         emit(args.out, dict(bench="serve-ready", format=fmt, cache_tokens=cache.capacity_tokens(),
                             cache_gib=cache.nbytes() / 2**30, **ready))
         met: dict[float, bool] = {}
@@ -494,7 +431,7 @@ def serving(model, args) -> None:
             captures = captured_while_timed(batcher, 0)
             batcher.stats = BatchingStats()
             traces, duration = serve_load(batcher, reqs, outs, [0.0 if math.isinf(rate) else t / rate for t in unit],
-                                          f"{fmt}@{rate!r}")
+                                          f"{fmt}#{len(met)}")
             s = batcher.stats
             row = dict(bench="serve", format=fmt, rate=rate_value(rate), **summarize(traces, duration, slo),
                        preemptions=s.preemptions, peak_running=s.peak_running, peak_pages=s.peak_pages,
@@ -619,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (real, tiny) in SERVE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else real)
-    args.rates = [float(x) for x in args.rates.split(",") if x]
+    args.rates = list(dict.fromkeys(float(x) for x in args.rates.split(",") if x))  # each rate once
     args.serve_budget_gib = args.budget_gib or (0.002 if args.tiny else 2.0)
     if args.serve and not (args.rates and min(args.rates) > 0 and args.requests >= 1
                            and 1 <= args.prompt_min <= args.prompt_max and 1 <= args.output_min <= args.output_max):
