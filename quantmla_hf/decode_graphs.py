@@ -2,8 +2,8 @@
 
 `generate` asks the model for a compiled forward (`get_compiled_call`) when its cache is compileable; a QuantMLA
 model answers with a `DecodeGraphStep` instead of `torch.compile` when `plan_decode` says the call can be captured
-(`QuantMLAConfig(decode_graphs="auto")`, the default: one CUDA device, "quantmla" attention, a recent window, greedy or
-sampling, no `compile_config`). For every decode step the step object:
+(`QuantMLAConfig(decode_graphs="auto")`, the default: a model on CUDA devices without offloaded weights, "quantmla"
+attention, a recent window, greedy or sampling, no `compile_config`). For every decode step the step object:
 
 1. checks on the host, without synchronising, that the step fits the cache (growing it in place in buckets when
    it does not, `StaticQuantMLACache.grow_for`) and, once per generation, that the attention mask is left padding +
@@ -11,8 +11,10 @@ sampling, no `compile_config`). For every decode step the step object:
 2. looks up the captured graph of the step's signature (batch size, chunk length, cache capacity, the shapes of
    every tensor argument, the other arguments' values) in the graphs of the cache (an LRU, `GraphPool`);
 3. on a miss: warms up twice on a side stream (each warm-up leaves no trace: the device counters are rewound and the
-   replay rewrites the same slots), then captures `model(**inputs)` into a `torch.cuda.CUDAGraph` with static copies
-   of the inputs, the cache's synchronising checks off (`host_checked_steps`: they were made in 1.);
+   replay rewrites the same slots), then captures `model(**inputs)` with static copies of the inputs, the cache's
+   synchronising checks off (`host_checked_steps`: they were made in 1.): into one `torch.cuda.CUDAGraph` on one
+   device (or tensor-parallel rank, its collectives inside the graph), into one graph per device segment under a
+   device map (`quantmla_hf.graph_segments`, replayed in order with the hidden states handed over between them);
 4. copies the step's inputs into the static ones, replays, advances the cache's host-side length, and returns the
    captured output (its logits are the graph's tensor: overwritten by the next replay; `generate` copies them).
 
@@ -31,18 +33,26 @@ Memory: a graph holds its own pool of the step's intermediate tensors (measured 
 of the reserved memory during its capture); the caches generate builds are kept on the model in a `GraphPool` keyed
 by (batch size, first length bucket, graphs or compiled), least recently used first out past `max_entries` or `max_bytes`
 (cache bytes + their graphs' bytes).
+
+Release: `release_decode_graphs` drops captured graphs and the caches a model keeps. A graph captured while a process
+group exists may hold NCCL collectives, which keep their communicator from being destroyed: such graphs are released
+before any process group is destroyed and at exit (`distributed.release_before_shutdown`).
 """
 
 from __future__ import annotations
 
 import gc
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed
 
 from .cache import CACHE_KWARGS, NATIVE_MAX_QUERY, cache_argument
+from .distributed import collective_backends, release_before_shutdown, uncapturable_collectives
+from .graph_segments import capture_segments, model_segment_plan
 from .log import get_logger
 from .masks import mask_is_padding_causal
 from .static_cache import StaticQuantMLACache
@@ -67,22 +77,16 @@ class DecodePlan:
     reason: str | None = None
 
 
-def _model_devices(model) -> set[str]:
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map:
-        return {str(d) if not isinstance(d, int) else f"cuda:{d}" for d in device_map.values()}
-    return {str(model.device)}
-
-
 def plan_decode(model, qconfig, generation_config, generation_mode=None) -> DecodePlan:
     """Decide whether a `generate` call on `model` decodes through CUDA graphs.
 
     `qconfig.decode_graphs`: False never; "auto" where it is safe (below); True insists, raising a `ValueError`
     where the model cannot be captured (device, attention, recent window), while per-call choices (beam search,
     assisted generation, attention weights) still fall back to eager with a log line.
-    Safe: no `compile_config` (that selects inductor) and no `disable_compile`, `static_cache` not False, the whole
-    model on one CUDA device (no CPU/disk offload, no split across GPUs), the "quantmla" attention, at least one
-    recent token, greedy or sampling, no attention weights or hidden states returned.
+    Safe: no `compile_config` (that selects inductor) and no `disable_compile`, `static_cache` not False, the model
+    on CUDA devices (one, or several under a device map: `graph_segments.model_segment_plan`; no CPU/disk offload;
+    tensor-parallel collectives over NCCL), the "quantmla" attention, at least one recent token, greedy or sampling,
+    no attention weights or hidden states returned.
     """
     choice = qconfig.decode_graphs
     if choice is False:
@@ -91,12 +95,14 @@ def plan_decode(model, qconfig, generation_config, generation_mode=None) -> Deco
         return DecodePlan(False)  # the caller selected inductor
     if getattr(generation_config, "disable_compile", False):
         return DecodePlan(False)  # the caller asked for an eager decode
-    devices = _model_devices(model)
+    segments = model_segment_plan(model)
     model_reasons = []
-    if len(devices) != 1 or not next(iter(devices)).startswith("cuda"):
-        if choice == "auto" and all(not d.startswith("cuda") for d in devices) and not {"disk"} & devices:
+    if not segments.segments:
+        if segments.reason is None and choice == "auto":
             return DecodePlan(False)  # a CPU model: nothing to capture, nothing to say
-        model_reasons.append(f"the model is not on one CUDA device (devices: {sorted(devices)})")
+        model_reasons.append(segments.reason or "the model is on the CPU, not on CUDA devices")
+    elif (collectives := uncapturable_collectives(collective_backends(model))) is not None:
+        model_reasons.append(collectives)
     if model.config._attn_implementation != "quantmla":
         model_reasons.append(f"the attention implementation is {model.config._attn_implementation!r}, not 'quantmla'")
     if qconfig.recent_tokens < 1:
@@ -225,12 +231,17 @@ class GraphPool:
         return len(self.entries)
 
 
+_POOLED_MODELS = weakref.WeakSet()  # models with a cache pool (`cache_pool`)
+_GRAPH_CACHES = weakref.WeakSet()  # caches holding captured steps (`graphs_of`)
+
+
 def cache_pool(model) -> GraphPool:
     """The static caches `generate` built for `model` (with their graphs): `CACHES_PER_MODEL` and `POOL_MAX_BYTES`
     by default; set `max_entries`/`max_bytes` on it to change the caps."""
     pool = getattr(model, "_quantmla_cache_pool", None)
     if pool is None:
         pool = model._quantmla_cache_pool = GraphPool(CACHES_PER_MODEL, POOL_MAX_BYTES)
+        _POOLED_MODELS.add(model)
     return pool
 
 
@@ -238,7 +249,33 @@ def graphs_of(cache: StaticQuantMLACache) -> GraphPool:
     graphs = cache.__dict__.get("_decode_graphs")
     if graphs is None:
         graphs = cache.__dict__["_decode_graphs"] = GraphPool(GRAPHS_PER_CACHE)
+        _GRAPH_CACHES.add(cache)
     return graphs
+
+
+def release_decode_graphs(model=None) -> int:
+    """Drop the captured decode steps of `model`'s caches (of every cache when `model` is None) and empty the pools
+    of static caches the model(s) keep for later `generate` calls; returns the number of graphs dropped.
+
+    Graphs hold device memory and, under tensor parallel, NCCL collectives that keep their communicator alive: this
+    runs before a process group is destroyed and at exit (`distributed.release_before_shutdown`). Later `generate`
+    calls build their caches and capture again.
+    """
+    models = list(_POOLED_MODELS) if model is None else [model]
+    caches = list(_GRAPH_CACHES) if model is None else [
+        *cache_pool(model).entries.values(), *filter(None, [model.__dict__.get("_quantmla_static_cache")])]
+    released = 0
+    for cache in caches:
+        graphs = cache.__dict__.pop("_decode_graphs", None)
+        released += len(graphs) if graphs is not None else 0
+        _GRAPH_CACHES.discard(cache)
+    for owner in models:
+        pool = cache_pool(owner)
+        pool.entries.clear()
+        pool.sizes.clear()
+        for name in ("_quantmla_static_cache", "_quantmla_graph_step"):
+            owner.__dict__.pop(name, None)
+    return released
 
 
 def graph_bytes(cache: StaticQuantMLACache) -> int:
@@ -353,6 +390,8 @@ class DecodeGraphStep:
                 graph, output, nbytes = self._record(inputs)
         finally:
             cache.set_host_length(n)  # warm-ups rewound, and the capture ran no kernel: the counters stay at n
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            release_before_shutdown(release_decode_graphs)  # its collectives must not outlive the process group
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - start
         return CapturedStep(graph, inputs, output, nbytes)
@@ -370,16 +409,14 @@ class DecodeGraphStep:
         torch.cuda.current_stream(device).wait_stream(side)
 
     def _record(self, inputs: dict):
-        """Capture `model(**inputs)` into a CUDA graph with its own memory pool; returns (graph, output, bytes
-        the pool took)."""
-        device = inputs["input_ids"].device
+        """Capture `model(**inputs)` into CUDA graphs with their own memory pools, one per device segment
+        (`graph_segments`); returns (graph, output, bytes the pools took)."""
+        plan = model_segment_plan(self.model)
+        if not plan.segments:
+            raise RuntimeError(plan.reason or "the model is on the CPU")
         gc.collect()
-        torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: what reserved memory gains is the pool's
-        reserved = torch.cuda.memory_reserved(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            output = self.model(**inputs)
-        return graph, output, torch.cuda.memory_reserved(device) - reserved
+        torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: what reserved memory gains is the pools'
+        return capture_segments(self.model, plan.segments, inputs)
 
 
 def masks_for_generate(model, stock, **kwargs):

@@ -18,13 +18,24 @@ device of their tensors (`device_guard`), and the decode reads `kv_b_proj`'s wei
 Learned, smooth and Hadamard transforms are fused into the attention weights by `calibration.calibrate`, one
 process over whole weights; a sharded model is refused (`check_not_sharded_for_calibration`): calibrate in one
 process, `save_pretrained`, and load that fused checkpoint with tensor parallel.
+
+Decode steps replayed from CUDA graphs (`quantmla_hf.decode_graphs`) hold the collectives of a tensor-parallel step
+(the row-parallel all-reduces) inside the graph. NCCL counts every live graph that captured a collective on a
+communicator, and destroying the communicator (`destroy_process_group`, or the process group's destructor at exit,
+which aborts it) waits until that count is zero: a process whose model still holds its graphs never exits. Hence
+`release_before_shutdown`: the graphs are released before any process group is destroyed and at interpreter exit.
+Collectives of another backend (gloo) cannot be captured: `uncapturable_collectives` says so and the decode runs
+eagerly.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 
 import torch
+import torch.distributed
 from accelerate.utils import align_module_device, has_offloaded_params
 
 CALIBRATE_THEN_SHARD = (
@@ -141,3 +152,69 @@ def check_load_not_sharded_for_calibration(config, transform: str, calibrated: b
         f"transform={transform!r} is fused into whole attention weights, but this checkpoint is being loaded split "
         f"across processes ({split}); " + CALIBRATE_THEN_SHARD.format(transform=transform)
     )
+
+
+# ------------------------------------------------------------------------------------------------ shutdown
+_RELEASES: list = []  # functions that drop captured CUDA graphs (`release_before_shutdown`)
+
+
+def release_before_shutdown(release) -> None:
+    """Call `release()` (a function that drops captured CUDA graphs) before any process group is destroyed and at
+    interpreter exit (see the module docstring); registering the same function twice has no effect.
+
+    Installs, once: an `atexit` hook, and a wrapper of `torch.distributed.destroy_process_group` that runs the
+    releases first. A script that bound the stock function before (`from torch.distributed import
+    destroy_process_group`) calls `quantmla_hf.decode_graphs.release_decode_graphs()` before it instead.
+    """
+    if release in _RELEASES:
+        return
+    if not _RELEASES:
+        atexit.register(release_captured_graphs)
+        if torch.distributed.is_available():
+            _wrap_destroy_process_group()
+    _RELEASES.append(release)
+
+
+def release_captured_graphs() -> None:
+    """Run every function registered with `release_before_shutdown`."""
+    for release in list(_RELEASES):
+        release()
+
+
+def _wrap_destroy_process_group() -> None:
+    c10d = torch.distributed.distributed_c10d
+    stock = c10d.destroy_process_group
+    if getattr(stock, "releases_captured_graphs", False):
+        return
+
+    @functools.wraps(stock)
+    def destroy_process_group(*args, **kwargs):
+        release_captured_graphs()
+        return stock(*args, **kwargs)
+
+    destroy_process_group.releases_captured_graphs = True
+    c10d.destroy_process_group = destroy_process_group
+    torch.distributed.destroy_process_group = destroy_process_group
+
+
+def collective_backends(model: torch.nn.Module, device_type: str = "cuda") -> set[str]:
+    """Backends ("nccl", "gloo", ...) of the process groups over which `model`'s DTensor parameters on `device_type`
+    meshes are distributed (its tensor-parallel collectives): empty for a model in one process."""
+    if _dtensor_type() is None or not torch.distributed.is_initialized():
+        return set()
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters()
+              if is_dtensor(p) and p.device_mesh.device_type == device_type}
+    return {str(torch.distributed.get_backend(mesh.get_group(dim)))
+            for mesh in meshes.values() for dim in range(mesh.ndim)}
+
+
+def uncapturable_collectives(backends: set[str]) -> str | None:
+    """Why collectives over `backends` (`collective_backends` of a model on CUDA) cannot be captured in a CUDA graph,
+    or None: NCCL's can; gloo moves CUDA tensors through the host, which a capture cannot do."""
+    other = sorted(backends - {"nccl"})
+    if other:
+        return (
+            f"the tensor-parallel collectives run over {', '.join(map(repr, other))}, which a CUDA graph cannot "
+            "capture; initialise the process group with the 'nccl' backend for replayed decode steps"
+        )
+    return None
