@@ -5,12 +5,25 @@ in 5.17 and 5.24), so these tests run the real thing: two spawned processes load
 family with `tp_plan="auto"` (or `distributed_config=DistributedConfig(tp_plan="auto")`), which shards q_proj /
 q_b_proj and kv_b_proj by heads and o_proj by rows where the family's plan says so, and generate greedily with the
 native latent decode. Each rank's logits must match one process's within float32 reduction-order noise.
+
+Processes that exit: `torchrun` runs this file as a script (`_exit_check`, at the bottom) in two ranks that generate
+through the replayed-step path (on the CPU the captured steps are replayed by `test_decode_graphs.HostReplayStep`;
+with two GPUs, CUDA graphs holding NCCL all-reduces), then end with `destroy_process_group`, without it, or
+interrupted in the middle of a `generate`. The test fails, killing them, when the launcher has not exited
+`EXIT_WITHIN` seconds after the ranks' last `generate`, and checks that the captured steps were released before the
+process group went away.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -18,14 +31,23 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from quantmla_hf import QuantMLAConfig, apply_quantmla, mla_dims
-from quantmla_hf.distributed import kv_b_weight, local_rows
+import quantmla_hf.decode_graphs as dg
+from quantmla_hf import QuantMLAConfig, StaticQuantMLACache, apply_quantmla, mla_dims
+from quantmla_hf.distributed import collective_backends, kv_b_weight, local_rows, uncapturable_collectives
 from quantmla_hf.hooks import mla_attention_modules
-from quantmla_hf.tiny_models import tiny_mla_model
+from quantmla_hf.integration import generated_cache
+from quantmla_hf.tiny_models import tiny_config, tiny_mla_model
 
 FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3")
-# Families whose plan shards attention (q/kv_b colwise, o_proj rowwise) in transformers 5.24.
-SHARDS_ATTENTION = ("deepseek_v2", "glm4_moe_lite", "longcat_flash", "minicpm3")
+
+def shards_attention(family: str) -> bool:
+    """Whether the installed transformers' tensor-parallel plan for `family` splits attention (kv_b_proj column-wise):
+    every family's from 5.25 on, all but deepseek_v3's (which splits only the MLP) before."""
+    plan = tiny_config(family).base_model_tp_plan or {}
+    return any(key.endswith("kv_b_proj") and style == "colwise" for key, style in plan.items())
+
+
+SHARDS_ATTENTION = tuple(f for f in FAMILIES if shards_attention(f))
 WORLD = 2
 NEW_TOKENS = 6
 
@@ -205,3 +227,197 @@ def test_device_map_with_a_layer_on_disk_decodes_like_one_device(tmp_path):
     off_tokens, off_logits = greedy(model)
     assert torch.equal(off_tokens, tokens)
     assert torch.equal(off_logits, logits)
+
+
+# ------------------------------------------------------------------------------------------------ processes exit
+EXIT_WITHIN = 10.0  # seconds from the ranks' last generate to the launcher's exit
+START_WITHIN = 300.0  # seconds for both ranks to import, load and reach their last generate (a loaded 2-core CPU)
+ENDINGS = ("destroy", "exit", "interrupt")
+
+
+def _write(path: Path, text: str) -> None:
+    part = path.with_suffix(".part")
+    part.write_text(text)
+    os.replace(part, path)  # the parent polls: never a half-written file
+
+
+class _InterruptAt:
+    """A streamer that interrupts `generate` (KeyboardInterrupt, as Ctrl-C) when its `n`-th chunk arrives."""
+
+    def __init__(self, n: int, on_interrupt):
+        self.n, self.on_interrupt, self.seen = n, on_interrupt, 0
+
+    def put(self, value):
+        self.seen += 1
+        if self.seen == self.n:
+            self.on_interrupt()
+            raise KeyboardInterrupt
+
+    def end(self):
+        pass
+
+
+def _exit_check(ckpt: str, out: str, ending: str, backend: str) -> None:
+    """One rank under torchrun: a tensor-parallel model generates eagerly, then through the replayed-step path
+    (same tokens), then ends as `ending` says ("destroy": destroy_process_group; "exit": returns with the process
+    group transformers created still alive; "interrupt": a generate interrupted by KeyboardInterrupt, uncaught).
+    Writes `mark{rank}` (time of the last generate) and `rank{rank}.json` (what it saw, the last part at exit)."""
+    import atexit
+    import types
+
+    import torch.distributed as dist
+
+    rank, out = int(os.environ["RANK"]), Path(out)
+    _write(out / f"pid{rank}", str(os.getpid()))  # torchrun starts each rank in a session of its own
+    torch.set_num_threads(1)
+    seen = {}
+    held = []  # the cache of the replayed generation
+
+    def at_exit():  # registered before any capture: runs after the library's own exit hook (atexit is LIFO)
+        seen["held_at_exit"] = dg.graph_bytes(held[0]) if held else None
+        _write(out / f"rank{rank}.json", json.dumps(seen))
+
+    atexit.register(at_exit)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=qconfig(4), tp_plan="auto")
+    ids, mask = (t.to(model.device) for t in prompts())
+    gen = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+               pad_token_id=0)
+    eager = model.generate(ids, **gen, disable_compile=True)
+    if backend == "gloo":  # the CPU: captured steps replayed by running the recorded forward again
+        from test_decode_graphs import HostReplayStep
+
+        dg.DecodeGraphStep = HostReplayStep
+        model.hf_device_map = {"": 0}
+        model._valid_auto_compile_criteria = types.MethodType(lambda self, kw, config: not config.disable_compile,
+                                                              model)
+    replayed = model.generate(ids, **gen, return_dict_in_generate=True)
+    held.append(generated_cache(replayed))
+    stats = dg.graph_stats(model)
+    seen.update(tokens_equal=torch.equal(replayed.sequences, eager), captures=stats.captures, replays=stats.replays,
+                held_after_generate=dg.graph_bytes(held[0]))
+    if ending == "interrupt":
+        model.generate(ids, **gen, streamer=_InterruptAt(4, lambda: _write(out / f"mark{rank}", str(time.time()))))
+    _write(out / f"mark{rank}", str(time.time()))
+    if ending == "destroy":
+        dist.destroy_process_group()
+        seen["held_after_destroy"] = dg.graph_bytes(held[0])
+        seen["pooled_after_destroy"] = len(dg.cache_pool(model))
+
+
+def _run_ranks(ckpt: str, out: Path, ending: str, backend: str) -> tuple[int, float, str]:
+    """Launch `_exit_check` in two ranks with torchrun; returns (exit status, seconds from the later rank's last
+    generate to the launcher's exit, the log). Fails, killing the ranks, past `EXIT_WITHIN` / `START_WITHIN`."""
+    out.mkdir()
+    log_path = out / "log.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+           "--monitor-interval", "0.2", __file__, ckpt, str(out), ending, backend]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out, start_new_session=True)
+    start, marks = time.time(), []
+    try:
+        while proc.poll() is None:
+            marks = [float((out / f"mark{r}").read_text()) for r in range(WORLD) if (out / f"mark{r}").exists()]
+            now = time.time()
+            if len(marks) == WORLD and now > max(marks) + EXIT_WITHIN:
+                pytest.fail(f"{ending}/{backend}: the ranks did not exit within {EXIT_WITHIN:.0f} s of their last "
+                            f"generate; log:\n{log_path.read_text()[-3000:]}")
+            if len(marks) < WORLD and now > start + START_WITHIN:
+                pytest.fail(f"{ending}/{backend}: the ranks did not reach their last generate within "
+                            f"{START_WITHIN:.0f} s; log:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+        exited = time.time()
+    finally:
+        _kill(proc, out)
+    marks = [float((out / f"mark{r}").read_text()) for r in range(WORLD) if (out / f"mark{r}").exists()]
+    assert len(marks) == WORLD, f"{ending}/{backend}: a rank ended before its last generate:\n{log_path.read_text()}"
+    return proc.returncode, exited - max(marks), log_path.read_text()
+
+
+def _kill(proc: subprocess.Popen, out: Path) -> None:
+    """Stop the launcher and the ranks it started (each in a session of its own), if still running."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for r in range(WORLD):
+        pid_file = out / f"pid{r}"
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # exited
+
+
+def test_release_drops_captured_steps_and_pooled_caches():
+    """What runs before a process group is destroyed: a model's pooled caches lose their captured steps and leave
+    its pool; without a model, every cache holding captured steps loses them."""
+    models = [apply_quantmla(tiny_mla_model("deepseek_v3", seed=s), qconfig(4)) for s in (0, 1)]
+    pooled = [StaticQuantMLACache(config=m.config, max_cache_len=64) for m in models]
+    held = StaticQuantMLACache(config=models[0].config, max_cache_len=64)  # e.g. returned by generate to its caller
+    for model, cache in zip(models, pooled):
+        dg.cache_pool(model).put("key", cache, 10)
+    for cache in (*pooled, held):
+        dg.graphs_of(cache).put("step", object(), 100)
+    assert dg.release_decode_graphs(models[0]) == 1
+    assert len(dg.cache_pool(models[0])) == 0 and dg.graph_bytes(pooled[0]) == 0
+    assert dg.graph_bytes(pooled[1]) == 100 and dg.graph_bytes(held) == 100 and len(dg.cache_pool(models[1])) == 1
+    assert dg.release_decode_graphs() >= 2
+    assert dg.graph_bytes(pooled[1]) == 0 and dg.graph_bytes(held) == 0 and len(dg.cache_pool(models[1])) == 0
+
+
+def test_collectives_over_gloo_are_not_captured(tmp_path):
+    """The backends of a model's tensor-parallel collectives come from its DTensor parameters' meshes; a CUDA
+    model's over gloo (through the host) decode eagerly, saying why, NCCL's are captured."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    linear = torch.nn.Linear(6, 8)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)]))
+        assert collective_backends(linear, "cpu") == {"gloo"}
+        assert collective_backends(linear) == set()  # none on a CUDA mesh
+    finally:
+        dist.destroy_process_group()
+    assert collective_backends(torch.nn.Linear(6, 8), "cpu") == set()
+    why = uncapturable_collectives({"gloo"})
+    assert "'gloo'" in why and "a CUDA graph cannot capture" in why and "'nccl'" in why
+    assert uncapturable_collectives({"nccl"}) is None and uncapturable_collectives(set()) is None
+
+
+@pytest.fixture(scope="module")
+def exit_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("exit") / "deepseek_v2"
+    tiny_mla_model("deepseek_v2", seed=2).save_pretrained(path)
+    return str(path)
+
+
+def _backends():
+    nccl = pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"NCCL needs {WORLD} GPUs")
+    return [pytest.param("gloo", id="gloo"), pytest.param("nccl", id="nccl", marks=nccl)]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_tensor_parallel_processes_exit_after_generate(exit_checkpoint, tmp_path, ending, backend):
+    """Every rank exits within EXIT_WITHIN seconds of its last generate: after destroy_process_group, without it
+    (transformers created the process group), and interrupted in the middle of a generate; the replayed steps gave
+    the eager tokens, and their captured steps were released before the process group went away."""
+    status, after, log = _run_ranks(exit_checkpoint, tmp_path / "run", ending, backend)
+    assert after <= EXIT_WITHIN
+    if ending == "interrupt":
+        assert status != 0 and "KeyboardInterrupt" in log
+    else:
+        assert status == 0, log[-3000:]
+    for rank in range(WORLD):
+        seen = json.loads((tmp_path / "run" / f"rank{rank}.json").read_text())
+        assert seen["tokens_equal"] and seen["captures"] >= 1 and seen["replays"] >= NEW_TOKENS - 1, seen
+        assert seen["held_after_generate"] > 0, seen  # the model keeps its cache and captured steps for later calls
+        assert seen["held_at_exit"] == 0, seen
+        if ending == "destroy":
+            assert seen["held_after_destroy"] == 0 and seen["pooled_after_destroy"] == 0, seen
+
+
+if __name__ == "__main__":  # a rank of `_run_ranks`
+    _exit_check(*sys.argv[1:])
