@@ -23,6 +23,7 @@ from __future__ import annotations
 from .cache import QuantMLACache, cache_argument
 from .config import QuantMLAConfig
 from .decode_graphs import DecodePlan, cache_pool, graph_bytes, log_fallback, plan_decode
+from .hooks import is_mla_attention
 from .static_cache import StaticQuantMLACache, cache_length_bucket
 
 FIRST_ROOM = 4096  # new positions a CUDA-graph cache holds from the start (at least the prompt's length)
@@ -127,4 +128,7 @@ def _compatible(cache: StaticQuantMLACache, batch_size: int, model) -> bool:
     layer = cache.layers[0]
     if not layer.is_initialized:
         return True
-    return layer.content.batch_size == batch_size and layer.dtype == model.dtype and layer.device == model.device
+    # The first layer's planes live where its latents are computed: under a device map not always `model.device`.
+    attention = next(m for m in model.modules() if is_mla_attention(m))
+    return (layer.content.batch_size == batch_size and layer.dtype == model.dtype
+            and layer.device == attention.kv_a_proj_with_mqa.weight.device)

@@ -193,14 +193,24 @@ def test_two_segments_on_one_gpu_replay_the_eager_tokens(gpu_model, monkeypatch)
     assert dg.graph_stats(model).captures == 1 and dg.graph_stats(model).replays == 23
 
 
+TWO_GPU_MAPS = {
+    "contiguous": _map([0, 0, 1, 1]),
+    "interleaved": _map([0, 1, 0, 1]),
+    "embedding-apart": {**_map([1, 1, 0, 0]), "model.embed_tokens": 0, "model.rotary_emb": 0},
+}
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("devices", [[0, 0, 1, 1], [0, 1, 0, 1]], ids=["contiguous", "interleaved"])
-def test_device_map_over_two_gpus_replays_the_eager_tokens(gpu_model, devices):
-    """One graph per contiguous run of layers on one GPU, the hidden states (and position embeddings, mask, step
-    inputs) copied between them: the eager tokens, each segment's graph on its own device."""
-    model = gpu_model(_map(devices))
+@pytest.mark.parametrize("name", sorted(TWO_GPU_MAPS))
+def test_device_map_over_two_gpus_replays_the_eager_tokens(gpu_model, name):
+    """One graph per contiguous run of units on one GPU, the hidden states (and position embeddings, mask, step
+    inputs) copied between them: the eager tokens; a second call reuses the pooled cache and its graphs."""
+    model = gpu_model(TWO_GPU_MAPS[name])
     eager, replayed, step = _eager_and_replayed(model)
     assert torch.equal(replayed, eager)
-    runs = 1 + sum(a != b for a, b in zip(devices, devices[1:]))
-    assert len(step.graph.parts) == runs
+    plan = gs.model_segment_plan(model)
+    assert len(step.graph.parts) == len(plan.segments) >= 2
     assert all(copies for _, copies in step.graph.parts[1:])  # every later segment is fed from another device
+    captures = dg.graph_stats(model).captures
+    assert torch.equal(_eager_and_replayed(model)[1], eager)
+    assert dg.graph_stats(model).captures == captures
