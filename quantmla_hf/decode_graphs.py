@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs: what plain `generate()` runs on one CUDA device, with no compiler.
+"""Decode steps replayed from CUDA graphs: what plain `generate()` runs on CUDA (one device, a tensor-parallel rank, a
+device map over several GPUs), with no compiler.
 
 `generate` asks the model for a compiled forward (`get_compiled_call`) when its cache is compileable; a QuantMLA
 model answers with a `DecodeGraphStep` instead of `torch.compile` when `plan_decode` says the call can be captured

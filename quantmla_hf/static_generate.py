@@ -2,10 +2,12 @@
 
 `generate` with no cache and no `cache_implementation` gets
 - a `StaticQuantMLACache` whose decode steps replay from CUDA graphs (`quantmla_hf.decode_graphs`) where
-  `plan_decode` says so: the default on one CUDA device (`QuantMLAConfig(decode_graphs="auto")`);
+  `plan_decode` says so: the default on CUDA (one device, a tensor-parallel rank, or a device map over several GPUs
+  without offloaded layers; `QuantMLAConfig(decode_graphs="auto")`);
 - a `StaticQuantMLACache` compiled by transformers (`torch.compile`, reduce-overhead) when the call passes
   `compile_config=...` (or `QuantMLAConfig(static_cache=True)` without graphs): `static_cache_wanted`;
-- the growing `QuantMLACache` otherwise (CPU, beam search, assisted generation, `decode_graphs=False`, ...).
+- the growing `QuantMLACache` otherwise (CPU, CPU/disk offload, beam search, assisted generation,
+  `decode_graphs=False`, ...).
 
 Sizes (`first_cache_length`): a CUDA-graph cache starts at the bucket of `min(needed, prompt + max(prompt, 4096))`
 positions (`needed`: what the call may reach, `max_length - 1`) and grows in place, in buckets, up to `needed`
