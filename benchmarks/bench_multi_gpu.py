@@ -1,29 +1,39 @@
-"""QuantMLA beyond one GPU: tensor-parallel and device-map agreement with one GPU, TP decode speed and memory.
+"""QuantMLA beyond one GPU: agreement of tensor parallel and device maps with one GPU; decode speed and memory of one
+GPU, tensor parallel over two and a device map over two, through plain `generate()`.
 
-Stages (run in this order; `--out DIR` holds the checkpoints and the JSON results):
+Stages (`--out DIR` holds the checkpoints and the JSON results):
 
     python benchmarks/bench_multi_gpu.py build --out DIR [--layers 27]       # checkpoints (random weights)
     python benchmarks/bench_multi_gpu.py reference --out DIR                 # one GPU: greedy tokens, device maps
     torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py agree --out DIR     # TP: the same runs, compared
-    python benchmarks/bench_multi_gpu.py speed --out DIR                     # one GPU: V2-Lite-shaped decode
-    torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py speed --out DIR     # the same under TP
-    python benchmarks/bench_multi_gpu.py report --out DIR                    # tables
     python benchmarks/bench_multi_gpu.py precision --out DIR [--families minicpm3]  # 1-process noise baseline
+    # speed, for each --model (v2lite, v3lite) and --dtype (bfloat16; float32 with --points 8x4096 for exactness):
+    python benchmarks/bench_multi_gpu.py speed --out DIR --model v2lite                        # one GPU
+    torchrun --nproc-per-node 2 benchmarks/bench_multi_gpu.py speed --out DIR --model v2lite   # TP over two
+    python benchmarks/bench_multi_gpu.py speed --out DIR --model v2lite --device-map           # map over two
+    python benchmarks/bench_multi_gpu.py report --out DIR                    # tables
 
 Agreement: every MLA family (tiny widths except the real MLA ones: d_c 512, d_R 64, 16 heads of 128 + 64, 4 layers,
 MoE where the family has it, random weights), prompt batch 2 with left padding (200 and 160 real tokens), greedy
 `--new` tokens with the QuantMLA cache (C4R4 and C16R16, transform "none", native decode, Triton kernels). Reported:
 the fraction of generated tokens equal to one GPU's and the first step where they differ (float32 models: a
 correctness check, the only difference is the reduction order of o_proj/down_proj; bfloat16: what a user sees).
-Device map: layers spread over cuda:0 and cuda:1 with one layer offloaded to the CPU, same comparison, and the
-device of every layer's cache planes.
+Device map: layers spread over cuda:0 and cuda:1 with one layer offloaded to the CPU (decoded eagerly), same
+comparison, and the device of every layer's cache planes.
 
-Speed: a DeepSeek-V2-Lite-shaped model (27 layers, real attention widths, dense MLP of intermediate 10944 in every
-layer, vocab 102400, random bf16 weights; as benchmarks/bench_generate.py builds it) at batch 8 and 32K context:
-decode tokens/s over `--steps` greedy one-token steps after a chunked prefill, on one GPU and under TP over two
-(attention and MLP sharded by heads/columns, the latent cache replicated on each rank). Memory: per-GPU decode peak
-at two contexts gives bytes per token (slope) and a fixed part; the largest context per sequence at batch 8 that
-fits the GPU follows; the QuantMLA cache's own bytes per rank are reported (the same on every rank: replicated).
+Speed: DeepSeek-V2-Lite-shaped models (27 layers, real attention widths, dense MLP of intermediate 10944 in every
+layer, vocab 102400, random weights; as benchmarks/bench_generate.py builds them), `v2lite` a deepseek_v2 (its
+tensor-parallel plan splits attention by heads) and `v3lite` the same weights' shape as deepseek_v3 (whose plan splits
+only the MLP up to transformers 5.24 and attention too from 5.25: the row says which). Each setup loads the same
+checkpoint with QuantMLAConfig C4R4 (transform "none") and runs plain `generate()` (decode steps replayed from CUDA
+graphs: one GPU, each TP rank with the all-reduces inside its graph, the device map with one graph per GPU's
+segment) on the same random prompts at each `--points` (batch x context), in one process per GPU setup:
+- the first call of the shape (`--steps` + 2 greedy tokens: prefill, capture, replays);
+- ms per new token `(t(steps + 2) - t(2)) / steps` over later calls, and the median step through generate;
+- peak memory per GPU over that call (`torch.cuda.max_memory_allocated` of every GPU the setup uses), the weights
+  and the QuantMLA cache per GPU (replicated on every TP rank), captures and replays;
+- the greedy tokens, which `report` compares with one GPU's (float32: exactness; bfloat16: what users see).
+`--smoke`: the same stages on the CPU (gloo) at toy sizes, to check the script before a GPU run.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import argparse
 import glob
 import json
 import os
+import sys
 import time
 
 import torch
@@ -52,11 +63,11 @@ FAMILY_EXTRA = {
                           ffn_hidden_size=1024, head_dim=64),
     "minicpm3": dict(num_hidden_layers=4, q_lora_rank=384),
 }
-# bfloat16 (the Triton decode kernel does not compile for float32 queries with Triton 3.6: see docs/MULTI_GPU.md);
-# the float32 check of TP against one process is tests/test_tensor_parallel.py (CPU, logits within 1e-4).
+# bfloat16, what users run; float32 exactness against one process: tests/test_tensor_parallel.py (CPU, logits
+# within 1e-4) and the speed stage's `--dtype float32`.
 CASES = [(f, "bfloat16", b) for f in FAMILIES for b in (4, 16)]
-SPEED_POINTS = [(8, 32768), (8, 16384)]  # (batch, context): the first is timed; both give the memory slope
-# `--smoke`: the same stages on the CPU (gloo) at toy sizes, to check the script before a GPU run.
+SPEED_POINTS = "8x32768,32x32768"  # batch x context of the speed stage (`--points`)
+SPEED_MODELS = {"v2lite": "deepseek_v2", "v3lite": "deepseek_v3"}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -99,19 +110,9 @@ def first_device() -> str:
     return "cuda:0" if DEV == "cuda" else "cpu"
 
 
-def reset_peak() -> None:
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak() -> int:
-    return torch.cuda.max_memory_allocated() if DEV == "cuda" else 0
-
-
 def sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
+    for gpu in range(torch.cuda.device_count() if DEV == "cuda" else 0):
+        torch.cuda.synchronize(gpu)
 
 
 # ----------------------------------------------------------------------------------------------------------- build
@@ -130,13 +131,15 @@ def build(a) -> None:
             with torch.device(DEV):
                 model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
             model.save_pretrained(path)
-    path = os.path.join(a.out, "v2lite")
-    if a.speed_model and not os.path.exists(path):
+    for name, family in SPEED_MODELS.items() if a.speed_model else ():
+        path = os.path.join(a.out, name)
+        if os.path.exists(path):
+            continue
         dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=16, kv_lora_rank=512,
                     qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)
         if a.smoke:
             dims.update(hidden_size=256, intermediate_size=256, vocab_size=512)
-        cfg = AutoConfig.for_model("deepseek_v2", num_hidden_layers=a.layers, num_key_value_heads=16, q_lora_rank=None,
+        cfg = AutoConfig.for_model(family, num_hidden_layers=a.layers, num_key_value_heads=16, q_lora_rank=None,
                                    first_k_dense_replace=a.layers, max_position_embeddings=163840, **dims)
         torch.manual_seed(0)
         with torch.device(DEV):
@@ -249,59 +252,117 @@ def precision(a) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------- speed
+def split_map(config, gpus: int) -> dict:
+    """A device map over `gpus` GPUs: the decoder layers in equal contiguous runs, the embedding with the first,
+    the norm and head with the last (all on the CPU without a GPU)."""
+    n = config.num_hidden_layers
+    where = [min(i * gpus // n, gpus - 1) if gpus else "cpu" for i in range(n)]
+    first, last = (where[0], where[-1])
+    return {"model.embed_tokens": first, "model.rotary_emb": first, "model.norm": last, "lm_head": last,
+            **{f"model.layers.{i}": d for i, d in enumerate(where)}}
+
+
+def setup_name(a) -> str:
+    if world() > 1 and a.device_map:
+        raise SystemExit("--device-map is a one-process setup: run it without torchrun")
+    return f"tp{world()}" if world() > 1 else ("map" if a.device_map else "one")
+
+
+def local_gpus(model) -> list[int]:
+    """The GPUs this process computes on: every device of the model's map, or its one device."""
+    if DEV != "cuda":
+        return []
+    devices = set(getattr(model, "hf_device_map", {}).values()) or {model.device}
+    return sorted({torch.device(d if not isinstance(d, int) else f"cuda:{d}").index or 0 for d in devices
+                   if str(d) not in ("cpu", "disk")})
+
+
+def gather(value) -> list:
+    """`value` of every rank (rank order), or `[value]` in one process."""
+    if world() == 1:
+        return [value]
+    out = [None] * world()
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def attention_split(family: str) -> bool:
+    """Whether the installed transformers' tensor-parallel plan for `family` splits attention (kv_b_proj colwise)."""
+    from transformers import AutoConfig
+
+    plan = AutoConfig.for_model(family).base_model_tp_plan or {}
+    return any(k.endswith("kv_b_proj") and v == "colwise" for k, v in plan.items())
+
+
 @torch.no_grad()
-def decode_run(model, bits: int, B: int, N: int, steps: int) -> dict:
-    from quantmla_hf import QuantMLACache
-
-    cache = QuantMLACache(config=model.config, quantization_config=qconfig(bits))
-    kw = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
-    ids = torch.randint(0, model.config.vocab_size, (B, N), generator=torch.Generator().manual_seed(0)).to(DEV)
-    mask = torch.ones_like(ids)
-    reset_peak()
-    for s in range(0, N, 8192):
-        out = model(ids[:, s : s + 8192], attention_mask=mask[:, : s + 8192], **{kw: cache}, logits_to_keep=1)
-    prefill_peak = peak()
-    tok = out.logits[:, -1:].argmax(-1)
-    for _ in range(2):  # untimed: compilation
-        mask = torch.cat([mask, torch.ones_like(tok)], 1)
-        tok = model(tok, attention_mask=mask, **{kw: cache}, logits_to_keep=1).logits[:, -1:].argmax(-1)
-    sync()
-    if world() > 1:
-        torch.distributed.barrier()
-    reset_peak()
-    t = time.perf_counter()
-    for _ in range(steps):
-        mask = torch.cat([mask, torch.ones_like(tok)], 1)
-        tok = model(tok, attention_mask=mask, **{kw: cache}, logits_to_keep=1).logits[:, -1:].argmax(-1)
-    sync()
-    dt = time.perf_counter() - t
-    row = dict(gpus=world(), method=f"C{bits}R{bits}", B=B, N=N, tok_s=B * steps / dt, ms_per_step=1000 * dt / steps,
-               prefill_peak_GiB=prefill_peak / 2**30, decode_peak_GiB=peak() / 2**30,
-               cache_GiB_per_gpu=cache.nbytes() / 2**30)
-    del cache, out
-    return row
-
-
 def speed(a) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-    import quantmla_hf  # noqa: F401
+    from quantmla_hf import QuantMLAConfig
+    from quantmla_hf.decode_graphs import graph_stats
+    from quantmla_hf.graph_segments import model_segment_plan
 
-    path = os.path.join(a.out, "v2lite")
-    kwargs = tp_kwargs("tp_plan") if world() > 1 else {"device_map": first_device()}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kwargs).eval()
-    quantmla_hf.install_cache_hooks(model)
-    model.set_attn_implementation("quantmla")
-    weights = torch.cuda.memory_allocated() / 2**30 if DEV == "cuda" else 0.0
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_generate import StepClock
+
+    setup, path = setup_name(a), os.path.join(a.out, a.model)
+    dtype = getattr(torch, a.dtype)
+    q = QuantMLAConfig(content_bits=a.bits, rope_bits=a.bits, transform="none")
+    if setup.startswith("tp"):
+        kwargs = tp_kwargs("tp_plan")
+    elif setup == "map":
+        from transformers import AutoConfig
+
+        kwargs = {"device_map": split_map(AutoConfig.from_pretrained(path), torch.cuda.device_count())}
+    else:
+        kwargs = {"device_map": first_device()}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=q, **kwargs).eval()
+    gpus = local_gpus(model)
+    weights = gather({g: torch.cuda.memory_allocated(g) / 2**30 for g in gpus})
+    stats = graph_stats(model)
+    segments = len(model_segment_plan(model).segments)
+
+    def run(ids, n, clock=None):
+        extra = {"logits_processor": LogitsProcessorList([clock])} if clock is not None else {}
+        sync()
+        if world() > 1:
+            torch.distributed.barrier()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, **extra)
+        sync()
+        return out[:, ids.shape[1]:].cpu(), time.perf_counter() - t
+
+    vocab = model.config.vocab_size
+    run(torch.randint(0, vocab, (1, 128), generator=torch.Generator().manual_seed(2)).to(model.device), 4)
     rows = []
-    for bits in (16, 4):
-        for B, N in (SPEED_POINTS if not a.smoke else [(2, 96), (2, 48)]):
-            row = dict(decode_run(model, bits, B, N, a.steps), weights_GiB_per_gpu=weights)
-            rows.append(row)
-            log(json.dumps(row))
-    total = torch.cuda.get_device_properties(0).total_memory / 2**30 if DEV == "cuda" else 1.0
+    for B, N in a.points:
+        ids = torch.randint(0, vocab, (B, N), generator=torch.Generator().manual_seed(1)).to(model.device)
+        for g in gpus:
+            torch.cuda.reset_peak_memory_stats(g)
+        c0, clock = stats.captures, StepClock()
+        tokens, first = run(ids, a.steps + 2, clock)
+        peaks = gather({g: torch.cuda.max_memory_allocated(g) / 2**30 for g in gpus})
+        c1, r1 = stats.captures, stats.replays
+        _, t_long = run(ids, a.steps + 2)
+        _, t_short = run(ids, 2)
+        ms = 1000 * (t_long - t_short) / a.steps
+        cache = getattr(model, "_quantmla_static_cache", None)
+        row = dict(model=a.model, family=SPEED_MODELS[a.model], attention_split=attention_split(SPEED_MODELS[a.model]),
+                   dtype=a.dtype, method=f"C{a.bits}R{a.bits}", setup=setup, segments=segments, B=B, N=N,
+                   first_call_s=first, ms_per_token=ms, tok_s=1000 * B / ms, step_ms_median=clock.step_ms(),
+                   captures_first_call=c1 - c0, captures_later_calls=stats.captures - c1,
+                   replays_later_calls=stats.replays - r1, eager_steps=stats.eager_steps,
+                   peak_GiB_per_gpu=[v for rank in peaks for v in rank.values()],
+                   weights_GiB_per_gpu=[v for rank in weights for v in rank.values()],
+                   cache_GiB_per_rank=cache.nbytes() / 2**30 if cache is not None else None,
+                   ranks_identical=all(t == tokens.tolist() for t in gather(tokens.tolist())), tokens=tokens.tolist())
+        rows.append(row)
+        log(json.dumps({k: v for k, v in row.items() if k != "tokens"}))
     name = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu"
-    save_json(a.out, f"speed_{world()}gpu.json", dict(rows=rows, gpu_GiB=total, gpu=name))
+    versions = {m.__name__: m.__version__ for m in (torch, __import__("transformers"), __import__("triton"))}
+    save_json(a.out, f"speed_{a.model}_{a.dtype}_C{a.bits}R{a.bits}_{setup}.json",
+              dict(rows=rows, gpu=name, versions=versions, argv=sys.argv))
 
 
 # ---------------------------------------------------------------------------------------------------------- report
@@ -320,38 +381,30 @@ def report(a) -> None:
         for r in agreement:
             if "cache_planes" in r:
                 print(f"{r['case']} device map, cache planes per layer: {r['cache_planes']}")
-    runs = [load(f"speed_{g}gpu.json") for g in (1, 2)]
-    runs = [r for r in runs if r]
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(a.out, "speed_*.json"))):
+        for r in json.load(open(path))["rows"]:
+            runs[(r["model"], r["dtype"], r["method"], r["B"], r["N"], r["setup"])] = r
     if not runs:
         return
-    print("\n| GPUs | cache | batch x context | decode tok/s | ms/step | weights GiB/GPU | QuantMLA cache GiB/GPU |"
-          " decode peak GiB/GPU | prefill peak GiB/GPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for run in runs:
-        for r in run["rows"]:
-            print(f"| {r['gpus']} | {r['method']} | {r['B']}x{r['N']} | {r['tok_s']:.1f} | {r['ms_per_step']:.2f} | "
-                  f"{r['weights_GiB_per_gpu']:.2f} | {r['cache_GiB_per_gpu']:.2f} | {r['decode_peak_GiB']:.2f} | "
-                  f"{r['prefill_peak_GiB']:.2f} |")
-    print("\nPer GPU at batch 8: decode peak = fixed + slope x context (two measured contexts); the largest context "
-          "per sequence whose decode peak fits the GPU follows. The QuantMLA cache is replicated on every TP rank; "
-          "'if head-sharded' (computed, not run) halves its per-token bytes to show what replication costs.")
-    print("| GPUs | cache | cache bytes per token and sequence, per GPU | decode peak slope, bytes per token and sequence |"
-          " fixed GiB | largest context at batch 8 | if head-sharded |")
-    print("|---|---|---|---|---|---|---|")
-    for run in runs:
-        budget = run["gpu_GiB"] * 2**30
-        for method in ("C16R16", "C4R4"):
-            pts = sorted((r for r in run["rows"] if r["method"] == method), key=lambda r: r["N"])
-            if len(pts) < 2 or pts[1]["decode_peak_GiB"] <= pts[0]["decode_peak_GiB"]:
-                continue  # no device memory counter (CPU smoke run)
-            B, gpus = pts[0]["B"], pts[0]["gpus"]
-            (n0, p0), (n1, p1) = [(r["N"], r["decode_peak_GiB"] * 2**30) for r in pts[:2]]
-            c0, c1 = pts[0]["cache_GiB_per_gpu"] * 2**30, pts[1]["cache_GiB_per_gpu"] * 2**30
-            slope, cache_slope = (p1 - p0) / (n1 - n0), (c1 - c0) / (n1 - n0)
-            fixed = p0 - slope * n0
-            fit = int((budget - fixed) / slope)
-            sharded = f"{int((budget - fixed) / (slope - cache_slope / 2))}" if gpus > 1 else "-"
-            print(f"| {gpus} | {method} | {cache_slope / B:.0f} | {slope / B:.0f} | {fixed / 2**30:.2f} | {fit} | {sharded} |")
+    print("\n| model (TP plan) | dtype | cache | batch x context | setup | ms/token | x one GPU | tok/s | first call s "
+          "| peak GiB per GPU | weights GiB per GPU | cache GiB per rank | captures, replays | tokens equal to 1 GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for key, r in sorted(runs.items(), key=lambda kv: (kv[0][:5], kv[0][5] != "one", kv[0][5])):
+        one = runs.get((*key[:5], "one"))
+        ratio = f"{r['ms_per_token'] / one['ms_per_token']:.2f}" if one else "-"
+        same = compare(torch.tensor(one["tokens"]), torch.tensor(r["tokens"])) if one and r is not one else None
+        first = same["first_diff"] if same and same["first_diff"] is not None else "none"
+        agree = f"{100 * same['equal']:.1f}% (first differing step: {first})" if same else "-"
+        plan = "attention + MLP" if r["attention_split"] else "MLP only"
+        setup = {"one": "1 GPU", "map": f"device map ({r['segments']} graphs)"}.get(r["setup"], f"TP x{r['setup'][2:]}")
+        fmt = ", ".join(f"{v:.2f}" for v in r["peak_GiB_per_gpu"])
+        w = ", ".join(f"{v:.2f}" for v in r["weights_GiB_per_gpu"])
+        cache = f"{r['cache_GiB_per_rank']:.2f}" if r["cache_GiB_per_rank"] is not None else "-"
+        print(f"| {r['model']} ({plan}) | {r['dtype']} | {r['method']} | {r['B']}x{r['N']} | {setup} | "
+              f"{r['ms_per_token']:.2f} | {ratio} | {r['tok_s']:.1f} | {r['first_call_s']:.2f} | {fmt} | {w} | "
+              f"{cache} | {r['captures_first_call']}+{r['captures_later_calls']}, {r['replays_later_calls']} | "
+              f"{agree} |")
 
 
 def main() -> None:
@@ -360,11 +413,17 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--new", type=int, default=128, help="greedy tokens per agreement run")
-    ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
-    ap.add_argument("--no-speed-model", dest="speed_model", action="store_false", help="build: skip the V2-Lite model")
-    ap.add_argument("--smoke", action="store_true", help="toy speed model (CPU check of the script)")
+    ap.add_argument("--steps", type=int, default=64, help="speed: timed new tokens per call")
+    ap.add_argument("--model", default="v2lite", choices=sorted(SPEED_MODELS), help="speed: the checkpoint")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="speed: compute dtype")
+    ap.add_argument("--bits", type=int, default=4, choices=[2, 4, 8, 16], help="speed: cache bits (content = RoPE)")
+    ap.add_argument("--points", default=SPEED_POINTS, help="speed: batch x context points, e.g. 8x32768,32x32768")
+    ap.add_argument("--device-map", action="store_true", help="speed: split the layers over every visible GPU")
+    ap.add_argument("--no-speed-model", dest="speed_model", action="store_false", help="build: skip the speed models")
+    ap.add_argument("--smoke", action="store_true", help="toy speed models (CPU check of the script)")
     ap.add_argument("--families", default=",".join(FAMILIES), help="families of the agreement runs")
     a = ap.parse_args()
+    a.points = [tuple(int(x) for x in p.split("x")) for p in a.points.split(",")]
     CASES[:] = [c for c in CASES if c[0] in a.families.split(",")]
     os.makedirs(a.out, exist_ok=True)
     if world() > 1:
