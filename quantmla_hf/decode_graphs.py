@@ -263,15 +263,15 @@ def release_decode_graphs(model=None) -> int:
     calls build their caches and capture again.
     """
     models = list(_POOLED_MODELS) if model is None else [model]
+    pools = [owner.__dict__.get("_quantmla_cache_pool") or GraphPool(0) for owner in models]
     caches = list(_GRAPH_CACHES) if model is None else [
-        *cache_pool(model).entries.values(), *filter(None, [model.__dict__.get("_quantmla_static_cache")])]
+        *pools[0].entries.values(), *filter(None, [model.__dict__.get("_quantmla_static_cache")])]
     released = 0
     for cache in caches:
         graphs = cache.__dict__.pop("_decode_graphs", None)
         released += len(graphs) if graphs is not None else 0
         _GRAPH_CACHES.discard(cache)
-    for owner in models:
-        pool = cache_pool(owner)
+    for owner, pool in zip(models, pools):
         pool.entries.clear()
         pool.sizes.clear()
         for name in ("_quantmla_static_cache", "_quantmla_graph_step"):
