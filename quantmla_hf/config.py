@@ -102,6 +102,10 @@ class QuantMLAConfig(QuantizationConfigMixin):
         decode_graphs: whether plain `generate()` replays its decode steps from CUDA graphs (static cache, no
             compiler; `quantmla_hf.decode_graphs`): "auto" (default) on one CUDA device where the call can be
             captured, True to insist (an error where it cannot be used), False for eager decode.
+        calibration_checkpoint_dir: a folder where calibration keeps the transforms of each finished decoder layer
+            (`quantmla_hf.calibration.checkpoint`): a calibration killed or interrupted and started again with the same
+            folder, model, text and options resumes after the last finished layer. A local path, never written to
+            config.json.
 
     The config remembers which options were given (`explicit_options`): passed beside an already quantized checkpoint,
     every cache option given applies, one equal to its default too.
@@ -137,6 +141,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
         cache_block_size: int = 256,
         static_cache: bool | str = "auto",
         decode_graphs: bool | str = "auto",
+        calibration_checkpoint_dir: str | None = None,
         **kwargs,
     ):
         object.__setattr__(self, "_validating", False)
@@ -167,6 +172,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
         self.cache_block_size = cache_block_size
         self.static_cache = static_cache
         self.decode_graphs = decode_graphs
+        self.calibration_checkpoint_dir = calibration_checkpoint_dir
         # Keys written by the library after calibration (e.g. the measured cache footprint) round-trip untouched.
         self.extra = {k: v for k, v in kwargs.items() if k != "quant_method"}
         self.post_init()
@@ -249,6 +255,11 @@ class QuantMLAConfig(QuantizationConfigMixin):
         ):
             raise ValueError(f"calibration_lr must be a positive number, got {self.calibration_lr!r}")
         _check_int("seed", self.seed, 0)
+        if self.calibration_checkpoint_dir is not None and not (
+            isinstance(self.calibration_checkpoint_dir, str) and self.calibration_checkpoint_dir
+        ):
+            raise ValueError("calibration_checkpoint_dir must be a folder path (a non-empty string) or None, got "
+                             f"{self.calibration_checkpoint_dir!r}")
         _check_int("cache_block_size", self.cache_block_size, 1)
         if self.static_cache not in ("auto", True, False) or isinstance(self.static_cache, int) and not isinstance(
             self.static_cache, bool
@@ -413,7 +424,7 @@ def _short(value: Any) -> str:
 FIELDS = (
     "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "transform", "kernel",
     "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_steps", "calibration_lr", "seed",
-    "calibrated", "cache_block_size", "static_cache", "decode_graphs",
+    "calibrated", "cache_block_size", "static_cache", "decode_graphs", "calibration_checkpoint_dir",
 )
 _SIGNATURE = inspect.signature(QuantMLAConfig.__init__)
 _DEFAULTS = {name: p.default for name, p in _SIGNATURE.parameters.items() if name in FIELDS}

@@ -24,6 +24,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from .tokens import token_list
+
 MIN_LEARNED_TOKENS = 4096
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "assets" / "calibration_default" / "general_text.txt.xz"
 DEFAULT_SOURCE = "the default calibration text (The Devil's Dictionary and the Jargon File 4.4.7, public domain)"
@@ -56,7 +58,7 @@ def calibration_token_count(data, tokenizer) -> int:
             data = [f.read()]
     if tokenizer is None:
         raise ValueError("counting calibration text needs a tokenizer; pass the model's tokenizer")
-    return len(tokenizer("\n\n".join(data), add_special_tokens=False)["input_ids"])
+    return len(token_list(list(data), tokenizer))
 
 
 def resolve_transform(transform: str, data, tokenizer) -> tuple[str, str]:

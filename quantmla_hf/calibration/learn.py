@@ -22,8 +22,8 @@ from quantmla_hf.format import PathFormat
 
 from .capture import AttentionRunner, LatentHook
 from .fusion import content_weights, original_weights, query_projection
-from .objectives import fake_quantize, output_nmse, positional_qk_nmse
-from .protection import dual_history, dual_history_mask, quantized_pairs
+from .objectives import fake_quantize, output_nmse, positional_qk_sums, query_grams
+from .protection import dual_history, dual_history_mask
 from .transforms import ContentTransform, RopeLayout, RopeTransform, apply_family_rope
 
 
@@ -210,19 +210,39 @@ class ContentLearner:
         return rotation, scale, report
 
 
+@dataclass
+class ReferenceStreams:
+    """What the full-precision module computes on all captured windows, from one replay of each batch.
+
+    Attributes:
+        outputs: `[N, T, hidden]` attention outputs (the content objective's teacher), or None when not kept.
+        q: `[N, H, T, d_R]` post-RoPE queries; k: `[N, T, d_R]` the post-RoPE keys the module caches.
+        latent_max: `[d_c]` per-channel max |c| of the cached latent (the SmoothQuant statistic).
+    """
+
+    outputs: torch.Tensor | None
+    q: torch.Tensor
+    k: torch.Tensor
+    latent_max: torch.Tensor
+
+
 @torch.no_grad()
-def rope_streams(runner: AttentionRunner, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Post-RoPE queries `[N, H, T, d_R]` and keys `[N, T, d_R]` of the module on all captured windows.
+def reference_streams(runner: AttentionRunner, kind: str, outputs: bool = True) -> ReferenceStreams:
+    """The module's outputs, RoPE queries and keys and latent maxima on all captured windows, one replay per batch.
 
     The keys are what the module hands its cache; the queries are computed with the module's own projections and
     its family's RoPE function, checked against the cached keys (same function applied to both).
     """
     m, p = runner.module, runner.params
     d_c, d_nope, d_r = m.kv_a_layernorm.weight.numel(), m.qk_nope_head_dim, m.qk_rope_head_dim
-    qs, ks = [], []
+    qs, ks, outs = [], [], []
+    latent_max = torch.zeros(d_c, device=runner.inputs.hidden.device)
     for rows, h in runner.inputs.batches():
         hook = LatentHook()
-        runner(h, None, hook)
+        out = runner(h, None, hook)
+        if outputs:
+            outs.append(out)
+        latent_max = torch.maximum(latent_max, hook.latent.abs().flatten(0, -2).amax(0).float())
         if getattr(m, "q_proj", None) is not None:
             q = torch.nn.functional.linear(h, p["q_proj.weight"], p.get("q_proj.bias"))
         else:
@@ -245,7 +265,7 @@ def rope_streams(runner: AttentionRunner, kind: str) -> tuple[torch.Tensor, torc
             )
         qs.append(q_post.float())
         ks.append(hook.k_rot[:, 0].float())
-    return torch.cat(qs, 0), torch.cat(ks, 0)
+    return ReferenceStreams(torch.cat(outs, 0) if outputs else None, torch.cat(qs, 0), torch.cat(ks, 0), latent_max)
 
 
 class RopeLearner:
@@ -260,15 +280,27 @@ class RopeLearner:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, layout: RopeLayout, fmt: PathFormat, batch_size: int,
                  sink: int = 0, recent: int = 0):
-        self.q, self.k, self.layout, self.fmt, self.batch_size = q, k, layout, fmt, batch_size
-        self.pairs = None
-        if sink > 0 or recent > 0:
-            self.pairs = quantized_pairs(q.shape[2], sink, recent, q.device)
+        self.k, self.layout, self.fmt, self.batch_size = k, layout, fmt, batch_size
+        # The queries enter the objective only through their per-key Gram matrices ([N, T, d_R, d_R] each, computed
+        # once: the transform acts on the key error instead, `RopeTransform.inverse_key`).
+        # The denominator (`sum (q . k)^2` over causal pairs) does not depend on the transform: one number per window.
+        grams, den = [], []
+        with torch.no_grad():
+            for i in range(0, q.shape[0], batch_size):
+                error, causal = query_grams(q[i : i + batch_size], sink, recent)
+                for w in range(error.shape[0]):
+                    kw = k[i + w : i + w + 1]
+                    den.append(positional_qk_sums(kw, kw, causal[w : w + 1], causal[w : w + 1])[1])
+                grams.append(error)
+        self.grams, self.den = torch.cat(grams, 0), torch.stack(den)
 
     def loss_sums(self, transform: RopeTransform, rows: torch.Tensor):
-        rows = rows.to(self.q.device)
-        q, k = transform.apply(self.q[rows], query=True), transform.apply(self.k[rows], query=False)
-        return positional_qk_nmse(q, k, fake_quantize(k, self.fmt), sums=True, error_pairs=self.pairs)
+        """`(numerator, denominator)` of the objective on windows `rows`, through the queries' per-key Gram matrices
+        (`objectives.positional_qk_sums`: the sums of `positional_qk_nmse` without its `[B, H, T, T]` scores)."""
+        rows = rows.to(self.k.device)
+        k_t = transform.apply(self.k[rows], query=False)
+        e = transform.inverse_key(k_t - fake_quantize(k_t, self.fmt)).float()
+        return ((e.unsqueeze(-2) @ self.grams[rows]).squeeze(-2) * e).sum(), self.den[rows].sum()
 
     @torch.no_grad()
     def objective(self, transform: RopeTransform, rows: torch.Tensor) -> float:
@@ -279,7 +311,7 @@ class RopeLearner:
 
         Returns `(theta [d_R / 2], scale [d_R / 2], PathReport)`.
         """
-        device = self.q.device
+        device = self.k.device
         starts = {name: RopeTransform(self.layout, s0).to(device) for name, s0 in candidates.items()}
         report = PathReport()
         report.candidates = {name: self.objective(t, train) for name, t in starts.items()}
@@ -300,5 +332,5 @@ class RopeLearner:
         return transform.theta.detach().clone(), transform.scale().detach().clone(), report
 
 
-__all__ = ["ContentLearner", "LearnSettings", "PathReport", "RopeLearner", "query_projection", "rope_streams",
-           "teacher_outputs", "output_nmse"]
+__all__ = ["ContentLearner", "LearnSettings", "PathReport", "ReferenceStreams", "RopeLearner", "query_projection",
+           "reference_streams", "teacher_outputs", "output_nmse"]

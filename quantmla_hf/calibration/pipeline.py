@@ -17,13 +17,19 @@ from ..hooks import mla_attention_modules
 from ..mla import mla_dims, text_config
 from .baselines import hadamard_content, smooth_content, smooth_rope
 from .defaults import calibration_data_or_default, resolve_transform
-from .capture import AttentionRunner, LatentHook, capture_inputs, capture_within, decoder_layers, propagate
+from ..cpu_threads import cpu_threads
+from ..log import get_logger
+from .capture import AttentionRunner, capture_inputs, capture_within, decoder_layers, module_device, propagate
 from .checkpoint import CalibrationCheckpoint, fingerprint
 from .fusion import fuse_content, fuse_rope
-from .learn import ContentLearner, LearnSettings, RopeLearner, rope_streams, teacher_outputs
+from .learn import ContentLearner, LearnSettings, RopeLearner, reference_streams
 from .offload import materialized
-from .protection import quantized_fraction
+from .plan import cost_line, estimate_seconds, recipe_for, timed_step
+from .protection import dual_history_mask, quantized_fraction
+from .tokens import token_stream
 from .transforms import rope_kind, rope_layout, start_rotations
+
+logger = get_logger(__name__)
 
 HELDOUT_FRACTION = 0.1
 MIN_QUANTIZED_PAIR_FRACTION = 0.25
@@ -33,8 +39,9 @@ DEFAULT_BATCH = 8
 def calibration_token_ids(data, tokenizer, samples: int, seq_len: int, seed: int, vocab_size: int | None = None):
     """Token windows `[N, T]` (int64) from `data`: token ids `[N, T]`, a list of strings or a text-file path.
 
-    Text is joined with blank lines, tokenized once and cut into non-overlapping `seq_len` windows, of which
-    `samples` are drawn with `seed` (all of them when fewer exist; at least 2 are needed, one to hold out).
+    Text is joined with blank lines, tokenized in bounded pieces (`tokens.token_stream`) and cut into non-overlapping
+    `seq_len` windows, of which `samples` are drawn with `seed` (all of them when fewer exist; at least 2 are needed,
+    one to hold out).
     """
     if isinstance(data, torch.Tensor):
         if data.is_floating_point() or data.is_complex():
@@ -56,7 +63,7 @@ def calibration_token_ids(data, tokenizer, samples: int, seq_len: int, seed: int
         raise ValueError("calibration_data must be token ids [N, T], a non-empty list of strings or a text-file path")
     if tokenizer is None:
         raise ValueError("calibration_data given as text needs a tokenizer: calibrate(model, config, texts, tokenizer=tok)")
-    ids = torch.tensor(tokenizer("\n\n".join(data), add_special_tokens=False)["input_ids"], dtype=torch.long)
+    ids = token_stream(list(data), tokenizer)
     n = ids.numel() // seq_len
     if n < 2:
         raise ValueError(f"calibration text gives {ids.numel()} tokens, fewer than 2 windows of calibration_seq_len={seq_len}; "
@@ -111,6 +118,11 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
     are the only activations kept between layers; each of the layer's MLA attention modules is captured from them,
     calibrated (fp32) and fused, then the layer is run on them to give layer `k + 1`'s inputs.
 
+    On a CPU the recipe options not given (`calibration_samples`, `calibration_seq_len`, `calibration_steps`) take
+    the CPU recipe's values and torch's thread count is measured (`plan.recipe_for`, `quantmla_hf.cpu_threads`); the
+    log says which recipe runs and why, then, before learning starts, the tokens, windows, steps, layers and an
+    estimated time (`plan.cost_line`).
+
     Args:
         model: a transformers MLA model (any supported family); its weights change in place.
         quantization_config: `QuantMLAConfig` (or its dict); `calibrated` and `extra["calibration"]` are set.
@@ -147,7 +159,7 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
         cfg.extra.setdefault("calibration_source", source)
     if cfg.transform != "none":
         check_not_sharded_for_calibration(model, cfg.transform)  # tensor parallel: calibrate in one process
-    dims = mla_dims(model.config)
+    mla_dims(model.config)  # not an MLA model: say so
     modules = mla_attention_modules(model)
     for m in modules:
         with materialized(m):
@@ -161,18 +173,18 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
         if data is None:
             raise ValueError(f"transform={cfg.transform!r} needs calibration_data (token ids, strings or a text file) "
                              "or a tokenizer to calibrate on the default text")
+        device = module_device(modules[0])
+        changes, recipe = recipe_for(cfg, device, isinstance(data, torch.Tensor))
+        if changes:
+            cfg.update(**changes)
         ids = calibration_token_ids(data, tokenizer, cfg.calibration_samples, cfg.calibration_seq_len, cfg.seed,
                                     getattr(text_config(model.config), "vocab_size", None))
-        fmt = CacheFormat.from_config(dims.kv_lora_rank, dims.rope_dim, cfg)
-        layout, kind = rope_layout(model.config, dims.rope_dim), rope_kind(model.config)
         sink, recent, why = protection_to_model(calibration_protection, ids.shape[1], cfg.sink_tokens,
                                                 cfg.recent_tokens)
-        settings = LearnSettings(steps=cfg.calibration_steps, lr=cfg.calibration_lr, seed=cfg.seed, sink=sink,
-                                 recent=recent)
         train, held = _split(ids.shape[0])
         record.update(windows=list(ids.shape), heldout_windows=int(held.numel()), steps=cfg.calibration_steps,
                       lr=cfg.calibration_lr, batch_size=batch_size, protection_modelled=[sink, recent],
-                      protection=why)
+                      protection=why, recipe=recipe)
         checkpoint = None
         if checkpoint_dir is not None:
             keys = ("transform", "content_bits", "rope_bits", "group_size", "calibration_steps", "calibration_lr",
@@ -182,56 +194,91 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
                                "protection_modelled": [sink, recent]}, ids))
         was_training = model.training
         model.eval()
-        layers = decoder_layers(model, modules)
-        show = progress and logging.is_progress_bar_enabled()
-        bar = tqdm(total=len(layers), desc=f"QuantMLA {cfg.transform} {cfg.name}", unit="layer", disable=not show)
-        layer_inputs = capture_inputs(model, layers[0][0], ids, batch_size, dtype=None)
-        fused_any = False
-        for index, (layer, attention) in enumerate(layers):
-            saved = checkpoint.load(index) if checkpoint is not None else None
-            inside = {id(sub) for m in attention for sub in m.modules()}
-            # The layer's offloaded weights (if any) come to the GPU once for capture, learning and propagation;
-            # only its attention modules' (fused) weights go back to the offload map.
-            with materialized(layer, write_back=lambda sub: id(sub) in inside):
-                try:
-                    if saved is not None:
-                        for m, item in zip(attention, saved, strict=True):
-                            fused_any = True
-                            with materialized(m):
-                                apply_transforms(m, layout, item["transforms"])
-                            record["layers"].append({**item["entry"], "resumed": True})
-                    else:
-                        done = []
-                        for m in attention:
-                            start = time.perf_counter()
-                            inputs = capture_within(layer, layer_inputs, m)
-                            with materialized(m):
-                                entry, transforms = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform,
-                                                                     settings, train, held)
-                                fused_any = True
-                                apply_transforms(m, layout, transforms)
-                            del inputs
-                            entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
-                            done.append({"transforms": transforms, "entry": entry})
-                            record["layers"].append(entry)
-                            # A 16-bit path is not learned and has no entry.
-                            bar.set_postfix({p: f"{entry[p]['heldout_rtn']:.2e}->{entry[p]['heldout_best']:.2e}"
-                                             for p in ("content", "rope") if p in entry})
-                        if checkpoint is not None:
-                            checkpoint.save(index, done)
-                    if index + 1 < len(layers):
-                        layer_inputs = replace(layer_inputs, hidden=propagate(layer, layer_inputs))
-                except BaseException:
-                    if fused_any:  # the weights in memory are now neither the original nor the calibrated ones
-                        model._quantmla_partially_fused = index
-                    raise
-            bar.update(1)
-        bar.close()
-        del layer_inputs
-        model.train(was_training)
+        try:
+            with cpu_threads(device) as threads:
+                _calibrate_layers(model, cfg, modules, ids, record, checkpoint, batch_size, progress, threads,
+                                  LearnSettings(steps=cfg.calibration_steps, lr=cfg.calibration_lr, seed=cfg.seed,
+                                               sink=sink, recent=recent), train, held)
+        finally:
+            model.train(was_training)
     cfg.calibrated = True
     cfg.extra["calibration"] = record
     return model
+
+
+def _calibrate_layers(model, cfg: QuantMLAConfig, modules: list, ids: torch.Tensor, record: dict,
+                      checkpoint: CalibrationCheckpoint | None, batch_size: int, progress: bool, threads: int,
+                      settings: LearnSettings, train: torch.Tensor, held: torch.Tensor) -> None:
+    """The layer loop of `calibrate` for "learned" and "smooth": capture, learn, fuse, propagate; says what it will
+    cost (`plan.cost_line`) once the first module to learn is captured."""
+    dims = mla_dims(model.config)
+    fmt = CacheFormat.from_config(dims.kv_lora_rank, dims.rope_dim, cfg)
+    layout, kind = rope_layout(model.config, dims.rope_dim), rope_kind(model.config)
+    layers = decoder_layers(model, modules)
+    to_learn = len(layers) - (checkpoint.finished() if checkpoint is not None else 0)
+    show = progress and logging.is_progress_bar_enabled()
+    bar = tqdm(total=len(layers), desc=f"QuantMLA {cfg.transform} {cfg.name}", unit="layer", disable=not show)
+    layer_inputs = capture_inputs(model, layers[0][0], ids, batch_size, dtype=None)
+    fused_any, announced = False, False
+    if to_learn <= 0:
+        logger.warning(f"calibration: all {len(layers)} decoder layers resumed from {checkpoint.dir}")
+    for index, (layer, attention) in enumerate(layers):
+        saved = checkpoint.load(index) if checkpoint is not None else None
+        inside = {id(sub) for m in attention for sub in m.modules()}
+        # The layer's offloaded weights (if any) come to the GPU once for capture, learning and propagation;
+        # only its attention modules' (fused) weights go back to the offload map.
+        with materialized(layer, write_back=lambda sub: id(sub) in inside):
+            try:
+                if saved is not None:
+                    for m, item in zip(attention, saved, strict=True):
+                        fused_any = True
+                        with materialized(m):
+                            apply_transforms(m, layout, item["transforms"])
+                        record["layers"].append({**item["entry"], "resumed": True})
+                else:
+                    done = []
+                    for m in attention:
+                        start = time.perf_counter()
+                        inputs = capture_within(layer, layer_inputs, m)
+                        with materialized(m):
+                            if not announced:
+                                announced = True
+                                estimate = _estimate(m, inputs, settings, ids.shape[0], held.numel(),
+                                                     cfg.calibration_steps, len(attention), to_learn) \
+                                    if cfg.transform == "learned" else None
+                                logger.warning(cost_line(record, len(layers), to_learn, threads, estimate))
+                            entry, transforms = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform,
+                                                                 settings, train, held)
+                            fused_any = True
+                            apply_transforms(m, layout, transforms)
+                        del inputs
+                        entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
+                        done.append({"transforms": transforms, "entry": entry})
+                        record["layers"].append(entry)
+                        # A 16-bit path is not learned and has no entry.
+                        bar.set_postfix({p: f"{entry[p]['heldout_rtn']:.2e}->{entry[p]['heldout_best']:.2e}"
+                                         for p in ("content", "rope") if p in entry})
+                    if checkpoint is not None:
+                        checkpoint.save(index, done)
+                if index + 1 < len(layers):
+                    layer_inputs = replace(layer_inputs, hidden=propagate(layer, layer_inputs))
+            except BaseException:
+                if fused_any:  # the weights in memory are now neither the original nor the calibrated ones
+                    model._quantmla_partially_fused = index
+                raise
+        bar.update(1)
+    bar.close()
+
+
+def _estimate(module, inputs, settings: LearnSettings, windows: int, held: int, steps: int, modules: int,
+              layers: int) -> float:
+    """Seconds the calibration of `layers` layers should take, from one timed step of `module` (`plan.timed_step`)."""
+    mask = None
+    if settings.protected:
+        T = inputs.hidden.shape[1]
+        mask = dual_history_mask(T, settings.sink, settings.recent, torch.float32, inputs.hidden.device)
+    step = timed_step(AttentionRunner(module, inputs), mask)
+    return estimate_seconds(step, windows, held, inputs.batch_size, steps, modules, layers)
 
 
 def apply_transforms(module, layout, transforms: dict) -> None:
@@ -250,23 +297,22 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
     transforms (`apply_transforms`) is left to the caller. The RoPE objective does not depend on the content
     transform, so both are learned from the unfused module."""
     runner = AttentionRunner(module, inputs)
-    q, k = rope_streams(runner, kind)
+    learn_content = transform == "learned" and fmt.content.quantized
+    streams = reference_streams(runner, kind, outputs=learn_content)  # one replay gives every statistic
+    q, k = streams.q, streams.k
     w = module.kv_a_layernorm.weight.detach().float()
     if transform == "smooth":
-        latent_max = _latent_absmax(runner, w)
-        return {}, {"content": _cpu(smooth_content(latent_max, runner.params["kv_b_proj.weight"], w)),
+        return {}, {"content": _cpu(smooth_content(streams.latent_max, runner.params["kv_b_proj.weight"], w)),
                     "rope": _cpu((torch.zeros(layout.n_pairs), smooth_rope(q, k, layout)))}
     entry, transforms = {}, {}
-    if fmt.content.quantized:
-        teacher = teacher_outputs(runner)
-        learner = ContentLearner(runner, teacher, fmt.content, settings.sink, settings.recent)
+    if learn_content:
+        learner = ContentLearner(runner, streams.outputs, fmt.content, settings.sink, settings.recent)
         candidates = {name: (r0, _start_scale(name, w)) for name, r0 in start_rotations(w).items()}
-        latent_max = _latent_absmax(runner, w)
-        candidates["smooth"] = smooth_content(latent_max, runner.params["kv_b_proj.weight"], w)
+        candidates["smooth"] = smooth_content(streams.latent_max, runner.params["kv_b_proj.weight"], w)
         rotation, scale, report = learner.learn(candidates, train, held, settings)
         transforms["content"] = _cpu((rotation, scale))
         entry["content"] = report.to_dict()
-        del teacher
+    del streams
     if fmt.rope.quantized:
         learner = RopeLearner(q, k, layout, fmt.rope, inputs.batch_size, settings.sink, settings.recent)
         starts = {"identity": torch.ones(layout.n_pairs, device=q.device), "smooth": smooth_rope(q, k, layout)}
@@ -278,17 +324,6 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
 
 def _cpu(pair) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(t.detach().float().cpu().contiguous() for t in pair)
-
-
-@torch.no_grad()
-def _latent_absmax(runner: AttentionRunner, w: torch.Tensor) -> torch.Tensor:
-    """Per-channel max |c| of the cached latent over all calibration windows: `[d_c]` fp32."""
-    latent_max = torch.zeros_like(w)
-    for _, h in runner.inputs.batches():
-        hook = LatentHook()
-        runner(h, None, hook)
-        latent_max = torch.maximum(latent_max, hook.latent.abs().flatten(0, -2).amax(0).float())
-    return latent_max
 
 
 def _start_scale(name: str, w: torch.Tensor) -> torch.Tensor:

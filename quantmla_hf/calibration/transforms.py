@@ -148,6 +148,11 @@ class RopeTransform(torch.nn.Module):
         """Transform post-RoPE keys (`query=False`: `s Q x`) or queries (`query=True`: `Q x / s`), `x: [.., d_R]`."""
         return rotate_pairs(x, self.layout.post_a, self.layout.post_b, self.theta, 1 / self.scale() if query else self.scale())
 
+    def inverse_key(self, x: torch.Tensor) -> torch.Tensor:
+        """`Q^T x / s`, `x: [.., d_R]`: undoes the key map; a transformed key error seen by the transformed queries
+        is this error seen by the original ones (`(Q q / s) . e = q . (Q^T e / s)`)."""
+        return rotate_pairs(x, self.layout.post_a, self.layout.post_b, -self.theta, 1 / self.scale())
+
 
 def rotate_pairs(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, theta: torch.Tensor, scale: torch.Tensor):
     """`x: [.., d]` with pair `i` at coordinates `(a_i, b_i)` mapped to `scale_i * Q(theta_i) (x_a, x_b)`,

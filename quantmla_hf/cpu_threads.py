@@ -1,0 +1,74 @@
+"""How many torch threads long CPU work (calibration, `quantmla eval`) runs on: measured, not assumed.
+
+torch starts one intra-op thread per core. On a machine whose cores other processes also use, every parallel
+operation then waits at its barrier for a thread the scheduler has put aside: on the 2-core CPU shared with other
+jobs, an elementwise operation on 64 K floats took 14 ms with 2 threads against 8 us with 1, and one calibration
+step 2.5-3x longer with 2 threads than with 1 (docs/CALIBRATION.md). On an idle machine more threads are faster.
+`cpu_threads()` times the same small workload with one thread and with torch's current count and keeps the faster,
+unless the user fixed the count (`OMP_NUM_THREADS` or `MKL_NUM_THREADS` set): then nothing changes.
+
+The thread count changes float reductions, so calibrations with different counts differ in the last bits
+(docs/CALIBRATION.md, "Determinism"); the chosen count is logged.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+# A thread count must be this much faster than one thread to be kept (the probe is short and noisy).
+MIN_GAIN = 1.25
+PROBE_ELEMENTS = 1 << 18
+PROBE_ROUNDS = 12
+
+
+def _probe(threads: int, x: torch.Tensor, m: torch.Tensor, budget: float | None = None) -> float:
+    """Seconds for `PROBE_ROUNDS` rounds of parallel elementwise work and a matmul with `threads` threads; stops early
+    (returning the time so far) once past `budget`."""
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    for _ in range(PROBE_ROUNDS):
+        (x * 1.0001 + 0.5).sum()
+        m @ m
+        if budget is not None and time.perf_counter() - start > budget:
+            break
+    return time.perf_counter() - start
+
+
+def user_fixed_threads() -> bool:
+    """True when the environment fixes the thread count (`OMP_NUM_THREADS`, `MKL_NUM_THREADS`)."""
+    return any(os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+
+
+def best_thread_count() -> int:
+    """1 or `torch.get_num_threads()`, whichever ran the probe faster (by `MIN_GAIN`); the count is left as found."""
+    n = torch.get_num_threads()
+    if n <= 1:
+        return n
+    x, m = torch.randn(PROBE_ELEMENTS), torch.randn(192, 192)
+    try:
+        _probe(1, x, m)  # warm-up
+        one = _probe(1, x, m)
+        many = _probe(n, x, m, budget=MIN_GAIN * one)
+    finally:
+        torch.set_num_threads(n)
+    return n if many * MIN_GAIN < one else 1
+
+
+@contextmanager
+def cpu_threads(device: torch.device | str | None):
+    """Within the block torch runs on `best_thread_count()` threads when `device` is a CPU and the user did not fix
+    the count; yields the count in use. The previous count is restored on leaving."""
+    before = torch.get_num_threads()
+    if device is None or torch.device(device).type != "cpu" or user_fixed_threads():
+        yield before
+        return
+    chosen = best_thread_count()
+    torch.set_num_threads(chosen)
+    try:
+        yield chosen
+    finally:
+        torch.set_num_threads(before)

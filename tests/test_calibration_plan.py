@@ -1,0 +1,181 @@
+"""Calibration sized for the machine: text tokenized in bounded pieces, the RoPE objective through query Gram matrices,
+the CPU recipe and its cost line in the log, the thread count, and resuming a `from_pretrained` calibration."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from quantmla_hf import QuantMLAConfig
+from quantmla_hf.calibration import calibrate, checkpoint, plan
+from quantmla_hf.calibration.defaults import default_calibration_text, resolve_transform
+from quantmla_hf.calibration.objectives import positional_qk_nmse, positional_qk_sums, query_grams
+from quantmla_hf.calibration.protection import quantized_pairs
+from quantmla_hf.calibration.tokens import piece_chars, split_text, token_stream
+from quantmla_hf.cpu_threads import cpu_threads
+from quantmla_hf.demo import REFERENCE_MODEL
+from quantmla_hf.tiny_models import tiny_mla_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+
+
+class _Recording:
+    """The reference tokenizer, recording the length of every text it is called on and of what it returns."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.model_max_length = inner.model_max_length
+
+    def __call__(self, text, **kwargs):
+        out = self.inner(text, **kwargs)
+        self.calls.append((len(text), len(out["input_ids"])))
+        return out
+
+
+def test_default_text_is_tokenized_in_bounded_pieces_with_the_whole_texts_ids(tokenizer, caplog):
+    text = default_calibration_text()
+    recording = _Recording(tokenizer)
+    with caplog.at_level(logging.WARNING):
+        ids = token_stream([text], recording)
+    assert "".join(split_text(text, piece_chars(tokenizer))) == text  # the pieces are the text, cut
+    assert len(recording.calls) > 50
+    assert max(chars for chars, _ in recording.calls) <= piece_chars(tokenizer) <= tokenizer.model_max_length
+    assert max(tokens for _, tokens in recording.calls) < tokenizer.model_max_length
+    assert "Token indices sequence length" not in caplog.text
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]  # the length warning fires here, not above
+    assert torch.equal(ids, torch.tensor(whole))
+    calls = len(recording.calls)
+    assert torch.equal(token_stream([text], recording), ids) and len(recording.calls) == calls  # counted once, kept
+
+
+def test_a_stretch_without_a_word_start_is_cut_at_the_piece_size():
+    assert split_text("x" * 25, 10) == ["x" * 10, "x" * 10, "x" * 5]
+    assert split_text("ab cd\nef gh", 7) == ["ab cd\n", "ef gh"]
+
+
+@pytest.mark.parametrize("T,sink,recent", [(37, 0, 0), (37, 4, 8), (64, 4, 128), (64, 0, 5), (10, 12, 0)])
+def test_gram_form_of_the_rope_objective_equals_the_pairwise_sums(T, sink, recent):
+    g = torch.Generator().manual_seed(T + sink + recent)
+    q = torch.randn(2, 3, T, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, T, 8, generator=g, dtype=torch.float64)
+    k_hat = k + 0.1 * torch.randn(2, T, 8, generator=g, dtype=torch.float64)
+    pairs = quantized_pairs(T, sink, recent) if sink or recent else None
+    num, den = positional_qk_nmse(q, k, k_hat, sums=True, error_pairs=pairs)
+    grams, causal = query_grams(q, sink, recent)
+    num_g, den_g = positional_qk_sums(k - k_hat, k, grams, causal)
+    torch.testing.assert_close(num_g.double(), num.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(den_g.double(), den.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_default_text_makes_auto_learned(tokenizer):
+    transform, why = resolve_transform("auto", None, tokenizer)
+    assert transform == "learned" and "237210 calibration tokens" in why
+
+
+def _texts():
+    return [default_calibration_text()[:60_000]]
+
+
+def _tiny():
+    return tiny_mla_model("deepseek_v3", seed=3, vocab_size=8192)
+
+
+def test_cpu_recipe_learns_on_text_and_says_its_cost_before_starting(tokenizer, caplog):
+    model, cfg = _tiny(), QuantMLAConfig(transform="learned", content_bits=2)
+    with caplog.at_level(logging.WARNING, logger="quantmla_hf.calibration.pipeline"):
+        calibrate(model, cfg, _texts(), tokenizer=tokenizer, progress=False)
+    record = cfg.extra["calibration"]
+    assert record["windows"] == [32, 256] and record["steps"] == 25 and cfg.calibration_steps == 25
+    assert record["recipe"].startswith("recipe: the CPU recipe")
+    lines = [r.getMessage() for r in caplog.records if r.name == "quantmla_hf.calibration.pipeline"]
+    assert len(lines) == 1, lines
+    assert "calibrating 2 of 2 decoder layers (learned): 32 windows of 256 tokens (8,192 tokens), 25 Adam steps" \
+        in lines[0] and "estimated" in lines[0] and "s per layer" in lines[0] and "the CPU recipe" in lines[0]
+    for path in ("content", "rope"):  # it learned: below RTN on its held-out windows in every layer
+        assert all(layer[path]["heldout_best"] < layer[path]["heldout_rtn"] for layer in record["layers"])
+
+
+def test_recipe_options_given_are_kept_on_a_cpu(tokenizer):
+    model = _tiny()
+    cfg = QuantMLAConfig(transform="learned", calibration_steps=3, calibration_samples=8, calibration_seq_len=64)
+    calibrate(model, cfg, _texts(), tokenizer=tokenizer, progress=False)
+    record = cfg.extra["calibration"]
+    assert record["windows"] == [8, 64] and record["steps"] == 3 and record["recipe"] == "recipe: as given (CPU)"
+    # one option given, the others from the CPU recipe
+    changes, why = plan.recipe_for(QuantMLAConfig(calibration_steps=100), torch.device("cpu"), False)
+    assert changes == {"calibration_samples": 32, "calibration_seq_len": 256} and "calibration_steps=100" in why
+    assert plan.recipe_for(QuantMLAConfig(), torch.device("cuda"), False)[0] == {}
+
+
+def test_estimate_counts_the_recipe():
+    one = plan.estimate_seconds(0.1, windows=32, held=3, batch=8, steps=25, modules=1, layers=1)
+    assert plan.estimate_seconds(0.1, 32, 3, 8, 25, 1, 6) == pytest.approx(6 * one)
+    assert plan.estimate_seconds(0.2, 32, 3, 8, 25, 1, 1) == pytest.approx(2 * one)
+    assert plan.estimate_seconds(0.1, 32, 3, 8, 50, 1, 1) > 1.5 * one  # the steps are most of the work
+
+
+def test_a_fixed_thread_count_is_left_alone(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(before))
+    with cpu_threads("cpu") as n:
+        assert n == before == torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    with cpu_threads("cpu") as n:
+        assert n in (1, before) and torch.get_num_threads() == n
+    assert torch.get_num_threads() == before
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_from_pretrained_calibration_resumes_from_its_checkpoint_dir(tmp_path, tokenizer, monkeypatch):
+    base = _tiny()
+    base.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    text = tmp_path / "calib.txt"
+    text.write_text(_texts()[0])
+    options = dict(transform="learned", calibration_data=str(text), calibration_samples=8, calibration_seq_len=64,
+                   calibration_steps=4)
+
+    def load(**extra):
+        cfg = QuantMLAConfig(**options, **extra)
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "model", quantization_config=cfg)
+
+    whole = load()
+    ckpt = str(tmp_path / "ckpt")
+    real = checkpoint.CalibrationCheckpoint.save
+
+    def killed_after_first_layer(self, index, modules):
+        real(self, index, modules)
+        raise _Killed  # the process dies once layer 0 is on disk
+
+    monkeypatch.setattr(checkpoint.CalibrationCheckpoint, "save", killed_after_first_layer)
+    with pytest.raises(_Killed):
+        load(calibration_checkpoint_dir=ckpt)
+    assert sorted(os.listdir(ckpt)) == ["layer_00000.pt", "manifest.json"]
+    monkeypatch.setattr(checkpoint.CalibrationCheckpoint, "save", real)
+    resumed = load(calibration_checkpoint_dir=ckpt)
+    layers = resumed.config.quantization_config.extra["calibration"]["layers"]
+    assert [layer.get("resumed", False) for layer in layers] == [True, False]
+    assert "calibration_checkpoint_dir" not in resumed.config.quantization_config.to_dict()  # never in config.json
+    expected = whole.state_dict()
+    for name, value in resumed.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_checkpoint_dir_option_is_validated():
+    with pytest.raises(ValueError, match="calibration_checkpoint_dir must be a folder path"):
+        QuantMLAConfig(calibration_checkpoint_dir="")
+    with pytest.raises(ValueError, match="calibration_checkpoint_dir must be a folder path"):
+        QuantMLAConfig(calibration_checkpoint_dir=3)
