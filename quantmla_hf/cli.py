@@ -35,7 +35,8 @@ from .calibration.defaults import resolve_transform
 from .calibration_check import CLI_NAMES, check_calibration_inputs, no_tokenizer_for_default_text, read_calibration_text
 from .config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig, weight_conflicts
 from .demo import main as demo_main
-from .evaluation import decode_perplexity
+from .cpu_threads import cpu_threads
+from .evaluation import window_nll
 from .integration import build_cache, generated_cache, upload_saved_files
 from .mla import mla_dims, text_config
 from .model_card import write_model_card
@@ -69,7 +70,8 @@ CACHE_FLAGS = (("--content-bits", "content_bits"), ("--rope-bits", "rope_bits"),
 # Options that describe how weights are made: a MODEL already quantized with QuantMLA cannot take them.
 WEIGHT_FLAGS = (("--transform", "transform"), ("--calibration", "calibration_data"),
                 ("--calibration-samples", "calibration_samples"), ("--calibration-seq-len", "calibration_seq_len"),
-                ("--calibration-steps", "calibration_steps"))
+                ("--calibration-steps", "calibration_steps"),
+                ("--calibration-checkpoint-dir", "calibration_checkpoint_dir"))
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
@@ -92,6 +94,9 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration-seq-len", type=int, default=None,
                    help=f"(default {_DEFAULTS['calibration_seq_len']})")
     g.add_argument("--calibration-steps", type=int, default=None, help=f"(default {_DEFAULTS['calibration_steps']})")
+    g.add_argument("--calibration-checkpoint-dir", metavar="DIR", default=None,
+                   help="keep each finished layer's transforms here; a killed run started again with the same DIR "
+                        "resumes after the last finished layer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,45 +313,54 @@ def cmd_generate(args) -> int:
 
 
 def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride: int, max_windows=None,
-                            floor: bool = False) -> dict:
+                            floor: bool = False, batch: int = 8) -> dict:
     """Decode perplexity of `token_ids: [T]` with a `DynamicCache` (model dtype) and with the model's QuantMLA cache.
 
     Windows of `window` tokens start every `stride` tokens; each prefills `prefill` tokens and decodes the rest
-    one token at a time against the cache, scoring every decoded token (see `quantmla_hf.evaluation`). With
-    `floor`, also a lossless C16R16 QuantMLA cache: same attention path, nothing quantized, so its difference to
-    the baseline is the attention arithmetic alone (in bf16/fp16 the latent-space path rounds differently).
+    one token at a time against the cache, scoring every decoded token (see `quantmla_hf.evaluation`); `batch`
+    windows decode together. With `floor`, also a lossless C16R16 QuantMLA cache: same attention path, nothing
+    quantized, so its difference to the baseline is the attention arithmetic alone (in bf16/fp16 the latent-space path
+    rounds differently). On a CPU the thread count is measured first (`quantmla_hf.cpu_threads`).
     """
     if token_ids.numel() < window:
         raise CLIError(f"the text has {token_ids.numel()} tokens, fewer than one window of {window}; "
                        "pass a longer text or a smaller --window")
     starts = list(range(0, token_ids.numel() - window + 1, stride))[:max_windows]
+    windows = torch.stack([token_ids[s : s + window] for s in starts])
     caches = {"baseline": lambda: DynamicCache(config=text_config(model.config)), "quantmla": lambda: build_cache(model)}
     if floor:
         lossless = model.config.quantization_config.copy()
         lossless.update(content_bits=16, rope_bits=16)
         caches["floor"] = lambda: build_cache(model, lossless)
-    totals = {name: [0.0, 0] for name in caches}
-    for start in tqdm(starts, desc="windows", unit="window"):
-        ids = token_ids[start:start + window]
-        for name, make in caches.items():
-            r = decode_perplexity(model, ids, make_cache=make, window=window, prefill=prefill)
-            totals[name][0] += r.nll * r.tokens
-            totals[name][1] += r.tokens
-    out = {f"{name}_perplexity": math.exp(s / n) for name, (s, n) in totals.items()}
-    out.update(baseline_dtype=str(model.dtype).removeprefix("torch."), tokens_scored=totals["baseline"][1],
+    totals = {name: 0.0 for name in caches}
+    groups = [windows[i : i + batch] for i in range(0, len(starts), batch)]
+    with cpu_threads(model.device), tqdm(total=len(groups) * len(caches), desc="windows x caches", unit="batch") as bar:
+        for group in groups:
+            for name, make in caches.items():
+                totals[name] += float(window_nll(model, group, make, prefill).sum())
+                bar.update(1)
+    tokens = len(starts) * (window - prefill)
+    out = {f"{name}_perplexity": math.exp(total / tokens) for name, total in totals.items()}
+    out.update(baseline_dtype=str(model.dtype).removeprefix("torch."), tokens_scored=tokens,
                windows=len(starts), window=window, prefill=prefill, stride=stride)
     return out
 
 
 def check_window_reads_quantized(window: int, sink_tokens: int, recent_tokens: int, flags: bool = True) -> None:
-    """Refuse an evaluation in which no decoded token reads a quantized cache entry (it would show +0.00%)."""
+    """Refuse an evaluation in which no decoded token reads a quantized cache entry (it would show +0.00%).
+
+    The last scored token is predicted from `window - 1` cached tokens, of which the first `sink_tokens` and the
+    last `recent_tokens` stay unquantized: some entry is read quantized exactly when `window >= sink_tokens +
+    recent_tokens + 2`, the bound the message names.
+    """
     protected = sink_tokens + recent_tokens
     if window - 1 <= protected:
         raise CLIError(
             f"--window {window}: a decoded token sees at most {window - 1} cached tokens, and the first {sink_tokens} "
             f"(sink) and last {recent_tokens} (recent) stay unquantized, so no quantized entry is ever read and every "
-            f"format would score the same as the baseline; pass --window {2 * protected + 2} or more"
-            + (" (or fewer --recent-tokens)" if flags else "")
+            f"format would score the same as the baseline; pass --window {protected + 2} or more (at "
+            f"{protected + 2} only the last decoded token reads one quantized entry: {2 * protected + 2} or more "
+            "makes most of them read many)" + (" or fewer --recent-tokens" if flags else "")
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -16,7 +17,17 @@ CACHE = ["--transform", "none", "--group-size", "16", "--sink-tokens", "1", "--r
 def test_a_window_that_reads_no_quantized_entry_is_refused(base_dir, capsys, window):
     rc = main(["eval", str(base_dir), "--text", str(EVALUATION_TEXT), "--window", str(window), "--prefill", "2", *CACHE])
     err = capsys.readouterr().err
-    assert rc == 1 and "no quantized entry is ever read" in err and "--window 12 or more" in err
+    assert rc == 1 and "no quantized entry is ever read" in err and "--window 7 or more" in err
+
+
+def test_the_window_the_refusal_names_is_the_smallest_accepted(base_dir, capsys):
+    """The rule and the message agree: the window the refusal suggests (sink 1 + recent 4 + 2 = 7) runs, one less
+    is refused."""
+    args = ["eval", str(base_dir), "--text", str(EVALUATION_TEXT), "--prefill", "2", "--max-windows", "1", *CACHE]
+    assert main([*args, "--window", "6"]) == 1
+    suggested = int(re.search(r"--window (\d+) or more", capsys.readouterr().err).group(1))
+    assert main([*args, "--window", str(suggested - 1)]) == 1
+    assert main([*args, "--window", str(suggested)]) == 0
 
 
 def test_bf16_eval_prints_the_floor(base_dir, tmp_path, capsys):
