@@ -42,6 +42,7 @@ from .hooks import _pre_forward, install_cache_hooks, mla_attention_modules
 from .log import get_logger
 from .mla import MLADims, mla_dims
 from .model_card import has_own_card, hub_id_of, write_model_card
+from .paged.continuous_api import install_continuous_batching, uninstall_continuous_batching
 from .staged_output import staged_directory, write_errors
 from .static_generate import generation_cache, plan_for_given_cache, static_cache_wanted
 from .static_generate import model_qconfig as _model_qconfig
@@ -182,6 +183,7 @@ def prepare_model(model, qconfig: QuantMLAConfig, calibration_data=None, tokeniz
         model._quantmla_stock_attn = model.config._attn_implementation  # what `dequantize` goes back to
     _install_attention(model)
     _install_generation_default(model)
+    install_continuous_batching(model)
     _install_model_card(model)
     _allow_dtype_casts(model)
     return model
@@ -206,6 +208,7 @@ def unprepare_model(model, dtype=None):
                 del module._forward_pre_hooks[key]
                 module._forward_pre_hooks_with_kwargs.pop(key, None)
         module.__dict__.pop("_quantmla_state", None)
+    uninstall_continuous_batching(model)
     attn = model.__dict__.pop("_quantmla_stock_attn", None)
     for name in ("_prepare_cache_for_generation", "get_compiled_call", "create_masks_for_generate",
                  "_quantmla_graph_step", "_quantmla_decode_plan", "_quantmla_cache_pool",

@@ -33,9 +33,10 @@ from .kernels.quant_pack_ref import quantize_pack_at_ref
 
 if importlib.util.find_spec("triton") is not None:  # the Triton-backed kernels, for this module and the caches
     from .decode import mla_decode_paged, mla_decode_static
+    from .kernels.paged_write import paged_write
     from .kernels.quant_pack import quantize_pack, quantize_pack_slots
 else:  # Triton is a dependency on Linux only (pyproject.toml): without it every op runs its PyTorch reference
-    mla_decode_static = mla_decode_paged = quantize_pack = quantize_pack_slots = None
+    mla_decode_static = mla_decode_paged = paged_write = quantize_pack = quantize_pack_slots = None
 
 LIB = "quantmla"
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla
-from quantmla_hf.paged import CacheBudgetExceeded, PagedQuantMLACache
-from quantmla_hf.paged.batching import ContinuousBatcher, generate_batch
+from quantmla_hf.paged import PagedQuantMLACache
+from quantmla_hf.paged.batching import ContinuousBatcher, RequestTooLong, generate_batch
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
 
 from helpers import KERNEL_DEVICE
@@ -104,11 +104,23 @@ def test_long_prompts_wait_for_room_instead_of_thrashing():
     assert batcher.stats.forward_tokens == 2 * (20 + 3)
 
 
-def test_request_larger_than_the_cache_is_refused():
-    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
-    cache = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=2, num_pages=2, dtype=model.dtype)
-    with pytest.raises(CacheBudgetExceeded, match="does not fit the empty cache"):
-        generate_batch(model, [list(range(12))], 2, cache=cache)
+def test_prompts_too_long_for_the_cache_or_the_context_are_refused_and_answers_cut():
+    """A request holds the cache's pages less one (3 x 4 tokens here) and at most the model's context: a prompt that
+    leaves no room for an answer is refused when it is added, a longer answer is cut at that length."""
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3, max_position_embeddings=32), qconfig(4))
+    cache = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=2, num_pages=4, dtype=model.dtype)
+    batcher = ContinuousBatcher(model, cache)
+    assert batcher.max_request_tokens == 12
+    with pytest.raises(RequestTooLong, match="prompt of 12 tokens, but a request holds at most 12 tokens.*larger"):
+        batcher.add_request("long", list(range(12)), 2)
+    with pytest.raises(ValueError, match="empty prompt"):
+        batcher.add_request("empty", [], 2)
+    batcher.add_request("cut", list(range(9)), 100)
+    assert batcher.run()["cut"] == alone(model, list(range(9)), 3)  # 9 + 3 = 12 tokens
+    roomy = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=2, num_pages=40, dtype=model.dtype)
+    assert ContinuousBatcher(model, roomy).max_request_tokens == 32  # the context binds
+    with pytest.raises(RequestTooLong, match="context of 32"):
+        generate_batch(model, [list(range(32))], 2, cache=roomy)
 
 
 def test_generation_config_sets_length_end_token_and_sampling():
@@ -125,3 +137,47 @@ def test_generation_config_sets_length_end_token_and_sampling():
     sampled, _ = generate_batch(model, ps, generation_config=GenerationConfig(max_new_tokens=4, do_sample=True,
                                                                               temperature=5.0))
     assert [len(s) for s in sampled] == [4, 4] and sampled != greedy  # hot sampling leaves the greedy path
+
+
+def test_transformers_generate_batch_runs_on_the_paged_cache():
+    """transformers' own `generate_batch` and `continuous_batching_context_manager` of a QuantMLA model: its
+    `GenerationOutput`s by request id, each request's greedy tokens those of `generate` alone, on the paged C4R4 cache
+    (the stock manager refuses the "quantmla" attention)."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching import RequestStatus
+
+    from quantmla_hf.paged.serving_manager import PagedBatchingManager
+
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
+    model.config.eos_token_id = model.generation_config.eos_token_id = None  # as many tokens as generate's
+    ps = prompts()
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False)
+    out = model.generate_batch(ps, generation_config=config)
+    assert list(out) == [f"req_{i}" for i in range(len(ps))]
+    assert [o.generated_tokens for o in out.values()] == [alone(model, p) for p in ps]
+    assert all(o.status == RequestStatus.FINISHED and o.error is None and o.prompt_ids == p
+               for o, p in zip(out.values(), ps))
+    with model.continuous_batching_context_manager(generation_config=config, persistent_manager=True) as manager:
+        assert isinstance(manager, PagedBatchingManager) and manager.cache.format.name == "C4R4"
+        assert manager.warmed_up and manager.warmup_report.steps > 0
+        rid = manager.add_request(ps[1], streaming=True, max_new_tokens=3)
+        streamed = [list(o.generated_tokens) for o in manager.request_id_iter(rid)]
+    assert streamed[-1] == alone(model, ps[1], 3) and [len(s) for s in streamed] == [1, 2, 3, 3]  # then finished
+    assert model.init_continuous_batching() is manager  # kept for the next session, with its warm cache
+    model.destroy_cached_continuous_batching_manager()
+    assert manager.cache.allocator.num_used == 0 and "_cached_continuous_batching_manager" not in model.__dict__
+    model.dequantize()
+    assert "init_continuous_batching" not in model.__dict__  # transformers' own method again
+
+
+def test_continuous_batching_api_outside_the_supported_releases_names_quantmla_serve(monkeypatch):
+    from quantmla_hf.paged import continuous_api
+
+    assert all(map(continuous_api.supported, [(5, 17), (5, 25)]))
+    assert not any(map(continuous_api.supported, [(5, 16), (5, 26)]))
+    # the module object the check reads (transformers' lazy module can be replaced in sys.modules meanwhile)
+    monkeypatch.setattr(continuous_api.transformers, "__version__", "5.26.0")
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
+    for call in (lambda: model.generate_batch([[1, 2]]), model.init_continuous_batching):
+        with pytest.raises(NotImplementedError, match="transformers 5.26.0. Serve it with `quantmla serve`"):
+            call()

@@ -27,9 +27,9 @@ class BufferReplay(PagedDecodeGraphs):
         self.captures += 1
 
 
-def qconfig(bits):
+def qconfig(bits, kernel="torch"):
     return QuantMLAConfig(content_bits=bits, rope_bits=bits, group_size=16, sink_tokens=2, recent_tokens=4,
-                          kernel="torch", transform="none")
+                          kernel=kernel, transform="none")
 
 
 def alone(model, prompt, n):
@@ -84,6 +84,25 @@ def test_replayed_decode_steps_equal_generate_alone(bits):
     assert cache.allocator.num_used == 0 and not cache.requests and cache.free_rows == 10  # scratch returned
 
 
+def test_replayed_steps_through_the_triton_kernels():
+    """The Triton kernels (the interpreter on the CPU): each layer's one-launch write reads the ring rows the static
+    buffers carry, for 9 real tokens and the 7 padding ones of a graph of 16 rows (prompts longer than the ring:
+    prefilled through the dense path, which the interpreter runs fast)."""
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))  # generate alone: the reference
+    cache = PagedQuantMLACache(model.config, qconfig(4, "triton"), page_size=4, max_requests=9, num_pages=30,
+                               dtype=model.dtype)
+    assert cache.one_launch_write
+    batcher = ContinuousBatcher(model, cache, max_batch_tokens=128, decode_graphs=False)
+    batcher.graphs = BufferReplay(cache, batcher._forward)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 5, 12, 5, 9, 6, 6, 8, 10)]
+    for i, p in enumerate(prompts):
+        batcher.add_request(str(i), p, 2)
+    results = batcher.run()
+    assert [results[str(i)] for i in range(len(prompts))] == [alone(model, p, 2) for p in prompts]
+    assert batcher.stats.graph_steps == 1 and batcher.stats.graph_captures == 1
+
+
 def test_prefill_chunks_and_sink_positions_run_eagerly():
     model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
     cache = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=2, num_pages=8, dtype=model.dtype)
@@ -94,3 +113,31 @@ def test_prefill_chunks_and_sink_positions_run_eagerly():
     assert not graphs.eligible([(SimpleNamespace(cached=1, tokens=[1, 2]), 1)])  # its token enters the sink (S = 2)
     graphs.disabled = "capture failed"
     assert not graphs.eligible([(decoding, 1)])
+
+
+def test_warmup_captures_every_bucket_before_the_first_request():
+    """After `warmup`, requests of every batch size and length the cache holds are served without a capture, with
+    the tokens of `generate` alone; the scratch requests left nothing behind but the graphs' scratch page."""
+    model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
+    cache = PagedQuantMLACache(model.config, qconfig(4), page_size=4, max_requests=9, num_pages=20,
+                               dtype=model.dtype)
+    batcher = ContinuousBatcher(model, cache, max_batch_tokens=128, decode_graphs=False)
+    batcher.graphs = BufferReplay(cache, batcher._forward)
+    assert batcher.default_warmup_batch_sizes() == (1, 2, 3, 4, 5, 6, 7, 8, 9)
+    report = batcher.warmup([1, 3, 9])
+    assert report.widths == (1, 2, 4, 8, 16, 32)  # 19 pages of 4 tokens a request at most
+    # every (rows, width) a step can have: the longest request and the others on one page each, and the scratch page
+    possible = {(request_bucket(b), w) for b in (1, 3, 9) for w in report.widths if min(w, 19 - (b - 1)) > w // 2}
+    assert set(batcher.graphs.captured) == possible and report.graphs == len(possible)
+    assert cache.allocator.num_used == 1 and not cache.requests and cache.free_rows == 9  # the scratch page
+    assert not batcher.finished and batcher.stats.steps == 0 and batcher.stats.graph_captures == report.graphs
+    g = torch.Generator().manual_seed(7)
+    lens, new = (3, 50, 9), (5, 20, 3)  # one request past 64 tokens (17 pages: width 32)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in lens]
+    for i, (p, n) in enumerate(zip(prompts, new)):
+        batcher.add_request(str(i), p, n, arrival_step=i)
+    results = batcher.run()
+    assert [results[str(i)] for i in range(len(prompts))] == [alone(model, p, n) for p, n in zip(prompts, new)]
+    assert batcher.graphs.captures == report.graphs and batcher.stats.graph_steps > 0  # replayed, none captured
+    with pytest.raises(ValueError, match="between 1 and the cache's max_requests"):
+        batcher.warmup([10])

@@ -14,14 +14,21 @@ lengths, without padding. The policy is the one of transformers' own continuous 
 - when the running requests' next tokens do not fit the pages left, the most recently admitted request is preempted:
   its pages are freed and it waits again at the head of the queue, to be recomputed from its prompt and the tokens
   it already generated (`preemptions` counts these); a step that preempted admits no one (vLLM's rule);
-- a request whose tokens (and next token) do not fit an empty cache on its own is refused with
-  `CacheBudgetExceeded`.
+- a request is refused when it is added (`RequestTooLong`, a `ValueError`) when its prompt leaves no room for an
+  answer in what one request can hold (`max_request_tokens`: the cache's pages less one, kept free for the padding
+  rows of captured decode steps, and the model's context); its answer is cut at that length.
+
+`warmup()` runs, before the first request, the steps a server meets (prefills, eager decode steps, the captured
+decode steps of every batch bucket and page-table width) on scratch requests and frees them, so that no kernel is
+compiled and no graph captured while requests wait.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -29,14 +36,22 @@ import torch
 import transformers
 from packaging import version
 
+from ..cache import NATIVE_MAX_QUERY
 from ..hooks import mla_attention_modules
 from .allocator import CacheBudgetExceeded
 from .attention import PAGED_ATTN_IMPLEMENTATION, PagedForward, native_request, register_paged_attention
 from .cache import PagedQuantMLACache
-from .graphs import PagedDecodeGraphs, unsupported_reason
+from .graphs import PagedDecodeGraphs, bucket, request_bucket, unsupported_reason
+
+logger = logging.getLogger(__name__)
 
 # transformers 5.17 names the model's cache argument `past_key_values`; later releases call it `cache`.
 CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__).release < (5, 18) else "cache"
+
+
+class RequestTooLong(ValueError):
+    """A prompt that leaves no room for an answer in what one request can hold (`max_request_tokens`): the
+    request's fault, refused when it is added (a server answers it with a 4xx)."""
 
 
 @dataclass
@@ -49,6 +64,7 @@ class GenerationRequest:
     arrival_step: int = 0
     eos: frozenset = frozenset()
     sampling: "Sampling | None" = None
+    stop: Callable[[list[int]], bool] | None = None  # ends the request when it returns True on `generated`
     generated: list[int] = field(default_factory=list)
     cached: int = 0
     preemptions: int = 0
@@ -101,6 +117,7 @@ class BatchingStats:
     forward_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    cancelled: int = 0
     peak_running: int = 0
     peak_pages: int = 0
     graph_steps: int = 0  # decode steps replayed from a CUDA graph (`graphs.PagedDecodeGraphs`)
@@ -109,6 +126,28 @@ class BatchingStats:
     # device's work is inside): where a run's time goes without a profiler.
     graph_seconds: float = 0.0
     eager_seconds: float = 0.0
+
+
+@dataclass
+class WarmupReport:
+    """What `ContinuousBatcher.warmup` ran: its wall time, the batch sizes and page-table widths it warmed, the
+    steps of its scratch requests, and the decode graphs captured in all (none where steps run eagerly, e.g. on the
+    CPU)."""
+
+    seconds: float
+    batch_sizes: tuple[int, ...]
+    widths: tuple[int, ...]
+    steps: int
+    graphs: int
+
+    def __str__(self) -> str:
+        graphs = f", {self.graphs} decode graphs captured" if self.graphs else ", no decode graphs (eager steps)"
+        return (f"warmed up in {self.seconds:.1f} s: {self.steps} steps over batch sizes "
+                f"{list(self.batch_sizes)}{graphs}")
+
+
+# The longest warm-up prompt (the dense prefill path; any length compiles the same kernels).
+WARMUP_PROMPT_TOKENS = 256
 
 
 class ContinuousBatcher:
@@ -147,24 +186,55 @@ class ContinuousBatcher:
                 raise ValueError(f"decode_graphs=True, but {reason}; pass decode_graphs='auto' or False")
             if reason is None:
                 self.graphs = PagedDecodeGraphs(cache, self._forward)
+        text_config = model.config.get_text_config(decoder=True)
+        self.context_length: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.vocab_size: int = text_config.vocab_size
 
-    def add_request(self, request_id: str, input_ids: list[int], max_new_tokens: int, arrival_step: int = 0,
-                    eos_token_id=None, sampling: Sampling | None = None) -> None:
-        """Queue a request; it may be admitted from step `arrival_step` on. `eos_token_id` (an id or ids) adds to
-        the batcher's own end tokens; `sampling` defaults to greedy."""
-        if not input_ids:
+    @property
+    def max_request_tokens(self) -> int:
+        """Tokens one request can hold, prompt and answer: the cache's pages less one (kept free for the padding
+        rows of captured decode steps, whether or not this batcher captures any, so that the limit depends on the
+        cache alone), capped by the model's context (`max_position_embeddings`)."""
+        pages = (self.cache.num_pages - 1) * self.cache.page_size
+        return pages if self.context_length is None else min(pages, self.context_length)
+
+    def check_request(self, request_id: str, input_ids: Sequence[int], max_new_tokens: int | None) -> int:
+        """The tokens request `request_id` may generate: `max_new_tokens` (None: as many as fit) cut to what
+        `max_request_tokens` leaves after its prompt. Raises `ValueError` for an empty prompt or a `max_new_tokens`
+        below 1, and `RequestTooLong` for a prompt that leaves no room for an answer. Reads nothing the stepping
+        thread changes, so a server can call it on the thread that receives the request."""
+        if not len(input_ids):
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one input token")
-        if max_new_tokens < 1:
+        if max_new_tokens is not None and max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = self.max_request_tokens
+        if len(input_ids) >= limit:
+            cache = self.cache
+            raise RequestTooLong(
+                f"request {request_id!r} has a prompt of {len(input_ids)} tokens, but a request holds at most {limit} "
+                f"tokens, prompt and answer (the cache's {cache.num_pages} pages of {cache.page_size} tokens less "
+                f"one, and the model's context of {self.context_length}): shorten the prompt or give the cache a "
+                "larger budget"
+            )
+        room = limit - len(input_ids)
+        return room if max_new_tokens is None else min(max_new_tokens, room)
+
+    def add_request(self, request_id: str, input_ids: list[int], max_new_tokens: int | None, arrival_step: int = 0,
+                    eos_token_id=None, sampling: Sampling | None = None,
+                    stop: Callable[[list[int]], bool] | None = None) -> None:
+        """Queue a request; it may be admitted from step `arrival_step` on. `max_new_tokens` (None: until an end
+        token or `max_request_tokens`) is cut as `check_request` says, which also says what is refused.
+        `eos_token_id` (an id or ids) adds to the batcher's own end tokens; `sampling` defaults to greedy; `stop`,
+        called on the generated tokens after each new one, ends the request when it returns True (stop strings)."""
+        max_new_tokens = self.check_request(request_id, input_ids, max_new_tokens)
         known = {r.request_id for r in self.waiting} | {r.request_id for r in self.running} | set(self.finished)
         if request_id in known:
             raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
         eos = set(self.eos)
         if eos_token_id is not None:
             eos |= {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-        self.waiting.append(
-            GenerationRequest(request_id, list(input_ids), max_new_tokens, arrival_step, frozenset(eos), sampling)
-        )
+        self.waiting.append(GenerationRequest(request_id, list(input_ids), max_new_tokens, arrival_step,
+                                              frozenset(eos), sampling, stop))
 
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting or running request (its pages return to the cache). False when it is not queued."""
@@ -174,6 +244,7 @@ class ContinuousBatcher:
                     queue.remove(req)
                     if request_id in self.cache.requests:
                         self.cache.free_request(request_id)
+                    self.stats.cancelled += 1
                     return True
         return False
 
@@ -313,7 +384,8 @@ class ContinuousBatcher:
             req.add_token(token)
             self.stats.generated_tokens += 1
             out.append((req.request_id, token))
-            if len(req.generated) >= req.max_new_tokens or token in req.eos:
+            if (len(req.generated) >= req.max_new_tokens or token in req.eos
+                    or (req.stop is not None and req.stop(req.generated))):
                 req.finished = True
                 self.running.remove(req)
                 cache.free_request(req.request_id)
@@ -342,6 +414,72 @@ class ContinuousBatcher:
                     self.graphs.release()
         return {rid: req.generated for rid, req in self.finished.items()}
 
+    # ---- warm-up ----------------------------------------------------------------------------------------------
+    def default_warmup_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes `warmup` runs by default: where decode steps are captured, one per graph bucket up to
+        the cache's `max_requests` (1-8, then powers of two; a bucket above `max_requests` is warmed with
+        `max_requests` requests); where they run eagerly, 1 and `max_requests` (what differs between batch sizes
+        then is only the shapes of eager launches)."""
+        top = self.cache.max_requests
+        if self.graphs is None:
+            return tuple(sorted({1, top}))
+        return tuple(sorted({min(request_bucket(n), top) for n in range(1, top + 1)}))
+
+    def warmup(self, batch_sizes: Sequence[int] | None = None, max_context: int | None = None) -> WarmupReport:
+        """Run, before the first request, the steps serving meets, so that no kernel is compiled and no decode graph
+        captured while requests wait; return what ran (`WarmupReport`).
+
+        On scratch requests (freed at the end; the batcher's stats start again from zero): one prompt of up to
+        `WARMUP_PROMPT_TOKENS` tokens (a prefill through the dense path) decoding past the sink window, then for
+        each of `batch_sizes` (default `default_warmup_batch_sizes()`) that many requests admitted together, of
+        one-token prompts and of latent-path chunks (`NATIVE_MAX_QUERY` tokens) alternately, decoding through the
+        sink window (eager steps) and past it (captured steps). Where decode steps are captured, the graph of
+        every batch size and page-table width bucket up to `max_context` tokens (default `max_request_tokens`) is
+        then captured on scratch requests holding that many pages (`PagedDecodeGraphs.warm`). Raises `ValueError`
+        when a request is queued or a batch size is not between 1 and the cache's `max_requests`."""
+        if self.has_work() or self.cache.requests:
+            raise ValueError("warmup runs before any request: this batcher has requests queued or running")
+        sizes = tuple(sorted(set(batch_sizes))) if batch_sizes is not None else self.default_warmup_batch_sizes()
+        bad = [b for b in sizes if not 1 <= b <= self.cache.max_requests]
+        if bad or not sizes:
+            raise ValueError(f"warm-up batch sizes must be between 1 and the cache's max_requests "
+                             f"({self.cache.max_requests}), got {list(batch_sizes or [])}")
+        start = time.perf_counter()
+        limit = self.max_request_tokens
+        new_tokens = min(max(1, self.cache.sink_tokens) + 2, limit - 1)
+        longest = max(1, min(self.max_batch_tokens, WARMUP_PROMPT_TOKENS, limit - new_tokens))
+        chunk = min(NATIVE_MAX_QUERY, self.cache.recent_tokens or NATIVE_MAX_QUERY, longest)
+        rounds = [[longest]] + [[1 if i % 2 == 0 else chunk for i in range(b)] for b in sizes]
+        widths: tuple[int, ...] = ()
+        with self.paged_attention_mode(), torch.inference_mode():
+            for number, prompt_lens in enumerate(rounds):
+                self._warm_round(number, prompt_lens, new_tokens)
+            steps = self.stats.steps
+            if self.graphs is not None:
+                context = limit if max_context is None else max(1, min(max_context, limit))
+                top = bucket(-(-context // self.cache.page_size))
+                widths = tuple(1 << k for k in range(top.bit_length()))
+                for b in sizes:
+                    for w in widths:
+                        self.graphs.warm(b, w)
+        graphs = self.graphs.captures if self.graphs is not None else 0
+        self.stats = BatchingStats(graph_captures=graphs)
+        report = WarmupReport(time.perf_counter() - start, sizes, widths, steps, graphs)
+        logger.info("quantmla continuous batching %s", report)
+        return report
+
+    def _warm_round(self, number: int, prompt_lens: list[int], new_tokens: int) -> None:
+        """Scratch requests of `prompt_lens` tokens, admitted together, each generating `new_tokens` (greedy, no
+        end token), stepped to the end and dropped from `finished`."""
+        ids = [f"<warm-up {number}.{i}>" for i in range(len(prompt_lens))]
+        for rid, n in zip(ids, prompt_lens):
+            prompt = [(7 * i + 1) % self.vocab_size for i in range(n)]
+            self.waiting.append(GenerationRequest(rid, prompt, new_tokens, self.stats.steps))
+        while self.has_work():
+            self.step()
+        for rid in ids:
+            self.finished.pop(rid, None)
+
 
 def generate_batch(
     model, prompts: list[list[int]], max_new_tokens: int = 32, cache: PagedQuantMLACache | None = None,
@@ -363,7 +501,8 @@ def generate_batch(
         cache_kwargs.setdefault("max_requests", max(1, len(prompts)))
         if "num_pages" not in cache_kwargs and "budget_bytes" not in cache_kwargs:
             page = cache_kwargs.setdefault("page_size", 64)
-            cache_kwargs["num_pages"] = sum(-(-(len(p) + max_new_tokens) // page) for p in prompts)
+            # every prompt and its answer, and the page a request leaves free (`max_request_tokens`)
+            cache_kwargs["num_pages"] = sum(-(-(len(p) + max_new_tokens) // page) for p in prompts) + 1
         cache = PagedQuantMLACache(model.config, dtype=model.dtype, device=model.device, **cache_kwargs)
     batcher = ContinuousBatcher(model, cache, max_batch_tokens, eos_token_id)
     for i, p in enumerate(prompts):

@@ -34,7 +34,7 @@ from ..config import QuantMLAConfig
 from ..format import SCALE_DTYPE, ZERO_DTYPE, CacheFormat, PathFormat
 from ..kernels.quant_pack_ref import dequantize_ref, quantize_ref
 from ..mla import mla_dims
-from ..ops import quantize_pack_slots
+from ..ops import paged_write, quantize_pack_slots
 from .allocator import CacheBudgetExceeded, PageAllocator, pages_for_budget, protected_bytes_per_request
 
 
@@ -72,6 +72,9 @@ class PagedStep:
         positions: int64 `[N]`, position of each new token in its request.
         sink_writes, recent_writes: int64 `[3, k]`, the new tokens that enter a sink or recent copy: token index,
             request row, slot in the copy (built on the host, so writing needs no device synchronisation).
+        copy_rows: int64 `[2, N]`, the same per token, as flat rows of the copies: `row * S + p` of the sink
+            copies and `row * R + p % R` of the recent rings, -1 where the token enters neither (the one-launch
+            write of packed formats, `kernels/paged_write.py`).
     """
 
     request_ids: list[str]
@@ -87,6 +90,7 @@ class PagedStep:
     positions: torch.Tensor
     sink_writes: torch.Tensor
     recent_writes: torch.Tensor
+    copy_rows: torch.Tensor
     # History gather (positions [0, past) of every request, in batch order) and where each row goes in the output;
     # built by `history` when first needed (decode steps read the pages through the page table instead).
     hist_slots: torch.Tensor | None = None
@@ -272,16 +276,22 @@ class PagedQuantMLACache:
             recent += [(start + t - p, r.row, t % R) for t in range(max(p, p + q - R), p + q)] if R else []
             start += q
         writes = [torch.tensor(w, dtype=torch.long).reshape(-1, 3).T.reshape(-1) for w in (sink, recent)]
+        copy_rows = torch.full((2, start), -1, dtype=torch.long)
+        for k, (w, size) in enumerate(((sink, S), (recent, R))):
+            if w:
+                tok, row, slot = torch.tensor(w, dtype=torch.long).T
+                copy_rows[k, tok] = row * size + slot
         int32 = torch.cat([cu_q, cu_k, torch.tensor(seq), torch.tensor([r.row for r in reqs]), token_request,
                            table.view(-1)]).to(torch.int32).to(self.device)
-        int64 = torch.cat([slots, positions, *writes]).to(self.device)
+        int64 = torch.cat([slots, positions, *writes, copy_rows.view(-1)]).to(self.device)
         cu_q, cu_k, seq_lens, rows, token_request, table = int32.split([n + 1, n + 1, n, n, start, n * max_pages])
-        slots, positions, sink_w, recent_w = int64.split([start, start, len(writes[0]), len(writes[1])])
+        slots, positions, sink_w, recent_w, copy_rows = int64.split(
+            [start, start, len(writes[0]), len(writes[1]), 2 * start])
         return PagedStep(
             request_ids=[r.request_id for r in reqs], past_lens=past, query_lens=list(query_lens),
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_lens=seq_lens, page_table=table.view(n, max_pages), rows=rows,
             token_request=token_request, slots=slots, positions=positions, sink_writes=sink_w.view(3, -1),
-            recent_writes=recent_w.view(3, -1),
+            recent_writes=recent_w.view(3, -1), copy_rows=copy_rows.view(2, -1),
         )
 
     def _ensure_history(self, step: PagedStep) -> None:
@@ -331,6 +341,13 @@ class PagedQuantMLACache:
     def _use_triton(self) -> bool:
         return self.kernel == "triton" or (self.kernel == "auto" and self.device.type == "cuda")
 
+    @property
+    def one_launch_write(self) -> bool:
+        """Whether `write` stores a layer's new tokens in one launch (`kernels/paged_write.py`, reading
+        `PagedStep.copy_rows`): the Triton kernels with both paths packed. Otherwise each path is written apart and
+        the copies from `sink_writes` / `recent_writes`."""
+        return self._use_triton() and self.format.content.quantized and self.format.rope.quantized
+
     def _write_path(self, planes: dict[str, torch.Tensor], fmt: PathFormat, x: torch.Tensor, slots: torch.Tensor):
         flat = {k: v.view(-1, v.shape[-1]) for k, v in planes.items()}
         if not fmt.quantized:
@@ -354,6 +371,13 @@ class PagedQuantMLACache:
                 f"expected latent [{step.slots.shape[0]}, {self.format.content.dim}] and k_rot "
                 f"[{step.slots.shape[0]}, {self.format.rope.dim}], got {tuple(latent.shape)} and {tuple(k_rot.shape)}"
             )
+        if self.one_launch_write:  # both paths and the copies in one launch (what the rest does in up to ten)
+            copies = (self.sink_content[layer_idx], self.sink_rope[layer_idx], self.recent_content[layer_idx],
+                      self.recent_rope[layer_idx])
+            c, r = (x if x.stride(-1) == 1 else x.contiguous() for x in (latent, k_rot))
+            paged_write(c, r, self.content[layer_idx], self.rope[layer_idx], step.slots, copies, step.copy_rows,
+                        self.format)
+            return
         self._write_path(self.content[layer_idx], self.format.content, latent, step.slots)
         self._write_path(self.rope[layer_idx], self.format.rope, k_rot, step.slots)
         for (content, rope), (tok, row, slot) in (

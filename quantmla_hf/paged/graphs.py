@@ -122,14 +122,18 @@ class PagedDecodeGraphs:
         """Logits `[n, V]` of the decode step `step` (built by `begin_step` for `plan`), replayed from the graph of
         its bucket (captured first when new); None when the step must run eagerly (no scratch room, or capture
         failed)."""
-        n = len(plan)
+        return self.replay([req.tokens[req.cached] for req, _ in plan], step)
+
+    def replay(self, tokens: list[int], step: PagedStep) -> torch.Tensor | None:
+        """`run` for the decode step `step` of `len(tokens)` requests whose new tokens are `tokens`."""
+        n = len(tokens)
         key = (request_bucket(n), bucket(step.page_table.shape[1]))
         entry = self.captured.get(key)
         if entry is None:
             if not self._reserve_scratch():
                 return None
             entry = self._new_entry(*key)
-        self._fill(entry, plan, step)
+        self._fill(entry, tokens, step)
         if entry.graph is None:
             try:
                 self._capture(entry)
@@ -144,6 +148,35 @@ class PagedDecodeGraphs:
         self.replays += 1
         return entry.logits[:n]
 
+    def warm(self, n: int, width: int, token: int = 0) -> bool:
+        """Capture the graph that serves `n` decoding requests whose longest holds `width` pages (the buckets of
+        both), unless it is captured already, and replay it once: on `n` scratch requests, the first holding pages
+        of that width bucket, the others one token past the sink window, whose page contents are not read back
+        (they are freed, with their rows, before returning). False when no graph was captured: the cache cannot
+        hold such a step (too few free pages or rows), or capturing failed (graphs are then off, as in `run`)."""
+        cache, ps = self.cache, self.cache.page_size
+        if self.disabled is not None or (request_bucket(n), bucket(width)) in self.captured:
+            return False
+        if n > cache.free_rows or not self._reserve_scratch():
+            return False
+        first = max(1, cache.sink_tokens)
+        short_pages = -(-(first + 1) // ps)
+        long_pages = min(bucket(width), cache.allocator.num_free - (n - 1) * short_pages)
+        if long_pages < 1 or bucket(long_pages) != bucket(width) or long_pages * ps - 1 < first:
+            return False
+        ids = [f"<graph warm-up {i}>" for i in range(n)]
+        try:
+            for i, rid in enumerate(ids):
+                req = cache.add_request(rid)
+                pages = long_pages if i == 0 else short_pages
+                req.pages += cache.allocator.allocate(pages)
+                req.length = pages * ps - 1 if i == 0 else first
+            return self.replay([token] * n, cache.begin_step(ids, [1] * n)) is not None
+        finally:
+            for rid in ids:
+                if rid in cache.requests:
+                    cache.free_request(rid)
+
     def _new_entry(self, nb: int, width: int) -> CapturedStep:
         cache, dev = self.cache, self.cache.device
         arange = torch.arange(nb + 1, device=dev, dtype=torch.int32)
@@ -155,6 +188,7 @@ class PagedDecodeGraphs:
             page_table=arange.new_zeros((nb, width)), rows=arange.new_zeros(nb), token_request=arange[:nb],
             slots=rows.new_zeros(nb), positions=position_ids[0],
             sink_writes=rows.new_zeros((3, 0)), recent_writes=rows.new_zeros((3, nb if cache.recent_tokens else 0)),
+            copy_rows=rows.new_full((2, nb), -1),
         )
         if cache.recent_tokens:
             step.recent_writes[0] = rows  # token i enters its request's ring
@@ -163,13 +197,12 @@ class PagedDecodeGraphs:
         ctx.native_tokens = rows
         return CapturedStep(None, step, ctx, rows.new_zeros((1, nb)), position_ids, rows)
 
-    def _fill(self, entry: CapturedStep, plan, step: PagedStep) -> None:
+    def _fill(self, entry: CapturedStep, tokens: list[int], step: PagedStep) -> None:
         """Copy the real step (its tokens, and the indices `begin_step` built) into the static buffers; rows past
         it become scratch padding: one token at position 0 of the scratch request."""
-        s, n = entry.step, len(plan)
+        s, n = entry.step, len(tokens)
         nb = entry.input_ids.shape[1]
-        tokens = [req.tokens[req.cached] for req, _ in plan] + [0] * (nb - n)
-        entry.input_ids[0].copy_(torch.tensor(tokens))
+        entry.input_ids[0].copy_(torch.tensor(tokens + [0] * (nb - n)))
         s.positions[:n].copy_(step.positions)  # also the forward's position ids
         s.seq_lens[:n].copy_(step.seq_lens)
         s.rows[:n].copy_(step.rows)
@@ -181,10 +214,18 @@ class PagedDecodeGraphs:
             s.rows[n:] = self.cache.scratch_row
             s.slots[n:] = self.scratch_page * self.cache.page_size
             s.page_table[n:, 0] = self.scratch_page
-        if self.cache.recent_tokens:  # a decode step writes each token to its ring: one write per token, in order
+        cache = self.cache
+        # A decode step writes each token to its ring (no token enters the sink here), in the form the cache's
+        # `write` reads: flat rows for the one-launch write, else (token, row, slot) triples.
+        if cache.recent_tokens and cache.one_launch_write:
+            s.copy_rows[1, :n].copy_(step.copy_rows[1])
+            if n < nb:
+                s.copy_rows[1, n:] = cache.scratch_row * cache.recent_tokens
+        elif cache.recent_tokens:
             s.recent_writes[1:, :n].copy_(step.recent_writes[1:])
-            s.recent_writes[1, n:] = self.cache.scratch_row
-            s.recent_writes[2, n:] = 0
+            if n < nb:
+                s.recent_writes[1, n:] = cache.scratch_row
+                s.recent_writes[2, n:] = 0
 
     def _forward(self, entry: CapturedStep) -> torch.Tensor:
         entry.ctx.new_latents.clear()

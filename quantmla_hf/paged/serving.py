@@ -21,16 +21,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
-import queue
-import threading
-from dataclasses import dataclass
+import time
 
 import torch
 
-from ..config import QuantMLAConfig
-from .allocator import CacheBudgetExceeded
 from .batching import ContinuousBatcher, Sampling
-from .cache import PagedQuantMLACache
+from .serving_manager import (
+    BatcherThread,
+    CacheOptions,
+    EndTokens,
+    StopStrings,
+    paged_cache_for,
+    paged_cache_state,
+    prompt_ids,
+    quantmla_config_of,
+)
+
+__all__ = ["CacheOptions", "build_app", "quantmla_config_of", "serve", "serve_main"]
 
 
 def _serving():
@@ -44,135 +51,45 @@ def _serving():
     return utils
 
 
-@dataclass
-class CacheOptions:
-    """How the server's paged cache is sized: `budget_gib` of cache memory (or `num_pages`), `page_size` tokens per
-    page, `max_requests` running at once, `max_batch_tokens` per forward."""
+class PromptChecks:
+    """What a request handler checks before the model sees the request, mixed into transformers' handlers: a
+    request without its prompt field (`prompt_field`) or with an empty prompt is refused with a `ValueError` (a 400,
+    where transformers answers a missing field with a 500), before anything streams; from 5.25 the request's `stop`
+    strings travel to the manager as `EndTokens` (transformers' continuous-batching runner passes a request's end
+    tokens on and drops its `stop`)."""
 
-    budget_gib: float | None = None
-    num_pages: int | None = None
-    page_size: int = 64
-    max_requests: int = 64
-    max_batch_tokens: int = 2048
+    prompt_field = "messages"
 
+    def _validate_request(self, body: dict) -> None:
+        super()._validate_request(body)
+        prompt = body.get(self.prompt_field)
+        if prompt is None or (isinstance(prompt, list) and not prompt):
+            raise ValueError(f"the request has no {self.prompt_field!r}: give the prompt there (a non-empty "
+                             f"{self.prompt_field})")
 
-def quantmla_config_of(model) -> QuantMLAConfig:
-    """The model's `QuantMLAConfig`, or a `ValueError` saying why it cannot be served on the packed cache."""
-    qc = getattr(model.config, "quantization_config", None)
-    if isinstance(qc, dict) and qc.get("quant_method") == "quantmla":
-        qc = QuantMLAConfig.from_dict(qc)
-    if not isinstance(qc, QuantMLAConfig):
-        raise ValueError(
-            f"{type(model).__name__} is not a QuantMLA checkpoint (no quantization_config with quant_method "
-            "'quantmla'): quantize it first (quantmla quantize / quantmla_hf.quantize) and serve the result; "
-            "quantmla serve does not fall back to an ordinary cache"
-        )
-    return qc
+    def _check_prompt_length(self, engine, inputs: dict) -> None:
+        if not len(prompt_ids(inputs)):
+            raise ValueError("the prompt is empty (no token): give at least one token of prompt")
+        super()._check_prompt_length(engine, inputs)
 
-
-def paged_cache_for(model, options: CacheOptions) -> PagedQuantMLACache:
-    """The paged QuantMLA cache `options` size for `model` (a `ValueError` for a model that is not a QuantMLA
-    checkpoint), its size logged by the server's logger."""
-    qc = quantmla_config_of(model)
-    sizing = ({"num_pages": options.num_pages} if options.num_pages is not None else
-              {"budget_bytes": int((options.budget_gib or 1.0) * 2**30)})
-    cache = PagedQuantMLACache(model.config, qc, page_size=options.page_size, max_requests=options.max_requests,
-                               dtype=model.dtype, device=model.device, **sizing)
-    _serving().logger.warning(
-        f"QuantMLA paged cache: {cache.format.name}, {cache.num_pages} pages x {cache.page_size} tokens "
-        f"({cache.capacity_tokens()} tokens, {cache.nbytes() / 2**20:.1f} MiB)"
-    )
-    return cache
+    def _build_generation_kwargs(self, body: dict, model_generation_config) -> dict:
+        kwargs = super()._build_generation_kwargs(body, model_generation_config)
+        stop = kwargs.pop("stop_strings", None)
+        if stop:
+            kwargs["eos_token_id"] = EndTokens(kwargs["eos_token_id"], (stop,) if isinstance(stop, str) else
+                                               tuple(stop))
+        return kwargs
 
 
-class BatcherThread:
-    """A `ContinuousBatcher` stepping on its own thread; requests arrive and leave from any thread."""
-
-    def __init__(self, batcher: ContinuousBatcher):
-        self.batcher = batcher
-        self._inbox: queue.Queue = queue.Queue()
-        self._callbacks: dict[str, tuple] = {}
-        self._stop = threading.Event()
-        self.error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, name="quantmla-batcher", daemon=True)
-        self._thread.start()
-
-    def submit(self, request_id: str, input_ids: list[int], max_new_tokens: int, eos_token_id, sampling: Sampling,
-               on_token, on_done) -> None:
-        """Queue a request; `on_token(token)` runs for each new token and `on_done(tokens, error)` once at the end,
-        both on the batcher thread."""
-        if self.error is not None:
-            raise RuntimeError(f"the batcher stopped on an error: {self.error}; restart the server")
-        self._inbox.put(("add", request_id, input_ids, max_new_tokens, eos_token_id, sampling, on_token, on_done))
-
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._inbox.put(("stop",))
-        self._thread.join(timeout=5)
-
-    def _drain(self, block: bool) -> None:
-        while True:
-            try:
-                item = self._inbox.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                return
-            block = False
-            if item[0] == "add":
-                _, rid, ids, n, eos, sampling, on_token, on_done = item
-                try:
-                    self.batcher.add_request(rid, ids, n, self.batcher.stats.steps, eos, sampling)
-                    self._callbacks[rid] = (on_token, on_done)
-                except ValueError as e:
-                    on_done([], e)
-            elif item[0] == "cancel":
-                self.batcher.cancel(item[1])
-                callbacks = self._callbacks.pop(item[1], None)
-                if callbacks is not None:
-                    callbacks[1]([], None)
-
-    def _run(self) -> None:
-        with self.batcher.paged_attention_mode():  # the model serves through the batcher only
-            self._loop()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._drain(block=not self.batcher.has_work())
-            if not self.batcher.has_work():
-                continue
-            try:
-                produced = self.batcher.step()
-            except CacheBudgetExceeded as e:  # a request larger than the whole cache: fail it, keep serving
-                req = self.batcher.waiting.popleft()
-                self._callbacks.pop(req.request_id, (None, lambda *a: None))[1]([], e)
-                continue
-            except Exception as e:  # a failed forward: every request in flight fails, the server says why
-                self.error = e
-                for rid, (_, on_done) in list(self._callbacks.items()):
-                    on_done([], e)
-                self._callbacks.clear()
-                return
-            for rid, token in produced:
-                callbacks = self._callbacks.get(rid)
-                if callbacks is not None:
-                    callbacks[0](token)
-            for rid in [r for r in self._callbacks if r in self.batcher.finished]:
-                req = self.batcher.finished.pop(rid)
-                self._callbacks.pop(rid)[1](req.generated, None)
-
-
-def prompt_ids(inputs) -> list[int]:
-    """The one prompt's token ids from the server's `inputs["input_ids"]`: a `[1, T]` tensor, `[[...]]` or `[...]`."""
-    ids = inputs["input_ids"]
-    if isinstance(ids, torch.Tensor):
-        return ids[0].tolist()
-    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+def checked(handler: type, prompt_field: str) -> type:
+    """`handler` (one of transformers' handler classes) with `PromptChecks` (up to 5.24 its handlers call only
+    `_validate_request` of them; the batcher refuses empty and too long prompts there, also with a 400)."""
+    return type(f"Checked{handler.__name__}", (PromptChecks, handler), {"prompt_field": prompt_field})
 
 
 def make_generation_state(options: CacheOptions):
-    """transformers' `GenerationState` whose every request goes to the paged QuantMLA continuous batcher."""
+    """transformers' `GenerationState` (up to 5.24) whose every request goes to the paged QuantMLA continuous
+    batcher."""
     utils = _serving()
 
     class PagedGenerateManager(utils.BaseGenerateManager):
@@ -180,21 +97,30 @@ def make_generation_state(options: CacheOptions):
 
         def __init__(self):
             self.thread: BatcherThread | None = None
-            self.cache: PagedQuantMLACache | None = None
+            self.cache = self.batcher = self.warmup_report = self.tokenizer = None
 
-        def init_cb(self, model, gen_config) -> None:
+        def init_cb(self, model, gen_config, processor=None) -> None:
+            """Build the cache and the batcher, warm them up (`options.warmup`) and start stepping (once)."""
             if self.thread is not None:
                 return
             self.cache = paged_cache_for(model, options)
-            self.thread = BatcherThread(ContinuousBatcher(model, self.cache, options.max_batch_tokens))
+            self.batcher = ContinuousBatcher(model, self.cache, options.max_batch_tokens)
+            if options.warmup:
+                self.warmup_report = self.batcher.warmup(options.warmup_batch_sizes, options.warmup_context)
+                utils.logger.warning(f"QuantMLA continuous batching {self.warmup_report}")
+            if processor is not None:
+                self.tokenizer = getattr(processor, "tokenizer", processor)
+            model._quantmla_paged_manager = self  # for `paged_cache_state`
+            self.thread = BatcherThread(self.batcher)
 
         def _submit(self, inputs, gen_config, request_id, on_token, on_done) -> None:
-            ids = prompt_ids(inputs)
-            self.thread.submit(request_id, ids, gen_config.max_new_tokens or 256, gen_config.eos_token_id,
-                               Sampling.from_generation_config(gen_config), on_token, on_done)
+            stop = getattr(gen_config, "stop_strings", None)
+            stop = StopStrings(self.tokenizer, [stop] if isinstance(stop, str) else stop) if stop else None
+            self.thread.submit(request_id, prompt_ids(inputs), gen_config.max_new_tokens, gen_config.eos_token_id,
+                               Sampling.from_generation_config(gen_config), on_token, on_done, stop)
 
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
-            self.init_cb(model, gen_config)
+            self.init_cb(model, gen_config, processor)
             loop = asyncio.get_running_loop()
             text_queue: asyncio.Queue = asyncio.Queue()
             rust_tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
@@ -217,7 +143,7 @@ def make_generation_state(options: CacheOptions):
             return text_queue, streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
-            self.init_cb(model, gen_config)
+            self.init_cb(model, gen_config, processor)
             loop = asyncio.get_running_loop()
             future = loop.create_future()
 
@@ -264,58 +190,89 @@ def make_generation_state(options: CacheOptions):
 
 def build_app(model: str, options: CacheOptions | None = None, device: str = "auto", dtype: str = "auto"):
     """transformers' FastAPI app serving `model` (a QuantMLA checkpoint: a hub id or a local folder) with the
-    packed paged cache; returns `(app, state)`, `state.shutdown()` stopping the batcher (up to transformers 5.24 the
-    `GenerationState`, whose `managers` hold each model's `PagedGenerateManager`; from 5.25 the `ModelManager`,
-    which has started the model's process, loaded by `PagedModelLoader` and never stopped for being idle)."""
+    packed paged cache, built, loaded and warmed up (`options.warmup`) before it returns; returns `(app, state)`,
+    `state.shutdown()` stopping the batcher (up to transformers 5.24 the `GenerationState`, whose `managers` hold
+    each model's `PagedGenerateManager`; from 5.25 the `ModelManager`, which has started the model's process,
+    loaded by `PagedModelLoader` and never stopped for being idle).
+
+    Besides transformers' routes, `GET /quantmla/cache` answers what the paged cache holds
+    (`serving_manager.paged_cache_state`: pages free, requests running and waiting, the warm-up)."""
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.response import ResponseHandler
-    from transformers.cli.serving.server import build_server
+    from transformers.cli.serving.server import JSONResponse, build_server
     from transformers.cli.serving.transcription import TranscriptionHandler
+
+    async def bad_request(_request, exc: ValueError):
+        """A request's `ValueError` (an empty or too long prompt, a setting the batcher cannot take): a 400."""
+        return JSONResponse({"detail": str(exc)}, status_code=400)
 
     options = options or CacheOptions()
     server_args = inspect.signature(build_server).parameters
     if hasattr(_serving(), "BaseGenerateManager"):  # up to 5.24: the model in this process
         state = make_generation_state(options)
-        manager = ModelManager(device=device, dtype=dtype, force_model=model)
+        manager = ModelManager(device=device, dtype=dtype, force_model=model)  # loads the model
+        repo, gguf_file = _serving().split_model_id(model)
+        model_id = manager.process_model_name(repo)
+        loaded, processor = manager.load_model_and_processor(model_id, gguf_file=gguf_file)
+        state.get_manager(model_id).init_cb(loaded, loaded.generation_config, processor)  # warm start
         transcription = TranscriptionHandler(manager, state)
         extra = {"generation_state": state}
         handle = state
-    else:  # from 5.25: a process per model
-        from .serving_loader import PagedModelLoader
 
-        state = _serving().GenerationState(continuous_batching=True)
-        manager = ModelManager(PagedModelLoader(options, device=device, dtype=dtype), state, model_timeout=-1,
-                               force_model=model)
+        async def cache_state() -> dict:
+            return paged_cache_state(loaded)
+    else:  # from 5.25: a process per model, started (model loaded and warmed up) by ModelManager
+        from .serving_loader import PagedGenerationState, PagedModelLoader
+
+        loader = PagedModelLoader(options, device=device, dtype=dtype)
+        state = PagedGenerationState(loader)
+        manager = ModelManager(loader, state, model_timeout=-1, force_model=model)
         transcription = TranscriptionHandler(manager)
         extra = {}
         handle = manager
+
+        async def cache_state() -> dict:
+            return await manager.get_engine(None).submit(paged_cache_state)
     if "systemone_handler" in server_args:  # transformers >= 5.24
         from transformers.cli.serving.systemone import SystemOneHandler
 
         extra["systemone_handler"] = SystemOneHandler(model_manager=manager, generation_state=state)
-    app = build_server(
-        manager,
-        ChatCompletionHandler(model_manager=manager, generation_state=state),
-        completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
-        response_handler=ResponseHandler(model_manager=manager, generation_state=state),
-        transcription_handler=transcription,
-        **extra,
-    )
+    chat, completion, response = (checked(h, field)(model_manager=manager, generation_state=state) for h, field in (
+        (ChatCompletionHandler, "messages"), (CompletionHandler, "prompt"), (ResponseHandler, "input")))
+    app = build_server(manager, chat, completion_handler=completion, response_handler=response,
+                       transcription_handler=transcription, **extra)
+    if ValueError not in app.exception_handlers:  # 5.24 answers a request's ValueError with a 500
+        app.add_exception_handler(ValueError, bad_request)
+    app.get("/quantmla/cache")(cache_state)
     return app, handle
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, options: CacheOptions | None = None,
           device: str = "auto", dtype: str = "auto") -> None:
-    """Run the server until interrupted (`quantmla serve`)."""
+    """Run the server until interrupted (`quantmla serve`), logging the time to ready (model loading and warm-up)
+    before it accepts requests."""
     import uvicorn
 
+    start = time.perf_counter()
     app, state = build_app(model, options, device, dtype)
+    _serving().logger.warning(f"quantmla serve: ready in {time.perf_counter() - start:.1f} s (model loaded, "
+                              f"{'warmed up' if (options or CacheOptions()).warmup else 'no warm-up'})")
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         state.shutdown()
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--warmup-batch-sizes takes comma-separated integers, got {text!r}")
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--warmup-batch-sizes takes integers >= 1, got {text!r}")
+    return sizes
 
 
 def serve_main(argv: list[str]) -> int:
@@ -336,9 +293,19 @@ def serve_main(argv: list[str]) -> int:
     g.add_argument("--page-size", type=int, default=64, help="tokens per page")
     g.add_argument("--max-requests", type=int, default=64, help="requests running at once")
     g.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per forward")
+    w = p.add_argument_group("warm-up (before the first request: kernels compiled, decode graphs captured)")
+    w.add_argument("--warmup-batch-sizes", type=_batch_sizes, default=None, metavar="N,N,...",
+                   help="batch sizes to warm (default: every decode-graph bucket up to --max-requests where decode "
+                        "steps are captured, 1 and --max-requests elsewhere)")
+    w.add_argument("--warmup-context", type=int, default=None, metavar="TOKENS",
+                   help="capture the decode graphs of page tables up to this many tokens (default: the longest "
+                        "request the cache holds)")
+    w.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="accept requests at once; kernels compile and graphs are captured on the first requests")
     args = p.parse_args(argv)
     if args.cache_gib is not None and args.num_pages is not None:
         raise ValueError("give --cache-gib or --num-pages, not both")
-    options = CacheOptions(args.cache_gib, args.num_pages, args.page_size, args.max_requests, args.max_batch_tokens)
+    options = CacheOptions(args.cache_gib, args.num_pages, args.page_size, args.max_requests, args.max_batch_tokens,
+                           args.warmup, args.warmup_batch_sizes, args.warmup_context)
     serve(args.model, args.host, args.port, options, args.device, args.dtype)
     return 0
