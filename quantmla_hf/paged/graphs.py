@@ -5,7 +5,7 @@ An eager forward spends most of a decode step on the host (docs/SERVING.md, "Cap
 up to a power of two above; page-table width rounded up to a power of two)` and replays it:
 
 - the captured step reads static buffers (`[1, nb]` input ids and positions; the `PagedStep` index tensors of `nb`
-  one-token requests: lengths, page table, rows, write slots, recent-ring writes), filled before every replay from
+  one-token requests: lengths, page table, rows, write slots, recent-ring rows), filled before every replay from
   the step `PagedQuantMLACache.begin_step` built (pages are reserved on the host as in an eager step);
 - rows past the real requests are padding: a token at position 0 of a scratch request on one page reserved from
   the allocator and the cache's scratch sink/recent row, so it writes and reads only those (its logits are
@@ -16,7 +16,9 @@ up to a power of two above; page-table width rounded up to a power of two)` and 
   (the failure is logged once and graphs are off for the batcher).
 
 Graphs share one memory pool (they are replayed one at a time); a capture is two eager warm-up forwards on the
-step's own inputs (their cache writes are the ones the replay repeats) and the capture itself.
+step's own inputs (their cache writes are the ones the replay repeats) and the capture itself. A graph is captured
+the first time its bucket occurs, or before any request by `warm` (`ContinuousBatcher.warmup`), on scratch
+requests holding the bucket's width in pages.
 """
 
 from __future__ import annotations
