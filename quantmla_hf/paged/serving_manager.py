@@ -165,7 +165,12 @@ class BatcherThread:
         self._inbox.put(("cancel", request_id))
 
     def alive(self) -> bool:
+        """Stepping and taking requests (not stopped, nor asked to stop)."""
         return self._thread.is_alive() and not self._stop.is_set()
+
+    def exited(self) -> bool:
+        """The thread has returned: nothing of the batcher is in use any more."""
+        return not self._thread.is_alive()
 
     def stop(self, flush: bool = False, timeout: float | None = 5) -> None:
         """Stop stepping: at once, failing the requests in flight, or with `flush` once they finished."""
@@ -328,14 +333,14 @@ class PagedBatchingManager:
             self.thread.stop(flush=not hard_stop, timeout=timeout if block else 0)
         if keep_for_next_session:
             self.model._cached_continuous_batching_manager = self
-        elif self.batcher.graphs is not None and not self.is_running():
-            self.batcher.graphs.release()
+        elif self.batcher.graphs is not None and (self.thread is None or self.thread.exited()):
+            self.batcher.graphs.release()  # (a stop that did not wait leaves them to `destroy`)
 
     def destroy(self) -> None:
         """Stop (at once) and release the decode graphs; the manager is not used again."""
-        if self.is_running():
+        if self.thread is not None and not self.thread.exited():
             self.stop(hard_stop=True)
-        if self.batcher.graphs is not None:
+        if self.batcher.graphs is not None and (self.thread is None or self.thread.exited()):
             self.batcher.graphs.release()
         for name in ("_quantmla_paged_manager", "_cached_continuous_batching_manager"):
             if self.model.__dict__.get(name) is self:
