@@ -3,6 +3,13 @@
     python benchmarks/bench_calibration.py [--model v2-lite smollm2-mla] [--layers N] [--samples 64] \\
         [--seq-len 512] [--steps 100] [--batch-size 8] [--dtype bfloat16] [--json OUT.json]
 
+    python benchmarks/bench_calibration.py --default-quantize [--json OUT.json]
+
+`--default-quantize` times what `quantmla quantize REFERENCE_MODEL --out DIR` does without text (the embedded 14.8 M
+model in bf16, "auto" learned on the package's default text with the library's recipe), and prints the total, the
+seconds per layer, the thread count per layer and the estimate the log gave before learning. `--short-recipe` runs it
+with `quantmla_hf.calibration.plan.SHORT_RECIPE` instead. The rest times models built with random weights:
+
 Models (no download; random weights give the cost, not the quality: every path runs its fixed `--steps` Adam
 steps whatever the weights, so the time and memory are those of the real checkpoint of the same shape):
 - `v2-lite`: DeepSeek-V2 with DeepSeek-V2-Lite's shapes (27 layers, hidden 2048, 16 heads, d_c 512, d_R 64, no query
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -104,6 +112,44 @@ def run(name: str, args) -> dict:
     return out
 
 
+def default_quantize(args) -> dict:
+    """`quantmla quantize REFERENCE_MODEL --out DIR`'s path in this process, timed: the embedded model as
+    `from_pretrained` loads it (bf16), its tokenizer, `quantmla_hf.quantize(model, QuantMLAConfig(), tokenizer=...)`
+    (no text: "auto" resolves to learned on the package's default text; with `args.short_recipe` the short recipe)."""
+    from quantmla_hf.calibration.plan import SHORT_RECIPE
+    import platform
+
+    from transformers import AutoTokenizer
+
+    import quantmla_hf
+    from quantmla_hf.demo import REFERENCE_MODEL
+
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(REFERENCE_MODEL).eval()
+    load = time.perf_counter() - start
+    threads_before = torch.get_num_threads()
+    start = time.perf_counter()
+    config = QuantMLAConfig(**(SHORT_RECIPE if args.short_recipe else {}))
+    quantmla_hf.quantize(model, config, tokenizer=tokenizer, progress=args.progress)
+    total = time.perf_counter() - start
+    cfg = model.config.quantization_config
+    record = cfg.extra["calibration"]
+    seconds = [e["seconds"] for e in record["layers"]]
+    return {
+        "model": "embedded reference model (default quantize)", "device": "cpu", "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+        "load_seconds": round(load, 2), "total_seconds": round(total, 2), "transform": cfg.transform,
+        "cache": cfg.name, "windows": record["windows"], "steps": record["steps"], "lr": record["lr"],
+        "protection": record["protection"], "threads": [e.get("threads") for e in record["layers"]],
+        "threads_before": threads_before,
+        "estimated_seconds": record.get("estimated_seconds"), "attention_seconds": [round(x, 2) for x in seconds],
+        "propagate_and_capture_seconds": round(total - sum(seconds), 2),
+        "selected": [[e[p]["selected"] for p in ("content", "rope")] for e in record["layers"]],
+    }
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | layers | params | total s | s per attention layer (min / median / max) | peak GiB | weights GiB "
              "| peak - weights GiB |", "|---|---|---|---|---|---|---|---|"]
@@ -127,7 +173,18 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--checkpoint-dir", default=None, help="write resumable per-layer checkpoints under DIR/MODEL")
     p.add_argument("--progress", action="store_true", help="show quantize's progress bar")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--default-quantize", action="store_true",
+                   help="instead: time the default quantize of the embedded model (`quantmla quantize REFERENCE_MODEL "
+                        "--out DIR` without text) in this process, on this machine (CPU or GPU)")
+    p.add_argument("--short-recipe", action="store_true", help="with --default-quantize: the short recipe "
+                   "(quantmla_hf.calibration.plan.SHORT_RECIPE) instead of the library's")
     args = p.parse_args(argv)
+    if args.default_quantize:
+        row = default_quantize(args)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(row, indent=1))
+        return [row]
     rows = []
     for name in args.model:
         rows.append(run(name, args))

@@ -13,6 +13,7 @@ import os
 import torch
 
 from .calibration.defaults import calibration_data_or_default
+from .calibration.tokens import token_list
 from .config import QuantMLAConfig
 
 # How an error names each option: as a `QuantMLAConfig` keyword, or as the `quantmla` command-line flag.
@@ -61,10 +62,10 @@ def count_tokens_up_to(texts: list[str], tokenizer, needed: int) -> int:
     when the count is `>= needed`): a long text is not tokenized whole just to learn that it is long enough."""
     joined = "\n\n".join(texts)
     prefix = joined[: needed * _PREFIX_CHARS_PER_TOKEN]
-    n = len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+    n = len(token_list([prefix], tokenizer))  # in bounded pieces, as calibration tokenizes (no length warning)
     if n >= needed or len(prefix) == len(joined):
         return n
-    return len(tokenizer(joined, add_special_tokens=False)["input_ids"])
+    return len(token_list([joined], tokenizer))
 
 
 def no_tokenizer_for_default_text(transform: str, why: str, names: dict) -> str:

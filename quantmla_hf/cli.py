@@ -35,7 +35,7 @@ from .calibration.defaults import resolve_transform
 from .calibration_check import CLI_NAMES, check_calibration_inputs, no_tokenizer_for_default_text, read_calibration_text
 from .config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig, weight_conflicts
 from .demo import main as demo_main
-from .cpu_threads import cpu_threads
+from .cpu_threads import cpu_threads, retune
 from .evaluation import window_nll
 from .integration import build_cache, generated_cache, upload_saved_files
 from .mla import mla_dims, text_config
@@ -337,6 +337,7 @@ def perplexity_side_by_side(model, token_ids, window: int, prefill: int, stride:
     with cpu_threads(model.device), tqdm(total=len(groups) * len(caches), desc="windows x caches", unit="batch") as bar:
         for group in groups:
             for name, make in caches.items():
+                retune(model.device)  # a shared machine's load changes between batches
                 totals[name] += float(window_nll(model, group, make, prefill).sum())
                 bar.update(1)
     tokens = len(starts) * (window - prefill)

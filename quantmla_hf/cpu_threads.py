@@ -4,8 +4,10 @@ torch starts one intra-op thread per core. On a machine whose cores other proces
 operation then waits at its barrier for a thread the scheduler has put aside: on the 2-core CPU shared with other
 jobs, an elementwise operation on 64 K floats took 14 ms with 2 threads against 8 us with 1, and one calibration
 step 2.5-3x longer with 2 threads than with 1 (docs/CALIBRATION.md). On an idle machine more threads are faster.
-`cpu_threads()` times the same small workload with one thread and with torch's current count and keeps the faster,
-unless the user fixed the count (`OMP_NUM_THREADS` or `MKL_NUM_THREADS` set): then nothing changes.
+`cpu_threads()` leaves out the cores other processes keep busy (the load average) and times a small workload with one
+thread and with the remaining count, keeping the faster; `retune()` decides again between the parts of long work
+(calibration layers, evaluation batches), since a shared machine's load changes. A count the user fixed
+(`OMP_NUM_THREADS` or `MKL_NUM_THREADS` set) is left alone.
 
 The thread count changes float reductions, so calibrations with different counts differ in the last bits
 (docs/CALIBRATION.md, "Determinism"); the chosen count is logged.
@@ -43,32 +45,51 @@ def user_fixed_threads() -> bool:
     return any(os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
 
 
+def other_load() -> float:
+    """Cores' worth of work other processes keep busy: the 1-minute load average less this process's own share
+    (taken as one core while it runs); 0 where the platform gives no load average."""
+    try:
+        return max(0.0, os.getloadavg()[0] - 1.0)
+    except (AttributeError, OSError):
+        return 0.0
+
+
 def best_thread_count() -> int:
-    """1 or `torch.get_num_threads()`, whichever ran the probe faster (by `MIN_GAIN`); the count is left as found."""
+    """The thread count to run on: at most the cores other processes leave free (`other_load`, rounded down, at least
+    one), and more than one only where the probe ran that many `MIN_GAIN` times faster than one thread; the
+    count is left as found."""
     n = torch.get_num_threads()
+    n = max(1, min(n, int(n - other_load())))
     if n <= 1:
-        return n
+        return 1
+    before = torch.get_num_threads()
     x, m = torch.randn(PROBE_ELEMENTS), torch.randn(192, 192)
     try:
         _probe(1, x, m)  # warm-up
         one = _probe(1, x, m)
         many = _probe(n, x, m, budget=MIN_GAIN * one)
     finally:
-        torch.set_num_threads(n)
+        torch.set_num_threads(before)
     return n if many * MIN_GAIN < one else 1
+
+
+def retune(device, fixed: int | None = None) -> int:
+    """Set torch's thread count to `best_thread_count()` when `device` is a CPU and the user did not fix it (long
+    CPU work calls this between its parts: the load of a shared machine changes); returns the count in use. `fixed`:
+    the count to keep instead (the user's)."""
+    if fixed is not None or device is None or torch.device(device).type != "cpu" or user_fixed_threads():
+        return torch.get_num_threads()
+    torch.set_num_threads(best_thread_count())
+    return torch.get_num_threads()
 
 
 @contextmanager
 def cpu_threads(device: torch.device | str | None):
     """Within the block torch runs on `best_thread_count()` threads when `device` is a CPU and the user did not fix
-    the count; yields the count in use. The previous count is restored on leaving."""
+    the count (`retune` may change it again inside); yields the count chosen. The previous count is restored on
+    leaving."""
     before = torch.get_num_threads()
-    if device is None or torch.device(device).type != "cpu" or user_fixed_threads():
-        yield before
-        return
-    chosen = best_thread_count()
-    torch.set_num_threads(chosen)
     try:
-        yield chosen
+        yield retune(device)
     finally:
         torch.set_num_threads(before)

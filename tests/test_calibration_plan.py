@@ -1,5 +1,5 @@
 """Calibration sized for the machine: text tokenized in bounded pieces, the RoPE objective through query Gram matrices,
-the CPU recipe and its cost line in the log, the thread count, and resuming a `from_pretrained` calibration."""
+the cost line in the log before learning, the thread count, and resuming a `from_pretrained` calibration."""
 
 from __future__ import annotations
 
@@ -81,46 +81,54 @@ def test_default_text_makes_auto_learned(tokenizer):
     assert transform == "learned" and "237210 calibration tokens" in why
 
 
-def _texts():
-    return [default_calibration_text()[:60_000]]
+def _texts(chars: int = 60_000):
+    return [default_calibration_text()[:chars]]
 
 
 def _tiny():
     return tiny_mla_model("deepseek_v3", seed=3, vocab_size=8192)
 
 
-def test_cpu_recipe_learns_on_text_and_says_its_cost_before_starting(tokenizer, caplog):
+def _pipeline_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "quantmla_hf.calibration.pipeline"]
+
+
+def test_library_recipe_learns_and_says_its_cost_and_a_shorter_recipe_before_starting(tokenizer, caplog):
     model, cfg = _tiny(), QuantMLAConfig(transform="learned", content_bits=2)
     with caplog.at_level(logging.WARNING, logger="quantmla_hf.calibration.pipeline"):
-        calibrate(model, cfg, _texts(), tokenizer=tokenizer, progress=False)
+        calibrate(model, cfg, _texts(30_000), tokenizer=tokenizer, progress=False)
     record = cfg.extra["calibration"]
-    assert record["windows"] == [32, 256] and record["steps"] == 25 and cfg.calibration_steps == 25
-    assert record["recipe"].startswith("recipe: the CPU recipe")
-    lines = [r.getMessage() for r in caplog.records if r.name == "quantmla_hf.calibration.pipeline"]
+    n = record["windows"][0]
+    assert record["windows"] == [n, 512] and 10 < n < 64 and record["steps"] == 100  # the library's recipe
+    lines = _pipeline_lines(caplog)
     assert len(lines) == 1, lines
-    assert "calibrating 2 of 2 decoder layers (learned): 32 windows of 256 tokens (8,192 tokens), 25 Adam steps" \
-        in lines[0] and "estimated" in lines[0] and "s per layer" in lines[0] and "the CPU recipe" in lines[0]
+    assert (f"calibrating 2 of 2 decoder layers (learned): {n} windows of 512 tokens ({n * 512:,} tokens), 100 Adam "
+            "steps per layer and path at learning rate 0.005") in lines[0]
+    assert "estimated" in lines[0] and "s per layer" in lines[0] and record["estimated_seconds"] > 0
+    assert "calibration_samples=32, calibration_seq_len=256, calibration_steps=50, calibration_lr=0.01" in lines[0]
+    assert all(layer["threads"] >= 1 for layer in record["layers"])
     for path in ("content", "rope"):  # it learned: below RTN on its held-out windows in every layer
         assert all(layer[path]["heldout_best"] < layer[path]["heldout_rtn"] for layer in record["layers"])
 
 
-def test_recipe_options_given_are_kept_on_a_cpu(tokenizer):
+def test_recipe_options_given_are_used_and_no_shorter_recipe_is_offered(tokenizer, caplog):
     model = _tiny()
     cfg = QuantMLAConfig(transform="learned", calibration_steps=3, calibration_samples=8, calibration_seq_len=64)
-    calibrate(model, cfg, _texts(), tokenizer=tokenizer, progress=False)
+    with caplog.at_level(logging.WARNING, logger="quantmla_hf.calibration.pipeline"):
+        calibrate(model, cfg, _texts(), tokenizer=tokenizer, progress=False)
     record = cfg.extra["calibration"]
-    assert record["windows"] == [8, 64] and record["steps"] == 3 and record["recipe"] == "recipe: as given (CPU)"
-    # one option given, the others from the CPU recipe
-    changes, why = plan.recipe_for(QuantMLAConfig(calibration_steps=100), torch.device("cpu"), False)
-    assert changes == {"calibration_samples": 32, "calibration_seq_len": 256} and "calibration_steps=100" in why
-    assert plan.recipe_for(QuantMLAConfig(), torch.device("cuda"), False)[0] == {}
+    assert record["windows"] == [8, 64] and record["steps"] == 3 and record["lr"] == 5e-3
+    assert "calibration_samples=32" not in _pipeline_lines(caplog)[0]
+    assert plan.short_recipe_hint(QuantMLAConfig(), torch.device("cpu")) is not None
+    assert plan.short_recipe_hint(QuantMLAConfig(calibration_lr=5e-3), torch.device("cpu")) is None
+    assert plan.short_recipe_hint(QuantMLAConfig(), torch.device("cuda")) is None
 
 
 def test_estimate_counts_the_recipe():
-    one = plan.estimate_seconds(0.1, windows=32, held=3, batch=8, steps=25, modules=1, layers=1)
-    assert plan.estimate_seconds(0.1, 32, 3, 8, 25, 1, 6) == pytest.approx(6 * one)
-    assert plan.estimate_seconds(0.2, 32, 3, 8, 25, 1, 1) == pytest.approx(2 * one)
-    assert plan.estimate_seconds(0.1, 32, 3, 8, 50, 1, 1) > 1.5 * one  # the steps are most of the work
+    one = plan.estimate_seconds(0.1, windows=32, held=3, batch=8, steps=50, modules=1, layers=1)
+    assert plan.estimate_seconds(0.1, 32, 3, 8, 50, 1, 6) == pytest.approx(6 * one)
+    assert plan.estimate_seconds(0.2, 32, 3, 8, 50, 1, 1) == pytest.approx(2 * one)
+    assert plan.estimate_seconds(0.1, 32, 3, 8, 100, 1, 1) > 1.5 * one  # the steps are most of the work
 
 
 def test_a_fixed_thread_count_is_left_alone(monkeypatch):

@@ -17,15 +17,15 @@ from ..hooks import mla_attention_modules
 from ..mla import mla_dims, text_config
 from .baselines import hadamard_content, smooth_content, smooth_rope
 from .defaults import calibration_data_or_default, resolve_transform
-from ..cpu_threads import cpu_threads
+from ..cpu_threads import cpu_threads, retune
 from ..log import get_logger
 from .capture import AttentionRunner, capture_inputs, capture_within, decoder_layers, module_device, propagate
 from .checkpoint import CalibrationCheckpoint, fingerprint
 from .fusion import fuse_content, fuse_rope
 from .learn import ContentLearner, LearnSettings, RopeLearner, reference_streams
 from .offload import materialized
-from .plan import cost_line, estimate_seconds, recipe_for, timed_step
-from .protection import dual_history_mask, quantized_fraction
+from .plan import cost_line, estimate_seconds, short_recipe_hint, timed_step
+from .protection import quantized_fraction
 from .tokens import token_stream
 from .transforms import rope_kind, rope_layout, start_rotations
 
@@ -118,10 +118,9 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
     are the only activations kept between layers; each of the layer's MLA attention modules is captured from them,
     calibrated (fp32) and fused, then the layer is run on them to give layer `k + 1`'s inputs.
 
-    On a CPU the recipe options not given (`calibration_samples`, `calibration_seq_len`, `calibration_steps`) take
-    the CPU recipe's values and torch's thread count is measured (`plan.recipe_for`, `quantmla_hf.cpu_threads`); the
-    log says which recipe runs and why, then, before learning starts, the tokens, windows, steps, layers and an
-    estimated time (`plan.cost_line`).
+    Before learning starts the log says the tokens, windows, steps, layers, threads and an estimated time
+    (`plan.cost_line`; on a CPU also a shorter recipe and what it cost in accuracy); on a CPU torch's thread count is
+    measured, and measured again between layers (`quantmla_hf.cpu_threads`).
 
     Args:
         model: a transformers MLA model (any supported family); its weights change in place.
@@ -174,9 +173,6 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
             raise ValueError(f"transform={cfg.transform!r} needs calibration_data (token ids, strings or a text file) "
                              "or a tokenizer to calibrate on the default text")
         device = module_device(modules[0])
-        changes, recipe = recipe_for(cfg, device, isinstance(data, torch.Tensor))
-        if changes:
-            cfg.update(**changes)
         ids = calibration_token_ids(data, tokenizer, cfg.calibration_samples, cfg.calibration_seq_len, cfg.seed,
                                     getattr(text_config(model.config), "vocab_size", None))
         sink, recent, why = protection_to_model(calibration_protection, ids.shape[1], cfg.sink_tokens,
@@ -184,7 +180,7 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
         train, held = _split(ids.shape[0])
         record.update(windows=list(ids.shape), heldout_windows=int(held.numel()), steps=cfg.calibration_steps,
                       lr=cfg.calibration_lr, batch_size=batch_size, protection_modelled=[sink, recent],
-                      protection=why, recipe=recipe)
+                      protection=why)
         checkpoint = None
         if checkpoint_dir is not None:
             keys = ("transform", "content_bits", "rope_bits", "group_size", "calibration_steps", "calibration_lr",
@@ -222,8 +218,11 @@ def _calibrate_layers(model, cfg: QuantMLAConfig, modules: list, ids: torch.Tens
     fused_any, announced = False, False
     if to_learn <= 0:
         logger.warning(f"calibration: all {len(layers)} decoder layers resumed from {checkpoint.dir}")
+    device = module_device(modules[0])
     for index, (layer, attention) in enumerate(layers):
         saved = checkpoint.load(index) if checkpoint is not None else None
+        if index:
+            threads = retune(device)  # a shared machine's load changes between layers
         inside = {id(sub) for m in attention for sub in m.modules()}
         # The layer's offloaded weights (if any) come to the GPU once for capture, learning and propagation;
         # only its attention modules' (fused) weights go back to the offload map.
@@ -243,16 +242,19 @@ def _calibrate_layers(model, cfg: QuantMLAConfig, modules: list, ids: torch.Tens
                         with materialized(m):
                             if not announced:
                                 announced = True
-                                estimate = _estimate(m, inputs, settings, ids.shape[0], held.numel(),
+                                estimate = _estimate(m, inputs, fmt, settings, ids.shape[0], held.numel(),
                                                      cfg.calibration_steps, len(attention), to_learn) \
                                     if cfg.transform == "learned" else None
-                                logger.warning(cost_line(record, len(layers), to_learn, threads, estimate))
+                                record.update(threads=threads, estimated_seconds=estimate and round(estimate, 1))
+                                logger.warning(cost_line(record, len(layers), to_learn, threads, estimate,
+                                                         short_recipe_hint(cfg, device)))
                             entry, transforms = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform,
                                                                  settings, train, held)
                             fused_any = True
                             apply_transforms(m, layout, transforms)
                         del inputs
-                        entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3))
+                        entry.update(layer_idx=int(m.layer_idx), seconds=round(time.perf_counter() - start, 3),
+                                     threads=threads)
                         done.append({"transforms": transforms, "entry": entry})
                         record["layers"].append(entry)
                         # A 16-bit path is not learned and has no entry.
@@ -270,14 +272,10 @@ def _calibrate_layers(model, cfg: QuantMLAConfig, modules: list, ids: torch.Tens
     bar.close()
 
 
-def _estimate(module, inputs, settings: LearnSettings, windows: int, held: int, steps: int, modules: int,
+def _estimate(module, inputs, fmt, settings: LearnSettings, windows: int, held: int, steps: int, modules: int,
               layers: int) -> float:
     """Seconds the calibration of `layers` layers should take, from one timed step of `module` (`plan.timed_step`)."""
-    mask = None
-    if settings.protected:
-        T = inputs.hidden.shape[1]
-        mask = dual_history_mask(T, settings.sink, settings.recent, torch.float32, inputs.hidden.device)
-    step = timed_step(AttentionRunner(module, inputs), mask)
+    step = timed_step(AttentionRunner(module, inputs), fmt.content, settings.sink, settings.recent)
     return estimate_seconds(step, windows, held, inputs.batch_size, steps, modules, layers)
 
 

@@ -1,18 +1,11 @@
 """What a calibration will run and what it will cost, said before it starts.
 
-The recipe (windows, their length, Adam steps) is chosen by where the attention modules compute:
-
-- GPU: the options as given, i.e. by default 64 windows of 512 tokens and 100 steps per layer and path (45-59 s
-  for the converted SmolLM2-135M on an H200, docs/CALIBRATION.md).
-- CPU: `CPU_RECIPE` for every recipe option the user did not give (`QuantMLAConfig.explicit_options`): 32 windows of
-  256 tokens and 25 steps, 1/4 of the tokens per step and 1/4 of the steps. The default recipe would take 2-3 minutes
-  per layer of the 14.8 M embedded model on a 2-core CPU and 11-15 minutes per layer of the converted SmolLM2; on
-  held-out WikiText-2 the CPU recipe's KL against the default recipe's is measured in docs/CALIBRATION.md ("The CPU
-  recipe"), which is what allows it.
-
-`cost_line` is the log line before learning starts: tokens, windows, steps, layers, threads and an estimate from one
-timed forward and backward of the first attention module on one batch (`timed_step`) and the work count of the recipe
-(`estimate_seconds`).
+`cost_line` is the log line before learning starts: tokens, windows, steps, layers, threads and an estimate from the
+median of three timed content steps of the first attention module (`timed_step`) and the work count of the recipe
+(`estimate_seconds`). On a CPU, where the library's recipe (64 windows of 512 tokens, 100 steps at 5e-3) takes minutes
+per layer, the line also names `SHORT_RECIPE` when no recipe option was given: a tenth of the work, which on held-out
+text tied the library's recipe at C4R4 but had 1.22x its KL at C2R4 on the embedded model (docs/CALIBRATION.md,
+"Calibration on a 2-core CPU"), so it is offered, not taken.
 """
 
 from __future__ import annotations
@@ -22,51 +15,51 @@ import time
 
 import torch
 
-from .capture import LatentHook
-from .protection import dual_history
+from .learn import ContentLearner
+from .transforms import ContentTransform, start_rotations
 
-CPU_RECIPE = {"calibration_samples": 32, "calibration_seq_len": 256, "calibration_steps": 25}
-GPU_RECIPE_NOTE = "the library's recipe"
+SHORT_RECIPE = {"calibration_samples": 32, "calibration_seq_len": 256, "calibration_steps": 50, "calibration_lr": 1e-2}
+RECIPE_OPTIONS = tuple(SHORT_RECIPE)
 # Cost of a forward-only batch, and of a RoPE step, in content steps (forward + backward of one batch), as measured on
 # the CPU (docs/CALIBRATION.md): the estimate is a count of these units times one timed step.
 FORWARD_UNIT = 0.4
 ROPE_UNIT = 0.1
 
 
-def recipe_for(config, device: torch.device, token_ids_given: bool) -> tuple[dict, str]:
-    """`(changes, why)`: the recipe options to change for calibrating on `device` (empty on a GPU or when the user
-    gave them all), and a sentence naming the recipe and why. With token ids given (`token_ids_given`) the windows are
-    the user's and only the step count can change."""
-    options = ("calibration_steps",) if token_ids_given else tuple(CPU_RECIPE)
-    given = set(getattr(config, "explicit_options", ()))
-    if device.type != "cpu":
-        return {}, f"recipe: {GPU_RECIPE_NOTE} ({device.type})"
-    changes = {k: CPU_RECIPE[k] for k in options if k not in given and getattr(config, k) != CPU_RECIPE[k]}
-    if not changes:
-        return {}, "recipe: as given (CPU)"
-    kept = ", ".join(f"{k}={getattr(config, k)}" for k in options if k in given)
-    return changes, ("recipe: the CPU recipe (" + ", ".join(f"{k}={v}" for k, v in changes.items()) + ")"
-                     + (f", with {kept} as given" if kept else "")
-                     + ": the model computes on the CPU, where the GPU recipe takes minutes per layer; on held-out "
-                     "text it tied the GPU recipe (docs/CALIBRATION.md). Pass these options to choose them")
+def short_recipe_hint(config, device: torch.device) -> str | None:
+    """On a CPU with no recipe option given (`QuantMLAConfig.explicit_options`), a sentence offering `SHORT_RECIPE`
+    with what it was measured to cost in accuracy; None otherwise."""
+    if device.type != "cpu" or set(getattr(config, "explicit_options", ())) & set(RECIPE_OPTIONS):
+        return None
+    options = ", ".join(f"{k}={v}" for k, v in SHORT_RECIPE.items())
+    return (f"on a CPU, {options} take about a tenth of this; on held-out text that tied this recipe's KL at C4R4 "
+            "and had 1.22x it at C2R4 (docs/CALIBRATION.md)")
 
 
-def timed_step(runner, mask: torch.Tensor | None) -> float:
-    """Seconds of one forward and backward of the attention module (`AttentionRunner`) on its first batch, in the
-    dtype learning uses, gradients through `kv_b_proj` (as a content step's flow through the transformed weights);
-    with `mask` (`protection.dual_history_mask`) over the doubled history the protected content objective reads."""
+def timed_step(runner, fmt, sink: int, recent: int, repeats: int = 3) -> float:
+    """Seconds of one content learning step (`learn.ContentLearner`: transformed weights, fake-quantized latent,
+    forward, backward, Adam) of the module `runner` replays, on its first batch, from the RTN start: the median of
+    `repeats` steps. `fmt` is the content path's format, `sink`/`recent` the protection the objective models."""
+    module = runner.module
     rows = torch.arange(min(runner.inputs.batch_size, runner.inputs.hidden.shape[0]))
-    h = runner.inputs.select(rows)
-    weight = runner.params["kv_b_proj.weight"].detach().clone().requires_grad_(True)
-    start = time.perf_counter()
-    with torch.enable_grad():
-        # With protection modelled the content objective attends over a doubled history under `mask`.
-        hook = None if mask is None else LatentHook(lambda latent, k_rot: dual_history(latent, k_rot, latent, k_rot))
-        out = runner(h, {"kv_b_proj.weight": weight}, hook, attention_mask=mask)
-        out.float().pow(2).mean().backward()
-    if weight.grad is not None and weight.grad.is_cuda:
-        torch.cuda.synchronize(weight.device)
-    return time.perf_counter() - start
+    with torch.no_grad():
+        teacher = runner(runner.inputs.select(rows))
+    learner = ContentLearner(runner, teacher, fmt, sink, recent)
+    w = module.kv_a_layernorm.weight.detach().float()
+    transform = ContentTransform(start_rotations(w)["identity"], w.abs().clamp_min(1e-8)).to(teacher.device)
+    opt = torch.optim.Adam(transform.parameters(), lr=1e-3)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with torch.enable_grad():
+            num, den = learner.loss_sums(transform.rotation(), transform.scale(), rows)
+            opt.zero_grad(set_to_none=True)
+            (num / den).backward()
+            opt.step()
+        if teacher.is_cuda:
+            torch.cuda.synchronize(teacher.device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 def estimate_seconds(step: float, windows: int, held: int, batch: int, steps: int, modules: int, layers: int) -> float:
@@ -83,12 +76,16 @@ def estimate_seconds(step: float, windows: int, held: int, batch: int, steps: in
     return layers * step * (modules * per_module + 2 * FORWARD_UNIT * per_window)
 
 
-def cost_line(record: dict, layers: int, to_learn: int, threads: int, estimate: float | None) -> str:
-    """The log line before learning: what runs and about how long it takes."""
+def cost_line(record: dict, layers: int, to_learn: int, threads: int, estimate: float | None,
+              hint: str | None = None) -> str:
+    """The log line before learning: what runs and about how long it takes (and `hint`, a shorter recipe)."""
     n, t = record["windows"]
     parts = [f"calibrating {to_learn} of {layers} decoder layers ({record['transform']}): {n} windows of {t} tokens "
-             f"({n * t:,} tokens), {record['steps']} Adam steps per layer and path, batch {record['batch_size']}, "
-             f"protection {record['protection']}; {record['recipe']}; {threads} torch thread{'s' * (threads != 1)}"]
+             f"({n * t:,} tokens), {record['steps']} Adam steps per layer and path at learning rate {record['lr']:g}, "
+             f"batch {record['batch_size']}, protection {record['protection']}; {threads} torch "
+             f"thread{'s' * (threads != 1)}"]
     if estimate is not None:
-        parts.append(f"estimated {estimate:.0f} s ({estimate / max(1, to_learn):.1f} s per layer, from one timed step)")
+        parts.append(f"estimated {estimate:.0f} s ({estimate / max(1, to_learn):.1f} s per layer, from timed steps)")
+    if hint:
+        parts.append(hint)
     return "; ".join(parts)

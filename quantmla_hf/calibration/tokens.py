@@ -8,8 +8,8 @@ kept with its word) before merging, and never merge across those places, so the 
 holds more tokens than the model's maximum length, so transformers' "Token indices sequence length is longer than the
 specified maximum" warning does not fire, and no call holds the whole text's encoding objects at once.
 
-The last stream is kept (one entry, keyed by the tokenizer object and the text): counting the default text's tokens
-for `transform="auto"` and cutting its windows then tokenize it once.
+The last `KEPT` streams are kept (keyed by the tokenizer object and the text): counting the default text's tokens for
+`transform="auto"`, checking the calibration inputs and cutting the windows then tokenize it once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import hashlib
 import torch
 
 MAX_PIECE_CHARS = 16384
-_last: dict = {}
+KEPT = 2  # streams kept: a text and the prefix that checking counts
+_kept: dict = {}
 
 
 def piece_chars(tokenizer) -> int:
@@ -57,16 +58,17 @@ def _word_start(text: str, start: int, end: int, sep: str, before: bool = False)
 
 
 def token_list(texts: list[str], tokenizer) -> list:
-    """The ids of the texts joined with blank lines, without special tokens, tokenized in pieces (the last result
-    kept)."""
+    """The ids of the texts joined with blank lines, without special tokens, tokenized in pieces (the last `KEPT`
+    results kept)."""
     joined = "\n\n".join(texts)
     key = (id(tokenizer), len(joined), hashlib.sha256(joined.encode("utf-8", "surrogatepass")).hexdigest())
-    if _last.get("key") == key and _last.get("tokenizer") is tokenizer:
-        return _last["ids"]
+    if key in _kept and _kept[key][0] is tokenizer:
+        return _kept[key][1]
     ids = [t for piece in split_text(joined, piece_chars(tokenizer))
            for t in tokenizer(piece, add_special_tokens=False)["input_ids"]]
-    _last.clear()
-    _last.update(key=key, tokenizer=tokenizer, ids=ids)
+    _kept[key] = (tokenizer, ids)  # the tokenizer is held so that its id cannot be reused while the entry lives
+    while len(_kept) > KEPT:
+        _kept.pop(next(iter(_kept)))
     return ids
 
 
