@@ -20,7 +20,7 @@ Methods (`--methods`, each run at every `--bits` setting and `--protect` choice 
 Protection: "on" keeps 4 sink + 128 recent tokens in the model dtype, "off" sets sink_tokens = recent_tokens = 0.
 
 Per-window NLL, KL and top-1 agreement are recorded for every row; the tables give 95% paired bootstrap intervals over
-windows (`quantmla_hf.intervals`), and every non-RTN row is compared with RTN at the same setting (KL ratio, verdict
+windows (`quantmla_hf.evaluation.intervals`), and every non-RTN row is compared with RTN at the same setting (KL ratio, verdict
 "better" / "worse" / "tie"), per seed and as the mean over `--seeds`.
 
 Example (what docs/ACCURACY.md ran):
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from quantmla_hf.intervals import Interval
+from quantmla_hf.evaluation.intervals import Interval
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "quantmla_hf" / "assets" / "reference_model"
 METHODS = ("bf16", "rtn", "smooth", "quarot", "quanto", "quantmla", "quantmla_allq", "content", "rope")
@@ -305,7 +305,7 @@ def calibration_windows(ids: torch.Tensor, samples: int, seq_len: int, seed: int
 def restore_rope_rows(model, base):
     """A copy of `model` whose RoPE rows (key rows of `kv_a_proj_with_mqa`, query rows of every head) are `base`'s."""
     from quantmla_hf.calibration.fusion import query_projection
-    from quantmla_hf.hooks import mla_attention_modules
+    from quantmla_hf.attention.state import mla_attention_modules
 
     out = copy.deepcopy(model)
     for m, b in zip(mla_attention_modules(out), mla_attention_modules(base)):
@@ -321,7 +321,7 @@ def restore_rope_rows(model, base):
 def restore_content_rows(model, base):
     """A copy of `model` whose content weights (content rows of `kv_a_proj_with_mqa` and of its bias, the
     `kv_a_layernorm` weight, `kv_b_proj`) are `base`'s: the RoPE transform alone."""
-    from quantmla_hf.hooks import mla_attention_modules
+    from quantmla_hf.attention.state import mla_attention_modules
 
     out = copy.deepcopy(model)
     for m, b in zip(mla_attention_modules(out), mla_attention_modules(base)):
@@ -376,7 +376,7 @@ def kl_divergence(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.T
 @torch.no_grad()
 def scored_decode(model, ids: torch.Tensor, make_cache, window: int, prefill: int, chunk: int, max_windows: int):
     """`decode_perplexity` of `ids: [T]` plus the log-probabilities it scored: `(DecodePerplexity, [N, V])`."""
-    from quantmla_hf.evaluation import decode_perplexity
+    from quantmla_hf.evaluation.perplexity import decode_perplexity
 
     recorder = ScoredLogProbs(window, prefill, chunk)
     handle = model.register_forward_hook(recorder, with_kwargs=True)
@@ -550,7 +550,7 @@ def summarize(rows: list[dict]) -> dict:
     - seed_mean: the same against RTN for a calibrated family averaged over its seeds window by window, with the
       range of the per-seed ratios (the calibration spread).
     """
-    from quantmla_hf.intervals import bootstrap, mean_of, perplexity_change, ratio_of_means, t_interval
+    from quantmla_hf.evaluation.intervals import bootstrap, mean_of, perplexity_change, ratio_of_means, t_interval
 
     ref = next((r for r in rows if r["spec"]["family"] == "bf16"), None)
     nll = lambda r: torch.tensor(r["nll"], dtype=torch.float64)  # noqa: E731
@@ -769,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.ratio_windows:
-        from quantmla_hf.analysis import analyze
+        from quantmla_hf.evaluation.analysis import analyze
 
         start = time.time()
         # Held-out windows: windows of the calibration text that no seed drew.

@@ -122,7 +122,7 @@ def default_quantize(args) -> dict:
     from transformers import AutoTokenizer
 
     import quantmla_hf
-    from quantmla_hf.demo import REFERENCE_MODEL
+    from quantmla_hf.embedded import REFERENCE_MODEL
 
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)

@@ -361,7 +361,7 @@ def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_poin
     from transformers.generation import CompileConfig
 
     from quantmla_hf import apply_quantmla
-    from quantmla_hf.decode_graphs import graph_stats, graphs_of
+    from quantmla_hf.generation.graphs import graph_stats, graphs_of
 
     dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=16, kv_lora_rank=512,
                 qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)

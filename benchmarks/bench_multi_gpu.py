@@ -219,7 +219,7 @@ def agree(a) -> None:
         path = os.path.join(a.out, f"{family}-{dtype}")
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=qconfig(bits), **tp_kwargs(form))
         name = f"{family}-{dtype}-C{bits}R{bits}"
-        attn = quantmla_hf.hooks.mla_attention_modules(model)[0]
+        attn = quantmla_hf.attention.state.mla_attention_modules(model)[0]
         sharded = type(attn.kv_b_proj.weight).__name__ == "DTensor" and "Shard" in str(attn.kv_b_proj.weight.placements)
         got = greedy(model, a.new)
         gathered = [None] * world()
@@ -299,8 +299,8 @@ def speed(a) -> None:
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     from quantmla_hf import QuantMLAConfig
-    from quantmla_hf.decode_graphs import graph_stats
-    from quantmla_hf.graph_segments import model_segment_plan
+    from quantmla_hf.generation.graphs import graph_stats
+    from quantmla_hf.generation.segments import model_segment_plan
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_generate import StepClock

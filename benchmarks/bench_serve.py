@@ -52,7 +52,7 @@ end token, so every request yields exactly its output length.
 Every timed batcher is warmed first (`ContinuousBatcher.warmup` in `warm_batcher`: its kernels run once and the
 decode graph of every bucket the load can reach is captured; `ready_s`, `warm_steps`, `warm_captures` in its rows),
 so no timed request waits for a compilation or a capture; static `generate` runs two small requests untimed first. Continuous batching replays its
-decode-only steps from CUDA graphs (`quantmla_hf.paged.graphs`; `graph_steps` and `graph_captures`, the captures
+decode-only steps from CUDA graphs (`quantmla_hf.serving.graphs`; `graph_steps` and `graph_captures`, the captures
 while timed, in each row, and the wall time of the replayed and of the eager steps, `graph_s` and `eager_s`: the
 eager ones are the prefill chunks) unless `--eager`. Rows are printed as JSON lines as they finish and all of them
 written to `DIR/bench_serve.json`.
@@ -75,10 +75,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generate import DEVICE, v2_lite  # noqa: E402
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla  # noqa: E402
-from quantmla_hf.attention import ATTN_IMPLEMENTATION  # noqa: E402
-from quantmla_hf.intervals import t_interval  # noqa: E402
-from quantmla_hf.paged import PagedQuantMLACache, page_bytes, protected_bytes_per_request  # noqa: E402
-from quantmla_hf.paged.batching import CACHE_KWARG, BatchingStats, ContinuousBatcher  # noqa: E402
+from quantmla_hf.attention.interface import ATTN_IMPLEMENTATION  # noqa: E402
+from quantmla_hf.evaluation.intervals import t_interval  # noqa: E402
+from quantmla_hf.cache.paged import PagedQuantMLACache
+from quantmla_hf.cache.allocator import page_bytes, protected_bytes_per_request  # noqa: E402
+from quantmla_hf.serving.batching import CACHE_KWARG, BatchingStats, ContinuousBatcher  # noqa: E402
 from serving_metrics import SLO, RequestTimes, bisection_rate, goodput, summarize  # noqa: E402
 
 ROWS: list[dict] = []

@@ -11,7 +11,7 @@ without text of yours) or on `--calibration FILE`, with each seed drawing its ow
 `--bits` setting; every calibrated model and RTN are scored on `--windows` windows of the held-out `--text` through
 the cache (4 sink + 128 recent tokens protected; `benchmarks/accuracy.py`'s decode protocol: prefill, then chunks)
 against the unquantized cache. Printed per recipe and bits: the seed-mean perplexity change and KL, and the paired
-95% intervals (`quantmla_hf.intervals`, over windows, seed means per window) of its KL over the reference recipe's
+95% intervals (`quantmla_hf.evaluation.intervals`, over windows, seed means per window) of its KL over the reference recipe's
 and over RTN's. A ratio whose interval holds 1 is a tie; "loses nothing" needs the upper bound near 1 too.
 """
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy as harness  # noqa: E402
 
 from quantmla_hf.calibration.defaults import DEFAULT_TEXT  # noqa: E402
-from quantmla_hf.intervals import bootstrap, perplexity_change, ratio_of_means  # noqa: E402
+from quantmla_hf.evaluation.intervals import bootstrap, perplexity_change, ratio_of_means  # noqa: E402
 
 
 def parse_recipe(spec: str) -> dict:

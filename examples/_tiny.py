@@ -8,7 +8,7 @@ a CPU without a download. Its text is random; set MODEL=<hub id or directory> to
 import os
 import tempfile
 
-from quantmla_hf.demo import CALIBRATION_TEXT, REFERENCE_MODEL
+from quantmla_hf.embedded import CALIBRATION_TEXT, REFERENCE_MODEL
 
 CALIBRATION_FILE = str(CALIBRATION_TEXT)
 _PATH = None

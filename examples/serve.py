@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantmla_hf
 from _tiny import model_id as offline_or_env
-from quantmla_hf.paged.serving import CacheOptions, build_app
+from quantmla_hf.serving.server import CacheOptions, build_app
 
 
 def main():

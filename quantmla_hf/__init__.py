@@ -1,13 +1,13 @@
 """QuantMLA: 4- and 2-bit KV cache for MLA models in Hugging Face Transformers."""
 
 from . import _source_kernels  # noqa: F401  (first: quantmla_hf.kernels where an editable install cannot map it)
-from .attention import ATTN_IMPLEMENTATION, register_attention
-from .cache import QuantMLACache, QuantMLALayer
+from .attention.interface import ATTN_IMPLEMENTATION, register_attention
+from .cache.growing import QuantMLACache, QuantMLALayer
 from .config import QuantMLAConfig
 from .format import CacheFormat, PathFormat
-from .hooks import install_cache_hooks
+from .attention.state import install_cache_hooks
 from .mla import MLADims, mla_dims
-from .static_cache import StaticQuantMLACache, StaticQuantMLALayer
+from .cache.static import StaticQuantMLACache, StaticQuantMLALayer
 
 register_attention()
 
@@ -25,7 +25,7 @@ __all__ = [
     "mla_dims",
 ]
 
-from .analysis import analyze  # noqa: E402
+from .evaluation.analysis import analyze  # noqa: E402
 from .integration import build_cache  # noqa: E402
 from .quantizer import QuantMLAHfQuantizer, apply_quantmla, quantize, register_quantmla  # noqa: E402
 

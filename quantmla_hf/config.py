@@ -100,7 +100,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
             maximum length (compiled decode, one CUDA graph per step), False for the growing `QuantMLACache`,
             "auto" (default) for the static one only when the call passes a `compile_config` on one CUDA device.
         decode_graphs: whether plain `generate()` replays its decode steps from CUDA graphs (static cache, no
-            compiler; `quantmla_hf.decode_graphs`): "auto" (default) on one CUDA device where the call can be
+            compiler; `quantmla_hf.generation.graphs`): "auto" (default) on one CUDA device where the call can be
             captured, True to insist (an error where it cannot be used), False for eager decode.
         calibration_checkpoint_dir: a folder where calibration keeps the transforms of each finished decoder layer
             (`quantmla_hf.calibration.checkpoint`): a calibration killed or interrupted and started again with the same

@@ -19,7 +19,7 @@ Learned, smooth and Hadamard transforms are fused into the attention weights by 
 process over whole weights; a sharded model is refused (`check_not_sharded_for_calibration`): calibrate in one
 process, `save_pretrained`, and load that fused checkpoint with tensor parallel.
 
-Decode steps replayed from CUDA graphs (`quantmla_hf.decode_graphs`) hold the collectives of a tensor-parallel step
+Decode steps replayed from CUDA graphs (`quantmla_hf.generation.graphs`) hold the collectives of a tensor-parallel step
 (the row-parallel all-reduces) inside the graph. NCCL counts every live graph that captured a collective on a
 communicator, and destroying the communicator (`destroy_process_group`, or the process group's destructor at exit,
 which aborts it) waits until that count is zero: a process whose model still holds its graphs never exits. Hence
@@ -164,7 +164,7 @@ def release_before_shutdown(release) -> None:
 
     Installs, once: an `atexit` hook, and a wrapper of `torch.distributed.destroy_process_group` that runs the
     releases first. A script that bound the stock function before (`from torch.distributed import
-    destroy_process_group`) calls `quantmla_hf.decode_graphs.release_decode_graphs()` before it instead.
+    destroy_process_group`) calls `quantmla_hf.generation.graphs.release_decode_graphs()` before it instead.
     """
     if release in _RELEASES:
         return

@@ -28,24 +28,21 @@ from transformers import AutoTokenizer
 from transformers.masking_utils import create_masks_for_generate
 from transformers.utils import logging
 
-from .attention import ATTN_IMPLEMENTATION
-from .cache import QuantMLACache
+from .attention.interface import ATTN_IMPLEMENTATION
+from .cache.growing import QuantMLACache
 from .calibration import calibrate
 from .calibration.defaults import calibration_data_or_default, resolve_transform
-from .calibration_check import (
-    check_calibration_inputs,
-    read_calibration_text,
-)
+from .calibration.checks import check_calibration_inputs, read_calibration_text
 from .config import QuantMLAConfig
-from .decode_graphs import compiled_call, masks_for_generate
-from .hooks import _pre_forward, install_cache_hooks, mla_attention_modules
+from .generation.graphs import compiled_call, masks_for_generate
+from .attention.state import _pre_forward, install_cache_hooks, mla_attention_modules
 from .log import get_logger
 from .mla import MLADims, mla_dims
-from .model_card import has_own_card, hub_id_of, write_model_card
-from .paged.continuous_api import install_continuous_batching, uninstall_continuous_batching
-from .staged_output import staged_directory, write_errors
-from .static_generate import generation_cache, plan_for_given_cache, static_cache_wanted
-from .static_generate import model_qconfig as _model_qconfig
+from .saving.model_card import has_own_card, hub_id_of, write_model_card
+from .serving.continuous_api import install_continuous_batching, uninstall_continuous_batching
+from .saving.staged_output import staged_directory, write_errors
+from .generation.plan import generation_cache, plan_for_given_cache, static_cache_wanted
+from .generation.plan import model_qconfig as _model_qconfig
 
 logger = get_logger(__name__)
 
@@ -338,7 +335,7 @@ def _install_model_card(model) -> None:
 
     @functools.wraps(stock_save)
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, overwrite: bool = True, **kwargs):
-        """transformers' `save_pretrained`, written atomically (`quantmla_hf.staged_output`), with the QuantMLA card.
+        """transformers' `save_pretrained`, written atomically (`quantmla_hf.saving.staged_output`), with the QuantMLA card.
 
         A checkpoint already in the folder is replaced whole, as transformers' `save_pretrained` replaces it (its
         common tests save twice into one folder); `overwrite=False` refuses it instead (`OutputError`), which the
@@ -370,7 +367,7 @@ def _install_model_card(model) -> None:
         """Upload the quantized checkpoint and its QuantMLA model card to `repo_id` (on `HF_ENDPOINT`).
 
         Takes every argument of transformers' `push_to_hub` (passed on to the Hub as it would) and the model card's
-        `base_model`, `eval_results`, `measured_tokens` (see `quantmla_hf.model_card.render_model_card`).
+        `base_model`, `eval_results`, `measured_tokens` (see `quantmla_hf.saving.model_card.render_model_card`).
         """
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id

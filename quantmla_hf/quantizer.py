@@ -15,7 +15,7 @@ import transformers.quantizers.auto as transformers_quantizers_auto
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.auto import AutoHfQuantizer, register_quantization_config, register_quantizer
 
-from .calibration_check import check_calibration_inputs
+from .calibration.checks import check_calibration_inputs
 from .config import QUANT_METHOD, QuantMLAConfig, check_checkpoint_config, weight_conflicts
 from .distributed import check_load_not_sharded_for_calibration, check_not_sharded_for_calibration
 from .integration import prepare_model, resolve_auto_transform, resolve_tokenizer, unprepare_model
@@ -97,7 +97,7 @@ class QuantMLAHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         # generate asks for a compiled decode step only with a compileable cache (the static QuantMLA cache): the model
-        # answers with CUDA-graph steps or torch.compile (quantmla_hf.decode_graphs.compiled_call).
+        # answers with CUDA-graph steps or torch.compile (quantmla_hf.generation.graphs.compiled_call).
         return True
 
 

@@ -29,7 +29,7 @@ def base_dir(tmp_path_factory):
     their outputs elsewhere)."""
     from transformers import AutoTokenizer  # after TRITON_INTERPRET is set
 
-    from quantmla_hf.demo import REFERENCE_MODEL
+    from quantmla_hf.embedded import REFERENCE_MODEL
     from quantmla_hf.tiny_models import tiny_mla_model
 
     path = tmp_path_factory.mktemp("base")

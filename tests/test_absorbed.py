@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import quantmla_hf.cache as cache_module
+import quantmla_hf.cache.growing as cache_module
 from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks
-from quantmla_hf.absorbed import absorbed_attention_ref, split_kv_b
+from quantmla_hf.attention.absorbed import absorbed_attention_ref, split_kv_b
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
 
 from helpers import CACHE_KWARG, assert_close

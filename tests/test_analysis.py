@@ -5,8 +5,8 @@ import struct
 import pytest
 import torch
 
-from quantmla_hf.analysis import DualPathReport, LayerResponse, _png_bars, analyze, quantized_attention_error
-from quantmla_hf.hooks import mla_attention_modules
+from quantmla_hf.evaluation.analysis import DualPathReport, LayerResponse, _png_bars, analyze, quantized_attention_error
+from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.tiny_models import tiny_mla_model
 
 

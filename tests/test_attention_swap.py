@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks
-from quantmla_hf.masks import expected_mask
+from quantmla_hf.attention.masks import expected_mask
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
 
 from helpers import CACHE_KWARG, KERNEL_DEVICE, assert_close, to_device
@@ -68,7 +68,7 @@ def test_several_query_tokens_against_a_cache(model_type):
     """Prefill, then 3 tokens in one forward (assisted decoding / chunked prefill), left padding in row 1.
 
     With "quantmla" each query of the chunk sees what one-token decoding sees (its own recent window,
-    `quantmla_hf.chunk_attention`): equal to 3 one-token forwards. Unquantized (C16R16) that is also stock attention
+    `quantmla_hf.attention.chunk`): equal to 3 one-token forwards. Unquantized (C16R16) that is also stock attention
     over the history the cache returns.
     """
     model = tiny_mla_model(model_type)

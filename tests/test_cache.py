@@ -133,7 +133,7 @@ def test_crop_keeps_prefix_and_refills_the_recent_window(remove):
 
 
 def test_crop_positive_follows_the_installed_release():
-    from quantmla_hf.cache import LEGACY_POSITIVE_CROP
+    from quantmla_hf.cache.growing import LEGACY_POSITIVE_CROP
 
     layer = QuantMLALayer(_fmt(), kernel="torch")
     _feed(layer, torch.randn(1, 10, D_C), torch.randn(1, 10, D_R), [10])

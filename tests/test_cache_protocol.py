@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla
-from quantmla_hf.cache import LEGACY_POSITIVE_CROP
+from quantmla_hf.cache.growing import LEGACY_POSITIVE_CROP
 from quantmla_hf.tiny_models import tiny_config, tiny_mla_model
 
 D_C, D_R = 64, 16

@@ -5,10 +5,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from quantmla_hf.calibration import calibrate
-from quantmla_hf.calibration.defaults import (DEFAULT_SOURCE, DEFAULT_TEXT, MIN_LEARNED_TOKENS,
-                                              default_calibration_text, resolve_transform)
+from quantmla_hf.calibration.defaults import (
+    DEFAULT_SOURCE,
+    DEFAULT_TEXT,
+    MIN_LEARNED_TOKENS,
+    default_calibration_text,
+    resolve_transform,
+)
 from quantmla_hf.config import TRANSFORMS, QuantMLAConfig
-from quantmla_hf.demo import REFERENCE_MODEL
+from quantmla_hf.embedded import REFERENCE_MODEL
 from quantmla_hf.tiny_models import tiny_mla_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -25,7 +25,7 @@ from quantmla_hf.calibration.objectives import positional_qk_nmse, quantize_dequ
 from quantmla_hf.calibration.pipeline import protection_to_model
 from quantmla_hf.calibration.protection import dual_history_mask, quantized_fraction, quantized_pairs
 from quantmla_hf.format import PathFormat
-from quantmla_hf.hooks import mla_attention_modules
+from quantmla_hf.attention.state import mla_attention_modules
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,8 +159,9 @@ def test_demo_and_cli_default_say_rtn_for_the_embedded_text(tmp_path, capsys):
 
     from transformers import AutoTokenizer
 
-    from quantmla_hf.cli import main
-    from quantmla_hf.demo import CALIBRATION_TEXT, REFERENCE_MODEL, build_parser
+    from quantmla_hf.cli.main import main
+    from quantmla_hf.cli.demo import build_parser
+    from quantmla_hf.embedded import CALIBRATION_TEXT, REFERENCE_MODEL
     from quantmla_hf.tiny_models import tiny_mla_model
 
     assert build_parser().parse_args([]).transform == "auto"

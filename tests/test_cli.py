@@ -9,13 +9,13 @@ from importlib import metadata
 
 import pytest
 
-from quantmla_hf.cli import main
-from quantmla_hf.demo import EVALUATION_TEXT
+from quantmla_hf.cli.main import main
+from quantmla_hf.embedded import EVALUATION_TEXT
 
 
 def test_console_script_is_declared():
     (entry,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "quantmla"]
-    assert entry.value == "quantmla_hf.cli:main" and entry.load() is main
+    assert entry.value == "quantmla_hf.cli.main:main" and entry.load() is main
 
 
 def test_quantize_generate_eval(base_dir, tmp_path, capsys):
@@ -49,8 +49,8 @@ def test_quantize_generate_eval(base_dir, tmp_path, capsys):
 
 
 def test_analyze_writes_table_and_plot(base_dir, tmp_path, capsys):
-    pytest.importorskip("quantmla_hf.analysis")
-    from quantmla_hf.demo import CALIBRATION_TEXT
+    pytest.importorskip("quantmla_hf.evaluation.analysis")
+    from quantmla_hf.embedded import CALIBRATION_TEXT
 
     rc = main(["analyze", str(base_dir), "--calibration", str(CALIBRATION_TEXT), "--samples", "2", "--seq-len", "16",
                "--group-size", "16", "--out", str(tmp_path)])
@@ -81,7 +81,7 @@ def test_usage_error_exits_2(capsys):
 
 
 def test_optimum_registration_module_imports_without_optimum():
-    import quantmla_hf.optimum_cli as reg
+    import quantmla_hf.cli.optimum as reg
 
     try:
         importlib.import_module("optimum.commands.base")

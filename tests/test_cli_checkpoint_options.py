@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla
-from quantmla_hf.cli import main
-from quantmla_hf.demo import REFERENCE_MODEL
+from quantmla_hf.cli.main import main
+from quantmla_hf.embedded import REFERENCE_MODEL
 from quantmla_hf.tiny_models import tiny_mla_model
 
 
@@ -81,7 +81,7 @@ def test_a_weight_flag_equal_to_the_quantized_source_is_accepted(q_c2, tmp_path,
 def test_eval_window_check_uses_the_default_window_when_no_flag_is_given(tmp_path, capsys):
     base = tmp_path / "base"
     tiny_mla_model("deepseek_v3", seed=6).save_pretrained(base)
-    from quantmla_hf.demo import EVALUATION_TEXT
+    from quantmla_hf.embedded import EVALUATION_TEXT
 
     rc = main(["eval", str(base), "--text", str(EVALUATION_TEXT), "--window", "100", "--prefill", "6"])
     err = capsys.readouterr().err

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers.generation import CompileConfig, GenerationConfig
 
-import quantmla_hf.decode_graphs as dg
+import quantmla_hf.generation.graphs as dg
 from quantmla_hf import QuantMLACache, QuantMLAConfig, StaticQuantMLACache, apply_quantmla
 from quantmla_hf.integration import GENERATE_CACHE_KWARG, generated_cache
-from quantmla_hf.static_cache import cache_length_bucket
-from quantmla_hf.static_generate import first_cache_length
+from quantmla_hf.cache.static import cache_length_bucket
+from quantmla_hf.generation.plan import first_cache_length
 from quantmla_hf.tiny_models import tiny_mla_model
 
 

@@ -1,4 +1,4 @@
-"""Decode steps of a model under a device map: one CUDA graph per device segment (`quantmla_hf.graph_segments`).
+"""Decode steps of a model under a device map: one CUDA graph per device segment (`quantmla_hf.generation.segments`).
 
 On the CPU: how device maps (accelerate's dicts) are cut into segments, that the cut follows the order in which every
 family's forward calls its units, the replay order of segments and hand-off copies, accelerate's output copy left out
@@ -14,8 +14,8 @@ from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 from transformers import AutoModelForCausalLM
 from transformers.generation import GenerationConfig
 
-import quantmla_hf.decode_graphs as dg
-import quantmla_hf.graph_segments as gs
+import quantmla_hf.generation.graphs as dg
+import quantmla_hf.generation.segments as gs
 from quantmla_hf import QuantMLAConfig, StaticQuantMLACache, apply_quantmla
 from quantmla_hf.integration import GENERATE_CACHE_KWARG, generated_cache
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model

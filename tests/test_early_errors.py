@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantmla_hf import QuantMLAConfig
-from quantmla_hf.cli import main
-from quantmla_hf.demo import CALIBRATION_TEXT, REFERENCE_MODEL
+from quantmla_hf.cli.main import main
+from quantmla_hf.embedded import CALIBRATION_TEXT, REFERENCE_MODEL
 from quantmla_hf.tiny_models import tiny_mla_model
 
 

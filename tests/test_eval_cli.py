@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from quantmla_hf.cli import main
-from quantmla_hf.demo import EVALUATION_TEXT
+from quantmla_hf.cli.main import main
+from quantmla_hf.embedded import EVALUATION_TEXT
 
 CACHE = ["--transform", "none", "--group-size", "16", "--sink-tokens", "1", "--recent-tokens", "4", "--content-bits", "2"]
 

@@ -8,8 +8,8 @@ from transformers import AutoTokenizer
 from transformers.utils import logging
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla
-from quantmla_hf.calibration_check import check_calibration_inputs
-from quantmla_hf.demo import REFERENCE_MODEL
+from quantmla_hf.calibration.checks import check_calibration_inputs
+from quantmla_hf.embedded import REFERENCE_MODEL
 from quantmla_hf.integration import GENERATE_CACHE_KWARG
 from quantmla_hf.tiny_models import tiny_mla_model
 

@@ -53,7 +53,7 @@ def test_push_download_load_equality(hub, tmp_path):
         assert config["quantization_config"]["quant_method"] == "quantmla"
         card = files["README.md"].decode()
         assert "base_model: tester/tiny-base" in card and "base_model_relation: quantized" in card
-        assert "library_name: transformers" in card and "quantmla_hf.model_card" in card
+        assert "library_name: transformers" in card and "quantmla_hf.saving.model_card" in card
         assert f"from_pretrained(\"{repo_id}\"" in card
         assert '"quant_method": "quantmla"' in card and "| BF16 (`DynamicCache`) |" in card
     header = server.state.repos[("model", "tester/tiny-quantmla")].headers[-1]

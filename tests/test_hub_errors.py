@@ -9,7 +9,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub.utils import _http
 
-from quantmla_hf.cli import main
+from quantmla_hf.cli.main import main
 from quantmla_hf.tiny_models import tiny_mla_model
 
 from hub_server import SilentServer

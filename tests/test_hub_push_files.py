@@ -59,7 +59,7 @@ def test_a_second_save_and_push_uploads_its_own_files_only(hub, tmp_path):
 
 
 def test_cli_push_uploads_only_the_output_of_the_command(hub, tmp_path, capsys):
-    from quantmla_hf.cli import main
+    from quantmla_hf.cli.main import main
 
     base, out = tmp_path / "base", tmp_path / "out"
     tiny_mla_model("deepseek_v2", seed=3).save_pretrained(base)

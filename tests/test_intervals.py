@@ -1,4 +1,4 @@
-"""95% intervals of quantmla_hf.intervals on data whose answer is known."""
+"""95% intervals of quantmla_hf.evaluation.intervals on data whose answer is known."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from quantmla_hf import intervals
-from quantmla_hf.intervals import bootstrap, mean_of, perplexity_change, ratio_of_means, t_interval
+from quantmla_hf.evaluation import intervals
+from quantmla_hf.evaluation.intervals import bootstrap, mean_of, perplexity_change, ratio_of_means, t_interval
 
 
 def test_t_interval_of_known_data():

@@ -13,10 +13,10 @@ PACKAGE = ROOT / "quantmla_hf"
 OPTIONAL_IMPORTS = {
     "torch.distributed.tensor": "torch builds without distributed support",
     "matplotlib": "optional plotting of the analysis",
-    ".cli": "optimum-cli imports every registered module to list its commands: torch loads only when one runs",
+    ".main": "optimum-cli imports every registered module to list its commands: torch loads only when one runs",
     "transformers.cli.serving": "the serve extra (fastapi, uvicorn, openai)", "uvicorn": "the serve extra",
-    ".paged.serving": "the serve extra",
-    ".serving_loader": "transformers' server from 5.25 (its ModelLoader), with the serve extra",
+    "..serving.server": "the serve extra",
+    ".loader": "transformers' server from 5.25 (its ModelLoader), with the serve extra",
 }
 
 

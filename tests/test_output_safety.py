@@ -29,13 +29,13 @@ import transformers.modeling_utils
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM
 
-import quantmla_hf.cli
+import quantmla_hf.cli.main
 import quantmla_hf.integration
-import quantmla_hf.staged_output
+import quantmla_hf.saving.staged_output
 from quantmla_hf import QuantMLAConfig, apply_quantmla
 from quantmla_hf.calibration.checkpoint import CalibrationCheckpoint
-from quantmla_hf.cli import main
-from quantmla_hf.staged_output import OutputError, staged_directory, write_text_atomic
+from quantmla_hf.cli.main import main
+from quantmla_hf.saving.staged_output import OutputError, staged_directory, write_text_atomic
 from quantmla_hf.tiny_models import tiny_mla_model
 
 try:
@@ -64,7 +64,7 @@ def no_loading(monkeypatch):
     """Make loading a model fail loudly: the check under test must come before it."""
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the destination was checked")
-    monkeypatch.setattr(quantmla_hf.cli.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(quantmla_hf.cli.main.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
 def leftovers(folder):
@@ -89,8 +89,8 @@ def read_only_folder(tmp_path, monkeypatch):
     not stop)."""
     parent = tmp_path / "readonly"
     parent.mkdir()
-    real_access = quantmla_hf.staged_output.os.access
-    monkeypatch.setattr(quantmla_hf.staged_output.os, "access",
+    real_access = quantmla_hf.saving.staged_output.os.access
+    monkeypatch.setattr(quantmla_hf.saving.staged_output.os, "access",
                         lambda p, mode: False if str(p) == str(parent) else real_access(p, mode))
     return parent
 
@@ -273,7 +273,7 @@ def test_real_file_size_limit_is_one_line_and_leaves_nothing(base_dir, tmp_path)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     out = tmp_path / "q"
-    run = subprocess.run([sys.executable, "-m", "quantmla_hf.cli", "quantize", str(base_dir), "--out", str(out),
+    run = subprocess.run([sys.executable, "-m", "quantmla_hf.cli.main", "quantize", str(base_dir), "--out", str(out),
                           "--transform", "none", "--group-size", "16"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=600, preexec_fn=limit_file_size)
     assert run.returncode == 1 and "Traceback" not in run.stderr and "saved" not in run.stdout
@@ -388,7 +388,7 @@ def test_save_pretrained_replaces_a_checkpoint_as_transformers_does_or_refuses_w
 
 
 def test_eval_json_destination_is_checked_before_the_evaluation(base_dir, tmp_path, capsys, monkeypatch):
-    from quantmla_hf.demo import EVALUATION_TEXT
+    from quantmla_hf.embedded import EVALUATION_TEXT
 
     parent = read_only_folder(tmp_path, monkeypatch)
     no_loading(monkeypatch)

@@ -52,11 +52,11 @@ def test_kernels_are_installed_as_a_subpackage():
 
 
 def test_import_and_cli_from_the_repository_root(tmp_path):
-    """`import quantmla_hf` and `python -m quantmla_hf.cli --help` in the clone's root; the `kernels` transformers
+    """`import quantmla_hf` and `python -m quantmla_hf.cli.main --help` in the clone's root; the `kernels` transformers
     imported there is the installed one, the one found from any other folder."""
     code = "import sys, quantmla_hf; print(getattr(sys.modules.get('kernels'), '__file__', None))"
     loaded = python("-c", code).strip()
-    assert "usage: quantmla" in python("-m", "quantmla_hf.cli", "--help")
+    assert "usage: quantmla" in python("-m", "quantmla_hf.cli.main", "--help")
     installed = python("-c", "import importlib.util as u; s = u.find_spec('kernels'); print(s and s.origin)",
                        cwd=tmp_path).strip()
     if installed == "None":

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla
-from quantmla_hf.paged import PagedQuantMLACache
-from quantmla_hf.paged.batching import ContinuousBatcher, RequestTooLong, generate_batch
+from quantmla_hf.cache.paged import PagedQuantMLACache
+from quantmla_hf.serving.batching import ContinuousBatcher, RequestTooLong, generate_batch
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
 
 from helpers import KERNEL_DEVICE
@@ -146,7 +146,7 @@ def test_transformers_generate_batch_runs_on_the_paged_cache():
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching import RequestStatus
 
-    from quantmla_hf.paged.serving_manager import PagedBatchingManager
+    from quantmla_hf.serving.manager import PagedBatchingManager
 
     model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=3), qconfig(4))
     model.config.eos_token_id = model.generation_config.eos_token_id = None  # as many tokens as generate's
@@ -171,7 +171,7 @@ def test_transformers_generate_batch_runs_on_the_paged_cache():
 
 
 def test_continuous_batching_api_outside_the_supported_releases_names_quantmla_serve(monkeypatch):
-    from quantmla_hf.paged import continuous_api
+    from quantmla_hf.serving import continuous_api
 
     assert all(map(continuous_api.supported, [(5, 17), (5, 25)]))
     assert not any(map(continuous_api.supported, [(5, 16), (5, 26)]))

@@ -5,13 +5,8 @@ import torch
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig
 from quantmla_hf.format import CacheFormat, PathFormat
-from quantmla_hf.paged import (
-    CacheBudgetExceeded,
-    PageAllocator,
-    PagedQuantMLACache,
-    pages_for_budget,
-    protected_bytes_per_request,
-)
+from quantmla_hf.cache.allocator import CacheBudgetExceeded, PageAllocator, pages_for_budget, protected_bytes_per_request
+from quantmla_hf.cache.paged import PagedQuantMLACache
 from quantmla_hf.tiny_models import tiny_config
 
 from helpers import KERNEL_DEVICE, to_device

@@ -1,4 +1,4 @@
-"""Captured decode steps of continuous batching (`quantmla_hf.paged.graphs`), on the CPU.
+"""Captured decode steps of continuous batching (`quantmla_hf.serving.graphs`), on the CPU.
 
 What runs on the CPU is everything but the CUDA graph itself: when a step is captured, the static buffers filled from
 each real step, the scratch padding of a bucket, the release of the scratch page and row. The graph is stood in for
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla
-from quantmla_hf.paged import PagedQuantMLACache
-from quantmla_hf.paged.batching import ContinuousBatcher
-from quantmla_hf.paged.graphs import PagedDecodeGraphs, bucket, device_key, request_bucket, unsupported_reason
+from quantmla_hf.cache.paged import PagedQuantMLACache
+from quantmla_hf.serving.batching import ContinuousBatcher
+from quantmla_hf.serving.graphs import PagedDecodeGraphs, bucket, device_key, request_bucket, unsupported_reason
 from quantmla_hf.tiny_models import tiny_mla_model
 
 
@@ -22,8 +22,8 @@ class BufferReplay(PagedDecodeGraphs):
     """The captured forward replayed by running it again on its static buffers (no CUDA on this machine)."""
 
     def _capture(self, entry):
-        entry.logits = self._forward(entry)
-        entry.graph = SimpleNamespace(replay=lambda: entry.logits.copy_(self._forward(entry)))
+        entry.output = self._forward(entry)
+        entry.graph = SimpleNamespace(replay=lambda: entry.output.copy_(self._forward(entry)))
         self.captures += 1
 
 

@@ -7,7 +7,7 @@ import torch
 
 from quantmla_hf import QuantMLAConfig
 from quantmla_hf.kernels.paged_write import paged_write
-from quantmla_hf.paged import PagedQuantMLACache
+from quantmla_hf.cache.paged import PagedQuantMLACache
 from quantmla_hf.tiny_models import tiny_config
 
 from helpers import KERNEL_DEVICE, to_device

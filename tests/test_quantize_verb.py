@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantmla_hf
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla
-from quantmla_hf.demo import CALIBRATION_TEXT, REFERENCE_MODEL
+from quantmla_hf.embedded import CALIBRATION_TEXT, REFERENCE_MODEL
 from quantmla_hf.integration import generated_cache
 from quantmla_hf.tiny_models import tiny_mla_model
 

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 
 import quantmla_hf
 from quantmla_hf import QuantMLACache, QuantMLAConfig, QuantMLAHfQuantizer, StaticQuantMLACache
-from quantmla_hf.attention import ATTN_IMPLEMENTATION
-from quantmla_hf.hooks import mla_attention_modules
+from quantmla_hf.attention.interface import ATTN_IMPLEMENTATION
+from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.integration import generated_cache
 from quantmla_hf.tiny_models import tiny_mla_model
 
@@ -132,7 +132,7 @@ def test_left_padded_batch_matches_single_rows(checkpoints):
 def test_pipeline_uses_quantmla_cache_by_default(tmp_path):
     from transformers import AutoTokenizer, pipeline
 
-    from quantmla_hf.demo import REFERENCE_MODEL
+    from quantmla_hf.embedded import REFERENCE_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
     path = tmp_path / "tiny"

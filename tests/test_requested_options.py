@@ -137,7 +137,7 @@ def test_the_rtn_message_follows_transformers_verbosity(verbosity, caplog):
     assert "transform='none' (RTN)" in caplog.text
 
 
-@pytest.mark.parametrize("module", ["quantmla_hf.integration", "quantmla_hf.decode_graphs", "quantmla_hf.paged.graphs"])
+@pytest.mark.parametrize("module", ["quantmla_hf.integration", "quantmla_hf.generation.graphs", "quantmla_hf.serving.graphs"])
 def test_every_library_logger_follows_transformers_verbosity(module, verbosity, caplog):
     logger = importlib.import_module(module).logger
     with caplog.at_level(logging.DEBUG):

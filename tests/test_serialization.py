@@ -10,10 +10,10 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig
-from quantmla_hf.attention import ATTN_IMPLEMENTATION
-from quantmla_hf.demo import CALIBRATION_TEXT, REFERENCE_MODEL
+from quantmla_hf.attention.interface import ATTN_IMPLEMENTATION
+from quantmla_hf.embedded import CALIBRATION_TEXT, REFERENCE_MODEL
 from quantmla_hf.integration import generated_cache
-from quantmla_hf.model_card import MARKER
+from quantmla_hf.saving.model_card import MARKER
 from quantmla_hf.tiny_models import tiny_mla_model
 
 

@@ -20,8 +20,8 @@ pytest.importorskip("transformers.cli.serving.server")
 from transformers import AutoTokenizer  # noqa: E402
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla  # noqa: E402
-from quantmla_hf.paged.serving import CacheOptions, build_app, quantmla_config_of  # noqa: E402
-from quantmla_hf.paged.serving_manager import PagedBatchingManager  # noqa: E402
+from quantmla_hf.serving.server import CacheOptions, build_app, quantmla_config_of  # noqa: E402
+from quantmla_hf.serving.manager import PagedBatchingManager  # noqa: E402
 from quantmla_hf.tiny_models import tiny_mla_model  # noqa: E402
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "quantmla_hf" / "assets" / "reference_model"
@@ -101,7 +101,7 @@ def test_chat_completion_and_streaming_use_the_packed_cache(server, checkpoint):
         assert manager.cache.format.name == "C4R4"  # the paged packed cache served it, not an ordinary one
         assert manager.thread.batcher.stats.generated_tokens >= 2 * MAX_TOKENS
     else:  # from 5.25 in the model's process, whose loader gives the model the paged batching manager
-        from quantmla_hf.paged.serving_loader import PagedModelLoader
+        from quantmla_hf.serving.loader import PagedModelLoader
 
         assert isinstance(state.loader, PagedModelLoader)
         assert [e.process_running and not e.is_dead for e in state.engines.values()] == [True]

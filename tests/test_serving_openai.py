@@ -23,8 +23,8 @@ pytest.importorskip("transformers.cli.serving.server")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla  # noqa: E402
-from quantmla_hf.demo import REFERENCE_MODEL  # noqa: E402
-from quantmla_hf.paged.serving import CacheOptions, build_app  # noqa: E402
+from quantmla_hf.embedded import REFERENCE_MODEL  # noqa: E402
+from quantmla_hf.serving.server import CacheOptions, build_app  # noqa: E402
 
 # From 5.25 the server checks prompts in its own process (`serving_loader`); up to 5.24 the batcher refuses them.
 FROM_5_25 = hasattr(importlib.import_module("transformers.cli.serving.model_manager"), "ModelLoader")
@@ -234,9 +234,9 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, client, 
 def test_the_prompt_limit_is_the_cache_s_or_the_context_s():
     """The API process checks prompts against what the model's process will hold: the limit computed from the
     config alone equals the batcher's, for a cache of pages or of a budget, in the checkpoint's dtype or another."""
-    from quantmla_hf.paged.batching import ContinuousBatcher
-    from quantmla_hf.paged.serving_loader import PagedGenerationState, PagedModelLoader
-    from quantmla_hf.paged.serving_manager import paged_cache_for
+    from quantmla_hf.serving.batching import ContinuousBatcher
+    from quantmla_hf.serving.loader import PagedGenerationState, PagedModelLoader
+    from quantmla_hf.serving.manager import paged_cache_for
 
     model = apply_quantmla(AutoModelForCausalLM.from_pretrained(REFERENCE_MODEL), QuantMLAConfig(transform="none"))
     assert model.dtype == torch.bfloat16  # the checkpoint's ("auto")

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import quantmla_hf
 from quantmla_hf import QuantMLACache, QuantMLAConfig
-from quantmla_hf.cli import main
-from quantmla_hf.demo import CALIBRATION_TEXT, REFERENCE_MODEL
+from quantmla_hf.cli.main import main
+from quantmla_hf.embedded import CALIBRATION_TEXT, REFERENCE_MODEL
 from quantmla_hf.integration import generated_cache
 from quantmla_hf.tiny_models import tiny_mla_model
 
@@ -28,7 +28,7 @@ def test_demo_help_lists_its_options(capsys):
 
 def test_optimum_help_lists_the_quantmla_commands():
     pytest.importorskip("optimum.commands.base", reason="optimum is an optional dependency")
-    from quantmla_hf.optimum_cli import REGISTER_COMMANDS
+    from quantmla_hf.cli.optimum import REGISTER_COMMANDS
 
     parser = argparse.ArgumentParser(prog="optimum-cli quantmla")
     REGISTER_COMMANDS[0].parse_args(parser)

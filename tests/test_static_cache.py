@@ -10,11 +10,15 @@ import torch._dynamo
 from transformers.generation import CompileConfig
 
 from quantmla_hf import (
-    PathFormat, QuantMLACache, QuantMLAConfig, StaticQuantMLACache, apply_quantmla,
+    PathFormat,
+    QuantMLACache,
+    QuantMLAConfig,
+    StaticQuantMLACache,
+    apply_quantmla,
     install_cache_hooks,
 )
-from quantmla_hf import ops
-from quantmla_hf.decode import mla_decode_static
+from quantmla_hf.attention import ops
+from quantmla_hf.attention.backends import mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref, mla_decode_static_ref
 from quantmla_hf.kernels.quant_pack import quantize_pack
 from quantmla_hf.kernels.quant_pack_ref import quantize_pack_at_ref, quantize_ref
@@ -76,7 +80,7 @@ def test_compiled_generate_matches_eager_without_recompiles():
 
 def _compile_decode_attention(model):
     """Compile (fullgraph) every MLA attention module's forward for one-token steps; prefill stays eager."""
-    from quantmla_hf.hooks import mla_attention_modules
+    from quantmla_hf.attention.state import mla_attention_modules
 
     modules = mla_attention_modules(model)
     for attn in modules:
@@ -155,7 +159,7 @@ def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
 
 def test_growing_and_static_caches_agree_bit_for_bit_fp32_fallback():
     """fp32 model: the Gluon kernels do not take fp32 copies, so both caches decode through the portable Triton
-    kernel's fp32 path (`select_backend` in `quantmla_hf/decode.py`), the growing one with a capacity just above
+    kernel's fp32 path (`select_backend` in `quantmla_hf/attention/backends.py`), the growing one with a capacity just above
     its length, the static one with 8192 positions and a larger grid. Its splits are sized from the device-side
     length and its combine is grid-independent, so every step's logits (fp32 all the way: nothing rounds the last
     bits away) and the greedy tokens are identical. A 140-token prompt gives several non-empty splits, and the
@@ -207,7 +211,7 @@ def test_which_cache_generate_builds():
     """"auto": the static cache only for a call asking for compilation, on CUDA; True/False force the choice."""
     from types import SimpleNamespace
 
-    from quantmla_hf.static_generate import static_cache_wanted
+    from quantmla_hf.generation.plan import static_cache_wanted
 
     model = apply_quantmla(tiny_mla_model("deepseek_v3", num_hidden_layers=1), _qconfig())
     asks = SimpleNamespace(compile_config=CompileConfig())

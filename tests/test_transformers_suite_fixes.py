@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, DynamicCache
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla
-from quantmla_hf.attention import ATTN_IMPLEMENTATION
+from quantmla_hf.attention.interface import ATTN_IMPLEMENTATION
 from quantmla_hf.tiny_models import tiny_config, tiny_mla_model
 
 from helpers import CACHE_KWARG, assert_close

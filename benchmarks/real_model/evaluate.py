@@ -19,7 +19,7 @@ resampled with replacement (`--bootstrap` times, the same resample for every row
 intervals of the perplexity change vs BF16, of the mean KL, and of paired comparisons: every non-RTN quantized row
 against RTN at the same bits and protection, and QuantMLA against the other transforms at its setting (difference of
 perplexity change, difference of mean KL, and the KL ratio `mean KL / mean KL of the other`, whose interval comes
-from `quantmla_hf.intervals.bootstrap` on the same resamples; "tie" when it contains 1).
+from `quantmla_hf.evaluation.intervals.bootstrap` on the same resamples; "tie" when it contains 1).
 
 Example:
     python benchmarks/real_model/evaluate.py --model /tmp/realmodel/mla-dc256 --llama /tmp/realmodel/llama \\
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from quantmla_hf.intervals import Interval, bootstrap, ratio_of_means
+from quantmla_hf.evaluation.intervals import Interval, bootstrap, ratio_of_means
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared harness
@@ -58,7 +58,7 @@ def window_logprobs(model, seq: torch.Tensor, make_cache, prefill: int, chunk: i
     """Log-probabilities `[W - prefill, V]` (fp32) of the decoded positions of one window `seq: [W]`.
 
     Row `j` predicts `seq[prefill + j]`; the prompt `seq[:prefill]` is prefilled, then `seq[prefill:W-1]` is fed
-    through the cache `chunk` tokens at a time (as `quantmla_hf.evaluation.decode_perplexity` does).
+    through the cache `chunk` tokens at a time (as `quantmla_hf.evaluation.perplexity.decode_perplexity` does).
     """
     name = harness.cache_kwarg(model)
     cache = make_cache()
@@ -142,7 +142,7 @@ def comparisons(rows) -> list[tuple[str, str]]:
 
 def kl_ratio(rows, other_rows, draws: int) -> Interval:
     """Mean KL of `rows` over the mean KL of `other_rows` (the same windows, each with `kl` summed over `n` tokens)
-    with its 95% paired bootstrap interval (`quantmla_hf.intervals.bootstrap`, `draws` resamples, the seed of
+    with its 95% paired bootstrap interval (`quantmla_hf.evaluation.intervals.bootstrap`, `draws` resamples, the seed of
     `bootstrap_indices`, so the resamples are those of every other interval here)."""
     a = torch.tensor([r["kl"] / r["n"] for r in rows], dtype=torch.float64)
     b = torch.tensor([r["kl"] / r["n"] for r in other_rows], dtype=torch.float64)
@@ -398,7 +398,7 @@ def main(argv=None) -> int:
         save()
 
     if args.ratio_windows:
-        from quantmla_hf.analysis import analyze
+        from quantmla_hf.evaluation.analysis import analyze
 
         start = time.time()
         held = calib[args.calibration_samples : args.calibration_samples + args.ratio_windows]

@@ -1,6 +1,6 @@
 """Capture the inputs of every attention layer in ONE forward pass for the dual-path analysis (CPU-time saver).
 
-`quantmla_hf.analysis.analyze` calls `capture_inputs(model, module, ids, batch)` once per layer, which runs the model
+`quantmla_hf.evaluation.analysis.analyze` calls `capture_inputs(model, module, ids, batch)` once per layer, which runs the model
 from the embeddings up to that layer: L(L+1)/2 layer-forwards, 465 for SmolLM2's 30 layers. The analysis changes no
 weight, so `one_pass_capture()` runs the model once, keeps every layer's inputs and serves them; it patches the
 analysis' call site for the duration of a `with` block. (Calibration itself runs layer by layer, one layer-forward
@@ -13,9 +13,9 @@ import contextlib
 
 import torch
 
-from quantmla_hf import analysis
+from quantmla_hf.evaluation import analysis
 from quantmla_hf.calibration import capture
-from quantmla_hf.hooks import mla_attention_modules
+from quantmla_hf.attention.state import mla_attention_modules
 
 
 @contextlib.contextmanager

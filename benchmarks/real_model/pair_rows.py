@@ -5,7 +5,7 @@
 Both outputs must have scored the same windows of the same text (same --window, --prefill, --windows) against the
 same BF16 reference (copy the .ref folder, as evaluate.py's error says). Prints the mean KL of each row, the ratio
 KL(A) / KL(B) and the perplexity ratio with paired bootstrap 95% intervals over windows
-(`quantmla_hf.intervals.bootstrap`): e.g. learned transforms calibrated on the default text (A) against the same
+(`quantmla_hf.evaluation.intervals.bootstrap`): e.g. learned transforms calibrated on the default text (A) against the same
 recipe calibrated on the model's training text (B).
 """
 
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from quantmla_hf.intervals import bootstrap, ratio_of_means
+from quantmla_hf.evaluation.intervals import bootstrap, ratio_of_means
 
 
 def windows(path: str, row: str, text: str | None) -> tuple[str, list[dict]]:

@@ -4,7 +4,7 @@
 its MLA attention modules the transforms it fused (content `rotation [d_c, d_c]`, `scale [d_c]`; RoPE
 `theta [d_R/2]`, `scale [d_R/2]`, fp32 as learned) and the calibration record entry. Files are written to a
 temporary name and renamed (atomic on POSIX), so a killed run leaves only whole layers; a write the storage refuses
-(disk full, quota) removes its temporary file and raises a one-line `OutputError` (`quantmla_hf.staged_output`).
+(disk full, quota) removes its temporary file and raises a one-line `OutputError` (`quantmla_hf.saving.staged_output`).
 `DIR/manifest.json` holds a fingerprint of what was calibrated (model config, QuantMLA settings, the calibration
 token ids); a rerun with the same fingerprint re-fuses the finished layers from their files (the same fusion calls on
 the same original weights, so the result is bitwise that of an uninterrupted run) and calibrates from the first
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..staged_output import write_errors
+from ..saving.staged_output import write_errors
 
 MANIFEST = "manifest.json"
 

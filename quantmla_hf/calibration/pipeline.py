@@ -13,11 +13,11 @@ from transformers.utils import logging
 from ..config import QuantMLAConfig
 from ..distributed import check_not_sharded_for_calibration
 from ..format import CacheFormat
-from ..hooks import mla_attention_modules
+from ..attention.state import mla_attention_modules
 from ..mla import mla_dims, text_config
 from .baselines import hadamard_content, smooth_content, smooth_rope
 from .defaults import calibration_data_or_default, resolve_transform
-from ..cpu_threads import cpu_threads, retune
+from .threads import cpu_threads, retune
 from ..log import get_logger
 from .capture import AttentionRunner, capture_inputs, capture_within, decoder_layers, module_device, propagate
 from .checkpoint import CalibrationCheckpoint, fingerprint
@@ -120,7 +120,7 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
 
     Before learning starts the log says the tokens, windows, steps, layers, threads and an estimated time
     (`plan.cost_line`; on a CPU also a shorter recipe and what it cost in accuracy); on a CPU torch's thread count is
-    measured, and measured again between layers (`quantmla_hf.cpu_threads`).
+    measured, and measured again between layers (`quantmla_hf.calibration.threads`).
 
     Args:
         model: a transformers MLA model (any supported family); its weights change in place.

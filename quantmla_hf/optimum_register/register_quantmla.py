@@ -4,4 +4,4 @@ Installed as `optimum/commands/register/register_quantmla.py` (see pyproject.tom
 there and adds the commands listed in `REGISTER_COMMANDS`.
 """
 
-from quantmla_hf.optimum_cli import REGISTER_COMMANDS  # noqa: F401
+from quantmla_hf.cli.optimum import REGISTER_COMMANDS  # noqa: F401

@@ -1,0 +1,1 @@
+"""Writing checkpoints: atomic, checked output folders and the QuantMLA model card."""
