@@ -79,7 +79,8 @@ from quantmla_hf.attention.interface import ATTN_IMPLEMENTATION  # noqa: E402
 from quantmla_hf.evaluation.intervals import t_interval  # noqa: E402
 from quantmla_hf.cache.paged import PagedQuantMLACache
 from quantmla_hf.cache.allocator import page_bytes, protected_bytes_per_request  # noqa: E402
-from quantmla_hf.serving.batching import CACHE_KWARG, BatchingStats, ContinuousBatcher  # noqa: E402
+from quantmla_hf.cache.growing import CACHE_KWARG  # noqa: E402
+from quantmla_hf.serving.batching import BatchingStats, ContinuousBatcher  # noqa: E402
 from serving_metrics import SLO, RequestTimes, bisection_rate, goodput, summarize  # noqa: E402
 
 ROWS: list[dict] = []

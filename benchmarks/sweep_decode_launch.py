@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402
 
-from quantmla_hf.attention import backends as dispatch  # noqa: E402
+from quantmla_hf.ops import backends as dispatch  # noqa: E402
 from quantmla_hf.kernels import mla_decode_triton as portable  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 the kernel (`mla_decode_gluon_kernel`, one entry and one launch, `launch_gluon`) and its one-warpgroup program for up
 to 16 query rows per program; with `WIDE` the kernel runs the two-warpgroup program of `mla_decode_gluon_wide.py`
 (32 rows). Same function as `mla_decode_ref.mla_decode_static_ref` (the `PAGED` launch: `mla_decode_paged_ref`),
-launched by `quantmla_hf/attention/backends.py`; shared pieces in `mla_decode_gluon_common.py`; design: docs/KERNELS.md.
+launched by `quantmla_hf/ops/backends.py`; shared pieces in `mla_decode_gluon_common.py`; design: docs/KERNELS.md.
 
 Each thread loads the code words it unpacks straight from global memory into registers, one tile ahead; the fp16
 keys `(code - z) * s` (one rounding) are the register A operand of the score `wgmma`s and are stored once per unit

@@ -1,4 +1,4 @@
-"""Plain PyTorch references of the decode kernels (`quantmla_hf/attention/backends.py`'s two operations): the same functions,
+"""Plain PyTorch references of the decode kernels (`quantmla_hf/ops/backends.py`'s two operations): the same functions,
 read from the same planes, in fp32 (or fp64).
 
 For each batch row b the history is rebuilt position by position exactly as the kernel reads it:

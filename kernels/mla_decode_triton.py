@@ -1,7 +1,7 @@
 """The portable Triton decode kernel: split-K absorbed MLA attention on the packed QuantMLA cache, for any CUDA GPU
 of compute capability >= 8 and, in the tests, the Triton interpreter. It computes `mla_decode_ref.py`'s function
 (which position comes from which copy: its module docstring) over rows m = (head h, query token t) flattened to
-`M = H * Tq`; launched by `quantmla_hf/attention/backends.py` (splits, grid, combine); design and measurements: docs/KERNELS.md.
+`M = H * Tq`; launched by `quantmla_hf/ops/backends.py` (splits, grid, combine); design and measurements: docs/KERNELS.md.
 
 Queries are scaled per row by a power of two into fp16's range (fp32 queries: a high/low split); packed keys are
 the exact fp16 integers `code - z` for the scores, `s += (q_g . (code - z)_g) * scale_g`, and `fp16((code - z) * s)`

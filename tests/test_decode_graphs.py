@@ -16,7 +16,8 @@ from transformers.generation import CompileConfig, GenerationConfig
 
 import quantmla_hf.generation.graphs as dg
 from quantmla_hf import QuantMLACache, QuantMLAConfig, StaticQuantMLACache, apply_quantmla
-from quantmla_hf.integration import GENERATE_CACHE_KWARG, generated_cache
+from quantmla_hf.integration import generated_cache
+from quantmla_hf.cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
 from quantmla_hf.cache.static import cache_length_bucket
 from quantmla_hf.generation.plan import first_cache_length
 from quantmla_hf.tiny_models import tiny_mla_model
@@ -237,7 +238,7 @@ def test_plain_generate_replays_steps_with_the_eager_tokens(host_graphs, caplog)
 def test_replayed_steps_reuse_the_captured_mask(host_graphs, monkeypatch):
     """generate's per-step 4D mask is built for the prefill and the first decode step of each call only: later
     steps of a replayed cache get the captured step's mask tensor; the tokens (left padding) are the eager ones."""
-    import quantmla_hf.integration as integration
+    import quantmla_hf.hooks as hooks
 
     calls = {"all": 0, "stock": 0}
 
@@ -249,7 +250,7 @@ def test_replayed_steps_reuse_the_captured_mask(host_graphs, monkeypatch):
         calls["all"] += 1
         return dg.masks_for_generate(model, stock_counted, **kwargs)
 
-    monkeypatch.setattr(integration, "masks_for_generate", counting)
+    monkeypatch.setattr(hooks, "masks_for_generate", counting)
     model = host_graphs(_model())
     ids = torch.randint(1, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)

@@ -1,4 +1,4 @@
-"""The decode operation (`quantmla_hf/attention/backends.py`) against its PyTorch reference (fp64) on fresh random packed caches,
+"""The decode operation (`quantmla_hf/ops/backends.py`) against its PyTorch reference (fp64) on fresh random packed caches,
 for every backend this machine runs: the reference path itself and the portable Triton kernel (compiled on a CUDA
 GPU, in the Triton interpreter on the CPU: small sizes), on an sm_90 GPU also the Gluon kernels. The real-size run
 is `benchmarks/bench_decode.py --check` on a GPU.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quantmla_hf import CacheFormat, PathFormat, QuantMLALayer
-from quantmla_hf.attention.backends import BACKENDS, mla_decode_static, select_backend, split_plan
+from quantmla_hf.ops.backends import BACKENDS, mla_decode_static, select_backend, split_plan
 from quantmla_hf.kernels.mla_decode_combine import combine
 from quantmla_hf.kernels.mla_decode_ref import combine_ref, mla_decode_ref
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantmla_hf import CacheFormat, PathFormat
-from quantmla_hf.attention import backends as md
+from quantmla_hf.ops import backends as md
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_triton as pt
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantmla_hf.format import CacheFormat, PathFormat
-from quantmla_hf.attention.backends import mla_decode_paged
+from quantmla_hf.ops.backends import mla_decode_paged
 from quantmla_hf.kernels.mla_decode_triton import programs_per_sm
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref, mla_decode_ref
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla
-from quantmla_hf.integration import GENERATE_CACHE_KWARG, build_cache
+from quantmla_hf.integration import build_cache
+from quantmla_hf.cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
 from quantmla_hf.tiny_models import tiny_mla_model
 
 NEW_TOKENS = 40

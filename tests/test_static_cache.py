@@ -17,8 +17,8 @@ from quantmla_hf import (
     apply_quantmla,
     install_cache_hooks,
 )
-from quantmla_hf.attention import ops
-from quantmla_hf.attention.backends import mla_decode_static
+from quantmla_hf.ops import custom as ops
+from quantmla_hf.ops.backends import mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref, mla_decode_static_ref
 from quantmla_hf.kernels.quant_pack import quantize_pack
 from quantmla_hf.kernels.quant_pack_ref import quantize_pack_at_ref, quantize_ref
@@ -159,7 +159,7 @@ def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
 
 def test_growing_and_static_caches_agree_bit_for_bit_fp32_fallback():
     """fp32 model: the Gluon kernels do not take fp32 copies, so both caches decode through the portable Triton
-    kernel's fp32 path (`select_backend` in `quantmla_hf/attention/backends.py`), the growing one with a capacity just above
+    kernel's fp32 path (`select_backend` in `quantmla_hf/ops/backends.py`), the growing one with a capacity just above
     its length, the static one with 8192 positions and a larger grid. Its splits are sized from the device-side
     length and its combine is grid-independent, so every step's logits (fp32 all the way: nothing rounds the last
     bits away) and the greedy tokens are identical. A 140-token prompt gives several non-empty splits, and the

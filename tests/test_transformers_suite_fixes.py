@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, DynamicCache
 
+from quantmla_hf.hooks import QuantMLAModel
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla
 from quantmla_hf.attention.interface import ATTN_IMPLEMENTATION
 from quantmla_hf.tiny_models import tiny_config, tiny_mla_model
@@ -31,11 +32,11 @@ def test_heads_that_cannot_generate_load_a_quantmla_checkpoint(tmp_path):
     model = apply_quantmla(tiny_mla_model("deepseek_v3"), c4r4())
     model.save_pretrained(tmp_path)
     head = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3)  # an AttributeError before the fix
-    assert not head.can_generate() and not getattr(head, "_quantmla_generation_default", False)
+    assert not head.can_generate() and isinstance(head, QuantMLAModel)  # saving hooks; generate's are never called
     assert head.config._attn_implementation == ATTN_IMPLEMENTATION
     assert head(_ids(batch=1)).logits.shape == (1, 3)
-    # The causal LM reloaded from the same checkpoint still builds a QuantMLACache in generate.
-    assert model._quantmla_generation_default
+    # The causal LM keeps the class whose generate builds a QuantMLA cache.
+    assert isinstance(model, QuantMLAModel) and type(model).__name__ == "DeepseekV3ForCausalLM" and model.can_generate()
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.quantmla)
+from ..ops import custom  # noqa: F401  (registers torch.ops.quantmla)
 from .absorbed import absorbed_attention_ref, split_kv_b
 from ..cache.growing import _use_triton
 from ..distributed import kv_b_weight

@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from . import ops
+from ..ops import custom as ops
 from ..cache.growing import QuantMLACache, _use_triton
 from .chunk import chunk_window_attention
 from ..distributed import device_guard

@@ -26,7 +26,7 @@ from .absorbed import split_kv_b
 from ..cache.growing import NATIVE_MAX_QUERY
 from ..distributed import kv_b_weight
 from ..kernels.mla_decode_ref import mla_decode_paged_ref
-from .ops import mla_decode_paged
+from ..ops.custom import mla_decode_paged
 from ..cache.paged import PagedQuantMLACache, PagedStep
 
 PAGED_ATTN_IMPLEMENTATION = "quantmla_paged"

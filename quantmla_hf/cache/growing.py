@@ -37,7 +37,9 @@ NATIVE_MAX_QUERY = 16
 # Longest chunk after the first forward for which a layer keeps `chunk_window` (draft verification in assisted and
 # prompt-lookup decoding; `quantmla_hf.attention.chunk`): (R + T) model-dtype rows per layer, freed at the next update.
 CHUNK_WINDOW_MAX_QUERY = 256
-# The forward argument that carries the cache: transformers >= 5.18 says `cache`, 5.17 `past_key_values`.
+# The forward (and `generate`) argument that carries the cache: transformers >= 5.18 says `cache`, 5.17
+# `past_key_values`. CACHE_KWARG is the installed release's; CACHE_KWARGS both, for reading.
+CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__).release < (5, 18) else "cache"
 CACHE_KWARGS = ("cache", "past_key_values")
 
 

@@ -35,7 +35,7 @@ import contextlib
 
 import torch
 
-from ..attention import ops  # noqa: F401  (registers torch.ops.quantmla)
+from ..ops import custom  # noqa: F401  (registers torch.ops.quantmla)
 from .growing import NATIVE_MAX_QUERY, QuantMLACache, QuantMLALayer, _use_triton
 from ..format import CacheFormat
 

@@ -16,7 +16,8 @@ from ..calibration.defaults import resolve_transform
 from ..config import QuantMLAConfig
 from ..embedded import CALIBRATION_TEXT, EVALUATION_TEXT, REFERENCE_MODEL
 from ..evaluation.perplexity import decode_perplexity
-from ..integration import GENERATE_CACHE_KWARG, build_cache
+from ..integration import build_cache
+from ..cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
 
 
 

@@ -37,7 +37,8 @@ from ..config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig, weight_conflicts
 from .demo import main as demo_main
 from ..calibration.threads import cpu_threads, retune
 from ..evaluation.perplexity import window_nll
-from ..integration import build_cache, generated_cache, upload_saved_files
+from ..integration import build_cache, generated_cache
+from ..saving.hub import upload_saved_files
 from ..mla import mla_dims, text_config
 from ..saving.model_card import write_model_card
 from ..saving.staged_output import check_destination, check_file_destination, staged_directory, write_text_atomic

@@ -134,3 +134,22 @@ def _compatible(cache: StaticQuantMLACache, batch_size: int, model) -> bool:
     attention = next(m for m in model.modules() if is_mla_attention(m))
     return (layer.content.batch_size == batch_size and layer.dtype == model.dtype
             and layer.device == attention.kv_a_proj_with_mqa.weight.device)
+
+
+def check_static_cache_length(model, generation_config, args: tuple, kwargs: dict) -> None:
+    """Refuse a `generate` call whose static cache would be preallocated past the model's position range.
+
+    A `StaticQuantMLACache` reserves `max_length` positions up front (prompt + `max_new_tokens`); a huge
+    `max_new_tokens` would allocate far beyond anything the model can attend to, and be killed for memory.
+    `args`/`kwargs` are those of `_prepare_cache_for_generation` (generation_mode, batch_size, max_cache_length).
+    """
+    if not static_cache_wanted(model, model_qconfig(model), generation_config):
+        return
+    needed = int(kwargs.get("max_cache_length", args[2] if len(args) > 2 else generation_config.max_length))
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and needed > limit:
+        raise ValueError(
+            f"the static QuantMLA cache would preallocate {needed} positions (prompt + max_new_tokens), more than "
+            f"this model's max_position_embeddings={limit}; lower max_new_tokens to at most {limit} minus the prompt "
+            "length, or use QuantMLAConfig(static_cache=False) for a cache that grows"
+        )

@@ -33,10 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import transformers
-from packaging import version
 
-from ..cache.growing import NATIVE_MAX_QUERY
+from ..cache.growing import CACHE_KWARG, NATIVE_MAX_QUERY
 from ..attention.state import mla_attention_modules
 from ..cache.allocator import CacheBudgetExceeded
 from ..attention.paged import PAGED_ATTN_IMPLEMENTATION, PagedForward, native_request, register_paged_attention
@@ -45,8 +43,6 @@ from .graphs import PagedDecodeGraphs, bucket, request_bucket, unsupported_reaso
 
 logger = logging.getLogger(__name__)
 
-# transformers 5.17 names the model's cache argument `past_key_values`; later releases call it `cache`.
-CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__).release < (5, 18) else "cache"
 
 
 class RequestTooLong(ValueError):

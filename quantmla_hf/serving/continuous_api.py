@@ -7,9 +7,8 @@ In transformers 5.17 to 5.25 (`generation/continuous_batching/continuous_api.py`
 `self.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)` and then calls the
 manager's `warmup`, `start`, `add_requests`, `get_result`, `is_running`, `stop` and `destroy`. The stock manager
 refuses a QuantMLA model ("Implementation quantmla is not supported for continuous batching") and would build K/V
-pages MLA does not have; `install_continuous_batching` binds `init_continuous_batching` on the model instance (as
-the integration binds generate's cache default) so that it returns a `serving_manager.PagedBatchingManager`, and
-the stock `generate_batch` and context manager run on it unchanged: same arguments, same
+pages MLA does not have; a QuantMLA model's `init_continuous_batching` (`quantmla_hf.hooks`) returns a
+`manager.PagedBatchingManager` instead, and the stock `generate_batch` and context manager run on it unchanged: same arguments, same
 `dict[request_id, GenerationOutput]` result, each request's greedy tokens those of `generate` on it alone. Outside
 that range the three methods raise an error naming `quantmla serve` and `quantmla_hf.serving.batching.generate_batch`.
 
@@ -17,8 +16,6 @@ that range the three methods raise an error naming `quantmla serve` and `quantml
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 import transformers
@@ -34,13 +31,13 @@ TRANSFORMERS_PAGE_SIZE = 256
 PAGE_SIZE = 64
 MAX_REQUESTS = 64
 
-METHODS = ("init_continuous_batching", "destroy_cached_continuous_batching_manager")
-REFUSED = ("init_continuous_batching", "continuous_batching_context_manager", "generate_batch")
+# The model attribute where `quantmla serve`'s loader leaves the `(CacheOptions, tokenizer)` it serves with.
+SERVE_OPTIONS = "_quantmla_serve_options"
 
 
 def supported(release: tuple[int, ...] | None = None) -> bool:
     """Whether transformers `release` (default: the installed one) runs its continuous-batching API on the paged
-    cache through `install_continuous_batching`."""
+    cache (through `quantmla_hf.hooks`)."""
     release = release or version.parse(transformers.__version__).release
     return SUPPORTED_RANGE[0] <= tuple(release[:2]) < SUPPORTED_RANGE[1]
 
@@ -74,60 +71,40 @@ def cache_options(model, continuous_batching_config=None, workload_hints=None) -
     return CacheOptions(budget_gib, num_pages, page, max_requests, max_batch_tokens, warmup_context=context)
 
 
-def _init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
-                              workload_hints=None) -> PagedBatchingManager:
-    """transformers' `init_continuous_batching` on the paged QuantMLA cache: a `PagedBatchingManager` sized by
-    `continuous_batching_config` and `workload_hints` (`continuous_api.cache_options`), with `generation_config`
-    (default the model's) as the requests' defaults; the manager kept by `stop(keep_for_next_session=True)` is
-    returned again."""
-    cached = self.__dict__.get("_cached_continuous_batching_manager")
+def init_continuous_batching(model, generation_config=None, continuous_batching_config=None,
+                             workload_hints=None) -> PagedBatchingManager:
+    """transformers' `init_continuous_batching` on the paged QuantMLA cache (`hooks.QuantMLAModel` calls it): a
+    `PagedBatchingManager` sized by `continuous_batching_config` and `workload_hints` (`cache_options`), or by the
+    options `quantmla serve` loaded the model with (`SERVE_OPTIONS`), with `generation_config` (default the
+    model's) as the requests' defaults; the manager kept by `stop(keep_for_next_session=True)` is returned again."""
+    cached = model.__dict__.get("_cached_continuous_batching_manager")
     if isinstance(cached, PagedBatchingManager):
         return cached
-    gen_config = generation_config if generation_config is not None else self.generation_config
+    served = model.__dict__.get(SERVE_OPTIONS)
+    if served is not None:
+        options, tokenizer = served
+        return PagedBatchingManager(model, options, tokenizer=tokenizer)
+    gen_config = generation_config if generation_config is not None else model.generation_config
     if (getattr(gen_config, "num_return_sequences", None) or 1) > 1:
         raise ValueError(f"num_return_sequences={gen_config.num_return_sequences}: continuous batching on the paged "
                          "QuantMLA cache returns one sequence per prompt; repeat the prompt instead")
-    return PagedBatchingManager(self, cache_options(self, continuous_batching_config, workload_hints), gen_config,
+    return PagedBatchingManager(model, cache_options(model, continuous_batching_config, workload_hints), gen_config,
                                 announce=False)
 
 
-def _destroy_cached_continuous_batching_manager(self) -> None:
-    """Destroy the manager `stop(keep_for_next_session=True)` kept on the model."""
-    cached = self.__dict__.pop("_cached_continuous_batching_manager", None)
+def destroy_cached_manager(model) -> None:
+    """Destroy the manager `stop(keep_for_next_session=True)` kept on `model`."""
+    cached = model.__dict__.pop("_cached_continuous_batching_manager", None)
     if isinstance(cached, PagedBatchingManager):
         cached.destroy()
 
 
-def _refuse(name: str):
-    def refuse(self, *args, **kwargs):
+def check_supported(name: str) -> None:
+    """Refuse transformers' continuous-batching method `name` outside the releases this module serves."""
+    if not supported():
         raise NotImplementedError(
             f"{name} of a QuantMLA model runs on the paged packed cache with transformers "
             f"{'.'.join(map(str, SUPPORTED_RANGE[0]))} to {SUPPORTED_RANGE[1][0]}.{SUPPORTED_RANGE[1][1] - 1}; this "
             f"is transformers {transformers.__version__}. Serve it with `quantmla serve` (an OpenAI-compatible "
             "server) or batch it with quantmla_hf.serving.batching.generate_batch(model, prompts, ...)"
         )
-
-    return refuse
-
-
-def install_continuous_batching(model) -> None:
-    """Bind the continuous-batching API on `model` (in place; a model that cannot generate is left as it is): in a
-    supported transformers release `init_continuous_batching` (and the destruction of a kept manager), elsewhere
-    refusals of `generate_batch`, `continuous_batching_context_manager` and `init_continuous_batching`."""
-    if not model.can_generate():
-        return
-    if supported():
-        for name, fn in zip(METHODS, (_init_continuous_batching, _destroy_cached_continuous_batching_manager)):
-            setattr(model, name, types.MethodType(fn, model))
-    else:
-        for name in REFUSED:
-            setattr(model, name, types.MethodType(_refuse(name), model))
-
-
-def uninstall_continuous_batching(model) -> None:
-    """Undo `install_continuous_batching` (destroying a manager kept on the model): transformers' own methods."""
-    cached = model.__dict__.get("_cached_continuous_batching_manager")
-    if isinstance(cached, PagedBatchingManager):
-        cached.destroy()
-    for name in (*METHODS, *REFUSED, "_quantmla_paged_manager"):
-        model.__dict__.pop(name, None)

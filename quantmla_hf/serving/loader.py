@@ -12,7 +12,8 @@ import torch
 from transformers.cli.serving.model_manager import ModelLoader
 from transformers.cli.serving.utils import GenerationState
 
-from .manager import CacheOptions, PagedBatchingManager, quantmla_config_of, request_token_limit
+from .continuous_api import SERVE_OPTIONS
+from .manager import CacheOptions, quantmla_config_of, request_token_limit
 
 
 class PagedModelLoader(ModelLoader):
@@ -26,9 +27,8 @@ class PagedModelLoader(ModelLoader):
     def load_model_and_processor(self, model_id: str, on_progress=None):
         model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
         quantmla_config_of(model)  # refuse a model the packed cache cannot serve
-        options, tokenizer = self.options, getattr(processor, "tokenizer", processor)
-        model.init_continuous_batching = lambda *args, **kwargs: PagedBatchingManager(model, options,
-                                                                                     tokenizer=tokenizer)
+        # Its `init_continuous_batching` (`quantmla_hf.hooks`) then returns the manager of these options.
+        setattr(model, SERVE_OPTIONS, (self.options, getattr(processor, "tokenizer", processor)))
         return model, processor
 
     def model_dtype(self, config) -> torch.dtype:
