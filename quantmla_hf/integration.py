@@ -29,7 +29,7 @@ from transformers.masking_utils import create_masks_for_generate
 from transformers.utils import logging
 
 from .attention import ATTN_IMPLEMENTATION
-from .cache import QuantMLACache
+from .cache import QuantMLACache, cache_argument
 from .calibration import calibrate
 from .calibration.defaults import calibration_data_or_default, resolve_transform
 from .calibration_check import (
@@ -43,6 +43,7 @@ from .log import get_logger
 from .mla import MLADims, mla_dims
 from .model_card import has_own_card, hub_id_of, write_model_card
 from .paged.continuous_api import install_continuous_batching, uninstall_continuous_batching
+from .speculative import check_draft_verification, mark_verifications
 from .staged_output import staged_directory, write_errors
 from .static_generate import generation_cache, plan_for_given_cache, static_cache_wanted
 from .static_generate import model_qconfig as _model_qconfig
@@ -211,7 +212,7 @@ def unprepare_model(model, dtype=None):
     uninstall_continuous_batching(model)
     attn = model.__dict__.pop("_quantmla_stock_attn", None)
     for name in ("_prepare_cache_for_generation", "get_compiled_call", "create_masks_for_generate",
-                 "_quantmla_graph_step", "_quantmla_decode_plan", "_quantmla_cache_pool",
+                 "_get_candidate_generator", "_quantmla_graph_step", "_quantmla_decode_plan", "_quantmla_cache_pool",
                  "_quantmla_static_cache", "save_pretrained", "push_to_hub", "half", "float", "bfloat16",
                  "_quantmla_generation_default", "_quantmla_model_card"):
         model.__dict__.pop(name, None)
@@ -316,6 +317,20 @@ def _install_generation_default(model) -> None:
         return masks_for_generate(self, stock, **kwargs)
 
     model.create_masks_for_generate = types.MethodType(_create_masks_for_generate, model)
+    stock_candidates = model._get_candidate_generator
+
+    @functools.wraps(stock_candidates)
+    def _get_candidate_generator(self, *args, **kwargs):
+        # Assisted generation and prompt lookup: refuse what cannot equal greedy decoding, and mark every verification
+        # forward's drafts on the cache (quantmla_hf.speculative).
+        call = inspect.signature(stock_candidates).bind(*args, **kwargs).arguments
+        cache = cache_argument(call.get("model_kwargs") or {})
+        if isinstance(cache, QuantMLACache):
+            check_draft_verification(self, cache, call["generation_config"])
+            return mark_verifications(stock_candidates(*args, **kwargs), cache)
+        return stock_candidates(*args, **kwargs)
+
+    model._get_candidate_generator = types.MethodType(_get_candidate_generator, model)
     model._quantmla_generation_default = True
 
 
