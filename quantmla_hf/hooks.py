@@ -16,6 +16,9 @@ and change only what their line says; `detach(model)` gives it its own class bac
     create_masks_for_generate      `generate` builds a 4D mask before every step of a compileable cache; a replayed
                                    step reads none (the kernels mask padding and causality), so it gets the mask its
                                    graph holds instead of a new one (`generation.graphs.masks_for_generate`).
+    _get_candidate_generator       Assisted generation and prompt lookup: the only place that sees where a
+                                   verification's drafts start. Refuses what cannot equal greedy decoding and has the
+                                   generator mark each verification on the cache (`generation.speculative`).
     init_continuous_batching,      `generate_batch` and `continuous_batching_context_manager` get their manager here:
     destroy_cached_continuous_     the paged packed cache's (`serving.continuous_api`) in the releases whose API it
       batching_manager             serves; outside them these and the two below refuse, naming `quantmla serve`.
@@ -35,12 +38,15 @@ Not a method: the forward pre-hook that hands each forward's cache to the attent
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.masking_utils import create_masks_for_generate
 
+from .cache.growing import CACHE_KWARG, QuantMLACache, cache_argument
 from .generation.graphs import compiled_call, masks_for_generate
 from .generation.plan import check_static_cache_length, generation_cache, plan_for_given_cache
-from .cache.growing import CACHE_KWARG
+from .generation.speculative import check_draft_verification, mark_verifications
 from .saving import hub
 from .serving import continuous_api
 
@@ -76,6 +82,14 @@ class QuantMLAModel:
         # The model class's own mask builder (a method or a staticmethod), else transformers' function.
         stock = getattr(super(), "create_masks_for_generate", None) or create_masks_for_generate
         return masks_for_generate(self, stock, **kwargs)
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        call = inspect.signature(super()._get_candidate_generator).bind(*args, **kwargs).arguments
+        cache = cache_argument(call.get("model_kwargs") or {})
+        if not isinstance(cache, QuantMLACache):
+            return super()._get_candidate_generator(*args, **kwargs)
+        check_draft_verification(self, cache, call["generation_config"])
+        return mark_verifications(super()._get_candidate_generator(*args, **kwargs), cache)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None,
                                  **kwargs):

@@ -1,70 +1,105 @@
-"""Latent-space attention of a multi-token chunk with a per-query recent window (speculative decoding = greedy).
+"""Attention of a multi-token chunk whose queries read the cache as one-token decoding would (speculative = greedy).
 
-One-token decoding at position `p` reads the sink tokens and the positions `[p + 1 - R, p]` from their model-dtype
-copies and everything else from the packed low-bit copies. A chunk of `Tq` tokens (assisted generation, prompt
-lookup and any draft verification feed `k + 1` tokens at once) must give each of its queries exactly that view, or
-verification accepts tokens the model would not have produced one at a time. The cache's recent ring only holds the
-window of the LAST position, so `QuantMLALayer.update` keeps, for chunks of at most `CHUNK_WINDOW_MAX_QUERY` tokens,
-the model-dtype rows of positions `[max(0, start - R), start + Tq)` (`QuantMLALayer.chunk_window`: the ring before the
-chunk was written plus the chunk itself). Here each query `t` (position `p_t = start + t`) then sees
+One-token decoding at position `p` (a cache holding `p + 1` tokens) reads the sink tokens and the positions
+`[p + 1 - R, p]` from their model-dtype copies and everything else from the packed low-bit copies. A chunk of `T`
+tokens (assisted generation, prompt lookup and any draft verification feed `k + 1` tokens at once; their first
+verification feeds the prompt and its drafts into an empty cache) must give each of its decode queries exactly that
+view, or verification accepts tokens the model would not have produced one at a time. The cache's recent ring only
+holds the window of the LAST position, so `QuantMLALayer.update` keeps the model-dtype rows of the chunk and of the
+ring before it (`QuantMLALayer.chunk_window`, a `cache.ChunkWindow`), and marks the first decode query `first`:
 
-    position j in [lp, lp + S)                 -> sink copy                      (as one-token decoding)
-    position j in [p_t + 1 - R, p_t]           -> model-dtype row of chunk_window (its own recent window)
-    any other position j in [lp, p_t]          -> packed copy, dequantized as the decode kernels read it
-    j < lp (left padding) or j > p_t           -> not attended
+    queries before `first` (a prompt)   -> as a prefill of the tokens up to `first`: SDPA over the history `update`
+                                           returned, or the latent-space step where that prefill would take it
+    each query at p >= first            -> the decode step of a cache holding p + 1 tokens: the same kernel call
+                                           (`ops.decode_device_length`), on the same packed planes, with the recent
+                                           ring that step would hold (built from the window rows) and the capacity
+                                           the growing cache has at that length
 
-with one fp32 softmax per query, as `kernels/mla_decode_ref.mla_decode_ref` computes a single-token step.
-This is plain PyTorch (one batch row at a time, `[Tq, L]` scores per head); it serves verification chunks, which are
-short, and leaves single-token decoding and long prefill chunks to the kernels and SDPA.
+so each query's output is the one-token step's, bit for bit, whatever the dtype; only the projections around the
+attention run on `T` rows at once. A decode query costs one decode step; a prompt costs its prefill.
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
-from ..kernels.mla_decode_ref import history_ref
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..ops import custom as ops
+from ..cache.growing import NATIVE_MAX_QUERY, ChunkWindow, _use_triton
+from ..distributed import device_guard
+from ..format import allocated_tokens
 from .decode import expand_latent, latent_query, latent_weights
 
 
-def chunk_window_attention(module, layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Absorbed attention of `query: [B, H, Tq, d_nope + d_R]` for the chunk `layer` just stored; `[B, Tq, H, d_v]`.
+def chunk_window_attention(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask, scaling: float, dropout: float = 0.0, **kwargs) -> torch.Tensor:
+    """Attention of `query: [B, H, T, d_nope + d_R]` for the chunk `layer` just stored; `[B, T, H, d_v]`.
 
-    `layer.chunk_window` is `(lo, content [B, L - lo, d_c], rope [B, L - lo, d_R])` in the model dtype (rope rows as
-    stored, i.e. rotated when the layer has `rope_rotation`); the caller checked that the mask is left padding +
+    `key`/`value: [B, H, N, d]` are the expanded history `layer.update` returned (read only by a prompt's queries
+    attended through SDPA); the caller checked that `attention_mask` (`[B, 1, T, L]` or None) is left padding +
     causal (`attention._mask_is_padding_causal`).
     """
-    lo, win_c, win_r = layer.chunk_window
-    B, H, Tq, _ = query.shape
-    L, fmt = layer.length, layer.fmt
-    S, R = fmt.sink_tokens, fmt.recent_tokens
+    window: ChunkWindow = layer.chunk_window
+    T = query.shape[2]
+    start = layer.length - T
+    prompt = window.first - start  # queries [0, prompt) form a prompt fed with its drafts
     q_nope, q_rot, w_uk, w_uv = latent_weights(module, query)
-    # As `attention.latent_decode_attention`: the latent query in the model dtype, the rotated RoPE query.
+    outputs = []
+    if prompt > 0 and layer.native and prompt <= min(NATIVE_MAX_QUERY, layer.fmt.recent_tokens):
+        # A prefill that short is attended in the latent space (`QuantMLALayer.update`), as one decode chunk.
+        outputs.append(_decode_step(layer, window, q_nope[:, :, :prompt], q_rot[:, :, :prompt], w_uk, w_uv,
+                                    window.first, scaling, query.dtype))
+    elif prompt > 0:
+        mask = attention_mask[:, :, :prompt, : window.first] if attention_mask is not None else None
+        outputs.append(sdpa_attention_forward(
+            module, query[:, :, :prompt].contiguous(), key[:, :, : window.first], value[:, :, : window.first], mask,
+            scaling=scaling, dropout=dropout, **kwargs)[0])
+    for t in range(max(prompt, 0), T):
+        outputs.append(_decode_step(layer, window, q_nope[:, :, t:t + 1], q_rot[:, :, t:t + 1], w_uk, w_uv,
+                                    start + t + 1, scaling, query.dtype))
+    return torch.cat(outputs, dim=1)
+
+
+def _decode_step(layer, window: ChunkWindow, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk: torch.Tensor,
+                 w_uv: torch.Tensor, end: int, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """The latent-space step of the queries `q_nope: [B, H, Tq, d_nope]`, `q_rot: [B, H, Tq, d_R]` at positions
+    `[end - Tq, end)` on a cache holding `end` tokens, as `attention.latent_decode_attention` computes it at that
+    length; `[B, Tq, H, d_v]`.
+
+    With `recent_tokens = 0` one-token decoding reads its own token exactly (it is the new token, attended through
+    SDPA over the returned history): a one-slot ring holding that token gives the same view.
+    """
+    fmt = layer.fmt
+    if fmt.recent_tokens == 0:
+        fmt = dataclasses.replace(fmt, recent_tokens=1)
+    R = fmt.recent_tokens
+    ring_c, ring_r = _ring(window, end, R)
     q_lat, q_rot = latent_query(layer, q_nope, q_rot, w_uk)
-    q_lat, q_rot = q_lat.float(), q_rot.float()  # [B, H, Tq, d_c], [B, H, Tq, d_R]
-    pos = torch.arange(L, device=query.device)
-    query_pos = L - Tq + torch.arange(Tq, device=query.device)  # p_t
-    # Positions each query reads from the model-dtype window: [p_t + 1 - R, p_t]; with R = 0 one-token decoding
-    # still reads its own token exactly (it is the new token, not yet read back from the cache).
-    own_window = (pos[None, :] > query_pos[:, None] - max(R, 1)) & (pos[None, :] >= lo)  # [Tq, L]
-    o_lat = torch.zeros((B, H, Tq, fmt.content.dim), dtype=torch.float32, device=query.device)
-    length = torch.tensor([L], device=query.device)
-    paths = ((layer.content.planes, fmt.content, layer.sink_content, layer.recent_content),
-             (layer.rope.planes, fmt.rope, layer.sink_rope, layer.recent_rope))
-    for b in range(B):
-        lp, row = int(layer.left_padding[b]), slice(b, b + 1)
-        # Packed copies with the sink overlaid (no recent ring: R=0), exactly as the decode reference reads them.
-        c, r = (history_ref({k: v[row, :L] for k, v in planes.items()}, path_fmt, sink_copy[row], ring[row],
-                            layer.left_padding[row], length, S, 0)[0] for planes, path_fmt, sink_copy, ring in paths)
-        c_win, r_win = c.clone(), r.clone()
-        c_win[lo:L], r_win[lo:L] = win_c[b].float(), win_r[b].float()
-        sink = (pos >= lp) & (pos < lp + S)
-        # Sink positions read the sink copy whatever the window says (one-token decoding does the same).
-        use_window = own_window & ~sink[None, :]  # [Tq, L]
-        scores_packed = q_lat[b] @ c.T + q_rot[b] @ r.T  # [H, Tq, L]
-        scores_window = q_lat[b] @ c_win.T + q_rot[b] @ r_win.T
-        scores = torch.where(use_window, scores_window, scores_packed) * scaling
-        visible = (pos[None, :] >= lp) & (pos[None, :] <= query_pos[:, None])  # [Tq, L]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-padding row attends to nothing
-        o_lat[b] = (probs * ~use_window) @ c + (probs * use_window) @ c_win
-    return expand_latent(o_lat, w_uv, query.dtype)
+    use_triton = _use_triton(layer.kernel, q_lat.device)
+    with device_guard(q_lat.device):
+        length = torch.full((1,), end, dtype=torch.int64, device=q_lat.device)
+        o_lat, _ = ops.decode_device_length(
+            q_lat, q_rot, layer.content.planes, layer.rope.planes, fmt, layer.sink_content, layer.sink_rope, ring_c,
+            ring_r, layer.left_padding, length, _capacity(layer, end), scaling, use_triton,
+        )
+    return expand_latent(o_lat, w_uv, dtype)
+
+
+def _capacity(layer, end: int) -> int:
+    """The planes' capacity a decode step at length `end` passes: the growing cache's allocation for `end` tokens
+    (`format.allocated_tokens`; a crop shrinks back to it), a static cache's fixed `max_cache_len`."""
+    return layer.max_cache_len if layer.is_compileable else allocated_tokens(end, layer.block_size)
+
+
+def _ring(window: ChunkWindow, end: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recent ring (`[B, R, d_c]`, `[B, R, d_R]`, position p in slot p % R) of a cache holding `end` tokens:
+    positions `[end - R, end)` from the window rows; slots of no position yet hold zeros (never read)."""
+    positions = torch.arange(max(0, end - R), end, device=window.content.device)
+    rings = []
+    for rows in (window.content, window.rope):
+        ring = rows.new_zeros((rows.shape[0], R, rows.shape[2]))
+        ring[:, positions % R] = rows[:, positions - window.lo]
+        rings.append(ring)
+    return rings[0], rings[1]

@@ -8,7 +8,9 @@ only the attention itself changes:
   SDPA on the expanded heads (compute-friendly, exact latents for the new tokens);
 - decode (few query tokens, all of them inside the recent window): the cache stores the new tokens and returns
   only them, and this function attends in the latent space straight from the cache, without expanding the
-  history through `kv_b_proj`.
+  history through `kv_b_proj`;
+- a chunk after cached tokens (draft verification) or a prompt fed with its drafts: each decode query attended as
+  one-token decoding would attend it (`quantmla_hf.chunk_attention`).
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def quantmla_attention_forward(
     layer = cache.layers[module.layer_idx] if isinstance(cache, QuantMLACache) else None
     if getattr(layer, "chunk_window", None) is not None and _mask_is_padding_causal(  # draft verification
             state, layer, attention_mask, query.shape[2]):
-        return chunk_window_attention(module, layer, query, scaling or query.shape[-1] ** -0.5), None
+        scaling = scaling or query.shape[-1] ** -0.5
+        return chunk_window_attention(module, layer, query, key, value, attention_mask, scaling, dropout, **kwargs), None
     if layer is None or not layer.last_update_native:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:

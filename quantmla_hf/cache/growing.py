@@ -16,6 +16,7 @@ The native decode path (`quantmla_hf.attention.interface`) reads the planes dire
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -34,8 +35,9 @@ LEGACY_POSITIVE_CROP = version.parse(transformers.__version__).release < (5, 18)
 
 # Longest query chunk the native latent-space path takes; longer chunks (prefill) expand heads and use SDPA.
 NATIVE_MAX_QUERY = 16
-# Longest chunk after the first forward for which a layer keeps `chunk_window` (draft verification in assisted and
-# prompt-lookup decoding; `quantmla_hf.attention.chunk`): (R + T) model-dtype rows per layer, freed at the next update.
+# Longest chunk after cached tokens whose queries are attended as one-token decoding attends them (draft verification
+# in assisted and prompt-lookup decoding; `quantmla_hf.attention.chunk`); longer ones are attended as a prefill (SDPA)
+# unless `QuantMLACache.mark_drafts` said where their drafts start.
 CHUNK_WINDOW_MAX_QUERY = 256
 # The forward (and `generate`) argument that carries the cache: transformers >= 5.18 says `cache`, 5.17
 # `past_key_values`. CACHE_KWARG is the installed release's; CACHE_KWARGS both, for reading.
@@ -46,6 +48,22 @@ CACHE_KWARGS = ("cache", "past_key_values")
 def cache_argument(kwargs: dict):
     """The cache passed in a forward's (or `generate`'s model) keyword arguments, or None."""
     return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+
+
+class ChunkWindow(NamedTuple):
+    """The model-dtype rows a chunk's decode queries read (`QuantMLALayer.chunk_window`, `quantmla_hf.attention.chunk`).
+
+    `content: [B, L - lo, d_c]` and `rope: [B, L - lo, d_R]` hold positions `[lo, L)` (L the cache length after the
+    chunk; rope rows as the ring stores them, i.e. rotated when the layer has `rope_rotation`): the recent ring before
+    the chunk overwrote it, then the chunk. The queries at positions `>= first` are attended as one-token decoding
+    attends them; those before `first` (a prompt fed with its drafts) as a prefill of the tokens up to `first`.
+    `lo = max(0, first - R)`, so every decode query's recent window is in the rows.
+    """
+
+    lo: int
+    first: int
+    content: torch.Tensor
+    rope: torch.Tensor
 
 
 def _use_triton(kernel: str, device: torch.device) -> bool:
@@ -102,7 +120,8 @@ class QuantMLALayer(CacheLayerMixin):
         self.max_left_padding = 0
         self.length = 0
         self.is_initialized = False
-        self.chunk_window = None
+        self.chunk_window: ChunkWindow | None = None
+        self.drafts_from: int | None = None  # `QuantMLACache.mark_drafts`, for the next update only
 
     def lazy_initialization(self, latent: torch.Tensor, k_rot: torch.Tensor) -> None:
         B, dtype, device = latent.shape[0], latent.dtype, latent.device
@@ -141,17 +160,22 @@ class QuantMLALayer(CacheLayerMixin):
 
         In native mode a chunk of at most `NATIVE_MAX_QUERY` tokens that fits the recent window is only stored, and
         the new tokens alone are returned: the latent-space attention then reads the whole history from the cache.
+        The returned history is what a prefill of the chunk's tokens before its first decode query would see
+        (`_first_decode_query`); with the "quantmla" attention the decode queries read the cache instead.
         """
         self._check_inputs(latent, k_rot)
         if not self.is_initialized:
             self.lazy_initialization(latent, k_rot)
         c_new, r_new = latent[:, 0], k_rot[:, 0]
-        self._keep_chunk_window(c_new, r_new)
-        self.last_update_native = self.native and c_new.shape[1] <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens)
+        start, T = self.length, c_new.shape[1]
+        first = self._first_decode_query(start, T)
+        self._keep_chunk_window(c_new, r_new, first)
+        self.last_update_native = self.native and T <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens)
         if self.last_update_native:
             self.append(c_new, r_new)
             return latent, k_rot
-        start, total = self.length, self.length + c_new.shape[1]
+        # A prompt fed with its drafts after cached tokens: its queries see the recent window of the prompt's end.
+        total = first if first > start else start + T
         history_c = self._reconstruct(self.content, self.sink_content, self.recent_content, start, total)
         history_r = self._rotate_rope(
             self._reconstruct(self.rope, self.sink_rope, self.recent_rope, start, total), inverse=True
@@ -162,24 +186,39 @@ class QuantMLALayer(CacheLayerMixin):
             torch.cat([history_r, r_new], dim=1).unsqueeze(1),
         )
 
-    def _keep_chunk_window(self, c_new: torch.Tensor, r_new: torch.Tensor) -> None:
-        """Keep `chunk_window = (lo, content [B, L - lo, d_c], rope [B, L - lo, d_R])`: the model-dtype rows of
-        positions `[lo, L)`, `lo = max(0, start - R)`, for a chunk of 2..`CHUNK_WINDOW_MAX_QUERY` tokens after the
-        first forward (`None` otherwise): the recent ring before this chunk overwrites it, then the chunk (rope rows
-        stored as the ring stores them). Each query of the chunk reads its own recent window from it
-        (`quantmla_hf.attention.chunk`), and `crop` restores the recent window exactly from it after rejected drafts.
+    def _first_decode_query(self, start: int, T: int) -> int:
+        """Position of the first query of a chunk of `T` tokens at `start` that is attended as one-token decoding
+        attends it (`start + T`: none); consumes the `drafts_from` mark.
+
+        Unmarked, a chunk into an empty cache (a prefill) and a chunk of more than `CHUNK_WINDOW_MAX_QUERY` tokens
+        after cached ones have none; a shorter chunk after cached tokens has all. Marked (draft verification), the
+        tokens before `drafts_from` are a prompt, taken by the same rule, and every later one is a decode query.
+        """
+        drafts, self.drafts_from = self.drafts_from, None
+        end = start + T
+        prompt_end = end if drafts is None else min(max(drafts, start), end)
+        if start == 0 or prompt_end - start > CHUNK_WINDOW_MAX_QUERY:
+            return prompt_end
+        return start
+
+    def _keep_chunk_window(self, c_new: torch.Tensor, r_new: torch.Tensor, first: int) -> None:
+        """Keep `chunk_window` (a `ChunkWindow` from `lo = max(0, first - R)`) for a chunk of at least 2 tokens
+        with decode queries (`first` before its end); `None` otherwise. The decode queries read their recent windows
+        from it (`quantmla_hf.attention.chunk`), and `crop` restores the recent window exactly from it after
+        rejected drafts. Costs `(L - lo) x (d_c + d_R)` model-dtype values per layer until the next update.
         """
         T, start, R = c_new.shape[1], self.length, self.fmt.recent_tokens
         self.chunk_window = None
-        if not 1 < T <= CHUNK_WINDOW_MAX_QUERY or start == 0:
+        if T < 2 or first >= start + T:
             return
-        lo = max(0, start - R)
-        ring = torch.arange(lo, start, device=c_new.device) % max(R, 1)
-        self.chunk_window = (
-            lo,
-            torch.cat([self.recent_content[:, ring], c_new], dim=1),
-            torch.cat([self.recent_rope[:, ring], self._rotate_rope(r_new, inverse=False)], dim=1),
-        )
+        lo = max(0, first - R)
+        skip = max(0, lo - start)
+        rows_c, rows_r = c_new[:, skip:], self._rotate_rope(r_new[:, skip:], inverse=False)
+        if lo < start:  # the ring still holds [start - R, start)
+            ring = torch.arange(lo, start, device=c_new.device) % R
+            rows_c = torch.cat([self.recent_content[:, ring], rows_c], dim=1)
+            rows_r = torch.cat([self.recent_rope[:, ring], rows_r], dim=1)
+        self.chunk_window = ChunkWindow(lo, first, rows_c, rows_r)
 
     def _check_inputs(self, latent: torch.Tensor, k_rot: torch.Tensor) -> None:
         for name, t in (("latent", latent), ("k_rot", k_rot)):
@@ -346,9 +385,10 @@ class QuantMLALayer(CacheLayerMixin):
         if R and lost_lo < lost_hi:
             positions = torch.arange(lost_lo, lost_hi, device=self.device)
             window = self.chunk_window
-            if window is not None and window[0] <= lost_lo:  # rejected drafts of the last chunk: the exact rows
-                self.recent_content[:, positions % R] = window[1][:, lost_lo - window[0]:lost_hi - window[0]]
-                self.recent_rope[:, positions % R] = window[2][:, lost_lo - window[0]:lost_hi - window[0]]
+            if window is not None and window.lo <= lost_lo:  # rejected drafts of the last chunk: the exact rows
+                rows = slice(lost_lo - window.lo, lost_hi - window.lo)
+                self.recent_content[:, positions % R] = window.content[:, rows]
+                self.recent_rope[:, positions % R] = window.rope[:, rows]
             else:  # older tokens: their packed copies are the only ones left
                 self.recent_content[:, positions % R] = self.content.read(lost_hi, lost_lo).to(self.recent_content.dtype)
                 self.recent_rope[:, positions % R] = self.rope.read(lost_hi, lost_lo).to(self.recent_rope.dtype)
@@ -450,6 +490,19 @@ class QuantMLACache(Cache):
     def set_native(self, enabled: bool) -> None:
         """Let short chunks skip the history reconstruction (for the "quantmla" attention implementation)."""
         self.set_layers(native=enabled)
+
+    def mark_drafts(self, position: int) -> None:
+        """Say that the tokens of the next forward from `position` on are drafts under verification.
+
+        With the "quantmla" attention each of them is then attended as one-token decoding would attend it, and the
+        tokens before `position` as a forward of those tokens alone would be: the first verification of assisted
+        and prompt-lookup decoding feeds the prompt with its drafts into an empty cache, and a plain prefill would
+        let the drafts see the whole prompt in the model dtype. The mark holds for the next update of each layer.
+        `generate` sets it before every verification (`quantmla_hf.generation.speculative`).
+        """
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"mark_drafts takes the position of the first draft token (an int >= 0), got {position!r}")
+        self.set_layers(drafts_from=position)
 
     def nbytes(self) -> int:
         """Persistent bytes held by all layers (packed planes, sink and recent copies), as allocated."""
