@@ -1,7 +1,8 @@
 """QuantMLA: 4- and 2-bit KV cache for MLA models in Hugging Face Transformers."""
 
 from . import _source_kernels  # noqa: F401  (first: quantmla_hf.kernels where an editable install cannot map it)
-from .attention.interface import ATTN_IMPLEMENTATION, register_attention
+from .attention.interface import register_attention
+from .attention.state import ATTN_IMPLEMENTATION
 from .cache.growing import QuantMLACache, QuantMLALayer
 from .config import QuantMLAConfig
 from .format import CacheFormat, PathFormat

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import quantmla_hf.cache.growing as cache_module
+import quantmla_hf.ops.decode as decode_module
 from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks
 from quantmla_hf.attention.absorbed import absorbed_attention_ref, split_kv_b
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
@@ -34,7 +34,7 @@ def test_absorbed_equals_expanded_on_random_tensors():
 @pytest.mark.parametrize("model_type", sorted(TINY_FAMILIES))
 def test_latent_attention_matches_stock_attention_on_every_family(model_type, monkeypatch):
     """Every forward, prefill included, goes through the absorbed path; logits equal stock SDPA in fp32."""
-    monkeypatch.setattr(cache_module, "NATIVE_MAX_QUERY", 10**6)
+    monkeypatch.setattr(decode_module, "NATIVE_MAX_QUERY", 10**6)
     model = tiny_mla_model(model_type)
     install_cache_hooks(model)
     g = torch.Generator().manual_seed(1)

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 
 import quantmla_hf
 from quantmla_hf import QuantMLACache, QuantMLAConfig, QuantMLAHfQuantizer, StaticQuantMLACache
-from quantmla_hf.attention.interface import ATTN_IMPLEMENTATION
+from quantmla_hf.attention.state import ATTN_IMPLEMENTATION
 from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.integration import generated_cache
 from quantmla_hf.tiny_models import tiny_mla_model

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig
-from quantmla_hf.attention.interface import ATTN_IMPLEMENTATION
+from quantmla_hf.attention.state import ATTN_IMPLEMENTATION
 from quantmla_hf.embedded import CALIBRATION_TEXT, REFERENCE_MODEL
 from quantmla_hf.integration import generated_cache
 from quantmla_hf.saving.model_card import MARKER

@@ -122,19 +122,19 @@ def test_every_family_decodes_compiled_in_one_graph(model_type):
 def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
     """bf16, Triton kernels (the fast kernel, in the interpreter here): the growing QuantMLACache (planes of 16-32
     positions, grown geometrically) and the static cache (80 positions: a larger grid of splits) call the same
-    decode dispatch (`ops.decode_device_length`) with the same split boundaries (sized from the length) and the
+    decode (`ops.decode.decode`, which runs `custom.decode_contiguous` for both) with the same split boundaries (sized from the length) and the
     same combine order: every decode step's attention output (fp32, before the bf16 rounding that would hide last
     bits), every step's logits and the greedy tokens are identical, with tokens leaving the recent window (4) for
     the packed planes at every step. (Several non-empty splits: tests/test_mla_decode.py.)"""
     calls = []
-    decode = ops.decode_device_length
+    decode = ops.decode_contiguous
 
     def recording(*args):
         out = decode(*args)
         calls[-1].append(out[0].clone())
         return out
 
-    monkeypatch.setattr(ops, "decode_device_length", recording)
+    monkeypatch.setattr(ops, "decode_contiguous", recording)
     ids, mask = to_device(_prompt(length=12, seed=7))
     model = tiny_mla_model("deepseek_v3", num_hidden_layers=1, dtype=torch.bfloat16).to(KERNEL_DEVICE)
     install_cache_hooks(model)

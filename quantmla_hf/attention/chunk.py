@@ -11,7 +11,7 @@ ring before it (`QuantMLALayer.chunk_window`, a `cache.ChunkWindow`), and marks 
     queries before `first` (a prompt)   -> as a prefill of the tokens up to `first`: SDPA over the history `update`
                                            returned, or the latent-space step where that prefill would take it
     each query at p >= first            -> the decode step of a cache holding p + 1 tokens: the same kernel call
-                                           (`ops.decode_device_length`), on the same packed planes, with the recent
+                                           (`ops.decode.decode`), on the same packed planes, with the recent
                                            ring that step would hold (built from the window rows) and the capacity
                                            the growing cache has at that length
 
@@ -26,11 +26,10 @@ import dataclasses
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..ops import custom as ops
-from ..cache.growing import NATIVE_MAX_QUERY, ChunkWindow, _use_triton
-from ..distributed import device_guard
+from ..cache.growing import ChunkWindow
 from ..format import allocated_tokens
-from .decode import expand_latent, latent_query, latent_weights
+from ..ops.decode import native_chunk
+from .decode import decode_latents, latent_weights
 
 
 def chunk_window_attention(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -39,7 +38,7 @@ def chunk_window_attention(module, layer, query: torch.Tensor, key: torch.Tensor
 
     `key`/`value: [B, H, N, d]` are the expanded history `layer.update` returned (read only by a prompt's queries
     attended through SDPA); the caller checked that `attention_mask` (`[B, 1, T, L]` or None) is left padding +
-    causal (`attention._mask_is_padding_causal`).
+    causal (`interface.kernel_masks_it`).
     """
     window: ChunkWindow = layer.chunk_window
     T = query.shape[2]
@@ -47,7 +46,7 @@ def chunk_window_attention(module, layer, query: torch.Tensor, key: torch.Tensor
     prompt = window.first - start  # queries [0, prompt) form a prompt fed with its drafts
     q_nope, q_rot, w_uk, w_uv = latent_weights(module, query)
     outputs = []
-    if prompt > 0 and layer.native and prompt <= min(NATIVE_MAX_QUERY, layer.fmt.recent_tokens):
+    if prompt > 0 and layer.native and native_chunk(prompt, layer.fmt.recent_tokens):
         # A prefill that short is attended in the latent space (`QuantMLALayer.update`), as one decode chunk.
         outputs.append(_decode_step(layer, window, q_nope[:, :, :prompt], q_rot[:, :, :prompt], w_uk, w_uv,
                                     window.first, scaling, query.dtype))
@@ -65,7 +64,7 @@ def chunk_window_attention(module, layer, query: torch.Tensor, key: torch.Tensor
 def _decode_step(layer, window: ChunkWindow, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk: torch.Tensor,
                  w_uv: torch.Tensor, end: int, scaling: float, dtype: torch.dtype) -> torch.Tensor:
     """The latent-space step of the queries `q_nope: [B, H, Tq, d_nope]`, `q_rot: [B, H, Tq, d_R]` at positions
-    `[end - Tq, end)` on a cache holding `end` tokens, as `attention.latent_decode_attention` computes it at that
+    `[end - Tq, end)` on a cache holding `end` tokens, as `decode.latent_decode` computes it at that
     length; `[B, Tq, H, d_v]`.
 
     With `recent_tokens = 0` one-token decoding reads its own token exactly (it is the new token, attended through
@@ -74,17 +73,11 @@ def _decode_step(layer, window: ChunkWindow, q_nope: torch.Tensor, q_rot: torch.
     fmt = layer.fmt
     if fmt.recent_tokens == 0:
         fmt = dataclasses.replace(fmt, recent_tokens=1)
-    R = fmt.recent_tokens
-    ring_c, ring_r = _ring(window, end, R)
-    q_lat, q_rot = latent_query(layer, q_nope, q_rot, w_uk)
-    use_triton = _use_triton(layer.kernel, q_lat.device)
-    with device_guard(q_lat.device):
-        length = torch.full((1,), end, dtype=torch.int64, device=q_lat.device)
-        o_lat, _ = ops.decode_device_length(
-            q_lat, q_rot, layer.content.planes, layer.rope.planes, fmt, layer.sink_content, layer.sink_rope, ring_c,
-            ring_r, layer.left_padding, length, _capacity(layer, end), scaling, use_triton,
-        )
-    return expand_latent(o_lat, w_uv, dtype)
+    ring_c, ring_r = _ring(window, end, fmt.recent_tokens)
+    length = torch.full((1,), end, dtype=torch.int64, device=q_nope.device)
+    view = dataclasses.replace(layer.decode_view(), fmt=fmt, recent_content=ring_c, recent_rope=ring_r, length=length,
+                               capacity=_capacity(layer, end))
+    return decode_latents(q_nope, q_rot, w_uk, w_uv, view, scaling, dtype)
 
 
 def _capacity(layer, end: int) -> int:

@@ -10,84 +10,31 @@ only the attention itself changes:
   only them, and this function attends in the latent space straight from the cache, without expanding the
   history through `kv_b_proj`;
 - a chunk after cached tokens (draft verification) or a prompt fed with its drafts: each decode query attended as
-  one-token decoding would attend it (`quantmla_hf.chunk_attention`).
+  one-token decoding would attend it (`chunk.py`).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ..ops import custom as ops
-from ..cache.growing import QuantMLACache, _use_triton
+from ..cache.growing import QuantMLACache
 from .chunk import chunk_window_attention
-from ..distributed import device_guard
+from .decode import latent_decode, reference_decode
 from .masks import layer_mask_is_padding_causal
-from .decode import (
-    expand_latent,
-    latent_query,
-    latent_weights,
-    reference_decode,
-    static_latent_decode_attention,
-)
-
-ATTN_IMPLEMENTATION = "quantmla"
+from .state import ATTN_IMPLEMENTATION
 
 
-@dataclass
-class QuantMLAState:
-    """Shared by the MLA modules of one model: the cache of the forward in flight, and whether the attention mask
-    of that forward is plain left padding + causal (checked once per forward, not once per layer)."""
-
-    cache: QuantMLACache | None = None
-    mask_key: tuple | None = None
-    mask_is_padding_causal: bool = False
-    # The forward in flight asked for attention weights (`output_attentions`): attend eagerly, return them.
-    output_attentions: bool = False
-
-
-def _mask_is_padding_causal(state, layer, attention_mask, q_len: int) -> bool:
-    """True when the kernel's own masking (left padding + causal) is exactly `attention_mask` (the growing cache's
-    masks span its `length` positions); checked once per forward (`masks.layer_mask_is_padding_causal`)."""
-    n = layer.length
-    if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[-1] != n):
-        return False
-    return layer_mask_is_padding_causal(state, layer, attention_mask, q_len, n)
-
-
-def latent_decode_attention(module, layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
-    """Absorbed attention of `query: [B, H, Tq, d_nope + d_R]` over everything `layer` holds.
-
-    With a left-padding + causal mask (or none) it reads the packed planes and the sink/recent copies directly
-    through the static cache's dispatch (`ops.decode_device_length`: the same kernel and split boundaries, so eager
-    and static decoding agree bit for bit; the PyTorch reference where the layer's kernel is "torch").
-    Any other mask goes through the reconstructed history and `absorbed_attention_ref`.
-
-    Returns `[B, Tq, H, d_v]`.
-    """
-    if layer.is_compileable:  # the static cache: device-side lengths, no host synchronisation
-        return static_latent_decode_attention(module, layer, query, attention_mask, scaling)
-    q_nope, q_rot, w_uk, w_uv = latent_weights(module, query)
-    state = getattr(module, "_quantmla_state", None)
-    if not _mask_is_padding_causal(state, layer, attention_mask, query.shape[2]):
-        return reference_decode(layer, q_nope, q_rot, w_uk, w_uv, scaling, attention_mask)
-    # Model-dtype queries go to the kernel as they are: bf16/fp16 values are exact in its fp16 operands (one dot),
-    # where fp32 queries need a high/low split (two dots).
-    q_lat, q_rot = latent_query(layer, q_nope, q_rot, w_uk)
-    use_triton = _use_triton(layer.kernel, query.device)
-    with device_guard(query.device):  # device maps: Triton launches on the current device, make it this layer's
-        # The length goes as a device tensor (a fill, no synchronisation).
-        length = torch.full((1,), layer.length, dtype=torch.int64, device=query.device)
-        o_lat, _ = ops.decode_device_length(
-            q_lat, q_rot, layer.content.planes, layer.rope.planes, layer.fmt, layer.sink_content, layer.sink_rope,
-            layer.recent_content, layer.recent_rope, layer.left_padding, length,
-            min(layer.content.capacity, layer.rope.capacity), scaling, use_triton,
-        )
-    return expand_latent(o_lat, w_uv, query.dtype)
+def kernel_masks_it(state, layer, attention_mask, q_len: int) -> bool:
+    """Whether the decode's own masking (each row's left padding, causal over the cached positions) is exactly
+    `attention_mask` for this step of `layer`, so that the step may read the packed cache (else the reconstructed
+    history, `decode.reference_decode`): checked once per forward and shared by the layers
+    (`masks.layer_mask_is_padding_causal`); a compiled step trusts it, a captured one was checked by its caller."""
+    if layer.is_compileable and (torch.compiler.is_compiling() or layer.host_checked):
+        return True
+    return layer_mask_is_padding_causal(state, layer, attention_mask, q_len, layer.length)
 
 
 # --- output_attentions: the weights need the full score matrix, which only an eager attention forms ---------
@@ -139,7 +86,7 @@ def quantmla_attention_forward(
         return eager_attention_with_weights(module, query, key, value, attention_mask, scaling, dropout)
     cache = state.cache if state is not None else None
     layer = cache.layers[module.layer_idx] if isinstance(cache, QuantMLACache) else None
-    if getattr(layer, "chunk_window", None) is not None and _mask_is_padding_causal(  # draft verification
+    if getattr(layer, "chunk_window", None) is not None and kernel_masks_it(  # draft verification
             state, layer, attention_mask, query.shape[2]):
         scaling = scaling or query.shape[-1] ** -0.5
         return chunk_window_attention(module, layer, query, key, value, attention_mask, scaling, dropout, **kwargs), None
@@ -147,7 +94,9 @@ def quantmla_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return latent_decode_attention(module, layer, query, attention_mask, scaling), None
+    if not kernel_masks_it(state, layer, attention_mask, query.shape[2]):
+        return reference_decode(module, layer, query, scaling, attention_mask), None
+    return latent_decode(module, query, layer.decode_view(), scaling), None
 
 
 def register_attention() -> None:

@@ -5,9 +5,9 @@ tokens of several requests (prefill chunks and decode steps together, no padding
 ropes the latents and hands them to `cache.update`; the paged forward cache (`PagedForward`) stores them in the pages
 and returns them unchanged. This function then attends per request:
 
-- decode rows (a request with at most `NATIVE_MAX_QUERY` new tokens, all inside its recent window, or any short
-  chunk at 16 bits): absorbed latent attention straight from the pages, all such requests in one varlen call of
-  `decode.mla_decode_paged` (its PyTorch reference where the cache's kernel choice says "torch");
+- decode rows (a request whose new tokens the latent decode takes, `native_request`): absorbed latent attention
+  straight from the pages, all such requests in one varlen decode (`decode.latent_decode` on the pages'
+  `DecodeView`, as every cache);
 - prefill chunks: the request's history as stock attention sees it (`PagedQuantMLACache.history`: this chunk's
   latents exact, sink/recent copies, the rest dequantized), expanded through `kv_b_proj` and attended with SDPA.
 
@@ -22,12 +22,9 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
-from .absorbed import split_kv_b
-from ..cache.growing import NATIVE_MAX_QUERY
-from ..distributed import kv_b_weight
-from ..kernels.mla_decode_ref import mla_decode_paged_ref
-from ..ops.custom import mla_decode_paged
 from ..cache.paged import PagedQuantMLACache, PagedStep
+from ..ops.decode import NATIVE_MAX_QUERY, native_chunk
+from .decode import latent_decode
 
 PAGED_ATTN_IMPLEMENTATION = "quantmla_paged"
 
@@ -72,28 +69,15 @@ class PagedForward:
 
 
 def native_request(paged: PagedQuantMLACache, query_len: int) -> bool:
-    """True when a request's chunk of `query_len` tokens is attended in the latent space straight from the pages."""
-    if query_len > NATIVE_MAX_QUERY:
-        return False
-    return not paged.protected or query_len <= paged.recent_tokens
+    """True when a request's chunk of `query_len` tokens is attended in the latent space straight from the pages
+    (`ops.decode.native_chunk`; a 16-bit cache keeps no recent copies, and any chunk it takes is short enough)."""
+    return native_chunk(query_len, paged.recent_tokens if paged.protected else NATIVE_MAX_QUERY)
 
 
 def _latent_attention(module, ctx: PagedForward, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Rows of the native requests: `[n_tokens, H, d_v]`."""
-    paged, step, layer = ctx.paged, ctx.native_step, module.layer_idx
-    nope = module.qk_nope_head_dim
-    H = query.shape[1]
-    q = query[0].transpose(0, 1)[ctx.native_tokens]  # [n, H, d_qk]
-    w_uk, w_uv = split_kv_b(kv_b_weight(module, H, query.device), H, nope, module.v_head_dim)
-    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1)  # one matrix per head
-    args = (q_lat, q[..., nope:], paged.content[layer], paged.rope[layer], paged.format,
-            paged.sink_content[layer], paged.sink_rope[layer], paged.recent_content[layer], paged.recent_rope[layer],
-            step.page_table, step.rows, step.cu_seqlens_q, step.seq_lens, scaling)
-    if paged._use_triton():
-        o_lat, _ = mla_decode_paged(*args, token_request=step.token_request, max_seq_len=step.max_seq_len)
-    else:
-        o_lat, _ = mla_decode_paged_ref(*args)
-    return torch.bmm(o_lat.to(query.dtype).transpose(0, 1), w_uv.to(query.dtype).transpose(1, 2)).transpose(0, 1)
+    """Rows of the native requests: `[n_tokens, H, d_v]`, through the one latent decode on the pages' view."""
+    view = ctx.paged.decode_view(module.layer_idx, ctx.native_step)
+    return latent_decode(module, query[:, :, ctx.native_tokens], view, scaling)[0]
 
 
 def _expand(module, c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

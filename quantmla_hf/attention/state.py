@@ -15,10 +15,25 @@ The hook sits on the model and on its base model (`model.model`), so a direct ca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .interface import ATTN_IMPLEMENTATION, QuantMLAState
 from ..cache.growing import QuantMLACache, cache_argument
+
+ATTN_IMPLEMENTATION = "quantmla"
+
+
+@dataclass
+class QuantMLAState:
+    """Shared by the MLA modules of one model: the cache of the forward in flight, and whether the attention mask
+    of that forward is plain left padding + causal (checked once per forward, not once per layer)."""
+
+    cache: QuantMLACache | None = None
+    mask_key: tuple | None = None
+    mask_is_padding_causal: bool = False
+    # The forward in flight asked for attention weights (`output_attentions`): attend eagerly, return them.
+    output_attentions: bool = False
 
 
 def is_mla_attention(module: torch.nn.Module) -> bool:

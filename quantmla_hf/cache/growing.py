@@ -15,7 +15,6 @@ The native decode path (`quantmla_hf.attention.interface`) reads the planes dire
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -28,13 +27,12 @@ from ..distributed import device_guard
 from ..format import CacheFormat
 from ..hadamard import hadamard_matrix
 from ..mla import mla_dims
+from ..ops.decode import DecodeView, native_chunk, use_triton
 from .store import PackedPathStore
 
 # transformers < 5.18 also reads a positive crop(k) as "keep the first k tokens"; later releases refuse it.
 LEGACY_POSITIVE_CROP = version.parse(transformers.__version__).release < (5, 18)
 
-# Longest query chunk the native latent-space path takes; longer chunks (prefill) expand heads and use SDPA.
-NATIVE_MAX_QUERY = 16
 # Longest chunk after cached tokens whose queries are attended as one-token decoding attends them (draft verification
 # in assisted and prompt-lookup decoding; `quantmla_hf.attention.chunk`); longer ones are attended as a prefill (SDPA)
 # unless `QuantMLACache.mark_drafts` said where their drafts start.
@@ -64,21 +62,6 @@ class ChunkWindow(NamedTuple):
     first: int
     content: torch.Tensor
     rope: torch.Tensor
-
-
-def _use_triton(kernel: str, device: torch.device) -> bool:
-    if kernel == "torch":
-        return False
-    if kernel == "triton":
-        # Off CUDA, Triton runs only in its interpreter (TRITON_INTERPRET=1, the tests' CPU mode); anything else
-        # would fail deep in Triton's driver.
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                f"kernel='triton' runs the Triton kernels, which need a CUDA GPU, but the cache is on {device}; use "
-                "kernel='auto' (Triton on CUDA, PyTorch elsewhere) or kernel='torch', or move the model to a GPU"
-            )
-        return True
-    return device.type == "cuda"
 
 
 class QuantMLALayer(CacheLayerMixin):
@@ -158,7 +141,7 @@ class QuantMLALayer(CacheLayerMixin):
     def update(self, latent: torch.Tensor, k_rot: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `latent: [B, 1, T, d_c]` and `k_rot: [B, 1, T, d_R]`; return the history `[B, 1, N, d]` each.
 
-        In native mode a chunk of at most `NATIVE_MAX_QUERY` tokens that fits the recent window is only stored, and
+        In native mode a chunk the latent-space decode takes (`ops.decode.native_chunk`) is only stored, and
         the new tokens alone are returned: the latent-space attention then reads the whole history from the cache.
         The returned history is what a prefill of the chunk's tokens before its first decode query would see
         (`_first_decode_query`); with the "quantmla" attention the decode queries read the cache instead.
@@ -170,7 +153,7 @@ class QuantMLALayer(CacheLayerMixin):
         start, T = self.length, c_new.shape[1]
         first = self._first_decode_query(start, T)
         self._keep_chunk_window(c_new, r_new, first)
-        self.last_update_native = self.native and T <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens)
+        self.last_update_native = self.native and native_chunk(T, self.fmt.recent_tokens)
         if self.last_update_native:
             self.append(c_new, r_new)
             return latent, k_rot
@@ -253,11 +236,11 @@ class QuantMLALayer(CacheLayerMixin):
         T, start = c_new.shape[1], self.length
         end = start + T
         r_new = self._rotate_rope(r_new, inverse=False)
-        use_triton = _use_triton(self.kernel, c_new.device)
+        triton = use_triton(self.kernel, c_new.device)
         with device_guard(c_new.device):  # device maps: Triton launches on the current device, make it this layer's
             for store, x in ((self.content, c_new), (self.rope, r_new)):
                 store.reserve(end, start)
-                store.write(x, start, use_triton)
+                store.write(x, start, triton)
         self._write_sink(c_new, r_new, start)
         self._write_recent(c_new, r_new, start)
         self.length = end
@@ -311,6 +294,16 @@ class QuantMLALayer(CacheLayerMixin):
             return r
         rot = self.rope_rotation.to(device=r.device)
         return (r.float() @ (rot if inverse else rot.T)).to(r.dtype)
+
+    def decode_view(self) -> DecodeView:
+        """What the latent-space decode reads of this layer (`ops.decode`): the planes, the copies and the length as
+        a device tensor (a fill, no synchronisation)."""
+        return DecodeView(
+            self.fmt, self.content.planes, self.rope.planes, self.sink_content, self.sink_rope, self.recent_content,
+            self.recent_rope, self.kernel, self.rope_rotation, self.left_padding,
+            torch.full((1,), self.length, dtype=torch.int64, device=self.device),
+            min(self.content.capacity, self.rope.capacity),
+        )
 
     def read_history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The reconstructed cache `[B, N, d_c]`, `[B, N, d_R]` as attention sees it after the last update."""
@@ -451,12 +444,14 @@ class QuantMLACache(Cache):
         self.dims = mla_dims(config)
         self.format = CacheFormat.from_config(self.dims.kv_lora_rank, self.dims.rope_dim, quantization_config)
         # QuaRot-style baseline: its RoPE-path Hadamard must act after RoPE, so it stays online, in the cache.
-        rope_rotation = hadamard_matrix(self.dims.rope_dim) if quantization_config.transform == "hadamard" else None
-        layers = [
-            QuantMLALayer(self.format, quantization_config.kernel, quantization_config.cache_block_size, rope_rotation)
-            for _ in range(self.dims.num_cache_layers)
-        ]
-        super().__init__(layers=layers, **kwargs)
+        self.rope_rotation = (hadamard_matrix(self.dims.rope_dim) if quantization_config.transform == "hadamard"
+                              else None)
+        super().__init__(layers=[self.new_layer() for _ in range(self.dims.num_cache_layers)], **kwargs)
+
+    def new_layer(self) -> QuantMLALayer:
+        """One layer of this cache (the static cache makes its own kind)."""
+        qc = self.quantization_config
+        return QuantMLALayer(self.format, qc.kernel, qc.cache_block_size, self.rope_rotation)
 
     def update(self, latent: torch.Tensor, k_rot: torch.Tensor, layer_idx: int, *args, **kwargs):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:

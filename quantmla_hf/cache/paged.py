@@ -35,6 +35,7 @@ from ..format import SCALE_DTYPE, ZERO_DTYPE, CacheFormat, PathFormat
 from ..kernels.quant_pack_ref import dequantize_ref, quantize_ref
 from ..mla import mla_dims
 from ..ops.custom import paged_write, quantize_pack_slots
+from ..ops.decode import DecodeView, use_triton
 from .allocator import CacheBudgetExceeded, PageAllocator, pages_for_budget, protected_bytes_per_request
 
 
@@ -338,22 +339,28 @@ class PagedQuantMLACache:
         for rid, q in zip(step.request_ids, step.query_lens):
             self.requests[rid].length += q
 
-    def _use_triton(self) -> bool:
-        return self.kernel == "triton" or (self.kernel == "auto" and self.device.type == "cuda")
+    def decode_view(self, layer_idx: int, step: PagedStep) -> DecodeView:
+        """What the latent-space decode reads of layer `layer_idx` for the requests of `step` (`ops.decode`)."""
+        return DecodeView(
+            self.format, self.content[layer_idx], self.rope[layer_idx], self.sink_content[layer_idx],
+            self.sink_rope[layer_idx], self.recent_content[layer_idx], self.recent_rope[layer_idx], self.kernel,
+            page_table=step.page_table, rows=step.rows, cu_seqlens_q=step.cu_seqlens_q, seq_lens=step.seq_lens,
+            token_request=step.token_request, max_seq_len=step.max_seq_len,
+        )
 
     @property
     def one_launch_write(self) -> bool:
         """Whether `write` stores a layer's new tokens in one launch (`kernels/paged_write.py`, reading
         `PagedStep.copy_rows`): the Triton kernels with both paths packed. Otherwise each path is written apart and
         the copies from `sink_writes` / `recent_writes`."""
-        return self._use_triton() and self.format.content.quantized and self.format.rope.quantized
+        return use_triton(self.kernel, self.device) and self.format.content.quantized and self.format.rope.quantized
 
     def _write_path(self, planes: dict[str, torch.Tensor], fmt: PathFormat, x: torch.Tensor, slots: torch.Tensor):
         flat = {k: v.view(-1, v.shape[-1]) for k, v in planes.items()}
         if not fmt.quantized:
             flat["values"].index_copy_(0, slots, x.to(self.dtype))
             return
-        if self._use_triton():
+        if use_triton(self.kernel, self.device):
             x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a slice of the projection)
             quantize_pack_slots(x, flat["codes"], flat["scale"], flat["zero"], slots, fmt)
             return

@@ -36,7 +36,8 @@ import contextlib
 import torch
 
 from ..ops import custom  # noqa: F401  (registers torch.ops.quantmla)
-from .growing import NATIVE_MAX_QUERY, QuantMLACache, QuantMLALayer, _use_triton
+from ..ops.decode import DecodeView, native_chunk, use_triton
+from .growing import QuantMLACache, QuantMLALayer
 from ..format import CacheFormat
 
 
@@ -120,7 +121,6 @@ class StaticQuantMLALayer(QuantMLALayer):
             for plane in store.planes.values():
                 plane.zero_()
         self.cumulative_length = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.empty_plane = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.left_padding = self.left_padding.to(torch.long).contiguous()
         self._mark_all_static()
 
@@ -154,7 +154,7 @@ class StaticQuantMLALayer(QuantMLALayer):
         if not self.is_initialized:
             self.lazy_initialization(latent, k_rot)
         T = latent.shape[2]
-        native = self.native and T <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens)
+        native = self.native and native_chunk(T, self.fmt.recent_tokens)
         if native and self.has_tokens:
             self.last_update_native = True
             self._append_device(latent[:, 0], k_rot[:, 0])
@@ -195,12 +195,12 @@ class StaticQuantMLALayer(QuantMLALayer):
         pos0 = self.cumulative_length
         steps = torch.arange(T, device=c_new.device)
         positions = pos0 + steps  # [T]
-        use_triton = _use_triton(self.kernel, c_new.device)
+        triton = use_triton(self.kernel, c_new.device)
         for store, x in ((self.content, c_new), (self.rope, r_new)):
             p = store.planes
             if store.fmt.quantized:
                 torch.ops.quantmla.quant_append(x.contiguous(), p["codes"], p["scale"], p["zero"], pos0,
-                                                store.fmt.bits, store.fmt.group, use_triton)
+                                                store.fmt.bits, store.fmt.group, triton)
             else:
                 p["values"].index_copy_(1, positions.clamp(max=self.max_cache_len - 1), x.to(p["values"].dtype))
         S, R = self.fmt.sink_tokens, self.fmt.recent_tokens
@@ -221,6 +221,15 @@ class StaticQuantMLALayer(QuantMLALayer):
             self._host_stale = True  # traced once, replayed many times: read the device counter when needed
         elif not self._host_stale:
             self._host_length += T
+
+    def decode_view(self) -> DecodeView:
+        """As `QuantMLALayer.decode_view`, with the device-side length and the fixed capacity (no host value: the
+        same view serves eager, captured and compiled steps)."""
+        return DecodeView(
+            self.fmt, self.content.planes, self.rope.planes, self.sink_content, self.sink_rope, self.recent_content,
+            self.recent_rope, self.kernel, self.rope_rotation, self.left_padding, self.cumulative_length,
+            self.max_cache_len,
+        )
 
     def sink_written(self) -> bool:
         """Whether every row's sink slots hold their tokens already, from host-side counts (False when they are
@@ -256,7 +265,7 @@ class StaticQuantMLALayer(QuantMLALayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Decode chunks (native): one mask shape for the whole generation. Prefill chunks and the stock attention
         # get the exact length (eager: the host length is read once per forward).
-        if self.native and query_length <= min(NATIVE_MAX_QUERY, self.fmt.recent_tokens):
+        if self.native and native_chunk(query_length, self.fmt.recent_tokens):
             # generate asks before the step's forward: the place to grow, so the mask has the new length too.
             # Only where the host count is known (eager and captured steps): after compiled steps it is not (dynamo
             # replays `_host_stale = True`), and reading it would synchronise before every compiled step.
@@ -330,13 +339,11 @@ class StaticQuantMLACache(QuantMLACache):
         # Bumped whenever the buffers move (growth, batch changes): captured steps of older buffers are stale.
         self.buffers_version = 0
         super().__init__(config=config, quantization_config=quantization_config, **kwargs)
-        rope_rotation = self.layers[0].rope_rotation if self.layers else None
-        self.layers = [
-            StaticQuantMLALayer(self.format, self._static_len, self.quantization_config.kernel, rope_rotation)
-            for _ in range(self.dims.num_cache_layers)
-        ]
-        for layer in self.layers:
-            layer.make_room = self._make_room
+
+    def new_layer(self) -> StaticQuantMLALayer:
+        layer = StaticQuantMLALayer(self.format, self._static_len, self.quantization_config.kernel, self.rope_rotation)
+        layer.make_room = self._make_room
+        return layer
 
     def _make_room(self, needed: int) -> None:
         if self.max_cache_len < needed <= self.length_limit:

@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed
 
-from ..cache.growing import CACHE_KWARGS, NATIVE_MAX_QUERY, cache_argument
+from ..cache.growing import CACHE_KWARGS, cache_argument
+from ..ops.decode import native_chunk
 from ..distributed import collective_backends, release_before_shutdown, uncapturable_collectives
 from .segments import capture_segments, model_segment_plan
 from ..log import get_logger
@@ -147,8 +148,7 @@ def uncapturable(args: tuple, kwargs: dict, device_type: str = "cuda") -> str | 
         return "the step is given embeddings, not [B, T] input ids"
     if not cache.holds_tokens():
         return ""  # the prefill
-    chunk = min(NATIVE_MAX_QUERY, cache.format.recent_tokens)
-    if input_ids.shape[1] > chunk:
+    if not native_chunk(input_ids.shape[1], cache.format.recent_tokens):
         return ""  # a prefill chunk: eager (SDPA)
     if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return "attention weights or hidden states are asked for"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from ..attention.interface import ATTN_IMPLEMENTATION
+from ..attention.state import ATTN_IMPLEMENTATION
 from ..cache.growing import QuantMLACache
 
 

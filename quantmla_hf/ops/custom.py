@@ -12,10 +12,11 @@ decode step without graph breaks and `mode="reduce-overhead"` captures it as one
         A quantized path passes its `codes, scale, zero` planes; a 16-bit path passes its `values` plane as
         `codes` (c0 / r0) and empty tensors for scale and zero.
 
-`mla_decode` runs `decode.py`'s `mla_decode_static`, whose `select_backend` picks the kernel (the
-PyTorch reference when `use_triton` is False: the layer's kernel is "torch", or CPU without the interpreter). The
-growing `QuantMLACache` calls the same `decode_device_length`, so eager and static decoding run the same kernel with
-the same split boundaries and agree bit for bit. None of them synchronises with the host. Every op has a fake (meta)
+`mla_decode` runs `decode_contiguous`: `backends.mla_decode_static`, whose `select_backend` picks the kernel, or the
+PyTorch reference when `use_triton` is False (the config's kernel is "torch", or CPU without the interpreter).
+Outside a compiled step `decode.decode` calls `decode_contiguous` itself, for every contiguous cache, so eager,
+captured and compiled steps of the growing and the static cache run the same kernel with the same split boundaries
+and agree bit for bit. None of them synchronises with the host. Every op has a fake (meta)
 implementation giving its output shapes, and the decode outputs are fresh tensors (no aliasing), as
 `torch.library.opcheck` requires (the split-K combine runs inside `mla_decode`).
 """
@@ -69,15 +70,15 @@ def _(x, codes, scale, zero, position, bits, group, use_triton) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- decode
-def decode_device_length(
+def decode_contiguous(
     q_lat: torch.Tensor, q_rot: torch.Tensor, content_planes: dict[str, torch.Tensor],
     rope_planes: dict[str, torch.Tensor], fmt: CacheFormat, sink_c: torch.Tensor, sink_r: torch.Tensor,
     recent_c: torch.Tensor, recent_r: torch.Tensor, left_padding: torch.Tensor, length: torch.Tensor, capacity: int,
     scaling: float, use_triton: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed decode over the first `length` (int64 `[1]` on the device) positions of planes `[B, capacity, .]`:
-    the body of `torch.ops.quantmla.mla_decode`, also what the growing cache calls. `use_triton` False takes the
-    PyTorch reference. Returns `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`; no host synchronisation."""
+    the body of `torch.ops.quantmla.mla_decode`, and what `decode.decode` runs outside a compiled step.
+    `use_triton` False takes the PyTorch reference. Returns `(o_lat [B, H, Tq, d_c] fp32, lse [B, H, Tq] fp32)`; no host synchronisation."""
     args = (q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, left_padding, length,
             capacity, scaling)
     if not use_triton:
@@ -95,8 +96,8 @@ def mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fmt = cache_format(q_lat.shape[-1], c_bits, c_group, q_rot.shape[-1], r_bits, r_group, sink_tokens,
                        recent_tokens)
-    return decode_device_length(q_lat, q_rot, _planes(c0, c1, c2, c_bits), _planes(r0, r1, r2, r_bits), fmt, sink_c,
-                                sink_r, recent_c, recent_r, left_padding, length, capacity, scaling, use_triton)
+    return decode_contiguous(q_lat, q_rot, _planes(c0, c1, c2, c_bits), _planes(r0, r1, r2, r_bits), fmt, sink_c,
+                             sink_r, recent_c, recent_r, left_padding, length, capacity, scaling, use_triton)
 
 
 @mla_decode.register_fake

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.growing import CACHE_KWARG, NATIVE_MAX_QUERY
+from ..cache.growing import CACHE_KWARG
+from ..ops.decode import NATIVE_MAX_QUERY
 from ..attention.state import mla_attention_modules
 from ..cache.allocator import CacheBudgetExceeded
 from ..attention.paged import PAGED_ATTN_IMPLEMENTATION, PagedForward, native_request, register_paged_attention

@@ -28,6 +28,7 @@ import torch
 from ..attention.paged import PagedForward
 from ..generation.graphs import CapturedStep, warm_up
 from ..log import get_logger
+from ..ops.decode import use_triton
 from ..cache.paged import PagedQuantMLACache, PagedStep
 
 logger = get_logger(__name__)
@@ -59,7 +60,7 @@ def unsupported_reason(model, cache: PagedQuantMLACache) -> str | None:
     """Why decode steps of this model and cache cannot be captured, or None."""
     if cache.device.type != "cuda":
         return f"the paged cache is on {cache.device}, not a CUDA device"
-    if not cache._use_triton():
+    if not use_triton(cache.kernel, cache.device):
         return f"the paged cache's kernel is {cache.kernel!r}; captured steps need the Triton kernels"
     current = torch.cuda.current_device()
     devices = {device_key(t.device, current) for t in (*model.parameters(), *model.buffers())}
