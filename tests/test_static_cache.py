@@ -17,7 +17,8 @@ from quantmla_hf import (
     apply_quantmla,
     install_cache_hooks,
 )
-from quantmla_hf.ops import custom as ops
+from quantmla_hf.ops import decode as ops
+from quantmla_hf.ops import write  # noqa: F401
 from quantmla_hf.ops.backends import mla_decode_static
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref, mla_decode_static_ref
 from quantmla_hf.kernels.quant_pack import quantize_pack
@@ -122,7 +123,7 @@ def test_every_family_decodes_compiled_in_one_graph(model_type):
 def test_growing_and_static_caches_decode_bit_for_bit(monkeypatch):
     """bf16, Triton kernels (the fast kernel, in the interpreter here): the growing QuantMLACache (planes of 16-32
     positions, grown geometrically) and the static cache (80 positions: a larger grid of splits) call the same
-    decode (`ops.decode.decode`, which runs `custom.decode_contiguous` for both) with the same split boundaries (sized from the length) and the
+    decode (`ops.decode.decode`, which runs `decode_contiguous` for both) with the same split boundaries (sized from the length) and the
     same combine order: every decode step's attention output (fp32, before the bf16 rounding that would hide last
     bits), every step's logits and the greedy tokens are identical, with tokens leaving the recent window (4) for
     the packed planes at every step. (Several non-empty splits: tests/test_mla_decode.py.)"""

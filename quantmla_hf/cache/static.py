@@ -35,7 +35,7 @@ import contextlib
 
 import torch
 
-from ..ops import custom  # noqa: F401  (registers torch.ops.quantmla)
+from ..ops import write  # noqa: F401  (registers torch.ops.quantmla.quant_append)
 from ..ops.decode import DecodeView, native_chunk, use_triton
 from .growing import QuantMLACache, QuantMLALayer
 from ..format import CacheFormat

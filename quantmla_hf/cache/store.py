@@ -12,7 +12,7 @@ import torch
 
 from ..format import SCALE_DTYPE, ZERO_DTYPE, PathFormat, allocated_tokens
 from ..kernels.quant_pack_ref import dequantize_ref, quantize_ref
-from ..ops.custom import quantize_pack
+from ..ops.write import quantize_pack
 
 
 class PackedPathStore:
