@@ -339,7 +339,7 @@ def restore_content_rows(model, base):
 
 
 def cache_kwarg(model) -> str:
-    """`cache` (transformers >= 5.18) or `past_key_values` (5.17)."""
+    """`cache` (transformers >= 5.24) or `past_key_values` (earlier releases)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 

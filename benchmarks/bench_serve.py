@@ -75,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generate import DEVICE, v2_lite  # noqa: E402
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla  # noqa: E402
-from quantmla_hf.attention.interface import ATTN_IMPLEMENTATION  # noqa: E402
+from quantmla_hf.attention.state import ATTN_IMPLEMENTATION  # noqa: E402
 from quantmla_hf.evaluation.intervals import t_interval  # noqa: E402
 from quantmla_hf.cache.paged import PagedQuantMLACache
 from quantmla_hf.cache.allocator import page_bytes, protected_bytes_per_request  # noqa: E402

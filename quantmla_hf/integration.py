@@ -36,7 +36,7 @@ logger = get_logger(__name__)
 
 
 def generated_cache(output):
-    """The cache of a `generate(..., return_dict_in_generate=True)` output (`cache` from 5.18, else `past_key_values`)."""
+    """The cache of a `generate(..., return_dict_in_generate=True)` output (`cache` from 5.24, else `past_key_values`)."""
     return output.get("cache", None) if output.get("cache", None) is not None else output.get("past_key_values", None)
 
 

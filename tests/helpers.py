@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import torch
-from packaging import version
-import transformers
 
+from quantmla_hf.cache.growing import CACHE_KWARG  # noqa: F401  (the tests' name for it)
 from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
 # Where the tests run the Triton kernels: the CUDA GPU when there is one (compiled), else the CPU in the Triton
 # interpreter (tests/conftest.py sets TRITON_INTERPRET only where no GPU is).
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-# transformers 5.17 names the cache argument `past_key_values`; later releases call it `cache`.
-CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__) < version.parse("5.18") else "cache"
 
 
 def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) -> None:

@@ -137,7 +137,7 @@ def test_crop_positive_follows_the_installed_release():
 
     layer = QuantMLALayer(_fmt(), kernel="torch")
     _feed(layer, torch.randn(1, 10, D_C), torch.randn(1, 10, D_R), [10])
-    if LEGACY_POSITIVE_CROP:  # transformers < 5.18: the absolute length to keep
+    if LEGACY_POSITIVE_CROP:  # transformers up to 5.19: the absolute length to keep
         layer.crop(7)
         assert layer.get_seq_length() == 7
     else:

@@ -30,16 +30,16 @@ from ..mla import mla_dims
 from ..ops.decode import DecodeView, native_chunk, use_triton
 from .store import PackedPathStore
 
-# transformers < 5.18 also reads a positive crop(k) as "keep the first k tokens"; later releases refuse it.
-LEGACY_POSITIVE_CROP = version.parse(transformers.__version__).release < (5, 18)
+# transformers up to 5.19 also reads a positive crop(k) as "keep the first k tokens"; later releases refuse it.
+LEGACY_POSITIVE_CROP = version.parse(transformers.__version__).release < (5, 20)
 
 # Longest chunk after cached tokens whose queries are attended as one-token decoding attends them (draft verification
 # in assisted and prompt-lookup decoding; `quantmla_hf.attention.chunk`); longer ones are attended as a prefill (SDPA)
 # unless `QuantMLACache.mark_drafts` said where their drafts start.
 CHUNK_WINDOW_MAX_QUERY = 256
-# The forward (and `generate`) argument that carries the cache: transformers >= 5.18 says `cache`, 5.17
+# The forward (and `generate`) argument that carries the cache: transformers >= 5.24 says `cache`, earlier releases
 # `past_key_values`. CACHE_KWARG is the installed release's; CACHE_KWARGS both, for reading.
-CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__).release < (5, 18) else "cache"
+CACHE_KWARG = "past_key_values" if version.parse(transformers.__version__).release < (5, 24) else "cache"
 CACHE_KWARGS = ("cache", "past_key_values")
 
 
@@ -350,8 +350,8 @@ class QuantMLALayer(CacheLayerMixin):
 
         `crop(-n)` removes the last `n` tokens and `crop(0)` removes nothing (every release; assisted and
         prompt-lookup decoding call `crop(-rejected)`, so `crop(0)` after a fully accepted draft). A positive
-        value is the legacy "keep this many tokens" of transformers < 5.18 (a no-op when the cache is not longer);
-        from 5.18 on it is refused, as DynamicCache refuses it. Recent-window tokens older than the pre-crop
+        value is the legacy "keep this many tokens" of transformers up to 5.19 (a no-op when the cache is not longer);
+        from 5.20 on it is refused, as DynamicCache refuses it. Recent-window tokens older than the pre-crop
         window are refilled from their packed copies, the only copies left of them.
         """
         # transformers 5.17's assisted decoding passes a 0-d integer tensor (candidate_length - n_matches).
@@ -364,7 +364,7 @@ class QuantMLALayer(CacheLayerMixin):
             if not LEGACY_POSITIVE_CROP:
                 raise ValueError(
                     f"crop({max_length}): a positive value (the legacy absolute length) is not supported from "
-                    "transformers 5.18 on; pass minus the number of tokens to remove, e.g. crop(-2)"
+                    "transformers 5.20 on; pass minus the number of tokens to remove, e.g. crop(-2)"
                 )
             keep = min(max_length, n)
         else:

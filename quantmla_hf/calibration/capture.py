@@ -87,7 +87,7 @@ def _to(x, device, dtype):
 
 
 def cache_kwarg_name(module: torch.nn.Module) -> str:
-    """`cache` (transformers >= 5.18) or `past_key_values` (5.17), as the module's forward spells it."""
+    """`cache` (transformers >= 5.24) or `past_key_values` (earlier), as the module's forward spells it."""
     params = inspect.signature(module.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
