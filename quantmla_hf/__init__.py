@@ -3,7 +3,7 @@
 from . import _source_kernels  # noqa: F401  (first: quantmla_hf.kernels where an editable install cannot map it)
 from .attention.interface import ATTN_IMPLEMENTATION, register_attention
 from .cache.growing import QuantMLACache, QuantMLALayer
-from .config import QuantMLAConfig
+from .config import AdvancedOptions, QuantMLAConfig
 from .format import CacheFormat, PathFormat
 from .attention.state import install_cache_hooks
 from .mla import MLADims, mla_dims
@@ -13,6 +13,7 @@ register_attention()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AdvancedOptions",
     "CacheFormat",
     "MLADims",
     "PathFormat",

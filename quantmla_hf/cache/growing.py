@@ -68,7 +68,7 @@ class QuantMLALayer(CacheLayerMixin):
 
     Args:
         fmt: cache format (both paths, sink and recent sizes).
-        kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.kernel`).
+        kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.advanced.kernel`).
         block_size: allocation granularity of the packed planes, in tokens.
         rope_rotation: optional `[d_R, d_R]` online rotation of the RoPE key (Hadamard baseline).
     """
@@ -412,8 +412,9 @@ class QuantMLACache(Cache):
         self.format = CacheFormat.from_config(self.dims.kv_lora_rank, self.dims.rope_dim, quantization_config)
         # QuaRot-style baseline: its RoPE-path Hadamard must act after RoPE, so it stays online, in the cache.
         rope_rotation = hadamard_matrix(self.dims.rope_dim) if quantization_config.transform == "hadamard" else None
+        advanced = quantization_config.advanced
         layers = [
-            QuantMLALayer(self.format, quantization_config.kernel, quantization_config.cache_block_size, rope_rotation)
+            QuantMLALayer(self.format, advanced.kernel, advanced.cache_block_size, rope_rotation)
             for _ in range(self.dims.num_cache_layers)
         ]
         super().__init__(layers=layers, **kwargs)

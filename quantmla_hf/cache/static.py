@@ -68,7 +68,7 @@ class StaticQuantMLALayer(QuantMLALayer):
     Args:
         fmt: cache format; `recent_tokens` must be at least 1 (decode steps write through the recent window).
         max_cache_len: positions the planes hold (prompt + generated tokens, left padding included).
-        kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.kernel`).
+        kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.advanced.kernel`).
         rope_rotation: optional `[d_R, d_R]` online rotation of the RoPE key (Hadamard baseline).
     """
 
@@ -332,7 +332,7 @@ class StaticQuantMLACache(QuantMLACache):
         super().__init__(config=config, quantization_config=quantization_config, **kwargs)
         rope_rotation = self.layers[0].rope_rotation if self.layers else None
         self.layers = [
-            StaticQuantMLALayer(self.format, self._static_len, self.quantization_config.kernel, rope_rotation)
+            StaticQuantMLALayer(self.format, self._static_len, self.quantization_config.advanced.kernel, rope_rotation)
             for _ in range(self.dims.num_cache_layers)
         ]
         for layer in self.layers:
@@ -386,8 +386,8 @@ class StaticQuantMLACache(QuantMLACache):
             raise torch.OutOfMemoryError(
                 f"growing the static QuantMLA cache from {self.max_cache_len} to {new_len} positions needs about "
                 f"{per_position * new_len / 2**30:.2f} GiB more device memory than is free; generate fewer tokens "
-                "(max_new_tokens), a smaller batch, or pass QuantMLAConfig(decode_graphs=False, static_cache=False) "
-                f"for the growing cache ({err})"
+                "(max_new_tokens), a smaller batch, or pass QuantMLAConfig(advanced={'decode_graphs': False, "
+                f"'static_cache': False}}) for the growing cache ({err})"
             ) from err
         self._static_len = new_len
         self.buffers_version += 1
