@@ -163,7 +163,8 @@ def make_cache_factory(method: Method, config):
                                       residual_length=128)
     qconfig = QuantMLAConfig(
         content_bits=method.content_bits, rope_bits=method.rope_bits, transform="hadamard" if method.family == "quarot"
-        else "none", sink_tokens=4 if method.protect else 0, recent_tokens=128 if method.protect else 0, kernel="torch",
+        else "none", sink_tokens=4 if method.protect else 0, recent_tokens=128 if method.protect else 0,
+        advanced={"kernel": "torch"},
     )
     return lambda: QuantMLACache(config=config, quantization_config=qconfig)
 
@@ -275,9 +276,9 @@ def calibrate_variant(base, variant: str, recipe: CalibrationRecipe, cache_dir: 
     transform = "hadamard" if variant == "hadamard" else ("smooth" if variant.startswith("smooth") else "learned")
     bits = re.fullmatch(r"learned-C(\d+)R(\d+)(-allq)?(-seed\d+)?", variant)
     c, r = (int(bits.group(1)), int(bits.group(2))) if bits else (4, 4)
-    cfg = QuantMLAConfig(content_bits=c, rope_bits=r, transform=transform, calibration_samples=recipe.ids.shape[0],
-                         calibration_seq_len=recipe.ids.shape[1], calibration_steps=recipe.steps,
-                         calibration_lr=recipe.lr, seed=recipe.seed)
+    recipe_options = {"calibration_samples": recipe.ids.shape[0], "calibration_seq_len": recipe.ids.shape[1],
+                      "calibration_steps": recipe.steps, "calibration_lr": recipe.lr, "seed": recipe.seed}
+    cfg = QuantMLAConfig(content_bits=c, rope_bits=r, transform=transform, advanced=recipe_options)
     start = time.time()
     calibrate(model, cfg, recipe.ids, batch_size=recipe.batch_size, progress=False,
              calibration_protection=recipe.protection)

@@ -82,8 +82,9 @@ def run(name: str, args) -> dict:
     params = sum(p.numel() for p in model.parameters())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, config.vocab_size, (args.samples, args.seq_len), generator=torch.Generator().manual_seed(0))
-    cfg = QuantMLAConfig(transform="learned", calibration_samples=args.samples, calibration_seq_len=args.seq_len,
-                         calibration_steps=args.steps)
+    cfg = QuantMLAConfig(transform="learned",
+                         advanced={"calibration_samples": args.samples, "calibration_seq_len": args.seq_len,
+                                   "calibration_steps": args.steps})
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -130,7 +131,7 @@ def default_quantize(args) -> dict:
     load = time.perf_counter() - start
     threads_before = torch.get_num_threads()
     start = time.perf_counter()
-    config = QuantMLAConfig(**(SHORT_RECIPE if args.short_recipe else {}))
+    config = QuantMLAConfig(advanced=SHORT_RECIPE if args.short_recipe else None)
     quantmla_hf.quantize(model, config, tokenizer=tokenizer, progress=args.progress)
     total = time.perf_counter() - start
     cfg = model.config.quantization_config

@@ -102,7 +102,7 @@ def make_cache(model, method, recent, max_len):
     base = method.split("-")[0]
     bits = {"C16R16": (16, 16), "C4R4": (4, 4), "C2R4": (2, 4)}[base]
     q = QuantMLAConfig(content_bits=bits[0], rope_bits=bits[1], recent_tokens=recent, transform="none",
-                       cache_block_size=1024)
+                       advanced={"cache_block_size": 1024})
     if is_static(method):
         return StaticQuantMLACache(config=model.config, quantization_config=q, max_cache_len=max_len)
     return QuantMLACache(config=model.config, quantization_config=q)

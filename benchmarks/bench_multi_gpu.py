@@ -93,7 +93,7 @@ def save_json(out: str, name: str, obj) -> None:
 def qconfig(bits: int):
     from quantmla_hf import QuantMLAConfig
 
-    return QuantMLAConfig(content_bits=bits, rope_bits=bits, transform="none", cache_block_size=1024)
+    return QuantMLAConfig(content_bits=bits, rope_bits=bits, transform="none", advanced={"cache_block_size": 1024})
 
 
 def tp_kwargs(form: str) -> dict:
@@ -242,7 +242,7 @@ def precision(a) -> None:
     for family in sorted({c[0] for c in CASES}):
         torch.manual_seed(0)
         cfg = tiny_config(family, **{**MLA_WIDTHS, **FAMILY_EXTRA[family]})
-        q = QuantMLAConfig(content_bits=16, rope_bits=16, transform="none", kernel="torch")
+        q = QuantMLAConfig(content_bits=16, rope_bits=16, transform="none", advanced={"kernel": "torch"})
         bf16 = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(first_device()).eval()
         fp32 = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(first_device()).eval()
         fp32.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})

@@ -16,7 +16,7 @@ model_id = offline_or_env()
 small = "MODEL" not in os.environ  # keep the offline run short
 config = quantmla_hf.QuantMLAConfig(
     content_bits=2, rope_bits=4, transform="learned", calibration_data=os.environ.get("TEXT", CALIBRATION_FILE),
-    **(dict(calibration_samples=4, calibration_seq_len=32, calibration_steps=3) if small else {}),
+    advanced=dict(calibration_samples=4, calibration_seq_len=32, calibration_steps=3) if small else None,
 )
 model = AutoModelForCausalLM.from_pretrained(model_id, quantization_config=config)  # tokenizer: the checkpoint's
 out_dir = os.environ.get("OUT") or tempfile.mkdtemp(prefix="quantmla-calibrated-")

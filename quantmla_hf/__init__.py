@@ -4,7 +4,7 @@ from . import _source_kernels  # noqa: F401  (first: quantmla_hf.kernels where a
 from .attention.interface import register_attention
 from .attention.state import ATTN_IMPLEMENTATION
 from .cache.growing import QuantMLACache, QuantMLALayer
-from .config import QuantMLAConfig
+from .config import AdvancedOptions, QuantMLAConfig
 from .format import CacheFormat, PathFormat
 from .attention.state import install_cache_hooks
 from .mla import MLADims, mla_dims
@@ -14,6 +14,7 @@ register_attention()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AdvancedOptions",
     "CacheFormat",
     "MLADims",
     "PathFormat",

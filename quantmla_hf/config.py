@@ -1,8 +1,21 @@
-"""`QuantMLAConfig`: what a user asks of the QuantMLA KV cache, validated on construction."""
+"""`QuantMLAConfig`: what a user asks of the QuantMLA KV cache, validated on construction.
+
+Two levels. The options most users set are keywords of `QuantMLAConfig`: bits, group size, sink/recent tokens,
+transform and calibration data. The rarely needed ones form one nested group, `AdvancedOptions`, passed as
+`advanced={"kernel": "torch", "calibration_steps": 50}` (or an `AdvancedOptions`): the kernel choice, the cache's
+allocation block, the static cache and decode graphs of `generate`, the calibration recipe and seed, and a folder for
+resumable calibration. An option of the group is named "advanced.<name>" wherever options are listed by name
+(`explicit_options`, `get_loading_attributes`, `weight_conflicts`).
+
+The saved layout (config.json's `quantization_config`) carries `format_version`: version 2 (`FORMAT_VERSION`) nests
+the group under "advanced"; version 1 (the group's options at the top level; a config without the key is version 1
+too) is read and migrated on load; a higher version is refused (written by a newer library).
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import inspect
 from typing import Any
@@ -15,17 +28,9 @@ CONTENT_BITS = (2, 4, 8, 16)
 ROPE_BITS = (4, 8, 16)
 TRANSFORMS = ("auto", "learned", "hadamard", "smooth", "none")
 KERNELS = ("auto", "triton", "torch")
-# Version of the `quantization_config` layout this library writes (the `format_version` key of config.json). A
-# config without the key predates versioning and is read as version 1; a higher version is refused (newer library).
-FORMAT_VERSION = 1
-# Options that only shape the cache and the decode at run time: a loaded checkpoint takes every one given in a
-# `QuantMLAConfig` passed to `from_pretrained` (its weights hold only the fused transform, which none of them changes).
-# The other options describe the weights (transform, calibrated) or how they were made (calibration_*, seed) and come
-# from the checkpoint.
-CACHE_OPTIONS = (
-    "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "kernel", "cache_block_size",
-    "static_cache", "decode_graphs",
-)
+# Version of the `quantization_config` layout this library writes (the `format_version` key of config.json): 2 nests
+# the advanced options under "advanced"; 1 (or no key) kept them at the top level and is migrated when read.
+FORMAT_VERSION = 2
 
 
 # Keys the library itself writes into a config (they round-trip through config.json). Anything else given to the
@@ -52,6 +57,11 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _check_auto_or_bool(name: str, value: Any) -> None:
+    if not (isinstance(value, bool) or isinstance(value, str) and value == "auto"):
+        raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
+
+
 def _check_format_version(version: Any) -> None:
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ValueError(f"quantization_config has format_version {version!r}, which no quantmla-hf release writes; "
@@ -63,9 +73,163 @@ def _check_format_version(version: Any) -> None:
         )
 
 
-def _closest(name: str, valid) -> str:
-    match = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else ""
+@dataclasses.dataclass(kw_only=True)
+class AdvancedOptions:
+    """The rarely needed options of a `QuantMLAConfig` (its `advanced` group), each validated on construction.
+
+    Read-only once made: change options through the config, `config.advanced = {"kernel": "torch"}` or
+    `config.update(advanced={...})`, which set the options named and keep the others.
+
+    Cache and decode at run time (a quantized checkpoint takes each one given beside it in `from_pretrained`):
+        kernel: "triton" for the Triton kernels, "torch" for the PyTorch reference, "auto" (default) for Triton on
+            CUDA and PyTorch elsewhere.
+        cache_block_size: tokens per allocation block of the packed cache (storage grows by whole blocks).
+        static_cache: the cache `generate` builds: True for a `StaticQuantMLACache` preallocated for the call's
+            maximum length (compiled decode, one CUDA graph per step), False for the growing `QuantMLACache`,
+            "auto" (default) for the static one only when the call passes a `compile_config` on one CUDA device.
+        decode_graphs: whether plain `generate()` replays its decode steps from CUDA graphs (static cache, no
+            compiler; `quantmla_hf.generation.graphs`): "auto" (default) on one CUDA device where the call can be
+            captured, True to insist (an error where it cannot be used), False for eager decode.
+
+    Calibration recipe (how a learned or smooth transform is made; a quantized checkpoint keeps its own):
+        calibration_samples: number of calibration sequences (the last ~10% are held out for checkpoint selection).
+        calibration_seq_len: tokens per calibration sequence.
+        calibration_steps: optimisation steps per layer and path.
+        calibration_lr: learning rate of the transform parameters.
+        seed: seed for sampling calibration windows and initialising transforms.
+        calibration_checkpoint_dir: a folder where calibration keeps the transforms of each finished decoder layer
+            (`quantmla_hf.calibration.checkpoint`): a calibration killed or interrupted and started again with the
+            same folder, model, text and options resumes after the last finished layer. A local path, never written
+            to config.json.
+    """
+
+    kernel: str = "auto"
+    cache_block_size: int = 256
+    static_cache: bool | str = "auto"
+    decode_graphs: bool | str = "auto"
+    calibration_samples: int = 64
+    calibration_seq_len: int = 512
+    calibration_steps: int = 100
+    calibration_lr: float = 5e-3
+    seed: int = 0
+    calibration_checkpoint_dir: str | None = None
+
+    def __new__(cls, *args, **kwargs):
+        # The options given are remembered (a value equal to the default is still a request); an unknown name is
+        # refused here with the closest one, before the generated __init__ would raise a bare TypeError.
+        unknown = [k for k in kwargs if k not in ADVANCED_FIELDS]
+        if unknown:
+            raise ValueError(f"advanced options have no {unknown[0]!r}{_closest(unknown[0])} "
+                             f"(advanced options: {', '.join(ADVANCED_FIELDS)})")
+        self = super().__new__(cls)
+        object.__setattr__(self, "_given", frozenset(kwargs))
+        return self
+
+    def __post_init__(self) -> None:
+        _check_choice("advanced.kernel", self.kernel, KERNELS)
+        _check_int("advanced.cache_block_size", self.cache_block_size, 1)
+        _check_auto_or_bool("advanced.static_cache", self.static_cache)
+        _check_auto_or_bool("advanced.decode_graphs", self.decode_graphs)
+        _check_int("advanced.calibration_samples", self.calibration_samples, 2)
+        _check_int("advanced.calibration_seq_len", self.calibration_seq_len, 8)
+        _check_int("advanced.calibration_steps", self.calibration_steps, 0)
+        lr = self.calibration_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"advanced.calibration_lr must be a positive number, got {lr!r}")
+        _check_int("advanced.seed", self.seed, 0)
+        folder = self.calibration_checkpoint_dir
+        if folder is not None and not (isinstance(folder, str) and folder):
+            raise ValueError("advanced.calibration_checkpoint_dir must be a folder path (a non-empty string) or None, "
+                             f"got {folder!r}")
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_sealed"):
+            raise AttributeError(
+                f"advanced options are read-only; set {name} through the config: "
+                f"config.advanced = {{{name!r}: {value!r}}} (the other advanced options keep their values)"
+            )
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"advanced options are read-only; {name} cannot be deleted")
+
+    def with_options(self, values: dict[str, Any]) -> "AdvancedOptions":
+        """A new group with `values` (name -> value) set and every other option kept; validated."""
+        return AdvancedOptions(**{**self.as_dict(), **values})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every option, name -> value."""
+        return {name: getattr(self, name) for name in ADVANCED_FIELDS}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The saved options (config.json's "advanced"): every one but `calibration_checkpoint_dir`, a local path."""
+        return {k: v for k, v in self.as_dict().items() if k != "calibration_checkpoint_dir"}
+
+
+ADVANCED_FIELDS = tuple(f.name for f in dataclasses.fields(AdvancedOptions))
+_ADVANCED_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AdvancedOptions)}
+# The top-level options, in the constructor's order (`calibrated` is set by the library: see QuantMLAConfig).
+TOP_FIELDS = ("content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "transform",
+              "calibration_data", "calibrated")
+# Every option by name: the top-level ones, then the advanced group's as "advanced.<name>".
+OPTIONS = (*TOP_FIELDS, *(f"advanced.{name}" for name in ADVANCED_FIELDS))
+# Options that only shape the cache and the decode at run time: a loaded checkpoint takes every one given in a
+# `QuantMLAConfig` passed to `from_pretrained` (its weights hold only the fused transform, which none of them changes).
+# The other options describe the weights (transform, calibrated) or how they were made (the calibration recipe) and
+# come from the checkpoint.
+CACHE_OPTIONS = (
+    "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "advanced.kernel",
+    "advanced.cache_block_size", "advanced.static_cache", "advanced.decode_graphs",
+)
+
+
+def _closest(name: str) -> str:
+    """"; did you mean ...?" with the closest option, spelled as it is given (an advanced one inside `advanced`)."""
+    match = difflib.get_close_matches(name, [*TOP_FIELDS, *ADVANCED_FIELDS], n=1, cutoff=0.5)
+    if not match:
+        return ""
+    return f"; did you mean {match[0]!r}?" if match[0] in TOP_FIELDS else \
+        f"; did you mean advanced={{{match[0]!r}: ...}}?"
+
+
+def _advanced_spelling(name: str, value: Any, call: str) -> str:
+    """How `name=value`, an advanced option given at the top level, is given: the message that refuses it."""
+    return (f"{name} is an advanced option: {call}(advanced={{{name!r}: {value!r}}}) "
+            "(see QuantMLAConfig's advanced group, quantmla_hf.config.AdvancedOptions)")
+
+
+def _given_advanced(value: Any) -> frozenset[str]:
+    """The names of the advanced options that `value` (a dict, an `AdvancedOptions` or None) gives."""
+    if isinstance(value, AdvancedOptions):
+        return value._given
+    return frozenset(value) if isinstance(value, dict) else frozenset()
+
+
+def _advanced_group(value: Any, current: AdvancedOptions | None = None) -> AdvancedOptions:
+    """The group `value` stands for: an `AdvancedOptions` as it is, a dict's options set on `current` (default: the
+    defaults), None the defaults."""
+    if isinstance(value, AdvancedOptions):
+        return value
+    if value is None:
+        return AdvancedOptions()
+    if isinstance(value, dict):
+        return (current or AdvancedOptions()).with_options(value)
+    raise ValueError(f"advanced must be a dict of advanced options (e.g. {{'kernel': 'torch'}}), an AdvancedOptions "
+                     f"or None, got {type(value).__name__}")
+
+
+def _migrate_version_1(saved: dict[str, Any], advanced: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A version-1 config's keys (`saved`, without the top-level options) in the version-2 shape: the advanced
+    options it keeps at the top level move into the group. Returns (the other keys, the group's dict or None)."""
+    flat = {k: v for k, v in saved.items() if k in ADVANCED_FIELDS}
+    if not flat:
+        return saved, advanced
+    if advanced is not None:
+        raise ValueError(f"this quantization_config is format_version 1 but holds both 'advanced' and {sorted(flat)}; "
+                         "a version-1 config has no 'advanced' group: restore config.json from the checkpoint's "
+                         "source")
+    return {k: v for k, v in saved.items() if k not in flat}, flat
 
 
 class QuantMLAConfig(QuantizationConfigMixin):
@@ -83,29 +247,17 @@ class QuantMLAConfig(QuantizationConfigMixin):
             data, or the default text when none is given, is large enough to beat RTN, else "none", said in the
             log), "learned" (QuantMLA: learned rotation and scale, fused offline), "hadamard" (QuaRot-style),
             "smooth" (SmoothQuant-style scaling) or "none" (RTN).
-        kernel: "triton" for the Triton kernels, "torch" for the PyTorch reference, "auto" for Triton on CUDA
-            and PyTorch elsewhere.
         calibration_data: text used to learn the transforms: a list of strings, a path to a text file, or
             `None` (then "learned" and "smooth" learn from the package's default text, read with the model's
             tokenizer: `quantmla_hf.calibration.defaults`).
-        calibration_samples: number of calibration sequences (the last ~10% are held out for checkpoint selection).
-        calibration_seq_len: tokens per calibration sequence.
-        calibration_steps: optimisation steps per layer and path.
-        calibration_lr: learning rate of the transform parameters.
-        seed: seed for sampling calibration windows and initialising transforms.
+        advanced: the rarely needed options (`AdvancedOptions`: kernel, cache_block_size, static_cache,
+            decode_graphs, the calibration recipe, seed, calibration_checkpoint_dir), as a dict of those given,
+            e.g. `{"kernel": "torch", "calibration_steps": 50}`, or an `AdvancedOptions`; the others keep their
+            defaults. Read back as `config.advanced.kernel`.
         calibrated: set by the library once the transform has been learned and fused into the weights; a
             checkpoint saved with `calibrated=True` loads without calibration.
-        cache_block_size: tokens per allocation block of the packed cache (storage grows by whole blocks).
-        static_cache: the cache `generate` builds: True for a `StaticQuantMLACache` preallocated for the call's
-            maximum length (compiled decode, one CUDA graph per step), False for the growing `QuantMLACache`,
-            "auto" (default) for the static one only when the call passes a `compile_config` on one CUDA device.
-        decode_graphs: whether plain `generate()` replays its decode steps from CUDA graphs (static cache, no
-            compiler; `quantmla_hf.generation.graphs`): "auto" (default) on one CUDA device where the call can be
-            captured, True to insist (an error where it cannot be used), False for eager decode.
-        calibration_checkpoint_dir: a folder where calibration keeps the transforms of each finished decoder layer
-            (`quantmla_hf.calibration.checkpoint`): a calibration killed or interrupted and started again with the same
-            folder, model, text and options resumes after the last finished layer. A local path, never written to
-            config.json.
+        library_keys: keys the library writes into a saved config (`LIBRARY_KEYS`: the calibration record, the
+            measured footprint, ...), kept in `extra`; `quant_method` and `format_version` of a saved config.
 
     The config remembers which options were given (`explicit_options`): passed beside an already quantized checkpoint,
     every cache option given applies, one equal to its default too.
@@ -119,7 +271,7 @@ class QuantMLAConfig(QuantizationConfigMixin):
             given = _SIGNATURE.bind(self, *args, **kwargs).arguments
         except TypeError:
             given = {}  # __init__ raises the error
-        object.__setattr__(self, "_explicit", frozenset(k for k in given if k in FIELDS))
+        object.__setattr__(self, "_explicit", frozenset(k for k in given if k in TOP_FIELDS))
         return self
 
     def __init__(
@@ -130,66 +282,73 @@ class QuantMLAConfig(QuantizationConfigMixin):
         sink_tokens: int = 4,
         recent_tokens: int = 128,
         transform: str = "auto",
-        kernel: str = "auto",
         calibration_data: str | list[str] | None = None,
-        calibration_samples: int = 64,
-        calibration_seq_len: int = 512,
-        calibration_steps: int = 100,
-        calibration_lr: float = 5e-3,
-        seed: int = 0,
+        advanced: AdvancedOptions | dict[str, Any] | None = None,
+        *,
         calibrated: bool = False,
-        cache_block_size: int = 256,
-        static_cache: bool | str = "auto",
-        decode_graphs: bool | str = "auto",
-        calibration_checkpoint_dir: str | None = None,
-        **kwargs,
+        **library_keys,
     ):
         object.__setattr__(self, "_validating", False)
         self.quant_method = QUANT_METHOD
-        _check_format_version(kwargs.pop("format_version", 1))
-        unknown = [k for k in kwargs if k != "quant_method" and k not in LIBRARY_KEYS]
-        if unknown:
-            key = unknown[0]
-            raise ValueError(
-                f"QuantMLAConfig has no option {key!r}{_closest(key, FIELDS)} (options: {', '.join(FIELDS)})"
-            )
-        if kwargs.get("quant_method", QUANT_METHOD) != QUANT_METHOD:
-            raise ValueError(f"quant_method must be {QUANT_METHOD!r} for a QuantMLAConfig, got {kwargs['quant_method']!r}")
+        version = library_keys.pop("format_version", FORMAT_VERSION)
+        _check_format_version(version)
+        if version == 1:
+            library_keys, advanced = _migrate_version_1(library_keys, advanced)
+        for key, value in library_keys.items():
+            if key in ADVANCED_FIELDS:
+                raise ValueError(_advanced_spelling(key, value, "QuantMLAConfig"))
+            if key != "quant_method" and key not in LIBRARY_KEYS:
+                raise ValueError(f"QuantMLAConfig has no option {key!r}{_closest(key)} (options: "
+                                 f"{', '.join(TOP_FIELDS)}, advanced={{...}} with {', '.join(ADVANCED_FIELDS)})")
+        if library_keys.get("quant_method", QUANT_METHOD) != QUANT_METHOD:
+            raise ValueError(f"quant_method must be {QUANT_METHOD!r} for a QuantMLAConfig, got "
+                             f"{library_keys['quant_method']!r}")
         self.content_bits = content_bits
         self.rope_bits = rope_bits
         self.group_size = group_size
         self.sink_tokens = sink_tokens
         self.recent_tokens = recent_tokens
         self.transform = transform
-        self.kernel = kernel
         self.calibration_data = calibration_data
-        self.calibration_samples = calibration_samples
-        self.calibration_seq_len = calibration_seq_len
-        self.calibration_steps = calibration_steps
-        self.calibration_lr = calibration_lr
-        self.seed = seed
+        self.advanced = _advanced_group(advanced)
         self.calibrated = calibrated
-        self.cache_block_size = cache_block_size
-        self.static_cache = static_cache
-        self.decode_graphs = decode_graphs
-        self.calibration_checkpoint_dir = calibration_checkpoint_dir
         # Keys written by the library after calibration (e.g. the measured cache footprint) round-trip untouched.
-        self.extra = {k: v for k, v in kwargs.items() if k != "quant_method"}
+        self.extra = {k: v for k, v in library_keys.items() if k != "quant_method"}
         self.post_init()
+        given = {f"advanced.{name}" for name in _given_advanced(advanced)}
+        object.__setattr__(self, "_explicit", self._explicit | given)
         object.__setattr__(self, "_validating", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Every assignment after construction is validated; an unknown public name is refused."""
+        """Every assignment after construction is validated; an unknown public name is refused. `advanced` takes a
+        dict of the advanced options to set (the others keep their values) or a whole `AdvancedOptions`;
+        "advanced.<name>" (as `setattr(config, "advanced.kernel", "torch")`) sets one of them."""
         if not getattr(self, "_validating", False) or name.startswith("_"):
             object.__setattr__(self, name, value)
             return
-        if name not in FIELDS and name not in ("extra", "quant_method"):
-            raise AttributeError(f"QuantMLAConfig has no option {name!r}{_closest(name, FIELDS)}")
+        if name.startswith("advanced."):
+            self._assign({"advanced": {name.removeprefix("advanced."): value}})
+            return
+        if name in ADVANCED_FIELDS:
+            raise AttributeError(f"{name} is an advanced option: config.advanced = {{{name!r}: {value!r}}}")
+        if name not in TOP_FIELDS and name not in ("advanced", "extra", "quant_method"):
+            raise AttributeError(f"QuantMLAConfig has no option {name!r}{_closest(name)}")
         self._assign({name: value})
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for a name not found: an advanced option asked of the config says where it is.
+        if name in ADVANCED_FIELDS:
+            raise AttributeError(f"QuantMLAConfig has no attribute {name!r}: it is an advanced option, read "
+                                 f"config.advanced.{name}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _assign(self, values: dict[str, Any]) -> None:
         """Set `values` together and validate; on a bad value every field keeps its previous value (and nothing is
-        remembered as given)."""
+        remembered as given). An "advanced" value is a dict of advanced options to set or an `AdvancedOptions`."""
+        given = {k for k in values if k in TOP_FIELDS}
+        if "advanced" in values:
+            given |= {f"advanced.{k}" for k in _given_advanced(values["advanced"])}
+            values = {**values, "advanced": _advanced_group(values["advanced"], self.advanced)}
         old = {k: getattr(self, k) for k in values}
         for k, v in values.items():
             object.__setattr__(self, k, v)
@@ -199,27 +358,38 @@ class QuantMLAConfig(QuantizationConfigMixin):
             for k, v in old.items():
                 object.__setattr__(self, k, v)
             raise
-        object.__setattr__(self, "_explicit", self._explicit | {k for k in values if k in FIELDS})
+        object.__setattr__(self, "_explicit", self._explicit | given)
 
     @property
     def explicit_options(self) -> frozenset[str]:
         """The options given to the constructor, `update` or by assignment, whatever their value (a config read with
-        `from_dict` was given every key of the dict). A copy remembers them; a saved config does not."""
+        `from_dict` was given every key of the dict): top-level names and "advanced.<name>" for the advanced group.
+        A copy remembers them; a saved config does not."""
         return self._explicit
+
+    def option(self, name: str) -> Any:
+        """The value of the option `name`, a top-level one or "advanced.<name>" (as `OPTIONS` lists them)."""
+        if name.startswith("advanced."):
+            return getattr(self.advanced, name.removeprefix("advanced."))
+        return getattr(self, name)
 
     def update(self, **kwargs) -> dict[str, Any]:
         """Set several options at once, validated together; an unknown option is an error (not silently returned).
+        `advanced={...}` sets the advanced options named and keeps the others.
 
         Returns an empty dict (the unused options, kept for the `QuantizationConfigMixin.update` signature).
         """
-        unknown = [k for k in kwargs if k not in FIELDS]
-        if unknown:
-            raise ValueError(f"QuantMLAConfig has no option {unknown[0]!r}{_closest(unknown[0], FIELDS)}")
+        for key, value in kwargs.items():
+            if key in ADVANCED_FIELDS:
+                raise ValueError(_advanced_spelling(key, value, "config.update"))
+            if key not in TOP_FIELDS and key != "advanced":
+                raise ValueError(f"QuantMLAConfig has no option {key!r}{_closest(key)}")
         self._assign(kwargs)
         return {}
 
     def copy(self) -> "QuantMLAConfig":
-        """An independent copy (calibration text, record and extra keys copied; a tokenizer object shared)."""
+        """An independent copy (calibration text, record and extra keys copied; a tokenizer object shared; the
+        advanced group, read-only, shared)."""
         new = copy.copy(self)
         object.__setattr__(new, "calibration_data", copy.deepcopy(self.calibration_data))
         object.__setattr__(new, "extra", {
@@ -228,7 +398,8 @@ class QuantMLAConfig(QuantizationConfigMixin):
         return new
 
     def post_init(self) -> None:
-        """Validate every field; errors name the bad value and the accepted ones."""
+        """Validate every field (the advanced group validates itself when made); errors name the bad value and the
+        accepted ones."""
         _check_choice("content_bits", self.content_bits, CONTENT_BITS)
         _check_choice("rope_bits", self.rope_bits, ROPE_BITS)
         _check_int("group_size", self.group_size, 1)
@@ -237,7 +408,6 @@ class QuantMLAConfig(QuantizationConfigMixin):
         _check_int("sink_tokens", self.sink_tokens, 0)
         _check_int("recent_tokens", self.recent_tokens, 0)
         _check_choice("transform", self.transform, TRANSFORMS)
-        _check_choice("kernel", self.kernel, KERNELS)
         if self.calibration_data is not None and not isinstance(self.calibration_data, (str, list, tuple)):
             raise ValueError(
                 "calibration_data must be a path to a text file or a list of strings, "
@@ -247,30 +417,13 @@ class QuantMLAConfig(QuantizationConfigMixin):
             isinstance(t, str) for t in self.calibration_data
         ):
             raise ValueError("calibration_data given as a list must hold strings only")
-        _check_int("calibration_samples", self.calibration_samples, 2)
-        _check_int("calibration_seq_len", self.calibration_seq_len, 8)
-        _check_int("calibration_steps", self.calibration_steps, 0)
-        if isinstance(self.calibration_lr, bool) or not isinstance(self.calibration_lr, (int, float)) or not (
-            self.calibration_lr > 0
-        ):
-            raise ValueError(f"calibration_lr must be a positive number, got {self.calibration_lr!r}")
-        _check_int("seed", self.seed, 0)
-        if self.calibration_checkpoint_dir is not None and not (
-            isinstance(self.calibration_checkpoint_dir, str) and self.calibration_checkpoint_dir
-        ):
-            raise ValueError("calibration_checkpoint_dir must be a folder path (a non-empty string) or None, got "
-                             f"{self.calibration_checkpoint_dir!r}")
-        _check_int("cache_block_size", self.cache_block_size, 1)
-        if self.static_cache not in ("auto", True, False) or isinstance(self.static_cache, int) and not isinstance(
-            self.static_cache, bool
-        ):
-            raise ValueError(f"static_cache must be 'auto', True or False, got {self.static_cache!r}")
-        if not (self.decode_graphs == "auto" or isinstance(self.decode_graphs, bool)):
-            raise ValueError(f"decode_graphs must be 'auto', True or False, got {self.decode_graphs!r}")
-        if self.static_cache is True and self.recent_tokens < 1:
+        if not isinstance(self.advanced, AdvancedOptions):
+            raise ValueError(f"advanced must be an AdvancedOptions, got {type(self.advanced).__name__}")
+        if self.advanced.static_cache is True and self.recent_tokens < 1:
             raise ValueError(
-                "static_cache=True needs recent_tokens >= 1 (each compiled decode step is written through the recent "
-                "window), got recent_tokens=0; keep recent_tokens >= 1 or use static_cache='auto' or False"
+                "advanced static_cache=True needs recent_tokens >= 1 (each compiled decode step is written through the "
+                "recent window), got recent_tokens=0; keep recent_tokens >= 1 or use advanced={'static_cache': 'auto'} "
+                "or False"
             )
         if not isinstance(self.calibrated, bool):
             raise ValueError(f"calibrated must be True or False, got {self.calibrated!r}")
@@ -289,9 +442,10 @@ class QuantMLAConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs):
-        """The config of a dict (config.json's `quantization_config`); remembers which keys the dict held, so a
-        checkpoint's config can be checked for completeness (`check_checkpoint_config`)."""
-        config = cls(**config_dict)
+        """The config of a dict (config.json's `quantization_config`, of any `format_version` this library reads;
+        one without the key is version 1); remembers which keys the dict held, so a checkpoint's config can be
+        checked for completeness (`check_checkpoint_config`)."""
+        config = cls(**{"format_version": 1, **config_dict})
         object.__setattr__(config, "_loaded_keys", frozenset(config_dict))
         unused = {k: v for k, v in kwargs.items() if not hasattr(config, k)}
         for k, v in kwargs.items():
@@ -301,10 +455,11 @@ class QuantMLAConfig(QuantizationConfigMixin):
 
     def get_loading_attributes(self) -> dict[str, Any]:
         """What this config, passed to `from_pretrained` for an already quantized checkpoint, sets in the checkpoint's
-        config (transformers' loading attributes): every cache option given here (`explicit_options`), also one equal
-        to its default. The weight options given here cannot change weights already saved: `weight_conflicts` names
-        each one that differs from the checkpoint (the quantizer warns)."""
-        return {k: getattr(self, k) for k in CACHE_OPTIONS if k in self._explicit}
+        config (transformers' loading attributes, set with `setattr`): every cache option given here
+        (`explicit_options`), also one equal to its default, by its name in `OPTIONS` ("advanced.kernel"). The
+        weight options given here cannot change weights already saved: `weight_conflicts` names each one that
+        differs from the checkpoint (the quantizer warns)."""
+        return {k: self.option(k) for k in CACHE_OPTIONS if k in self._explicit}
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -316,21 +471,13 @@ class QuantMLAConfig(QuantizationConfigMixin):
             "sink_tokens": self.sink_tokens,
             "recent_tokens": self.recent_tokens,
             "transform": self.transform,
-            "kernel": self.kernel,
             # Calibration text can be large, and a local path means nothing elsewhere: a saved checkpoint keeps the
             # path only while calibration is still to run; once calibrated, `calibration_source` says what was used.
             "calibration_data": (
                 self.calibration_data if isinstance(self.calibration_data, str) and not self.calibrated else None
             ),
-            "calibration_samples": self.calibration_samples,
-            "calibration_seq_len": self.calibration_seq_len,
-            "calibration_steps": self.calibration_steps,
-            "calibration_lr": self.calibration_lr,
-            "seed": self.seed,
             "calibrated": self.calibrated,
-            "cache_block_size": self.cache_block_size,
-            "static_cache": self.static_cache,
-            "decode_graphs": self.decode_graphs,
+            "advanced": self.advanced.to_dict(),
         }
         out.update(copy.deepcopy(self.extra))
         return out
@@ -346,23 +493,28 @@ class QuantMLAConfig(QuantizationConfigMixin):
         return self.to_dict().get(key, default)
 
     def __repr__(self) -> str:
-        """Short: the cache name and the options that differ from the defaults; extra keys by name only."""
-        parts = [self.name]
-        for k in FIELDS:
-            if k in ("content_bits", "rope_bits"):
-                continue
-            if k == "transform":
-                parts.append(f"transform={self.transform!r}")
-                continue
+        """Short: the cache name, the transform and the options that differ from the defaults; extra keys by name."""
+        parts = [self.name, f"transform={self.transform!r}"]
+        for k in TOP_FIELDS:
             v = getattr(self, k)
             if k == "calibration_data" and isinstance(v, (list, tuple)):
-                v = f"<{len(v)} texts>"
-                parts.append(f"{k}={v}")
-            elif v != _DEFAULTS[k]:
+                parts.append(f"{k}=<{len(v)} texts>")
+            elif k not in ("content_bits", "rope_bits", "transform") and v != _DEFAULTS[k]:
                 parts.append(f"{k}={v!r}")
+        changed = {k: v for k, v in self.advanced.as_dict().items() if v != _ADVANCED_DEFAULTS[k]}
+        if changed:
+            parts.append(f"advanced={changed!r}")
         if self.extra:
             parts.append(f"extra=[{', '.join(sorted(self.extra))}]")
         return f"QuantMLAConfig({', '.join(parts)})"
+
+
+def nest_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of `QuantMLAConfig` for options named as in `OPTIONS`: {"content_bits": 2,
+    "advanced.calibration_steps": 3} -> {"content_bits": 2, "advanced": {"calibration_steps": 3}}."""
+    out = {k: v for k, v in options.items() if not k.startswith("advanced.")}
+    advanced = {k.removeprefix("advanced."): v for k, v in options.items() if k.startswith("advanced.")}
+    return {**out, "advanced": advanced} if advanced else out
 
 
 # Keys every quantization_config written by quantmla-hf holds; a checkpoint's config without one was edited.
@@ -410,21 +562,18 @@ def check_checkpoint_config(config: QuantMLAConfig) -> list[str]:
 
 def weight_conflicts(requested: QuantMLAConfig, checkpoint: QuantMLAConfig) -> dict[str, tuple[Any, Any]]:
     """The weight options given in `requested` (its `explicit_options` outside `CACHE_OPTIONS`) that differ from
-    `checkpoint`'s, as name -> (requested value, checkpoint's value): a quantized checkpoint's weights hold its
-    transform, so none of them can apply to it."""
-    given = [k for k in FIELDS if k in requested.explicit_options and k not in CACHE_OPTIONS]
-    return {k: (getattr(requested, k), getattr(checkpoint, k)) for k in given
-            if getattr(requested, k) != getattr(checkpoint, k)}
+    `checkpoint`'s, as name (as in `OPTIONS`) -> (requested value, checkpoint's value): a quantized checkpoint's
+    weights hold its transform, so none of them can apply to it."""
+    given = [k for k in OPTIONS if k in requested.explicit_options and k not in CACHE_OPTIONS]
+    return {k: (requested.option(k), checkpoint.option(k)) for k in given
+            if requested.option(k) != checkpoint.option(k)}
 
 
 def _short(value: Any) -> str:
     return f"<{len(value)} texts>" if isinstance(value, (list, tuple)) else repr(value)
 
 
-FIELDS = (
-    "content_bits", "rope_bits", "group_size", "sink_tokens", "recent_tokens", "transform", "kernel",
-    "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_steps", "calibration_lr", "seed",
-    "calibrated", "cache_block_size", "static_cache", "decode_graphs", "calibration_checkpoint_dir",
-)
 _SIGNATURE = inspect.signature(QuantMLAConfig.__init__)
-_DEFAULTS = {name: p.default for name, p in _SIGNATURE.parameters.items() if name in FIELDS}
+_DEFAULTS = {name: p.default for name, p in _SIGNATURE.parameters.items() if name in TOP_FIELDS}
+# The default of every option, by its name in `OPTIONS`.
+DEFAULTS = {**_DEFAULTS, **{f"advanced.{k}": v for k, v in _ADVANCED_DEFAULTS.items()}}

@@ -113,8 +113,8 @@ def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, t
     `qconfig.calibration_data`, else the package's default text (`calibration.defaults`), tokenized with the
     model's tokenizer.
     `qconfig` is the model's own copy (never the object a caller passed). `calibration_options` (batch_size,
-    progress, checkpoint_dir: by default `qconfig.calibration_checkpoint_dir`, so `from_pretrained` resumes too) go to
-    `quantmla_hf.calibration.calibrate`.
+    progress, checkpoint_dir: by default `qconfig.advanced.calibration_checkpoint_dir`, so `from_pretrained` resumes
+    too) go to `quantmla_hf.calibration.calibrate`.
     """
     data = calibration_data if calibration_data is not None else qconfig.calibration_data
     if qconfig.transform == "auto":
@@ -127,7 +127,7 @@ def calibrate_if_needed(model, qconfig: QuantMLAConfig, calibration_data=None, t
     check_calibration_inputs(qconfig, data, tokenizer)
     # The calibration bar follows transformers.utils.logging.disable_progress_bar() unless the caller decides.
     options = {"progress": logging.is_progress_bar_enabled(),
-               "checkpoint_dir": qconfig.calibration_checkpoint_dir, **(calibration_options or {})}
+               "checkpoint_dir": qconfig.advanced.calibration_checkpoint_dir, **(calibration_options or {})}
     calibrate(model, qconfig, data, tokenizer=tokenizer, **options)
     qconfig.calibrated = True
     if data is not None and "calibration_source" not in qconfig.extra:

@@ -48,8 +48,8 @@ class QuantMLAHfQuantizer(HfQuantizer):
                 warnings.warn(
                     "this checkpoint is already quantized; options of the QuantMLAConfig passed to from_pretrained that "
                     f"describe its weights cannot change them and are ignored: {'; '.join(ignored)}. Every cache "
-                    "option given (bits, group_size, sink/recent tokens, kernel, cache_block_size, static_cache, "
-                    "decode_graphs) does apply",
+                    "option given (bits, group_size, sink/recent tokens, and the advanced kernel, cache_block_size, "
+                    "static_cache, decode_graphs) does apply",
                     UserWarning, stacklevel=2,
                 )
 
@@ -174,9 +174,9 @@ def _merge_with_weight_conflicts(merge):
     quantizer the weight options of the config passed to `from_pretrained` that the checkpoint cannot take.
 
     transformers sets the passed config's loading attributes (`QuantMLAConfig.get_loading_attributes`: its cache
-    options) on the checkpoint's config and names them in its note; the weight options given travel on the merged
-    config object instead (`_weight_conflicts`, read by `check_checkpoint_config`), so no private name reaches that
-    note.
+    options, an advanced one as "advanced.kernel") on the checkpoint's config and names them in its note; the weight
+    options given travel on the merged config object instead (`_weight_conflicts`, read by `check_checkpoint_config`),
+    so no private name reaches that note.
     """
     def merge_quantization_configs(cls, quantization_config, quantization_config_from_args):
         merged = merge(cls, quantization_config, quantization_config_from_args)

@@ -27,7 +27,7 @@ def _prompt(batch=2, length=9, seed=1):
 
 def _cache(model, kernel, **q):
     cfg = QuantMLAConfig(content_bits=q.pop("content_bits", 4), rope_bits=q.pop("rope_bits", 4), sink_tokens=2,
-                         recent_tokens=4, kernel=kernel, transform=q.pop("transform", "none"), **q)
+                         recent_tokens=4, transform=q.pop("transform", "none"), **q, advanced={"kernel": kernel})
     return QuantMLACache(config=model.config, quantization_config=cfg)
 
 

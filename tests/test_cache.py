@@ -200,9 +200,9 @@ def test_hadamard_rope_rotation_is_transparent_at_16_bits():
 
 def _budget_ratio(content_bits, n_tokens, chunk):
     """Dense BF16 latent bytes over the bytes the cache really allocated, DeepSeek widths, one layer."""
-    q = QuantMLAConfig(content_bits=content_bits, rope_bits=4, transform="none", kernel="torch")
+    q = QuantMLAConfig(content_bits=content_bits, rope_bits=4, transform="none", advanced={"kernel": "torch"})
     fmt = CacheFormat(PathFormat(512, content_bits, 64), PathFormat(64, 4, 64), q.sink_tokens, q.recent_tokens)
-    layer = QuantMLALayer(fmt, kernel="torch", block_size=q.cache_block_size)
+    layer = QuantMLALayer(fmt, kernel="torch", block_size=q.advanced.cache_block_size)
     gen = torch.Generator().manual_seed(0)
     for start in range(0, n_tokens, chunk):
         n = min(chunk, n_tokens - start)
@@ -282,7 +282,7 @@ def test_cache_reports_bytes_per_token():
     model = tiny_mla_model("minicpm3")
     install_cache_hooks(model)
     ids, mask = _left_padded_batch()
-    cache = QuantMLACache(config=model.config, quantization_config=QuantMLAConfig(cache_block_size=16))
+    cache = QuantMLACache(config=model.config, quantization_config=QuantMLAConfig(advanced={"cache_block_size": 16}))
     _generate(model, ids, mask, cache)
     fmt = cache.format
     per_layer = fmt.persistent_bytes(cache.get_seq_length(), torch.float32, block_size=16)

@@ -18,7 +18,8 @@ from quantmla_hf.cache.growing import LEGACY_POSITIVE_CROP
 from quantmla_hf.tiny_models import tiny_config, tiny_mla_model
 
 D_C, D_R = 64, 16
-EXACT = dict(content_bits=16, rope_bits=16, sink_tokens=2, recent_tokens=3, kernel="torch", transform="none")
+EXACT = dict(content_bits=16, rope_bits=16, sink_tokens=2, recent_tokens=3, transform="none",
+             advanced={"kernel": "torch"})
 
 
 def _pair(batch=2, n=9, seed=0):
@@ -159,7 +160,7 @@ def models():
     for name, cfg in {
         "c16": QuantMLAConfig(**EXACT),
         "c4": QuantMLAConfig(content_bits=4, rope_bits=4, group_size=16, sink_tokens=2, recent_tokens=4,
-                             kernel="torch", transform="none"),
+                             transform="none", advanced={"kernel": "torch"}),
     }.items():
         out[name] = apply_quantmla(tiny_mla_model("deepseek_v3", seed=0), cfg)
     out["assistant"] = apply_quantmla(tiny_mla_model("deepseek_v3", seed=0), QuantMLAConfig(**EXACT))

@@ -79,8 +79,8 @@ def test_learned_beats_rtn_and_objectives_fall(base, content_bits, gain):
     rtn = quantized_attention_error(model, test_ids, content_bits, 4, 64)
     decode_ids = ids(4, seed=5, t=40)
     rtn_decode = decode_error(model, decode_ids, content_bits)
-    cfg = QuantMLAConfig(transform="learned",
-                         content_bits=content_bits, rope_bits=4, calibration_steps=40, calibration_lr=1e-2)
+    cfg = QuantMLAConfig(transform="learned", content_bits=content_bits, rope_bits=4,
+                         advanced={"calibration_steps": 40, "calibration_lr": 1e-2})
     calibrate(model, cfg, ids(16, seed=0), batch_size=4, progress=False)
     learned = quantized_attention_error(model, test_ids, content_bits, 4, 64)
     assert rel(logits(model, test_ids), ref) <= 1e-5  # the fused model computes the same function
@@ -125,8 +125,8 @@ def test_a_16_bit_rope_path_learns_only_the_content_path():
     x = ids(6, seed=0, t=16)
     model = tiny_mla_model("deepseek_v3")
     ref = logits(model, x)
-    cfg = QuantMLAConfig(transform="learned",
-                         content_bits=2, rope_bits=16, group_size=16, calibration_steps=2, calibration_seq_len=16)
+    cfg = QuantMLAConfig(transform="learned", content_bits=2, rope_bits=16, group_size=16,
+                         advanced={"calibration_steps": 2, "calibration_seq_len": 16})
     calibrate(model, cfg, x, batch_size=3, progress=True)
     assert all(set(entry) >= {"content"} and "rope" not in entry for entry in cfg.extra["calibration"]["layers"])
     assert rel(logits(model, x), ref) <= 1e-5
@@ -142,7 +142,8 @@ def test_offloaded_attention_weights_are_calibrated_and_written_back(offload, tm
     from quantmla_hf.calibration.offload import materialized
 
     x = ids(6, seed=0, t=16)
-    cfg = dict(transform="learned", content_bits=2, group_size=16, calibration_steps=2, calibration_seq_len=16)
+    cfg = dict(transform="learned", content_bits=2, group_size=16,
+               advanced={"calibration_steps": 2, "calibration_seq_len": 16})
     resident = tiny_mla_model("deepseek_v3")
     ref = logits(resident, x)
     calibrate(resident, QuantMLAConfig(**cfg), x, batch_size=3, progress=False)
@@ -177,8 +178,8 @@ def test_longcat_is_deterministic_and_keeps_its_function():
     runs = []
     for _ in range(2):
         model = tiny_mla_model("longcat_flash")
-        cfg = QuantMLAConfig(transform="learned",
-                             content_bits=2, group_size=16, calibration_steps=4, calibration_seq_len=16)
+        cfg = QuantMLAConfig(transform="learned", content_bits=2, group_size=16,
+                             advanced={"calibration_steps": 4, "calibration_seq_len": 16})
         calibrate(model, cfg, x, batch_size=3, progress=False)
         assert len(cfg.extra["calibration"]["layers"]) == 4
         assert rel(logits(model, x), ref) <= 1e-5

@@ -46,7 +46,8 @@ def test_auto_learns_from_the_default_text_with_the_models_tokenizer(tokenizer):
 
 def test_quantize_without_text_calibrates_on_the_default_text(tokenizer):
     model = tiny_mla_model("deepseek_v3", seed=3, vocab_size=len(tokenizer))
-    cfg = QuantMLAConfig(transform="learned", calibration_samples=4, calibration_seq_len=64, calibration_steps=2)
+    cfg = QuantMLAConfig(transform="learned",
+                         advanced={"calibration_samples": 4, "calibration_seq_len": 64, "calibration_steps": 2})
     calibrate(model, cfg, tokenizer=tokenizer, progress=False)
     record = cfg.extra["calibration"]
     assert record["transform"] == "learned" and record["windows"] == [4, 64]
@@ -57,7 +58,8 @@ def test_quantize_without_text_calibrates_on_the_default_text(tokenizer):
 
 @pytest.mark.skipif("auto" not in TRANSFORMS, reason="this QuantMLAConfig does not take transform='auto'")
 def test_auto_config_resolves_to_learned_on_the_default_text(tokenizer):
-    cfg = QuantMLAConfig(transform="auto", calibration_samples=4, calibration_seq_len=64, calibration_steps=2)
+    cfg = QuantMLAConfig(transform="auto",
+                         advanced={"calibration_samples": 4, "calibration_seq_len": 64, "calibration_steps": 2})
     calibrate(tiny_mla_model("deepseek_v3", seed=3, vocab_size=len(tokenizer)), cfg, tokenizer=tokenizer,
              progress=False)
     assert cfg.transform == "learned" and "default calibration text" in cfg.extra["transform_choice"]
@@ -71,7 +73,7 @@ def test_from_pretrained_with_the_default_config_learns_on_the_default_text(toke
 
     tiny_mla_model("deepseek_v3", seed=4, vocab_size=len(tokenizer)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    config = QuantMLAConfig(calibration_samples=4, calibration_seq_len=64, calibration_steps=2)
+    config = QuantMLAConfig(advanced={"calibration_samples": 4, "calibration_seq_len": 64, "calibration_steps": 2})
     assert config.transform == "auto"
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)
     saved = model.config.quantization_config

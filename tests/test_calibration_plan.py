@@ -105,7 +105,8 @@ def test_library_recipe_learns_and_says_its_cost_and_a_shorter_recipe_before_sta
     assert (f"calibrating 2 of 2 decoder layers (learned): {n} windows of 512 tokens ({n * 512:,} tokens), 100 Adam "
             "steps per layer and path at learning rate 0.005") in lines[0]
     assert "estimated" in lines[0] and "s per layer" in lines[0] and record["estimated_seconds"] > 0
-    assert "calibration_samples=32, calibration_seq_len=256, calibration_steps=50, calibration_lr=0.01" in lines[0]
+    assert ("advanced={'calibration_samples': 32, 'calibration_seq_len': 256, 'calibration_steps': 50, "
+            "'calibration_lr': 0.01}") in lines[0]
     assert all(layer["threads"] >= 1 for layer in record["layers"])
     for path in ("content", "rope"):  # it learned: below RTN on its held-out windows in every layer
         assert all(layer[path]["heldout_best"] < layer[path]["heldout_rtn"] for layer in record["layers"])
@@ -113,14 +114,15 @@ def test_library_recipe_learns_and_says_its_cost_and_a_shorter_recipe_before_sta
 
 def test_recipe_options_given_are_used_and_no_shorter_recipe_is_offered(tokenizer, caplog):
     model = _tiny()
-    cfg = QuantMLAConfig(transform="learned", calibration_steps=3, calibration_samples=8, calibration_seq_len=64)
+    cfg = QuantMLAConfig(transform="learned",
+                         advanced={"calibration_steps": 3, "calibration_samples": 8, "calibration_seq_len": 64})
     with caplog.at_level(logging.WARNING, logger="quantmla_hf.calibration.pipeline"):
         calibrate(model, cfg, _texts(), tokenizer=tokenizer, progress=False)
     record = cfg.extra["calibration"]
     assert record["windows"] == [8, 64] and record["steps"] == 3 and record["lr"] == 5e-3
-    assert "calibration_samples=32" not in _pipeline_lines(caplog)[0]
+    assert "'calibration_samples': 32" not in _pipeline_lines(caplog)[0]
     assert plan.short_recipe_hint(QuantMLAConfig(), torch.device("cpu")) is not None
-    assert plan.short_recipe_hint(QuantMLAConfig(calibration_lr=5e-3), torch.device("cpu")) is None
+    assert plan.short_recipe_hint(QuantMLAConfig(advanced={"calibration_lr": 5e-3}), torch.device("cpu")) is None
     assert plan.short_recipe_hint(QuantMLAConfig(), torch.device("cuda")) is None
 
 
@@ -153,11 +155,10 @@ def test_from_pretrained_calibration_resumes_from_its_checkpoint_dir(tmp_path, t
     tokenizer.save_pretrained(tmp_path / "model")
     text = tmp_path / "calib.txt"
     text.write_text(_texts()[0])
-    options = dict(transform="learned", calibration_data=str(text), calibration_samples=8, calibration_seq_len=64,
-                   calibration_steps=4)
+    recipe = dict(calibration_samples=8, calibration_seq_len=64, calibration_steps=4)
 
-    def load(**extra):
-        cfg = QuantMLAConfig(**options, **extra)
+    def load(**advanced):
+        cfg = QuantMLAConfig(transform="learned", calibration_data=str(text), advanced={**recipe, **advanced})
         return AutoModelForCausalLM.from_pretrained(tmp_path / "model", quantization_config=cfg)
 
     whole = load()
@@ -176,7 +177,8 @@ def test_from_pretrained_calibration_resumes_from_its_checkpoint_dir(tmp_path, t
     resumed = load(calibration_checkpoint_dir=ckpt)
     layers = resumed.config.quantization_config.extra["calibration"]["layers"]
     assert [layer.get("resumed", False) for layer in layers] == [True, False]
-    assert "calibration_checkpoint_dir" not in resumed.config.quantization_config.to_dict()  # never in config.json
+    saved = resumed.config.quantization_config.to_dict()
+    assert "calibration_checkpoint_dir" not in {**saved, **saved["advanced"]}  # never in config.json
     expected = whole.state_dict()
     for name, value in resumed.state_dict().items():
         assert torch.equal(value, expected[name]), name
@@ -184,6 +186,6 @@ def test_from_pretrained_calibration_resumes_from_its_checkpoint_dir(tmp_path, t
 
 def test_checkpoint_dir_option_is_validated():
     with pytest.raises(ValueError, match="calibration_checkpoint_dir must be a folder path"):
-        QuantMLAConfig(calibration_checkpoint_dir="")
+        QuantMLAConfig(advanced={"calibration_checkpoint_dir": ""})
     with pytest.raises(ValueError, match="calibration_checkpoint_dir must be a folder path"):
-        QuantMLAConfig(calibration_checkpoint_dir=3)
+        QuantMLAConfig(advanced={"calibration_checkpoint_dir": 3})

@@ -124,9 +124,8 @@ def test_learning_with_protection_lowers_the_error_on_unseen_windows_and_beats_r
     base = planted()
     model = copy.deepcopy(base)
     sink, recent = 2, 6
-    cfg = QuantMLAConfig(transform="learned",
-                         content_bits=2, rope_bits=4, sink_tokens=sink, recent_tokens=recent, calibration_steps=30,
-                         calibration_lr=1e-2)
+    cfg = QuantMLAConfig(transform="learned", content_bits=2, rope_bits=4, sink_tokens=sink, recent_tokens=recent,
+                         advanced={"calibration_steps": 30, "calibration_lr": 1e-2})
     calibrate(model, cfg, ids(12, seed=0, t=40), batch_size=4, progress=False, calibration_protection="on")
     record = cfg.extra["calibration"]
     assert record["protection_modelled"] == [sink, recent]

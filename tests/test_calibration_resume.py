@@ -18,9 +18,9 @@ from quantmla_hf.tiny_models import tiny_mla_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _cfg(**kw):
-    return QuantMLAConfig(**{"content_bits": 2, "rope_bits": 4, "transform": "learned", "calibration_steps": 6,
-                             "calibration_lr": 1e-2, **kw})
+def _cfg(**advanced):
+    return QuantMLAConfig(content_bits=2, rope_bits=4, transform="learned",
+                          advanced={"calibration_steps": 6, "calibration_lr": 1e-2, **advanced})
 
 
 def _attention_state(model):

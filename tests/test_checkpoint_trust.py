@@ -87,9 +87,10 @@ def test_incomplete_config_gets_accurate_advice_not_recalibration(checkpoint, tm
 
 def test_cache_options_passed_beside_a_checkpoint_take_effect(checkpoint):
     model = AutoModelForCausalLM.from_pretrained(
-        checkpoint, quantization_config=QuantMLAConfig(content_bits=2, recent_tokens=8, kernel="torch"))
+        checkpoint, quantization_config=QuantMLAConfig(content_bits=2, recent_tokens=8, advanced={"kernel": "torch"}))
     qconfig = model.config.quantization_config
-    assert (qconfig.name, qconfig.recent_tokens, qconfig.kernel, qconfig.sink_tokens) == ("C2R4", 8, "torch", 1)
+    assert (qconfig.name, qconfig.recent_tokens, qconfig.sink_tokens) == ("C2R4", 8, 1)
+    assert qconfig.advanced.kernel == "torch"
     cache = build_cache(model)
     assert isinstance(cache, QuantMLACache) and cache.quantization_config.content_bits == 2
     with torch.no_grad():
@@ -101,9 +102,10 @@ def test_cache_options_passed_beside_a_checkpoint_take_effect(checkpoint):
 def test_weight_options_passed_beside_a_checkpoint_are_named_in_a_warning(checkpoint):
     with pytest.warns(UserWarning, match="ignored") as record:
         model = AutoModelForCausalLM.from_pretrained(
-            checkpoint, quantization_config=QuantMLAConfig(content_bits=2, transform="hadamard", calibration_steps=5))
+            checkpoint, quantization_config=QuantMLAConfig(content_bits=2, transform="hadamard",
+                                                           advanced={"calibration_steps": 5}))
     message = " ".join(str(w.message) for w in record)
-    assert "transform='hadamard' (the checkpoint has 'none')" in message and "calibration_steps=5" in message
+    assert "transform='hadamard' (the checkpoint has 'none')" in message and "advanced.calibration_steps=5" in message
     assert model.config.quantization_config.transform == "none" and model.config.quantization_config.content_bits == 2
 
 

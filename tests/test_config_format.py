@@ -14,10 +14,10 @@ from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_config
         (dict(rope_bits=2), "rope_bits must be one of 4, 8, 16, got 2"),
         (dict(group_size=48), "group_size must be a power of two"),
         (dict(transform="gptq"), "transform must be one of 'auto', 'learned', 'hadamard', 'smooth', 'none', got 'gptq'"),
-        (dict(kernel="cuda"), "kernel must be one of 'auto', 'triton', 'torch', got 'cuda'"),
+        (dict(advanced={"kernel": "cuda"}), "advanced.kernel must be one of 'auto', 'triton', 'torch', got 'cuda'"),
         (dict(sink_tokens=-1), "sink_tokens must be an integer >= 0, got -1"),
         (dict(calibration_data=3), "calibration_data must be a path to a text file or a list of strings"),
-        (dict(calibration_lr=0), "calibration_lr must be a positive number"),
+        (dict(advanced={"calibration_lr": 0}), "advanced.calibration_lr must be a positive number"),
     ],
 )
 def test_config_errors_name_value_and_choices(kwargs, message):
@@ -70,7 +70,7 @@ def test_non_mla_model_is_refused_with_reason():
         (dict(content_bits=4.0), "content_bits must be one of 2, 4, 8, 16, got 4.0"),
         (dict(rope_bits=True), "rope_bits must be one of 4, 8, 16, got True"),
         (dict(group_size=64.0), "group_size must be an integer >= 1, got 64.0"),
-        (dict(calibration_lr=True), "calibration_lr must be a positive number"),
+        (dict(advanced={"calibration_lr": True}), "advanced.calibration_lr must be a positive number"),
         (dict(calibrated="yes"), "calibrated must be True or False"),
     ],
 )
@@ -124,7 +124,8 @@ def test_static_cache_option_is_validated_and_round_trips():
     from quantmla_hf import QuantMLAConfig
 
     for choice in ("auto", True, False):
-        assert QuantMLAConfig.from_dict(QuantMLAConfig(static_cache=choice).to_dict()).static_cache == choice
+        saved = QuantMLAConfig(advanced={"static_cache": choice}).to_dict()
+        assert QuantMLAConfig.from_dict(saved).advanced.static_cache == choice
     for bad in (1, 0, "yes", None):
-        with pytest.raises(ValueError, match="static_cache must be 'auto', True or False"):
-            QuantMLAConfig(static_cache=bad)
+        with pytest.raises(ValueError, match="advanced.static_cache must be 'auto', True or False"):
+            QuantMLAConfig(advanced={"static_cache": bad})

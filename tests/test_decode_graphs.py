@@ -23,8 +23,9 @@ from quantmla_hf.generation.plan import first_cache_length
 from quantmla_hf.tiny_models import tiny_mla_model
 
 
-def _qconfig(**kw):
-    return QuantMLAConfig(content_bits=4, rope_bits=4, transform="none", recent_tokens=8, sink_tokens=2, **kw)
+def _qconfig(**advanced):
+    return QuantMLAConfig(content_bits=4, rope_bits=4, transform="none", recent_tokens=8, sink_tokens=2,
+                          advanced=advanced)
 
 
 def _model(layers=2, **kw):
@@ -122,17 +123,18 @@ def test_static_cache_grows_in_place_and_decodes_as_the_growing_cache():
 # ------------------------------------------------------------------------------------------------ decisions
 def test_decode_graphs_option_is_validated_and_saved():
     for choice in ("auto", True, False):
-        assert QuantMLAConfig.from_dict(QuantMLAConfig(decode_graphs=choice).to_dict()).decode_graphs == choice
+        saved = QuantMLAConfig(advanced={"decode_graphs": choice}).to_dict()
+        assert QuantMLAConfig.from_dict(saved).advanced.decode_graphs == choice
     for bad in ("yes", 1, None):
-        with pytest.raises(ValueError, match="decode_graphs must be 'auto', True or False"):
-            QuantMLAConfig(decode_graphs=bad)
+        with pytest.raises(ValueError, match="advanced.decode_graphs must be 'auto', True or False"):
+            QuantMLAConfig(advanced={"decode_graphs": bad})
 
 
 def test_plan_decode_decisions():
     model = _model()
     greedy = GenerationConfig(max_new_tokens=4)
     assert dg.plan_decode(model, _qconfig(), greedy, "greedy_search") == dg.DecodePlan(False)  # CPU: silent
-    with pytest.raises(ValueError, match="decode_graphs=True cannot be honoured: the model is on the CPU"):
+    with pytest.raises(ValueError, match="advanced decode_graphs=True cannot be honoured: the model is on the CPU"):
         dg.plan_decode(model, _qconfig(decode_graphs=True), greedy, "greedy_search")
     model.hf_device_map = {"": 0}  # one GPU
     assert dg.plan_decode(model, _qconfig(), greedy, "greedy_search") == dg.DecodePlan(True)
@@ -147,7 +149,8 @@ def test_plan_decode_decisions():
     assert "assisted generation" in assisted.reason
     weights = dg.plan_decode(model, _qconfig(), GenerationConfig(output_attentions=True), "greedy_search")
     assert "attention weights" in weights.reason
-    assert "static_cache=False" in dg.plan_decode(model, _qconfig(static_cache=False), greedy, "sample").reason
+    no_static = dg.plan_decode(model, _qconfig(static_cache=False), greedy, "sample")
+    assert "advanced static_cache=False" in no_static.reason
     assert "recent_tokens is 0" in dg.plan_decode(
         model, QuantMLAConfig(transform="none", recent_tokens=0), greedy, "sample").reason
     model.hf_device_map = {"": 0, "model.layers.1": 1}  # two GPUs: one graph per device segment

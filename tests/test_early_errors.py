@@ -6,6 +6,7 @@ Each checkpoint here has a corrupt model.safetensors: an error about the inputs 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,7 +89,7 @@ def test_cli_unreadable_calibration_file(corrupt_dir, tmp_path, capsys, binary_f
 
 def test_from_pretrained_checks_calibration_text_before_loading(corrupt_dir, binary_file):
     short = QuantMLAConfig(transform="learned", calibration_data=str(CALIBRATION_TEXT))
-    with pytest.raises(ValueError, match="fewer than 2 windows of calibration_seq_len=512"):
+    with pytest.raises(ValueError, match=re.escape("fewer than 2 windows of advanced={'calibration_seq_len': 512}")):
         AutoModelForCausalLM.from_pretrained(corrupt_dir, quantization_config=short)
     with pytest.raises(ValueError, match="is binary"):
         AutoModelForCausalLM.from_pretrained(corrupt_dir, quantization_config=QuantMLAConfig(transform="learned", calibration_data=str(binary_file)))

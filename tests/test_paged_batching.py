@@ -22,7 +22,7 @@ ARRIVALS = (0, 0, 2, 3)
 
 def qconfig(bits, kernel="torch"):
     return QuantMLAConfig(content_bits=bits, rope_bits=bits, group_size=16, sink_tokens=2, recent_tokens=4,
-                          kernel=kernel, transform="none")
+                          transform="none", advanced={"kernel": kernel})
 
 
 def prompts(seed=1, lens=PROMPT_LENS):

@@ -50,7 +50,7 @@ def test_budget_holds_more_c4r4_tokens_than_bf16_latent():
 def _cache(bits, page_size=4, num_pages=40, max_requests=4, sink=2, recent=5, model="deepseek_v3", kernel="torch"):
     def qconfig(kernel):
         return QuantMLAConfig(content_bits=bits, rope_bits=max(bits, 4), sink_tokens=sink, recent_tokens=recent,
-                              kernel=kernel)
+                              advanced={"kernel": kernel})
 
     config = tiny_config(model)
     paged = PagedQuantMLACache(config, qconfig(kernel), page_size=page_size, max_requests=max_requests,

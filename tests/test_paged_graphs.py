@@ -29,7 +29,7 @@ class BufferReplay(PagedDecodeGraphs):
 
 def qconfig(bits, kernel="torch"):
     return QuantMLAConfig(content_bits=bits, rope_bits=bits, group_size=16, sink_tokens=2, recent_tokens=4,
-                          kernel=kernel, transform="none")
+                          transform="none", advanced={"kernel": kernel})
 
 
 def alone(model, prompt, n):

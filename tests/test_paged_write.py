@@ -14,8 +14,8 @@ from helpers import KERNEL_DEVICE, to_device
 
 
 def _cache(cb, rb, kernel, device):
-    qc = QuantMLAConfig(content_bits=cb, rope_bits=rb, group_size=16, sink_tokens=3, recent_tokens=5, kernel=kernel,
-                        transform="none")
+    qc = QuantMLAConfig(content_bits=cb, rope_bits=rb, group_size=16, sink_tokens=3, recent_tokens=5, transform="none",
+                        advanced={"kernel": kernel})
     return PagedQuantMLACache(tiny_config("deepseek_v3"), qc, page_size=4, max_requests=3, num_pages=24,
                               dtype=torch.bfloat16, device=device)
 

@@ -24,7 +24,7 @@ def _changed(before, model):
 
 
 def test_a_config_reused_for_a_second_model_calibrates_it_too():
-    cfg = QuantMLAConfig(transform="hadamard", group_size=16, kernel="torch")
+    cfg = QuantMLAConfig(transform="hadamard", group_size=16, advanced={"kernel": "torch"})
     first, second = tiny_mla_model(seed=0), tiny_mla_model(seed=1)
     before_first, before_second = _kv_b(first), _kv_b(second)
     apply_quantmla(first, cfg)
@@ -38,7 +38,7 @@ def test_a_config_reused_for_a_second_model_calibrates_it_too():
 
 def test_from_pretrained_does_not_change_the_config_passed(tmp_path):
     tiny_mla_model(seed=3).save_pretrained(tmp_path)
-    cfg = QuantMLAConfig(transform="hadamard", group_size=16, kernel="torch")
+    cfg = QuantMLAConfig(transform="hadamard", group_size=16, advanced={"kernel": "torch"})
     a = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=cfg)
     assert cfg.calibrated is False
     b = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=cfg)
@@ -62,8 +62,9 @@ def base_dir(tmp_path_factory):
 def test_quantize_gives_a_quantized_model_that_saves_as_one(base_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(base_dir)
     text = CALIBRATION_TEXT.read_text(encoding="utf-8")
-    cfg = QuantMLAConfig(transform="learned", content_bits=2, group_size=16, calibration_samples=4,
-                         calibration_seq_len=16, calibration_steps=2, kernel="torch")
+    cfg = QuantMLAConfig(transform="learned", content_bits=2, group_size=16,
+                         advanced={"calibration_samples": 4, "calibration_seq_len": 16, "calibration_steps": 2,
+                                   "kernel": "torch"})
     # No tokenizer argument: the checkpoint's own tokenizer is found.
     out = quantmla_hf.quantize(model, cfg, [text[:2400]], progress=False)
     assert out is model and not cfg.calibrated
@@ -85,7 +86,7 @@ def test_quantize_gives_a_quantized_model_that_saves_as_one(base_dir, tmp_path):
 def test_the_old_two_step_idiom_is_refused_not_fused_twice():
     """Before, `quantize` only calibrated and `apply_quantmla(model, cfg)` followed; now the second call would fuse
     a second transform on top of the first, so it says what changed instead."""
-    cfg = QuantMLAConfig(transform="hadamard", group_size=16, kernel="torch")
+    cfg = QuantMLAConfig(transform="hadamard", group_size=16, advanced={"kernel": "torch"})
     model = quantmla_hf.quantize(tiny_mla_model(seed=0), cfg)
     with pytest.raises(ValueError, match="already quantized with QuantMLA.*does the whole job"):
         apply_quantmla(model, cfg)

@@ -20,7 +20,7 @@ FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "min
 
 def small_config(**kw) -> QuantMLAConfig:
     """C4R4 RTN with windows small enough that short generations read dequantized history."""
-    base = dict(transform="none", group_size=16, sink_tokens=1, recent_tokens=2, kernel="torch")
+    base = dict(transform="none", group_size=16, sink_tokens=1, recent_tokens=2, advanced={"kernel": "torch"})
     return QuantMLAConfig(**{**base, **kw})
 
 

@@ -124,7 +124,7 @@ def test_shapes_config_and_generation_with_the_quantmla_cache(convert, tmp_path)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, as in the source
 
     model = model.to(torch.float32)
-    qcfg = QuantMLAConfig(content_bits=4, rope_bits=4, sink_tokens=2, recent_tokens=4, kernel="torch")
+    qcfg = QuantMLAConfig(content_bits=4, rope_bits=4, sink_tokens=2, recent_tokens=4, advanced={"kernel": "torch"})
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(5))
     cache = QuantMLACache(config=model.config, quantization_config=qcfg)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

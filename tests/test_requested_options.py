@@ -59,9 +59,10 @@ def test_the_config_remembers_what_was_given_not_what_differs():
     cfg = QuantMLAConfig(content_bits=4, recent_tokens=128, transform="none")
     assert cfg.explicit_options == {"content_bits", "recent_tokens", "transform"}
     cfg.update(sink_tokens=4)
-    cfg.kernel = "auto"
-    assert cfg.explicit_options == {"content_bits", "recent_tokens", "transform", "sink_tokens", "kernel"}
-    assert cfg.get_loading_attributes() == {"content_bits": 4, "recent_tokens": 128, "sink_tokens": 4, "kernel": "auto"}
+    cfg.advanced = {"kernel": "auto"}
+    assert cfg.explicit_options == {"content_bits", "recent_tokens", "transform", "sink_tokens", "advanced.kernel"}
+    assert cfg.get_loading_attributes() == {"content_bits": 4, "recent_tokens": 128, "sink_tokens": 4,
+                                            "advanced.kernel": "auto"}
     assert QuantMLAConfig().explicit_options == frozenset() and QuantMLAConfig().get_loading_attributes() == {}
     assert QuantMLAConfig(4).explicit_options == {"content_bits"}  # positional too
 
@@ -88,11 +89,12 @@ def test_copy_and_dict_round_trips_keep_the_options_and_no_private_field():
 
 
 def test_cache_options_equal_to_the_defaults_apply_to_a_checkpoint(c2_checkpoint):
-    requested = QuantMLAConfig(content_bits=4, recent_tokens=128, group_size=64, decode_graphs=False)
+    requested = QuantMLAConfig(content_bits=4, recent_tokens=128, group_size=64, advanced={"decode_graphs": False})
     model, caught = load(c2_checkpoint, requested)
     assert not [m for m in caught if "QuantMLAConfig" in m], caught  # all run-time options: nothing is ignored
     qconfig = model.config.quantization_config
-    assert (qconfig.name, qconfig.recent_tokens, qconfig.group_size, qconfig.decode_graphs) == ("C4R4", 128, 64, False)
+    assert (qconfig.name, qconfig.recent_tokens, qconfig.group_size, qconfig.advanced.decode_graphs) == \
+        ("C4R4", 128, 64, False)
     with torch.no_grad():
         out = model.generate(torch.arange(3, 24)[None], max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     cache = generated_cache(out).quantization_config
@@ -101,7 +103,7 @@ def test_cache_options_equal_to_the_defaults_apply_to_a_checkpoint(c2_checkpoint
 
 def test_a_weight_option_differing_from_the_checkpoint_is_named_and_private_names_stay_out(c2_checkpoint,
                                                                                            transformers_log):
-    model, caught = load(c2_checkpoint, QuantMLAConfig(transform="hadamard", content_bits=4, seed=0))
+    model, caught = load(c2_checkpoint, QuantMLAConfig(transform="hadamard", content_bits=4, advanced={"seed": 0}))
     ours = [m for m in caught if "already quantized" in m]
     assert len(ours) == 1 and "transform='hadamard' (the checkpoint has 'none')" in ours[0]
     assert "seed" not in ours[0]  # given, but equal to the checkpoint's

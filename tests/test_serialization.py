@@ -67,7 +67,7 @@ def test_learned_calibration_from_text_then_reload_without_it(tmp_path):
     text = CALIBRATION_TEXT.read_text(encoding="utf-8")
     strings = [text[i : i + 400] for i in range(0, 2400, 400)]
     qconfig = QuantMLAConfig(transform="learned", content_bits=2, group_size=16, calibration_data=strings,
-                             calibration_samples=4, calibration_seq_len=16, calibration_steps=2)
+                             advanced={"calibration_samples": 4, "calibration_seq_len": 16, "calibration_steps": 2})
     model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=qconfig)
     assert model.config.quantization_config.calibrated
     fused = [n for n, p in model.named_parameters() if "kv_b_proj" in n and not torch.equal(p, dict(base.named_parameters())[n])]

@@ -34,8 +34,8 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("served")
     model = apply_quantmla(
         tiny_mla_model("deepseek_v3", seed=5, vocab_size=8192),
-        QuantMLAConfig(content_bits=4, rope_bits=4, group_size=16, sink_tokens=2, recent_tokens=8, kernel="torch",
-                       transform="none"),
+        QuantMLAConfig(content_bits=4, rope_bits=4, group_size=16, sink_tokens=2, recent_tokens=8, transform="none",
+                       advanced={"kernel": "torch"}),
     )
     model.generation_config.do_sample = False
     model.generation_config.eos_token_id = None

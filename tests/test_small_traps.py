@@ -50,7 +50,8 @@ def calibrated(tmp_path_factory):
     tiny_mla_model("deepseek_v3", seed=4, vocab_size=len(tokenizer)).save_pretrained(base)
     tokenizer.save_pretrained(base)
     cfg = QuantMLAConfig(transform="smooth", content_bits=2, group_size=16, calibration_data=str(CALIBRATION_TEXT),
-                         calibration_samples=16, calibration_seq_len=64, calibration_steps=1, kernel="torch")
+                         advanced={"calibration_samples": 16, "calibration_seq_len": 64, "calibration_steps": 1,
+                                   "kernel": "torch"})
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=cfg)
     out = tmp_path_factory.mktemp("quant")
     model.save_pretrained(out)

@@ -26,7 +26,7 @@ NEW_TOKENS = 40
 
 def _model(recent: int, content_bits: int):
     config = QuantMLAConfig(transform="none", content_bits=content_bits, rope_bits=4, group_size=16, sink_tokens=2,
-                            recent_tokens=recent, kernel="torch")
+                            recent_tokens=recent, advanced={"kernel": "torch"})
     return apply_quantmla(tiny_mla_model("deepseek_v3", seed=11, num_hidden_layers=2), config)
 
 

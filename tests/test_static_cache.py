@@ -29,9 +29,9 @@ from helpers import CACHE_KWARG, KERNEL_DEVICE, assert_close, to_device
 from test_mla_decode import LSE_ABS, OUT_RATIO, random_case
 
 
-def _qconfig(kernel="torch", **kw):
-    return QuantMLAConfig(content_bits=4, rope_bits=4, sink_tokens=2, recent_tokens=4, kernel=kernel,
-                          transform="none", **kw)
+def _qconfig(kernel="torch", **advanced):
+    return QuantMLAConfig(content_bits=4, rope_bits=4, sink_tokens=2, recent_tokens=4, transform="none",
+                          advanced={"kernel": kernel, **advanced})
 
 
 def _prompt(batch=2, length=9, seed=1):
@@ -54,7 +54,7 @@ def _gen_kwargs(mask, new_tokens):
 
 # ---------------------------------------------------------------------------------------- compiled decode
 def test_compiled_generate_matches_eager_without_recompiles():
-    """generate builds the static cache itself (static_cache=True) and compiles the decode step with
+    """generate builds the static cache itself (advanced static_cache=True) and compiles the decode step with
     fullgraph=True: DeepSeek-V2 (complex-number RoPE), a 250-token prompt decoding across position 256 and across
     the recent window (4 tokens), logits of the eager QuantMLACache, one graph for every step and for a second
     call of the same shape, the host-side length right after each call."""
@@ -343,7 +343,7 @@ def test_cuda_graph_decode_matches_eager(model_type):
     ids, mask = ids.cuda(), mask.cuda()
     q = dict(content_bits=4, rope_bits=4, sink_tokens=2, recent_tokens=4, transform="none")
     eager = apply_quantmla(tiny_mla_model(model_type, num_hidden_layers=1, dtype=torch.bfloat16).cuda(),
-                           QuantMLAConfig(static_cache=False, **q))
+                           QuantMLAConfig(**q, advanced={"static_cache": False}))
     ref = eager.generate(ids, **_gen_kwargs(mask, 8))
     model = apply_quantmla(tiny_mla_model(model_type, num_hidden_layers=1, dtype=torch.bfloat16).cuda(),
                            QuantMLAConfig(**q))

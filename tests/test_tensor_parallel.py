@@ -148,7 +148,8 @@ def tp_run(tmp_path_factory):
     fused = str(root / "fused")
     calibration_ids = torch.randint(2, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     model = apply_quantmla(AutoModelForCausalLM.from_pretrained(paths["deepseek_v2"]),
-                           qconfig(4, transform="learned", calibration_steps=4), calibration_data=calibration_ids)
+                           qconfig(4, transform="learned", advanced={"calibration_steps": 4}),
+                           calibration_data=calibration_ids)
     model.save_pretrained(fused)
     references = {name: greedy(AutoModelForCausalLM.from_pretrained(path, quantization_config=qconfig(bits)))
                   for name, path, bits, _ in cases(paths)}

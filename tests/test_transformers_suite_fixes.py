@@ -19,7 +19,7 @@ from helpers import CACHE_KWARG, assert_close
 
 def c4r4(**kw) -> QuantMLAConfig:
     base = dict(content_bits=4, rope_bits=4, transform="none", group_size=8, sink_tokens=1, recent_tokens=4,
-                kernel="torch")
+                advanced={"kernel": "torch"})
     return QuantMLAConfig(**{**base, **kw})
 
 

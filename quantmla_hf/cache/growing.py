@@ -69,7 +69,7 @@ class QuantMLALayer(CacheLayerMixin):
 
     Args:
         fmt: cache format (both paths, sink and recent sizes).
-        kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.kernel`).
+        kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.advanced.kernel`).
         block_size: allocation granularity of the packed planes, in tokens.
         rope_rotation: optional `[d_R, d_R]` online rotation of the RoPE key (Hadamard baseline).
     """
@@ -451,7 +451,7 @@ class QuantMLACache(Cache):
     def new_layer(self) -> QuantMLALayer:
         """One layer of this cache (the static cache makes its own kind)."""
         qc = self.quantization_config
-        return QuantMLALayer(self.format, qc.kernel, qc.cache_block_size, self.rope_rotation)
+        return QuantMLALayer(self.format, qc.advanced.kernel, qc.advanced.cache_block_size, self.rope_rotation)
 
     def update(self, latent: torch.Tensor, k_rot: torch.Tensor, layer_idx: int, *args, **kwargs):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:

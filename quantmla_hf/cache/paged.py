@@ -110,7 +110,7 @@ class PagedQuantMLACache:
 
     Args:
         config: the model's `PretrainedConfig` (any supported MLA family).
-        quantization_config: a `QuantMLAConfig` (format, group size, sink and recent sizes, kernel choice).
+        quantization_config: a `QuantMLAConfig` (format, group size, sink and recent sizes, `advanced.kernel`).
         page_size: tokens per page.
         max_requests: requests that can hold a sink/recent row at once.
         num_pages: pages to allocate; or give `budget_bytes` and the pages that fit are computed
@@ -145,7 +145,7 @@ class PagedQuantMLACache:
         self.num_layers = self.dims.num_cache_layers
         self.page_size, self.max_requests = page_size, max_requests
         self.dtype, self.device = dtype, torch.device(device)
-        self.kernel = qc.kernel
+        self.kernel = qc.advanced.kernel
         if (num_pages is None) == (budget_bytes is None):
             raise ValueError("give exactly one of num_pages and budget_bytes")
         if num_pages is None:

@@ -69,7 +69,7 @@ class StaticQuantMLALayer(QuantMLALayer):
     Args:
         fmt: cache format; `recent_tokens` must be at least 1 (decode steps write through the recent window).
         max_cache_len: positions the planes hold (prompt + generated tokens, left padding included).
-        kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.kernel`).
+        kernel: "auto", "triton" or "torch" (see `QuantMLAConfig.advanced.kernel`).
         rope_rotation: optional `[d_R, d_R]` online rotation of the RoPE key (Hadamard baseline).
     """
 
@@ -341,7 +341,8 @@ class StaticQuantMLACache(QuantMLACache):
         super().__init__(config=config, quantization_config=quantization_config, **kwargs)
 
     def new_layer(self) -> StaticQuantMLALayer:
-        layer = StaticQuantMLALayer(self.format, self._static_len, self.quantization_config.kernel, self.rope_rotation)
+        layer = StaticQuantMLALayer(self.format, self._static_len, self.quantization_config.advanced.kernel,
+                                    self.rope_rotation)
         layer.make_room = self._make_room
         return layer
 
@@ -393,8 +394,8 @@ class StaticQuantMLACache(QuantMLACache):
             raise torch.OutOfMemoryError(
                 f"growing the static QuantMLA cache from {self.max_cache_len} to {new_len} positions needs about "
                 f"{per_position * new_len / 2**30:.2f} GiB more device memory than is free; generate fewer tokens "
-                "(max_new_tokens), a smaller batch, or pass QuantMLAConfig(decode_graphs=False, static_cache=False) "
-                f"for the growing cache ({err})"
+                "(max_new_tokens), a smaller batch, or pass QuantMLAConfig(advanced={'decode_graphs': False, "
+                f"'static_cache': False}}) for the growing cache ({err})"
             ) from err
         self._static_len = new_len
         self.buffers_version += 1

@@ -19,7 +19,7 @@ from ..config import QuantMLAConfig
 # How an error names each option: as a `QuantMLAConfig` keyword, or as the `quantmla` command-line flag.
 PYTHON_NAMES = {
     "calibration_data": "calibration_data={}",
-    "calibration_seq_len": "calibration_seq_len={}",
+    "calibration_seq_len": "advanced={{'calibration_seq_len': {}}}",
     "transform": "transform={!r}",
 }
 CLI_NAMES = {
@@ -27,7 +27,7 @@ CLI_NAMES = {
     "calibration_seq_len": "--calibration-seq-len {}",
     "transform": "--transform {}",
 }
-# The shortest calibration window QuantMLAConfig accepts (calibration_seq_len).
+# The shortest calibration window QuantMLAConfig accepts (advanced calibration_seq_len).
 MIN_SEQ_LEN = 8
 # Characters tokenized first when counting: enough for two windows in any tokenizer we know of (>= 1 char/token).
 _PREFIX_CHARS_PER_TOKEN = 16
@@ -113,7 +113,7 @@ def check_calibration_inputs(qconfig: QuantMLAConfig, data=None, tokenizer=None,
             raise ValueError(no_tokenizer_for_default_text(qconfig.transform, str(err), names)) from err
     if tokenizer is None:
         return
-    seq_len = qconfig.calibration_seq_len
+    seq_len = qconfig.advanced.calibration_seq_len
     n = count_tokens_up_to(texts, tokenizer, 2 * seq_len)
     if n < 2 * seq_len:
         what = source or f"the {len(texts)} calibration text(s)"

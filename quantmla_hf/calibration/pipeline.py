@@ -100,8 +100,9 @@ def protection_to_model(protection: str, seq_len: int, sink: int, recent: int) -
     fraction = quantized_fraction(seq_len, sink, recent)
     if protection == "on":
         if fraction == 0:
-            raise ValueError(f"calibration_seq_len={seq_len} leaves no quantized pair with sink_tokens={sink}, "
-                             f"recent_tokens={recent}; use longer windows or calibration_protection='off'")
+            raise ValueError(f"advanced calibration_seq_len={seq_len} leaves no quantized pair with "
+                             f"sink_tokens={sink}, recent_tokens={recent}; use longer windows or "
+                             "calibration_protection='off'")
         return sink, recent, "on"
     if fraction < MIN_QUANTIZED_PAIR_FRACTION:
         return 0, 0, (f"auto: off, windows of {seq_len} tokens leave only {fraction:.0%} of the pairs quantized "
@@ -173,28 +174,30 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
             raise ValueError(f"transform={cfg.transform!r} needs calibration_data (token ids, strings or a text file) "
                              "or a tokenizer to calibrate on the default text")
         device = module_device(modules[0])
-        ids = calibration_token_ids(data, tokenizer, cfg.calibration_samples, cfg.calibration_seq_len, cfg.seed,
-                                    getattr(text_config(model.config), "vocab_size", None))
+        recipe = cfg.advanced
+        ids = calibration_token_ids(data, tokenizer, recipe.calibration_samples, recipe.calibration_seq_len,
+                                    recipe.seed, getattr(text_config(model.config), "vocab_size", None))
         sink, recent, why = protection_to_model(calibration_protection, ids.shape[1], cfg.sink_tokens,
                                                 cfg.recent_tokens)
         train, held = _split(ids.shape[0])
-        record.update(windows=list(ids.shape), heldout_windows=int(held.numel()), steps=cfg.calibration_steps,
-                      lr=cfg.calibration_lr, batch_size=batch_size, protection_modelled=[sink, recent],
+        record.update(windows=list(ids.shape), heldout_windows=int(held.numel()), steps=recipe.calibration_steps,
+                      lr=recipe.calibration_lr, batch_size=batch_size, protection_modelled=[sink, recent],
                       protection=why)
         checkpoint = None
         if checkpoint_dir is not None:
-            keys = ("transform", "content_bits", "rope_bits", "group_size", "calibration_steps", "calibration_lr",
-                    "seed")
+            options = {"transform": cfg.transform, "content_bits": cfg.content_bits, "rope_bits": cfg.rope_bits,
+                       "group_size": cfg.group_size, "calibration_steps": recipe.calibration_steps,
+                       "calibration_lr": recipe.calibration_lr, "seed": recipe.seed}
             checkpoint = CalibrationCheckpoint(checkpoint_dir, fingerprint(
-                model.config, {**{k: getattr(cfg, k, None) for k in keys}, "batch_size": batch_size,
+                model.config, {**options, "batch_size": batch_size,
                                "protection_modelled": [sink, recent]}, ids))
         was_training = model.training
         model.eval()
         try:
             with cpu_threads(device) as threads:
                 _calibrate_layers(model, cfg, modules, ids, record, checkpoint, batch_size, progress, threads,
-                                  LearnSettings(steps=cfg.calibration_steps, lr=cfg.calibration_lr, seed=cfg.seed,
-                                               sink=sink, recent=recent), train, held)
+                                  LearnSettings(steps=recipe.calibration_steps, lr=recipe.calibration_lr,
+                                               seed=recipe.seed, sink=sink, recent=recent), train, held)
         finally:
             model.train(was_training)
     cfg.calibrated = True
@@ -243,7 +246,7 @@ def _calibrate_layers(model, cfg: QuantMLAConfig, modules: list, ids: torch.Tens
                             if not announced:
                                 announced = True
                                 estimate = _estimate(m, inputs, fmt, settings, ids.shape[0], held.numel(),
-                                                     cfg.calibration_steps, len(attention), to_learn) \
+                                                     cfg.advanced.calibration_steps, len(attention), to_learn) \
                                     if cfg.transform == "learned" else None
                                 record.update(threads=threads, estimated_seconds=estimate and round(estimate, 1))
                                 logger.warning(cost_line(record, len(layers), to_learn, threads, estimate,

@@ -3,9 +3,9 @@
 `cost_line` is the log line before learning starts: tokens, windows, steps, layers, threads and an estimate from the
 median of three timed content steps of the first attention module (`timed_step`) and the work count of the recipe
 (`estimate_seconds`). On a CPU, where the library's recipe (64 windows of 512 tokens, 100 steps at 5e-3) takes minutes
-per layer, the line also names `SHORT_RECIPE` when no recipe option was given: an eighth of the time, which on held-out
-text tied the library's recipe at C4R4 but had 1.22x its KL at C2R4 on the embedded model (docs/CALIBRATION.md,
-"Calibration on a 2-core CPU"), so it is offered, not taken.
+per layer, the line also names `SHORT_RECIPE` (advanced options) when no recipe option was given: an eighth of
+the time, which on held-out text tied the library's recipe at C4R4 but had 1.22x its KL at C2R4 on the embedded
+model (docs/CALIBRATION.md, "Calibration on a 2-core CPU"), so it is offered, not taken.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .learn import ContentLearner
 from .transforms import ContentTransform, start_rotations
 
 SHORT_RECIPE = {"calibration_samples": 32, "calibration_seq_len": 256, "calibration_steps": 50, "calibration_lr": 1e-2}
-RECIPE_OPTIONS = tuple(SHORT_RECIPE)
+RECIPE_OPTIONS = tuple(f"advanced.{name}" for name in SHORT_RECIPE)  # as `QuantMLAConfig.explicit_options` names them
 # Cost of a forward-only batch, and of a RoPE step, in content steps (forward + backward of one batch), as measured on
 # the CPU (docs/CALIBRATION.md): the estimate is a count of these units times one timed step.
 FORWARD_UNIT = 0.4
@@ -31,9 +31,8 @@ def short_recipe_hint(config, device: torch.device) -> str | None:
     with what it was measured to cost in accuracy; None otherwise."""
     if device.type != "cpu" or set(getattr(config, "explicit_options", ())) & set(RECIPE_OPTIONS):
         return None
-    options = ", ".join(f"{k}={v}" for k, v in SHORT_RECIPE.items())
-    return (f"on a CPU, {options} take about an eighth of this time; on held-out text that tied this recipe's KL at "
-            "C4R4 and had 1.22x it at C2R4 (docs/CALIBRATION.md)")
+    return (f"on a CPU, advanced={SHORT_RECIPE} takes about an eighth of this time; on held-out text that tied this "
+            "recipe's KL at C4R4 and had 1.22x it at C2R4 (docs/CALIBRATION.md)")
 
 
 def timed_step(runner, fmt, sink: int, recent: int, repeats: int = 3) -> float:

@@ -81,9 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         rope_bits=args.rope_bits,
         transform=transform,
         calibration_data=str(CALIBRATION_TEXT),
-        calibration_samples=args.calibration_samples,
-        calibration_seq_len=args.calibration_seq_len,
-        calibration_steps=args.calibration_steps,
+        advanced={"calibration_samples": args.calibration_samples, "calibration_seq_len": args.calibration_seq_len,
+                  "calibration_steps": args.calibration_steps},
     )
     print(f"model: {'the embedded reference model' if args.model == str(REFERENCE_MODEL) else args.model}")
     baseline = _load(args.model, dtype).to(device)

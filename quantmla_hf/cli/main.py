@@ -33,7 +33,7 @@ from ..evaluation.analysis import analyze
 from ..calibration import calibration_token_ids
 from ..calibration.defaults import resolve_transform
 from ..calibration.checks import CLI_NAMES, check_calibration_inputs, no_tokenizer_for_default_text, read_calibration_text
-from ..config import _DEFAULTS, QUANT_METHOD, QuantMLAConfig, weight_conflicts
+from ..config import DEFAULTS, QUANT_METHOD, QuantMLAConfig, nest_options, weight_conflicts
 from .demo import main as demo_main
 from ..calibration.threads import cpu_threads, retune
 from ..evaluation.perplexity import window_nll
@@ -64,37 +64,40 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-map", default=None, help='accelerate device map, e.g. "auto" or "cpu"')
 
 
-# Cache options of the command line: (flag, QuantMLAConfig field). Their defaults are QuantMLAConfig's; the parser
-# leaves them None so that a flag given on the command line can be told apart from a default.
+# Cache options of the command line: (flag, QuantMLAConfig option as `config.OPTIONS` names it). Their defaults are
+# QuantMLAConfig's; the parser leaves them None so that a flag given on the command line can be told apart from a
+# default.
 CACHE_FLAGS = (("--content-bits", "content_bits"), ("--rope-bits", "rope_bits"), ("--group-size", "group_size"),
                ("--sink-tokens", "sink_tokens"), ("--recent-tokens", "recent_tokens"))
 # Options that describe how weights are made: a MODEL already quantized with QuantMLA cannot take them.
 WEIGHT_FLAGS = (("--transform", "transform"), ("--calibration", "calibration_data"),
-                ("--calibration-samples", "calibration_samples"), ("--calibration-seq-len", "calibration_seq_len"),
-                ("--calibration-steps", "calibration_steps"),
-                ("--calibration-checkpoint-dir", "calibration_checkpoint_dir"))
+                ("--calibration-samples", "advanced.calibration_samples"),
+                ("--calibration-seq-len", "advanced.calibration_seq_len"),
+                ("--calibration-steps", "advanced.calibration_steps"),
+                ("--calibration-checkpoint-dir", "advanced.calibration_checkpoint_dir"))
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache options (a MODEL already quantized with QuantMLA takes the first five; the others "
                              "must match it)")
     g.add_argument("--content-bits", type=int, default=None, choices=(2, 4, 8, 16),
-                   help=f"(default {_DEFAULTS['content_bits']})")
+                   help=f"(default {DEFAULTS['content_bits']})")
     g.add_argument("--rope-bits", type=int, default=None, choices=(4, 8, 16),
-                   help=f"(default {_DEFAULTS['rope_bits']})")
-    g.add_argument("--group-size", type=int, default=None, help=f"(default {_DEFAULTS['group_size']})")
-    g.add_argument("--sink-tokens", type=int, default=None, help=f"(default {_DEFAULTS['sink_tokens']})")
-    g.add_argument("--recent-tokens", type=int, default=None, help=f"(default {_DEFAULTS['recent_tokens']})")
+                   help=f"(default {DEFAULTS['rope_bits']})")
+    g.add_argument("--group-size", type=int, default=None, help=f"(default {DEFAULTS['group_size']})")
+    g.add_argument("--sink-tokens", type=int, default=None, help=f"(default {DEFAULTS['sink_tokens']})")
+    g.add_argument("--recent-tokens", type=int, default=None, help=f"(default {DEFAULTS['recent_tokens']})")
     g.add_argument("--transform", default=None, choices=("auto", "learned", "hadamard", "smooth", "none"),
                    help="(default auto: learned when the calibration text (--calibration, else the package's default text, "
                         "read with the model's tokenizer) is large enough to beat RTN, else none (RTN), "
                         "said in the output)")
     g.add_argument("--calibration", metavar="FILE", default=None, help="UTF-8 text for learned/smooth transforms")
     g.add_argument("--calibration-samples", type=int, default=None,
-                   help=f"(default {_DEFAULTS['calibration_samples']})")
+                   help=f"(default {DEFAULTS['advanced.calibration_samples']})")
     g.add_argument("--calibration-seq-len", type=int, default=None,
-                   help=f"(default {_DEFAULTS['calibration_seq_len']})")
-    g.add_argument("--calibration-steps", type=int, default=None, help=f"(default {_DEFAULTS['calibration_steps']})")
+                   help=f"(default {DEFAULTS['advanced.calibration_seq_len']})")
+    g.add_argument("--calibration-steps", type=int, default=None,
+                   help=f"(default {DEFAULTS['advanced.calibration_steps']})")
     g.add_argument("--calibration-checkpoint-dir", metavar="DIR", default=None,
                    help="keep each finished layer's transforms here; a killed run started again with the same DIR "
                         "resumes after the last finished layer")
@@ -153,7 +156,7 @@ def _dtype(name: str):
 
 
 def _given(args, flags) -> dict:
-    """The QuantMLAConfig fields of `flags` given on the command line (not left to their default)."""
+    """The QuantMLAConfig options of `flags` given on the command line (not left to their default), by name."""
     return {field: getattr(args, _dest(flag)) for flag, field in flags if getattr(args, _dest(flag), None) is not None}
 
 
@@ -182,7 +185,7 @@ def _quant_config(args):
             tokenizer = None  # nothing can be counted: "auto" is RTN, and says so
         options["transform"], why = resolve_transform("auto", texts, tokenizer)
         print(why)
-    return QuantMLAConfig(**options)
+    return QuantMLAConfig(**nest_options(options))
 
 
 def _cache_options_for_checkpoint(args, saved):
@@ -191,7 +194,7 @@ def _cache_options_for_checkpoint(args, saved):
     differs from the checkpoint is a usage error naming it (one equal to it changes nothing)."""
     checkpoint = saved if isinstance(saved, QuantMLAConfig) else QuantMLAConfig.from_dict(saved)
     given = _given(args, CACHE_FLAGS)
-    conflicts = weight_conflicts(QuantMLAConfig(**given, **_given(args, WEIGHT_FLAGS)), checkpoint)
+    conflicts = weight_conflicts(QuantMLAConfig(**nest_options({**given, **_given(args, WEIGHT_FLAGS)})), checkpoint)
     if conflicts:
         flags = {field: flag for flag, field in WEIGHT_FLAGS}
         named = [f"{flags[k]} {value}" + (f" (the checkpoint has {ckpt})" if ckpt is not None else "")
@@ -201,7 +204,7 @@ def _cache_options_for_checkpoint(args, saved):
             f"transform={checkpoint.transform}); {', '.join(named)} cannot change it: drop "
             f"{'it' if len(named) == 1 else 'them'}, or quantize the unquantized model. Cache options (--content-bits, "
             "--rope-bits, --group-size, --sink-tokens, --recent-tokens) do apply")
-    return QuantMLAConfig(**given) if given else None
+    return QuantMLAConfig(**nest_options(given)) if given else None
 
 
 def _load_tokenizer(model: str):
@@ -376,7 +379,7 @@ def cmd_eval(args) -> int:
         check_file_destination(args.json)  # before the evaluation, not after it
     saved = getattr(_load_config(args.model), "quantization_config", None)
     if saved is None:  # quantized here with the cache options: check them before loading
-        options = {**_DEFAULTS, **_given(args, CACHE_FLAGS)}
+        options = {**DEFAULTS, **_given(args, CACHE_FLAGS)}
         check_window_reads_quantized(args.window, options["sink_tokens"], options["recent_tokens"])
     model, tokenizer = load_quantized(args)
     qconfig = model.config.quantization_config

@@ -3,8 +3,9 @@ device map over several GPUs), with no compiler.
 
 `generate` asks the model for a compiled forward (`get_compiled_call`) when its cache is compileable; a QuantMLA
 model answers with a `DecodeGraphStep` instead of `torch.compile` when `plan_decode` says the call can be captured
-(`QuantMLAConfig(decode_graphs="auto")`, the default: a model on CUDA devices without offloaded weights, "quantmla"
-attention, a recent window, greedy or sampling, no `compile_config`). For every decode step the step object:
+(`QuantMLAConfig(advanced={"decode_graphs": "auto"})`, the default: a model on CUDA devices without offloaded
+weights, "quantmla" attention, a recent window, greedy or sampling, no `compile_config`). For every decode step the
+step object:
 
 1. checks on the host, without synchronising, that the step fits the cache (growing it in place in buckets when
    it does not, `StaticQuantMLACache.grow_for`) and, once per generation, that the attention mask is left padding +
@@ -82,15 +83,15 @@ class DecodePlan:
 def plan_decode(model, qconfig, generation_config, generation_mode=None) -> DecodePlan:
     """Decide whether a `generate` call on `model` decodes through CUDA graphs.
 
-    `qconfig.decode_graphs`: False never; "auto" where it is safe (below); True insists, raising a `ValueError`
+    `qconfig.advanced.decode_graphs`: False never; "auto" where it is safe (below); True insists, raising a `ValueError`
     where the model cannot be captured (device, attention, recent window), while per-call choices (beam search,
     assisted generation, attention weights) still fall back to eager with a log line.
-    Safe: no `compile_config` (that selects inductor) and no `disable_compile`, `static_cache` not False, the model
-    on CUDA devices (one, or several under a device map: `graph_segments.model_segment_plan`; no CPU/disk offload;
-    tensor-parallel collectives over NCCL), the "quantmla" attention, at least one recent token, greedy or sampling,
-    no attention weights or hidden states returned.
+    Safe: no `compile_config` (that selects inductor) and no `disable_compile`, `advanced.static_cache` not False, the
+    model on CUDA devices (one, or several under a device map: `graph_segments.model_segment_plan`; no CPU/disk
+    offload; tensor-parallel collectives over NCCL), the "quantmla" attention, at least one recent token, greedy or
+    sampling, no attention weights or hidden states returned.
     """
-    choice = qconfig.decode_graphs
+    choice = qconfig.advanced.decode_graphs
     if choice is False:
         return DecodePlan(False)
     if getattr(generation_config, "compile_config", None) is not None:
@@ -109,12 +110,13 @@ def plan_decode(model, qconfig, generation_config, generation_mode=None) -> Deco
         model_reasons.append(f"the attention implementation is {model.config._attn_implementation!r}, not 'quantmla'")
     if qconfig.recent_tokens < 1:
         model_reasons.append("recent_tokens is 0 (decode steps write through the recent window)")
-    if qconfig.static_cache is False:
-        model_reasons.append("static_cache=False (the captured step needs the static cache)")
+    if qconfig.advanced.static_cache is False:
+        model_reasons.append("advanced static_cache=False (the captured step needs the static cache)")
     if model_reasons:
         reason = "; ".join(model_reasons)
         if choice is True:
-            raise ValueError(f"decode_graphs=True cannot be honoured: {reason}. Use decode_graphs='auto' or False")
+            raise ValueError(f"advanced decode_graphs=True cannot be honoured: {reason}. Use "
+                             "advanced={'decode_graphs': 'auto'} or False")
         return DecodePlan(False, reason)
     mode = getattr(generation_mode, "value", generation_mode)
     if mode is not None and mode not in CAPTURABLE_MODES:

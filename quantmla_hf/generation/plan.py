@@ -3,11 +3,11 @@
 `generate` with no cache and no `cache_implementation` gets
 - a `StaticQuantMLACache` whose decode steps replay from CUDA graphs (`quantmla_hf.generation.graphs`) where
   `plan_decode` says so: the default on CUDA (one device, a tensor-parallel rank, or a device map over several GPUs
-  without offloaded layers; `QuantMLAConfig(decode_graphs="auto")`);
+  without offloaded layers; `QuantMLAConfig(advanced={"decode_graphs": "auto"})`);
 - a `StaticQuantMLACache` compiled by transformers (`torch.compile`, reduce-overhead) when the call passes
-  `compile_config=...` (or `QuantMLAConfig(static_cache=True)` without graphs): `static_cache_wanted`;
+  `compile_config=...` (or `QuantMLAConfig(advanced={"static_cache": True})` without graphs): `static_cache_wanted`;
 - the growing `QuantMLACache` otherwise (CPU, CPU/disk offload, beam search, assisted generation,
-  `decode_graphs=False`, ...).
+  `advanced={"decode_graphs": False}`, ...).
 
 Sizes (`first_cache_length`): a CUDA-graph cache starts at the bucket of `min(needed, prompt + max(prompt, 4096))`
 positions (`needed`: what the call may reach, `max_length - 1`) and grows in place, in buckets, up to `needed`
@@ -45,17 +45,17 @@ def model_qconfig(model) -> QuantMLAConfig:
 
 
 def static_cache_wanted(model, qconfig: QuantMLAConfig, generation_config=None) -> bool:
-    """The compiled (inductor) static cache: `QuantMLAConfig(static_cache=True/False)` decides; by default ("auto")
-    it is used when the call passes a `compile_config` and it is safe: a model on one CUDA device (no CPU/disk
-    offload), the "quantmla" attention implementation and a recent window of at least one token."""
-    choice = qconfig.static_cache  # validated by QuantMLAConfig: "auto", True or False
+    """The compiled (inductor) static cache: `QuantMLAConfig(advanced={"static_cache": True/False})` decides; by
+    default ("auto") it is used when the call passes a `compile_config` and it is safe: a model on one CUDA device (no
+    CPU/disk offload), the "quantmla" attention implementation and a recent window of at least one token."""
+    choice = qconfig.advanced.static_cache  # validated by QuantMLAConfig: "auto", True or False
     if choice is False:
         return False
     usable = qconfig.recent_tokens >= 1 and model.config._attn_implementation == "quantmla"
     if choice is True:
         if not usable:
             raise ValueError(
-                "static_cache=True needs recent_tokens >= 1 and attn_implementation='quantmla' "
+                "advanced static_cache=True needs recent_tokens >= 1 and attn_implementation='quantmla' "
                 f"(got recent_tokens={qconfig.recent_tokens}, attn_implementation="
                 f"{model.config._attn_implementation!r})"
             )
@@ -151,5 +151,5 @@ def check_static_cache_length(model, generation_config, args: tuple, kwargs: dic
         raise ValueError(
             f"the static QuantMLA cache would preallocate {needed} positions (prompt + max_new_tokens), more than "
             f"this model's max_position_embeddings={limit}; lower max_new_tokens to at most {limit} minus the prompt "
-            "length, or use QuantMLAConfig(static_cache=False) for a cache that grows"
+            "length, or use QuantMLAConfig(advanced={'static_cache': False}) for a cache that grows"
         )

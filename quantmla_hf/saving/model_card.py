@@ -47,7 +47,8 @@ def measure_cache_bytes(config, quantization_config: QuantMLAConfig, tokens: int
     sink and recent copies), so it includes the fixed overheads at this length.
     """
     dims = mla_dims(config)
-    qconfig = QuantMLAConfig.from_dict({**quantization_config.to_dict(), "kernel": "torch"})
+    qconfig = QuantMLAConfig.from_dict(quantization_config.to_dict())
+    qconfig.advanced = {"kernel": "torch"}
     quant = QuantMLACache(config=config, quantization_config=qconfig)
     bf16 = DynamicCache()
     gen = torch.Generator().manual_seed(0)
@@ -98,16 +99,17 @@ def _calibration_text(qconfig: QuantMLAConfig) -> str:
     if isinstance(source, str) and os.path.isabs(source):
         source = f"text file {os.path.basename(source)}"  # a local path means nothing to the card's readers
     record = qconfig.extra.get("calibration") or {}
+    recipe = qconfig.advanced
     windows = record.get("windows")
     if windows:  # what the calibration really used ([N, T]), which is fewer than asked when the text is short
         held = record.get("heldout_windows")
         size = f"{windows[0]} windows x {windows[1]} tokens" + (f" ({held} held out for selection)" if held else "")
     else:
-        size = (f"up to {qconfig.calibration_samples} windows x {qconfig.calibration_seq_len} tokens "
+        size = (f"up to {recipe.calibration_samples} windows x {recipe.calibration_seq_len} tokens "
                 "(the calibration record is missing)")
     return (
-        f"- data: {source}\n- size: {size}\n- steps per layer and path: {qconfig.calibration_steps}, "
-        f"learning rate {qconfig.calibration_lr}, seed {qconfig.seed}\n- calibrated and fused: {qconfig.calibrated}"
+        f"- data: {source}\n- size: {size}\n- steps per layer and path: {recipe.calibration_steps}, "
+        f"learning rate {recipe.calibration_lr}, seed {recipe.seed}\n- calibrated and fused: {qconfig.calibrated}"
     )
 
 

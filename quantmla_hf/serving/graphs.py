@@ -66,8 +66,8 @@ def unsupported_reason(model, cache: PagedQuantMLACache) -> str | None:
     devices = {device_key(t.device, current) for t in (*model.parameters(), *model.buffers())}
     if devices != {device_key(cache.device, current)}:
         return f"the model's weights are on {sorted(devices)}, not only on the cache's {cache.device}"
-    if cache.quantization_config.decode_graphs is False:
-        return "the cache's QuantMLAConfig has decode_graphs=False"
+    if cache.quantization_config.advanced.decode_graphs is False:
+        return "the cache's QuantMLAConfig has advanced decode_graphs=False"
     return None
 
 
