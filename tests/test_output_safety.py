@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM
 
 import quantmla_hf.cli.main
-import quantmla_hf.integration
+import quantmla_hf.saving.hub
 import quantmla_hf.saving.staged_output
 from quantmla_hf import QuantMLAConfig, apply_quantmla
 from quantmla_hf.calibration.checkpoint import CalibrationCheckpoint
@@ -255,7 +255,7 @@ def test_real_full_disk_text_calibration_checkpoint_and_push_folder(small_disk, 
         def upload_folder(self, **kwargs):
             raise AssertionError("a push whose files could not be written uploaded them")
 
-    monkeypatch.setattr(quantmla_hf.integration, "HfApi", NoHub)
+    monkeypatch.setattr(quantmla_hf.saving.hub, "HfApi", NoHub)
     monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
     model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=1), QuantMLAConfig(transform="none", group_size=16))
     with pytest.raises(OutputError, match=r"no space left on the device \(ENOSPC\); nothing was left half-written "
@@ -317,13 +317,13 @@ def test_a_destination_under_a_file_is_one_line(base_dir, tmp_path, capsys):
 def _writers(monkeypatch):
     """Two differently quantized models whose saves are both past the destination check before either finishes."""
     barrier = threading.Barrier(2, timeout=30)
-    real_card = quantmla_hf.integration.write_model_card
+    real_card = quantmla_hf.saving.hub.write_model_card
 
     def card_after_both_started(*args, **kwargs):
         barrier.wait()
         return real_card(*args, **kwargs)
 
-    monkeypatch.setattr(quantmla_hf.integration, "write_model_card", card_after_both_started)
+    monkeypatch.setattr(quantmla_hf.saving.hub, "write_model_card", card_after_both_started)
     return [apply_quantmla(tiny_mla_model("deepseek_v3", seed=s), QuantMLAConfig(transform="none", group_size=16,
                                                                                  content_bits=b))
             for s, b in ((1, 4), (2, 2))]
