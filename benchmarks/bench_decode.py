@@ -118,9 +118,10 @@ def decode_fn(backend, N, capacity=None):
 def load_baseline(path):
     """The decode operation of an older tree at `path`, run beside this tree's: its `kernels/` imported as the
     package `BASELINE_PACKAGE.kernels` (their own relative imports; `quantmla_hf.format` is this tree's, the same
-    byte layout) and its `mla_decode_static` from `quantmla_hf/ops/backends.py`, or, in trees that kept the operation in
-    `kernels/`, as their `ops.py` chose it: `kernels/mla_decode_fast.py` where its `fast_supported` says so, else
-    `kernels/mla_decode.py`. Returns a `decode_fn`-like factory."""
+    byte layout) and its `mla_decode_static` from `quantmla_hf/decode.py` (the module this tree has as
+    `quantmla_hf/ops/backends.py`), or, in trees that kept the operation in `kernels/`, as their `ops.py` chose it:
+    `kernels/mla_decode_fast.py` where its `fast_supported` says so, else `kernels/mla_decode.py`. Returns a
+    `decode_fn`-like factory."""
     root = types.ModuleType(BASELINE_PACKAGE)
     root.__path__ = [os.path.join(path, "quantmla_hf")]
     sys.modules[BASELINE_PACKAGE] = root
@@ -503,10 +504,10 @@ def summarize_rounds(times: dict, target: float | None = None) -> tuple[list[dic
 
 
 def paged_fn(args, page_size=64, num_splits=None, backend=None, decode=None):
-    """The same cache laid out in pages (`quantmla_hf/ops/backends.py`'s `mla_decode_paged`, or `decode`, another tree's):
-    each batch row one request of N positions in consecutive pages of `page_size`, one query token each; a callable
-    returning `(o [B, H, d_c], lse)` (`num_splits`: the kernel's split target, default its own rule; `backend`:
-    default `select_paged_backend`)."""
+    """The same cache laid out in pages (`quantmla_hf/ops/backends.py`'s `mla_decode_paged`, or `decode`, another
+    tree's): each batch row one request of N positions in consecutive pages of `page_size`, one query token each; a
+    callable returning `(o [B, H, d_c], lse)` (`num_splits`: the kernel's split target, default its own rule;
+    `backend`: default `select_paged_backend`)."""
     q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, scaling = args
     B, H = q_lat.shape[:2]
     if N % page_size:

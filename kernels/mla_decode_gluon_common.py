@@ -101,7 +101,7 @@ def _program_rows(num_splits, M, len_ptr, lp_ptr, BM: gl.constexpr, ND: gl.const
 @_jit
 def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr,
                  C_BITS: gl.constexpr):
-    """The packed positions of split `i_s` (`decode.split_plan`: sized from the device-side length, tile-aligned
+    """The packed positions of split `i_s` (`ops.backends.split_plan`: sized from the device-side length, tile-aligned
     from 0, at least `min_split_tiles` tiles): `(base, lo_valid, hi, n_tiles)`: tiles start at `base`, positions
     `[lo_valid, hi)` are valid; the copy programs (`i_s >= num_splits`) get no packed tiles."""
     covered = gl.maximum(length - R, 0)

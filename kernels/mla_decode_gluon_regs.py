@@ -31,7 +31,7 @@ if HAVE_GLUON:
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers
 INFLIGHT = {4: 0, 2: 1, 8: 1}  # score units whose wgmmas may be in flight while the next is unpacked, per C_BITS
-FILL_PER_SM = 2  # programs per multiprocessor the splits provide (`decode.fill_splits`): the two resident ones
+FILL_PER_SM = 2  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`): the two resident ones
 
 
 @_jit_dynamic

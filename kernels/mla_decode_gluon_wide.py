@@ -36,7 +36,7 @@ BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 REGS = {2: 240, 4: 240, 8: 256}
 MAX_REGS = 255  # registers per thread ptxas takes at most (allocated in steps of 8)
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked
-FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`decode.fill_splits`): the one resident
+FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`): the one resident
 
 
 # --------------------------------------------------------------------------------------------- one half tile

@@ -51,8 +51,8 @@ def history_ref(
 def mla_decode_static_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content,
                           recent_rope, left_padding, length, capacity: int, scaling: float, out: tuple | None = None,
                           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The function of `decode.mla_decode_static`: the length on the device (int64 `[1]`) and every row at once over
-    the static `capacity` positions, so no host synchronisation and no data-dependent shape: it traces into one
+    """The function of `ops.backends.mla_decode_static`: the length on the device (int64 `[1]`) and every row at once
+    over the static `capacity` positions, so no host synchronisation and no data-dependent shape: it traces into one
     graph (`torch.compile(fullgraph=True)`). Costs `[B, capacity, d_c + d_R]` of `dtype` per call.
 
     Returns `o_lat: [B, H, Tq, d_c]`, `lse: [B, H, Tq]` (fp32; zeros and `-inf` for a row with nothing visible),

@@ -222,7 +222,7 @@ def mla_decode_triton_kernel(
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """One program per (split, head block, sequence program `i_p`): splits `0 .. num_splits-1` take
-    `tokens_per_split` packed positions each from `S`, sized from the device-side length (`decode.split_plan`);
+    `tokens_per_split` packed positions each from `S`, sized from the device-side length (`ops.backends.split_plan`);
     split `num_splits` takes the sink and recent copies. Writes the normalised partial `o: [P, M, num_splits + 1,
     D_C]` and `lse: [P, M, num_splits + 1]` (natural log, -inf when empty) for the `P` sequence programs.
 

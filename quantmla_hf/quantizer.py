@@ -3,7 +3,8 @@
 QuantMLA quantizes the KV cache, not the weights: loading keeps every tensor of the checkpoint as it is (a
 calibrated checkpoint already holds the fused transform under the original tensor names). The quantizer checks
 the model before any weight is read, and once the weights are in place hands the model to
-`quantmla_hf.integration.prepare_model` (calibration when needed, cache hooks, attention swap, generate default).
+`quantmla_hf.integration.prepare_model` (calibration when needed, cache hooks, attention swap, the QuantMLA class
+of `quantmla_hf.hooks`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The decode dispatch table (`quantmla_hf/decode.select_backend`) and the split arithmetic it launches with, on a
-machine without a GPU (the device's capability is stubbed: the table is a pure function of format, rows, dtype and
+"""The decode dispatch table (`quantmla_hf.ops.backends.select_backend`) and the split arithmetic it launches with, on
+a machine without a GPU (the device's capability is stubbed: the table is a pure function of format, rows, dtype and
 device kind)."""
 
 import pytest

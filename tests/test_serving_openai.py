@@ -26,7 +26,7 @@ from quantmla_hf import QuantMLAConfig, apply_quantmla  # noqa: E402
 from quantmla_hf.embedded import REFERENCE_MODEL  # noqa: E402
 from quantmla_hf.serving.server import CacheOptions, build_app  # noqa: E402
 
-# From 5.25 the server checks prompts in its own process (`serving_loader`); up to 5.24 the batcher refuses them.
+# From 5.25 the server checks prompts in its own process (`serving.loader`); up to 5.24 the batcher refuses them.
 FROM_5_25 = hasattr(importlib.import_module("transformers.cli.serving.model_manager"), "ModelLoader")
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
 OPTIONS = CacheOptions(num_pages=40, page_size=16, max_requests=8, max_batch_tokens=512)

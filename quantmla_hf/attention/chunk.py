@@ -6,7 +6,7 @@ tokens (assisted generation, prompt lookup and any draft verification feed `k + 
 verification feeds the prompt and its drafts into an empty cache) must give each of its decode queries exactly that
 view, or verification accepts tokens the model would not have produced one at a time. The cache's recent ring only
 holds the window of the LAST position, so `QuantMLALayer.update` keeps the model-dtype rows of the chunk and of the
-ring before it (`QuantMLALayer.chunk_window`, a `cache.ChunkWindow`), and marks the first decode query `first`:
+ring before it (`QuantMLALayer.chunk_window`, a `cache.growing.ChunkWindow`), and marks the first decode query `first`:
 
     queries before `first` (a prompt)   -> as a prefill of the tokens up to `first`: SDPA over the history `update`
                                            returned, or the latent-space step where that prefill would take it

@@ -104,7 +104,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if ctx is None:
         raise ValueError(
             f"the {PAGED_ATTN_IMPLEMENTATION!r} attention runs inside continuous batching on a paged QuantMLA cache "
-            "(quantmla_hf.cache.paged.generate_batch); use attn_implementation='quantmla' or 'sdpa' for generate"
+            "(quantmla_hf.serving.batching.generate_batch); use attn_implementation='quantmla' or 'sdpa' for generate"
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -5,5 +5,6 @@
     paged.py      `PagedQuantMLACache`: fixed-size pages shared by many requests (continuous batching)
     store.py      the block-grown planes of one path; allocator.py: the page allocator of the paged cache
 
-Each cache layer hands the decode a `DecodeView` (`view.py`): its planes or page pools, copies and lengths.
+Each cache layer hands the decode a `DecodeView` (`quantmla_hf.ops.decode`): its planes or page pools, copies and
+lengths.
 """

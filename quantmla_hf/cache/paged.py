@@ -9,7 +9,7 @@ Storage, per cache layer (one tensor per plane, pages along the first dimension)
     recent rings     [max_requests + 1, R, d_c] and [.., R, d_R] in the model dtype (position p in slot p % R)
 
 (row `max_requests` of the copies is the scratch row: the padding tokens of captured decode steps,
-`graphs.py`, write and read it and nothing else),
+`quantmla_hf.serving.graphs`, write and read it and nothing else),
 
 A page is `page_size` consecutive tokens of one request; the bytes of one token inside a page are exactly those of
 the contiguous cache (`quantmla_hf/format.py`: a page plane `[page_size, width]` is one row of the contiguous

@@ -235,7 +235,7 @@ class StaticQuantMLALayer(QuantMLALayer):
         """Whether every row's sink slots hold their tokens already, from host-side counts (False when they are
         not known: inside a compiled step, or after one). Then later steps, which only write further positions,
         skip the sink writes (a dozen small kernels per layer): eager steps and captured ones (whose graph is keyed
-        by this answer, `decode_graphs.step_signature`)."""
+        by this answer, `generation.graphs.step_signature`)."""
         if _is_compiling() or self._host_stale:
             return False
         return self._host_length >= self.max_left_padding + self.fmt.sink_tokens

@@ -5,7 +5,7 @@ hidden states `[N, T, hidden]` (and the other call arguments: RoPE tables, mask)
 only one module's activations are ever held. Fusion preserves the function, so capturing module `k` after modules
 `< k` were fused gives the same inputs as before.
 
-`run_attention` replays the module on captured inputs through its own forward (so every family's projections, RoPE
+`AttentionRunner` replays the module on captured inputs through its own forward (so every family's projections, RoPE
 layout and scalings are the stock code), optionally with overridden weights (`torch.func.functional_call`) and a
 `LatentHook` standing in for the cache: it sees, and may replace, the latent and RoPE key the module would cache.
 """

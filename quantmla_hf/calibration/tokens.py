@@ -4,7 +4,7 @@
 `piece_chars(tokenizer)` characters, each cut where a line starts with a non-blank character, else before a space that
 precedes a word. Byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM2, DeepSeek) split text into words (a leading space
 kept with its word) before merging, and never merge across those places, so the pieces give the ids of the whole text
-(`tests/test_calibration_speed.py` checks it on the reference model's tokenizer and the default text); no single call
+(`tests/test_calibration_plan.py` checks it on the reference model's tokenizer and the default text); no single call
 holds more tokens than the model's maximum length, so transformers' "Token indices sequence length is longer than the
 specified maximum" warning does not fire, and no call holds the whole text's encoding objects at once.
 

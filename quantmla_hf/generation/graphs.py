@@ -87,7 +87,7 @@ def plan_decode(model, qconfig, generation_config, generation_mode=None) -> Deco
     where the model cannot be captured (device, attention, recent window), while per-call choices (beam search,
     assisted generation, attention weights) still fall back to eager with a log line.
     Safe: no `compile_config` (that selects inductor) and no `disable_compile`, `advanced.static_cache` not False, the
-    model on CUDA devices (one, or several under a device map: `graph_segments.model_segment_plan`; no CPU/disk
+    model on CUDA devices (one, or several under a device map: `segments.model_segment_plan`; no CPU/disk
     offload; tensor-parallel collectives over NCCL), the "quantmla" attention, at least one recent token, greedy or
     sampling, no attention weights or hidden states returned.
     """
@@ -426,7 +426,7 @@ class DecodeGraphStep:
 
     def _record(self, inputs: dict):
         """Capture `model(**inputs)` into CUDA graphs with their own memory pools, one per device segment
-        (`graph_segments`); returns (graph, output, bytes the pools took)."""
+        (`segments.py`); returns (graph, output, bytes the pools took)."""
         plan = model_segment_plan(self.model)
         if not plan.segments:
             raise RuntimeError(plan.reason or "the model is on the CPU")

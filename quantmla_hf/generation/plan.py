@@ -15,7 +15,7 @@ positions (`needed`: what the call may reach, `max_length - 1`) and grows in pla
 the bucket of `needed` at once. `generate(max_new_tokens=100_000)` on a 4K prompt therefore starts with 8192
 positions and grows (16K, 32K, 64K, ...) only as far as the generation goes.
 
-The caches generate builds are kept on the model (`decode_graphs.cache_pool`, least recently used out) and reused,
+The caches generate builds are kept on the model (`graphs.cache_pool`, least recently used out) and reused,
 reset in place, by a later call of the same batch size, first length bucket, dtype and device, so repeated calls of
 one shape replay the same graphs.
 """

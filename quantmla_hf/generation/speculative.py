@@ -6,7 +6,7 @@ transformers verifies drafts by feeding them to the model in one forward: the ac
 (`QuantMLACache.mark_drafts`). After cached tokens a short chunk is all drafts, but the first verification feeds the
 prompt and its drafts into an empty cache, which is indistinguishable from a prefill. `generate` knows where they
 start: `mark_verifications` has the candidate generator of an assisted `generate` call mark the cache before every
-verification forward (integration.py installs it on `_get_candidate_generator`).
+verification forward (the model's `_get_candidate_generator` override in `quantmla_hf.hooks` wraps the generator).
 
 `check_draft_verification` refuses, with the fix, the cases where the drafts cannot see what greedy decoding sees
 (attention weights asked for, an attention implementation other than "quantmla", `recent_tokens=0`, a static

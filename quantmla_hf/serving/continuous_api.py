@@ -8,9 +8,10 @@ In transformers 5.17 to 5.25 (`generation/continuous_batching/continuous_api.py`
 manager's `warmup`, `start`, `add_requests`, `get_result`, `is_running`, `stop` and `destroy`. The stock manager
 refuses a QuantMLA model ("Implementation quantmla is not supported for continuous batching") and would build K/V
 pages MLA does not have; a QuantMLA model's `init_continuous_batching` (`quantmla_hf.hooks`) returns a
-`manager.PagedBatchingManager` instead, and the stock `generate_batch` and context manager run on it unchanged: same arguments, same
-`dict[request_id, GenerationOutput]` result, each request's greedy tokens those of `generate` on it alone. Outside
-that range the three methods raise an error naming `quantmla serve` and `quantmla_hf.serving.batching.generate_batch`.
+`manager.PagedBatchingManager` instead, and the stock `generate_batch` and context manager run on it unchanged: same
+arguments, same `dict[request_id, GenerationOutput]` result, each request's greedy tokens those of `generate` on it
+alone. Outside that range the three methods raise an error naming `quantmla serve` and
+`quantmla_hf.serving.batching.generate_batch`.
 
 `ContinuousBatchingConfig` and `WorkloadHints` size the cache (`cache_options`).
 """

@@ -1,7 +1,7 @@
 """The pieces of transformers' server (from 5.25 on) that `quantmla serve` replaces, for QuantMLA checkpoints only:
 
 - `PagedModelLoader`: transformers' model loader (pickled into the process that runs the model), whose models
-  generate with continuous batching on the paged packed cache (`serving_manager.PagedBatchingManager`);
+  generate with continuous batching on the paged packed cache (`manager.PagedBatchingManager`);
 - `PagedGenerationState`: transformers' generation settings, with the longest request the paged cache holds as the
   context length the handlers check prompts against (a 400 before anything streams).
 """

@@ -6,10 +6,10 @@ Two callers drive it through that interface alone:
 
 - transformers' `generate_batch` and `continuous_batching_context_manager` (`init_continuous_batching`,
   `warmup`, `start`, `add_requests`, `get_result`, `is_running`, `stop`, `destroy`), on a QuantMLA model whose
-  `init_continuous_batching` returns this manager (`continuous_api.install_continuous_batching`);
+  `init_continuous_batching` returns this manager (`continuous_api.init_continuous_batching`);
 - transformers' server from 5.25 (its `CBGenerateRunner`, in the model's process: `warmup`, `start`, `add_request`,
   `cancel_request`, `get_result`, `logit_processor.supported_keys`, `batch_processor`,
-  `background_thread_status`), on the models `serving_loader.PagedModelLoader` loads.
+  `background_thread_status`), on the models `loader.PagedModelLoader` loads.
 
 Outputs are transformers' `GenerationOutput`s: a streaming request's carry its tokens so far, the last one all of
 them. A request is checked when it is added, on the caller's thread (`ContinuousBatcher.check_request`): an empty
@@ -113,7 +113,7 @@ def paged_cache_for(model, options: CacheOptions, announce: bool = True) -> Page
 @dataclass
 class EndTokens:
     """A request's end tokens and stop strings, as one value: transformers' server passes a request's
-    `eos_token_id` on to the manager and drops its `stop` (`serving_handlers` puts the stop strings here)."""
+    `eos_token_id` on to the manager and drops its `stop` (`server.PromptChecks` puts the stop strings here)."""
 
     eos_token_id: int | list[int] | None
     stop_strings: tuple[str, ...] = ()

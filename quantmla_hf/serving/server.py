@@ -10,8 +10,7 @@ on a background thread (`BatcherThread`) in its place:
 - up to 5.24 the server hands each request to the generation manager its `GenerationState` returns: here
   `PagedGenerateManager` (`make_generation_state`);
 - from 5.25 it runs each model in a process of its own that drives `model.init_continuous_batching()`'s manager:
-  there the model is loaded by `serving_loader.PagedModelLoader`, whose models return
-  `serving_manager.PagedBatchingManager`.
+  there the model is loaded by `loader.PagedModelLoader`, whose models return `manager.PagedBatchingManager`.
 
 A model that is not a QuantMLA MLA checkpoint is refused, never served with an ordinary cache.
 """
@@ -196,7 +195,7 @@ def build_app(model: str, options: CacheOptions | None = None, device: str = "au
     loaded by `PagedModelLoader` and never stopped for being idle).
 
     Besides transformers' routes, `GET /quantmla/cache` answers what the paged cache holds
-    (`serving_manager.paged_cache_state`: pages free, requests running and waiting, the warm-up)."""
+    (`manager.paged_cache_state`: pages free, requests running and waiting, the warm-up)."""
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.model_manager import ModelManager
