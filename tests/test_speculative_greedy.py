@@ -53,7 +53,7 @@ def reference_prompt():
 
 def _reference_model(recent: int, content_bits: int):
     config = QuantMLAConfig(transform="none", content_bits=content_bits, rope_bits=4, recent_tokens=recent,
-                            kernel="torch")
+                            advanced={"kernel": "torch"})
     return AutoModelForCausalLM.from_pretrained(REFERENCE_MODEL, dtype=torch.float32,
                                                 quantization_config=config).eval()
 
@@ -172,7 +172,7 @@ def test_draft_queries_attend_as_the_one_token_step_bit_for_bit(dtype, kernel, m
     (marked) or 6 drafts after the cached prompt (unmarked) against a prefill of the prompt and 6 one-token steps.
     Every output is identical, prompt included; at kernel="triton" through the Triton decode kernels."""
     config = QuantMLAConfig(transform="none", content_bits=2, rope_bits=4, group_size=16, sink_tokens=2,
-                            recent_tokens=16, kernel=kernel)
+                            recent_tokens=16, advanced={"kernel": kernel})
     model = apply_quantmla(tiny_mla_model("deepseek_v3", seed=11, num_hidden_layers=1, dtype=dtype), config)
     attn = model.model.layers[0].self_attn
     g = torch.Generator().manual_seed(0)

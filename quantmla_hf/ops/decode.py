@@ -41,7 +41,7 @@ def native_chunk(query_len: int, recent_tokens: int) -> bool:
 
 
 def use_triton(kernel: str, device: torch.device) -> bool:
-    """Whether the Triton (and Gluon) kernels run for `QuantMLAConfig(kernel=...)` on `device`: "triton" always
+    """Whether the Triton (and Gluon) kernels run for `QuantMLAConfig(advanced={"kernel": ...})` on `device`: "triton" always
     (off CUDA only in the Triton interpreter), "torch" never, "auto" on CUDA."""
     if kernel == "torch":
         return False
