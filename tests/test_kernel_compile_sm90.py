@@ -6,8 +6,8 @@ fp32 model's launch once paired fp16 operands with fp32 IEEE dots and failed to 
 counts shared memory (a paged launch once needed 253,952 bytes of the 232,448 a program may use, and failed on the
 H200 only). This compiles the launches `launch_triton` and `mla_decode_paged` make (their tiling, warps and
 stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; its paged launch in bf16) and the
-quantize-and-pack kernel's two ways of addressing rows ahead of time for sm_90 (Triton's own ptxas, no driver), in a
-subprocess because the test session runs Triton in interpreter mode.
+quantize-and-pack kernel's two ways of addressing rows and the paged cache's one-launch layer write ahead of time
+for sm_90 (Triton's own ptxas, no driver), in a subprocess because the test session runs Triton in interpreter mode.
 """
 
 import os
@@ -65,6 +65,23 @@ SCRIPT = textwrap.dedent(
                      S_MIN=SCALE_MIN, START_FROM_PTR=True, SLOTS=slots)
         ptr = dict(x_ptr="*bf16", codes_ptr="*u8", scale_ptr="*fp16", zero_ptr="*i8", start_ptr="*i64")
         sig = {n: "constexpr" if n in const else ptr.get(n, "i64") for n in fn.arg_names}
+        src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        assert ".target sm_90" in kernel.asm["ptx"]
+
+    # the paged cache's one-launch write of a layer's new tokens (both packed paths, the sink and recent copies)
+    from quantmla_hf.kernels import paged_write as pw
+
+    fn = pw.paged_write_fwd_kernel
+    for c_bits, r_bits in ((4, 4), (2, 4), (8, 8), (4, 8)):
+        c, r = PathFormat(512, c_bits, 64), PathFormat(64, r_bits, 64)
+        const = dict(D_C=512, BLOCK_DC=512, C_G=8, C_BLOCK_G=8, C_GROUP=64, C_BITS=c_bits, C_BYTES=c.code_bytes,
+                     D_R=64, BLOCK_DR=64, R_G=1, R_BLOCK_G=1, R_GROUP=64, R_BITS=r_bits, R_BYTES=r.code_bytes,
+                     S_MIN=SCALE_MIN, SINK=True, RECENT=True)
+        ptr = dict(c_ptr="*bf16", r_ptr="*bf16", slots_ptr="*i64", cc_ptr="*u8", cs_ptr="*fp16", cz_ptr="*i8",
+                   rc_ptr="*u8", rs_ptr="*fp16", rz_ptr="*i8", sink_c_ptr="*bf16", sink_r_ptr="*bf16",
+                   recent_c_ptr="*bf16", recent_r_ptr="*bf16", copy_ptr="*i64")
+        sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in fn.arg_names}
         src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         assert ".target sm_90" in kernel.asm["ptx"]
