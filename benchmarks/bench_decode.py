@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -116,24 +117,36 @@ def decode_fn(backend, N, capacity=None):
 
 
 def load_baseline(path):
-    """The decode operation of an older tree at `path`, run beside this tree's: its `kernels/` imported as the
+    """The decode operation of another tree at `path`, run beside this tree's: its `kernels/` imported as the
     package `BASELINE_PACKAGE.kernels` (their own relative imports; `quantmla_hf.format` is this tree's, the same
-    byte layout) and its `mla_decode_static` from `quantmla_hf/decode.py` (the module this tree has as
-    `quantmla_hf/ops/backends.py`), or, in trees that kept the operation in `kernels/`, as their `ops.py` chose it:
-    `kernels/mla_decode_fast.py` where its `fast_supported` says so, else `kernels/mla_decode.py`. Returns a
-    `decode_fn`-like factory."""
+    byte layout) and its `mla_decode_static` from where that tree keeps the operation: `quantmla_hf/ops/backends.py`
+    (this layout), `quantmla_hf/decode.py` (the flat package before it), or, in trees that kept the operation in
+    `kernels/`, as their `ops.py` chose it: `kernels/mla_decode_fast.py` where its `fast_supported` says so, else
+    `kernels/mla_decode.py`. Returns a `decode_fn`-like factory."""
     root = types.ModuleType(BASELINE_PACKAGE)
     root.__path__ = [os.path.join(path, "quantmla_hf")]
     sys.modules[BASELINE_PACKAGE] = root
     sys.modules[BASELINE_PACKAGE + ".format"] = quantmla_hf.format
-    init = os.path.join(path, "kernels", "__init__.py")
-    spec = importlib.util.spec_from_file_location(BASELINE_PACKAGE + ".kernels", init,
-                                                  submodule_search_locations=[os.path.dirname(init)])
+    folder = os.path.join(path, "kernels")
+    init = os.path.join(folder, "__init__.py")  # absent from this layout on: a namespace package
+    if os.path.exists(init):
+        spec = importlib.util.spec_from_file_location(BASELINE_PACKAGE + ".kernels", init,
+                                                      submodule_search_locations=[folder])
+    else:
+        spec = importlib.machinery.ModuleSpec(BASELINE_PACKAGE + ".kernels", None, is_package=True)
+        spec.submodule_search_locations = [folder]
     kernels = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = kernels
-    spec.loader.exec_module(kernels)
-    in_package = os.path.exists(os.path.join(path, "quantmla_hf", "decode.py"))
-    op = importlib.import_module(BASELINE_PACKAGE + (".decode" if in_package else ".kernels.mla_decode"))
+    if spec.loader is not None:
+        spec.loader.exec_module(kernels)
+    module = next((m for m, f in ((".ops.backends", "ops/backends.py"), (".decode", "decode.py"))
+                   if os.path.exists(os.path.join(path, "quantmla_hf", f))), None)
+    in_package = module is not None
+    if module == ".ops.backends":  # its package, without running the tree's quantmla_hf/ops/__init__ imports
+        ops = types.ModuleType(BASELINE_PACKAGE + ".ops")
+        ops.__path__ = [os.path.join(path, "quantmla_hf", "ops")]
+        sys.modules[ops.__name__] = ops
+    op = importlib.import_module(BASELINE_PACKAGE + (module if in_package else ".kernels.mla_decode"))
     fast = None  # trees before the one decode module: `mla_decode_fast` took the cases its `fast_supported` named
     if not in_package and os.path.exists(os.path.join(path, "kernels", "mla_decode_fast.py")):
         fast = importlib.import_module(BASELINE_PACKAGE + ".kernels.mla_decode_fast")
