@@ -23,10 +23,28 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-    from .mla_decode_gluon_common import (_alloc_tiles, _batch_planes, _copy_rows, _copy_tile, _cta_barrier,
-                                          _dense_scores, _finish, _load_group, _load_meta_rows, _load_unit,
-                                          _planes_from, _program_coords, _program_rows, _row_ptrs, _softmax_pv,
-                                          _split_range, _stage_queries, _store_o, _tile_rows, _tile_scores)
+    from .mla_decode_gluon_common import (
+        _alloc_tiles,
+        _batch_planes,
+        _copy_rows,
+        _copy_tile,
+        _cta_barrier,
+        _dense_scores,
+        _finish,
+        _load_group,
+        _load_meta_rows,
+        _load_unit,
+        _planes_from,
+        _program_coords,
+        _program_rows,
+        _row_ptrs,
+        _softmax_pv,
+        _split_range,
+        _stage_queries,
+        _store_o,
+        _tile_rows,
+        _tile_scores,
+    )
     from .mla_decode_gluon_wide import _half_program
 
 BLOCK_M = 16  # query rows per program: one warpgroup, the acc and the 8 value accumulators fit the registers

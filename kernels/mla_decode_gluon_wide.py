@@ -25,10 +25,27 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-    from .mla_decode_gluon_common import (_batch_planes, _copy_rows, _copy_tile, _cta_barrier, _dense_scores, _finish,
-                                          _load_group, _load_unit, _packed_scores, _pair_meta, _planes_from,
-                                          _program_rows, _references, _rescale, _row_ptrs, _split_range, _store_o,
-                                          _tile_rows, _values)
+    from .mla_decode_gluon_common import (
+        _batch_planes,
+        _copy_rows,
+        _copy_tile,
+        _cta_barrier,
+        _dense_scores,
+        _finish,
+        _load_group,
+        _load_unit,
+        _packed_scores,
+        _pair_meta,
+        _planes_from,
+        _program_rows,
+        _references,
+        _rescale,
+        _row_ptrs,
+        _split_range,
+        _store_o,
+        _tile_rows,
+        _values,
+    )
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 # Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width. 8 bits:

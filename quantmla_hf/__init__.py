@@ -2,13 +2,12 @@
 
 from . import _source_kernels  # noqa: F401  (first: quantmla_hf.kernels where an editable install cannot map it)
 from .attention.interface import register_attention
-from .attention.state import ATTN_IMPLEMENTATION
+from .attention.state import ATTN_IMPLEMENTATION, install_cache_hooks
 from .cache.growing import QuantMLACache, QuantMLALayer
+from .cache.static import StaticQuantMLACache, StaticQuantMLALayer
 from .config import AdvancedOptions, QuantMLAConfig
 from .format import CacheFormat, PathFormat
-from .attention.state import install_cache_hooks
 from .mla import MLADims, mla_dims
-from .cache.static import StaticQuantMLACache, StaticQuantMLALayer
 
 register_attention()
 

@@ -19,8 +19,7 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils import logging
 
-from .attention.state import ATTN_IMPLEMENTATION
-from .attention.state import _pre_forward, install_cache_hooks, mla_attention_modules
+from .attention.state import ATTN_IMPLEMENTATION, _pre_forward, install_cache_hooks, mla_attention_modules
 from .cache.growing import QuantMLACache
 from .calibration import calibrate
 from .calibration.checks import check_calibration_inputs, read_calibration_text

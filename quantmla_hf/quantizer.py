@@ -13,8 +13,8 @@ import importlib.util
 import warnings
 
 import transformers.quantizers.auto as transformers_quantizers_auto
-from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.auto import AutoHfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.base import HfQuantizer
 
 from .calibration.checks import check_calibration_inputs
 from .config import QUANT_METHOD, QuantMLAConfig, check_checkpoint_config, weight_conflicts

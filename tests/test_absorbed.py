@@ -2,14 +2,13 @@
 
 import pytest
 import torch
+from helpers import CACHE_KWARG, assert_close
 from transformers import DynamicCache
 
 import quantmla_hf.ops.decode as decode_module
 from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks
 from quantmla_hf.attention.absorbed import absorbed_attention_ref, split_kv_b
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
-
-from helpers import CACHE_KWARG, assert_close
 
 
 def test_absorbed_equals_expanded_on_random_tensors():

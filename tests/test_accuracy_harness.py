@@ -200,9 +200,9 @@ def test_methods_and_bits(acc):
 
 
 def test_content_only_variant_keeps_the_function_and_the_rope_key(acc, model):
+    from quantmla_hf.attention.state import mla_attention_modules
     from quantmla_hf.calibration.fusion import fuse_content, fuse_rope
     from quantmla_hf.calibration.transforms import rope_layout
-    from quantmla_hf.attention.state import mla_attention_modules
 
     fused = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)

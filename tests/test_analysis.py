@@ -5,10 +5,9 @@ import struct
 import pytest
 import torch
 
-from quantmla_hf.evaluation.analysis import DualPathReport, LayerResponse, _png_bars, analyze, quantized_attention_error
 from quantmla_hf.attention.state import mla_attention_modules
+from quantmla_hf.evaluation.analysis import DualPathReport, LayerResponse, _png_bars, analyze, quantized_attention_error
 from quantmla_hf.tiny_models import tiny_mla_model
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

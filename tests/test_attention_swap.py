@@ -6,13 +6,12 @@ Small sink/recent windows (2 + 4) make most of the history quantized, so the ker
 
 import pytest
 import torch
+from helpers import CACHE_KWARG, KERNEL_DEVICE, assert_close, to_device
 from transformers import DynamicCache
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, install_cache_hooks
 from quantmla_hf.attention.masks import expected_mask
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
-
-from helpers import CACHE_KWARG, KERNEL_DEVICE, assert_close, to_device
 
 TOL = 1e-4
 

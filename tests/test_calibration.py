@@ -7,16 +7,16 @@ import os
 
 import pytest
 import torch
+from helpers import CACHE_KWARG
 from transformers import PreTrainedTokenizerFast
 
 from quantmla_hf import QuantMLACache
-from quantmla_hf.evaluation.analysis import quantized_attention_error
+from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.calibration import calibrate, calibration_token_ids
 from quantmla_hf.config import QuantMLAConfig
+from quantmla_hf.evaluation.analysis import quantized_attention_error
 from quantmla_hf.hadamard import hadamard_matrix
-from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.tiny_models import tiny_mla_model
-from helpers import CACHE_KWARG
 
 D_C = 64
 TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "quantmla_hf", "assets", "reference_model", "tokenizer.json")
@@ -138,8 +138,8 @@ def test_offloaded_attention_weights_are_calibrated_and_written_back(offload, tm
     fused values must land in that map, identical to calibrating the resident model."""
     from accelerate import cpu_offload, disk_offload
 
-    from quantmla_hf.evaluation.analysis import analyze
     from quantmla_hf.calibration.offload import materialized
+    from quantmla_hf.evaluation.analysis import analyze
 
     x = ids(6, seed=0, t=16)
     cfg = dict(transform="learned", content_bits=2, group_size=16,

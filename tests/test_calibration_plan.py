@@ -15,8 +15,8 @@ from quantmla_hf.calibration import calibrate, checkpoint, plan
 from quantmla_hf.calibration.defaults import default_calibration_text, resolve_transform
 from quantmla_hf.calibration.objectives import positional_qk_nmse, positional_qk_sums, query_grams
 from quantmla_hf.calibration.protection import quantized_pairs
-from quantmla_hf.calibration.tokens import piece_chars, split_text, token_stream
 from quantmla_hf.calibration.threads import cpu_threads
+from quantmla_hf.calibration.tokens import piece_chars, split_text, token_stream
 from quantmla_hf.embedded import REFERENCE_MODEL
 from quantmla_hf.tiny_models import tiny_mla_model
 

@@ -16,6 +16,7 @@ from helpers import CACHE_KWARG
 from test_calibration import ids, planted
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig
+from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.calibration import calibrate
 from quantmla_hf.calibration.capture import AttentionRunner, LatentHook, capture_inputs
 from quantmla_hf.calibration.defaults import MIN_LEARNED_TOKENS, resolve_transform
@@ -25,7 +26,6 @@ from quantmla_hf.calibration.objectives import positional_qk_nmse, quantize_dequ
 from quantmla_hf.calibration.pipeline import protection_to_model
 from quantmla_hf.calibration.protection import dual_history_mask, quantized_fraction, quantized_pairs
 from quantmla_hf.format import PathFormat
-from quantmla_hf.attention.state import mla_attention_modules
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -158,8 +158,8 @@ def test_demo_and_cli_default_say_rtn_for_the_embedded_text(tmp_path, capsys):
 
     from transformers import AutoTokenizer
 
-    from quantmla_hf.cli.main import main
     from quantmla_hf.cli.demo import build_parser
+    from quantmla_hf.cli.main import main
     from quantmla_hf.embedded import CALIBRATION_TEXT, REFERENCE_MODEL
     from quantmla_hf.tiny_models import tiny_mla_model
 

@@ -9,10 +9,10 @@ import torch
 from test_calibration import ids, planted
 from transformers.utils import logging
 
+from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.calibration import calibrate, pipeline
 from quantmla_hf.calibration.capture import capture_inputs, decoder_layers, propagate
 from quantmla_hf.config import QuantMLAConfig
-from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.tiny_models import tiny_mla_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

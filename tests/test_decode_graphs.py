@@ -16,10 +16,10 @@ from transformers.generation import CompileConfig, GenerationConfig
 
 import quantmla_hf.generation.graphs as dg
 from quantmla_hf import QuantMLACache, QuantMLAConfig, StaticQuantMLACache, apply_quantmla
-from quantmla_hf.integration import generated_cache
 from quantmla_hf.cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
 from quantmla_hf.cache.static import cache_length_bucket
 from quantmla_hf.generation.plan import first_cache_length
+from quantmla_hf.integration import generated_cache
 from quantmla_hf.tiny_models import tiny_mla_model
 
 

@@ -17,8 +17,8 @@ from transformers.generation import GenerationConfig
 import quantmla_hf.generation.graphs as dg
 import quantmla_hf.generation.segments as gs
 from quantmla_hf import QuantMLAConfig, StaticQuantMLACache, apply_quantmla
-from quantmla_hf.integration import generated_cache
 from quantmla_hf.cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
+from quantmla_hf.integration import generated_cache
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
 
 LAYERS = 4

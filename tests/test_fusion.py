@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.calibration.capture import LatentHook
 from quantmla_hf.calibration.fusion import fuse_content, fuse_rope
 from quantmla_hf.calibration.transforms import cayley, rope_layout, rotate_pairs
-from quantmla_hf.attention.state import mla_attention_modules
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
 
 D_C, D_R = 64, 16

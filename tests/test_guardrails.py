@@ -10,9 +10,9 @@ from transformers import AutoTokenizer
 from transformers.utils import logging
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla
+from quantmla_hf.cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
 from quantmla_hf.calibration.checks import check_calibration_inputs
 from quantmla_hf.embedded import REFERENCE_MODEL
-from quantmla_hf.cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
 from quantmla_hf.tiny_models import tiny_mla_model
 
 

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from hub_server import HubServer
 
 HERE = Path(__file__).resolve().parent

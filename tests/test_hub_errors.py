@@ -7,12 +7,11 @@ import time
 
 import huggingface_hub
 import pytest
+from hub_server import SilentServer
 from huggingface_hub.utils import _http
 
 from quantmla_hf.cli.main import main
 from quantmla_hf.tiny_models import tiny_mla_model
-
-from hub_server import SilentServer
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import huggingface_hub
 import pytest
+from hub_server import HubServer
 from huggingface_hub.utils import _http
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla
 from quantmla_hf.tiny_models import tiny_mla_model
-
-from hub_server import HubServer
 
 
 @pytest.fixture()

@@ -2,15 +2,14 @@
 a machine without a GPU (the device's capability is stubbed: the table is a pure function of format, rows, dtype and
 device kind)."""
 
+import gluon_layout
 import pytest
 import torch
-
-from quantmla_hf import CacheFormat, PathFormat
-from quantmla_hf.ops import backends as md
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_triton as pt
 
-import gluon_layout
+from quantmla_hf import CacheFormat, PathFormat
+from quantmla_hf.ops import backends as md
 
 
 def fmt(cb, rb, dc=512, dr=64, group=64):

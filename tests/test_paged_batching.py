@@ -7,13 +7,12 @@ and C4R4 (against its own `generate` on the contiguous QuantMLACache).
 
 import pytest
 import torch
+from helpers import KERNEL_DEVICE
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla
 from quantmla_hf.cache.paged import PagedQuantMLACache
 from quantmla_hf.serving.batching import ContinuousBatcher, RequestTooLong, generate_batch
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_mla_model
-
-from helpers import KERNEL_DEVICE
 
 NEW_TOKENS = 5
 PROMPT_LENS = (5, 13, 1, 9)

@@ -2,14 +2,18 @@
 
 import pytest
 import torch
+from helpers import KERNEL_DEVICE, to_device
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig
-from quantmla_hf.format import CacheFormat, PathFormat
-from quantmla_hf.cache.allocator import CacheBudgetExceeded, PageAllocator, pages_for_budget, protected_bytes_per_request
+from quantmla_hf.cache.allocator import (
+    CacheBudgetExceeded,
+    PageAllocator,
+    pages_for_budget,
+    protected_bytes_per_request,
+)
 from quantmla_hf.cache.paged import PagedQuantMLACache
+from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.tiny_models import tiny_config
-
-from helpers import KERNEL_DEVICE, to_device
 
 
 def test_allocator_alloc_free_reuse():

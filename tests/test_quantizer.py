@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CACHE_KWARG, assert_close
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import quantmla_hf
 from quantmla_hf import QuantMLACache, QuantMLAConfig, QuantMLAHfQuantizer, StaticQuantMLACache
-from quantmla_hf.attention.state import ATTN_IMPLEMENTATION
-from quantmla_hf.attention.state import mla_attention_modules
+from quantmla_hf.attention.state import ATTN_IMPLEMENTATION, mla_attention_modules
 from quantmla_hf.integration import generated_cache
 from quantmla_hf.tiny_models import tiny_mla_model
-
-from helpers import CACHE_KWARG, assert_close
 
 FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3")
 

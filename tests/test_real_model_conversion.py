@@ -158,9 +158,9 @@ def test_norm_margin_bounds_every_input(convert):
 def test_one_pass_capture_serves_the_inputs_the_library_captures():
     """benchmarks/real_model/one_pass_capture.py: the analysis' per-layer capture, served from one pass, gives the
     inputs the library's own capture gives (hidden states, RoPE tables, batch)."""
-    from quantmla_hf.evaluation import analysis
-    from quantmla_hf.calibration.capture import capture_inputs
     from quantmla_hf.attention.state import mla_attention_modules
+    from quantmla_hf.calibration.capture import capture_inputs
+    from quantmla_hf.evaluation import analysis
     from quantmla_hf.tiny_models import tiny_mla_model
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks", "real_model"))

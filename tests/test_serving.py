@@ -20,8 +20,8 @@ pytest.importorskip("transformers.cli.serving.server")
 from transformers import AutoTokenizer  # noqa: E402
 
 from quantmla_hf import QuantMLAConfig, apply_quantmla  # noqa: E402
-from quantmla_hf.serving.server import CacheOptions, build_app, quantmla_config_of  # noqa: E402
 from quantmla_hf.serving.manager import PagedBatchingManager  # noqa: E402
+from quantmla_hf.serving.server import CacheOptions, build_app, quantmla_config_of  # noqa: E402
 from quantmla_hf.tiny_models import tiny_mla_model  # noqa: E402
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "quantmla_hf" / "assets" / "reference_model"

@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla
 from quantmla_hf.attention.interface import quantmla_attention_forward
-from quantmla_hf.embedded import EVALUATION_TEXT, REFERENCE_MODEL
 from quantmla_hf.cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
-from quantmla_hf.integration import build_cache
 from quantmla_hf.cache.static import StaticQuantMLACache
+from quantmla_hf.embedded import EVALUATION_TEXT, REFERENCE_MODEL
+from quantmla_hf.integration import build_cache
 from quantmla_hf.tiny_models import tiny_mla_model
 
 NEW_TOKENS = 40

@@ -33,8 +33,8 @@ from transformers import AutoModelForCausalLM
 
 import quantmla_hf.generation.graphs as dg
 from quantmla_hf import QuantMLAConfig, StaticQuantMLACache, apply_quantmla, mla_dims
-from quantmla_hf.distributed import collective_backends, kv_b_weight, local_rows, uncapturable_collectives
 from quantmla_hf.attention.state import mla_attention_modules
+from quantmla_hf.distributed import collective_backends, kv_b_weight, local_rows, uncapturable_collectives
 from quantmla_hf.integration import generated_cache
 from quantmla_hf.tiny_models import tiny_config, tiny_mla_model
 

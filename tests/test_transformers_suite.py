@@ -44,7 +44,6 @@ import unittest
 
 import pytest
 import torch
-
 from transformers_sources import SourcesUnavailable, import_modeling_common, shipped
 
 try:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CACHE_KWARG, assert_close
 from transformers import AutoModelForSequenceClassification, DynamicCache
 
-from quantmla_hf.hooks import QuantMLAModel
 from quantmla_hf import QuantMLACache, QuantMLAConfig, apply_quantmla
 from quantmla_hf.attention.state import ATTN_IMPLEMENTATION
+from quantmla_hf.hooks import QuantMLAModel
 from quantmla_hf.tiny_models import tiny_config, tiny_mla_model
-
-from helpers import CACHE_KWARG, assert_close
 
 
 def c4r4(**kw) -> QuantMLAConfig:

@@ -34,8 +34,8 @@ from ..config import QuantMLAConfig
 from ..format import SCALE_DTYPE, ZERO_DTYPE, CacheFormat, PathFormat
 from ..kernels.quant_pack_ref import dequantize_ref, quantize_ref
 from ..mla import mla_dims
-from ..ops.write import paged_write, quantize_pack_slots
 from ..ops.decode import DecodeView, use_triton
+from ..ops.write import paged_write, quantize_pack_slots
 from .allocator import CacheBudgetExceeded, PageAllocator, pages_for_budget, protected_bytes_per_request
 
 

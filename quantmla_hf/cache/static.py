@@ -35,11 +35,10 @@ import contextlib
 
 import torch
 
+from ..format import CacheFormat
 from ..ops import write  # noqa: F401  (registers torch.ops.quantmla.quant_append)
 from ..ops.decode import DecodeView, native_chunk, use_triton
 from .growing import QuantMLACache, QuantMLALayer
-from ..format import CacheFormat
-
 
 BUCKET_MIN = 256
 BUCKETS_PER_OCTAVE = 16

@@ -12,9 +12,9 @@ import os
 
 import torch
 
+from ..config import QuantMLAConfig
 from .defaults import calibration_data_or_default
 from .tokens import token_list
-from ..config import QuantMLAConfig
 
 # How an error names each option: as a `QuantMLAConfig` keyword, or as the `quantmla` command-line flag.
 PYTHON_NAMES = {

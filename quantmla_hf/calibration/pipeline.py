@@ -10,22 +10,22 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from ..attention.state import mla_attention_modules
 from ..config import QuantMLAConfig
 from ..distributed import check_not_sharded_for_calibration
 from ..format import CacheFormat
-from ..attention.state import mla_attention_modules
+from ..log import get_logger
 from ..mla import mla_dims, text_config
 from .baselines import hadamard_content, smooth_content, smooth_rope
-from .defaults import calibration_data_or_default, resolve_transform
-from .threads import cpu_threads, retune
-from ..log import get_logger
 from .capture import AttentionRunner, capture_inputs, capture_within, decoder_layers, module_device, propagate
 from .checkpoint import CalibrationCheckpoint, fingerprint
+from .defaults import calibration_data_or_default, resolve_transform
 from .fusion import fuse_content, fuse_rope
 from .learn import ContentLearner, LearnSettings, RopeLearner, reference_streams
 from .offload import materialized
 from .plan import cost_line, estimate_seconds, short_recipe_hint, timed_step
 from .protection import quantized_fraction
+from .threads import cpu_threads, retune
 from .tokens import token_stream
 from .transforms import rope_kind, rope_layout, start_rotations
 

@@ -12,13 +12,12 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from ..cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
 from ..calibration.defaults import resolve_transform
 from ..config import QuantMLAConfig
 from ..embedded import CALIBRATION_TEXT, EVALUATION_TEXT, REFERENCE_MODEL
 from ..evaluation.perplexity import decode_perplexity
 from ..integration import build_cache
-from ..cache.growing import CACHE_KWARG as GENERATE_CACHE_KWARG
-
 
 
 def build_parser() -> argparse.ArgumentParser:

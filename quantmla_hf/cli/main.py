@@ -29,19 +29,24 @@ from huggingface_hub.utils import _http
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils.logging import tqdm  # honours transformers.utils.logging.disable_progress_bar()
 
-from ..evaluation.analysis import analyze
 from ..calibration import calibration_token_ids
+from ..calibration.checks import (
+    CLI_NAMES,
+    check_calibration_inputs,
+    no_tokenizer_for_default_text,
+    read_calibration_text,
+)
 from ..calibration.defaults import resolve_transform
-from ..calibration.checks import CLI_NAMES, check_calibration_inputs, no_tokenizer_for_default_text, read_calibration_text
-from ..config import DEFAULTS, QUANT_METHOD, QuantMLAConfig, nest_options, weight_conflicts
-from .demo import main as demo_main
 from ..calibration.threads import cpu_threads, retune
+from ..config import DEFAULTS, QUANT_METHOD, QuantMLAConfig, nest_options, weight_conflicts
+from ..evaluation.analysis import analyze
 from ..evaluation.perplexity import window_nll
 from ..integration import build_cache, generated_cache
-from ..saving.hub import upload_saved_files
 from ..mla import mla_dims, text_config
+from ..saving.hub import upload_saved_files
 from ..saving.model_card import write_model_card
 from ..saving.staged_output import check_destination, check_file_destination, staged_directory, write_text_atomic
+from .demo import main as demo_main
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # Seconds a Hub request may wait for the connection or for each piece of the answer (not the whole transfer).

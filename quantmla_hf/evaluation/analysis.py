@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers.utils.logging import tqdm  # honours transformers.utils.logging.disable_progress_bar()
 
+from ..attention.state import mla_attention_modules
 from ..calibration.capture import AttentionRunner, LatentHook, capture_inputs
 from ..calibration.objectives import quantize_dequantize
 from ..calibration.offload import materialized
 from ..format import PathFormat
-from ..attention.state import mla_attention_modules
 
 
 @dataclass

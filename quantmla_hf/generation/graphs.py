@@ -52,13 +52,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed
 
-from ..cache.growing import CACHE_KWARGS, cache_argument
-from ..ops.decode import native_chunk
-from ..distributed import collective_backends, release_before_shutdown, uncapturable_collectives
-from .segments import capture_segments, model_segment_plan
-from ..log import get_logger
 from ..attention.masks import mask_is_padding_causal
+from ..cache.growing import CACHE_KWARGS, cache_argument
 from ..cache.static import StaticQuantMLACache
+from ..distributed import collective_backends, release_before_shutdown, uncapturable_collectives
+from ..log import get_logger
+from ..ops.decode import native_chunk
+from .segments import capture_segments, model_segment_plan
 
 logger = get_logger(__name__)
 

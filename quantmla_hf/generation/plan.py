@@ -22,11 +22,11 @@ one shape replay the same graphs.
 
 from __future__ import annotations
 
+from ..attention.state import is_mla_attention
 from ..cache.growing import QuantMLACache, cache_argument
+from ..cache.static import StaticQuantMLACache, cache_length_bucket
 from ..config import QuantMLAConfig
 from .graphs import DecodePlan, cache_pool, graph_bytes, log_fallback, plan_decode
-from ..attention.state import is_mla_attention
-from ..cache.static import StaticQuantMLACache, cache_length_bucket
 
 FIRST_ROOM = 4096  # new positions a CUDA-graph cache holds from the start (at least the prompt's length)
 

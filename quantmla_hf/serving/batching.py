@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.growing import CACHE_KWARG
-from ..ops.decode import NATIVE_MAX_QUERY
+from ..attention.paged import PAGED_ATTN_IMPLEMENTATION, PagedForward, native_request, register_paged_attention
 from ..attention.state import mla_attention_modules
 from ..cache.allocator import CacheBudgetExceeded
-from ..attention.paged import PAGED_ATTN_IMPLEMENTATION, PagedForward, native_request, register_paged_attention
+from ..cache.growing import CACHE_KWARG
 from ..cache.paged import PagedQuantMLACache
+from ..ops.decode import NATIVE_MAX_QUERY
 from .graphs import PagedDecodeGraphs, bucket, request_bucket, unsupported_reason
 
 logger = logging.getLogger(__name__)

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 
 from ..attention.paged import PagedForward
+from ..cache.paged import PagedQuantMLACache, PagedStep
 from ..generation.graphs import CapturedStep, warm_up
 from ..log import get_logger
 from ..ops.decode import use_triton
-from ..cache.paged import PagedQuantMLACache, PagedStep
 
 logger = get_logger(__name__)
 

@@ -30,12 +30,12 @@ import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 from transformers.utils import logging
 
+from ..cache.allocator import CacheBudgetExceeded, pages_for_budget
+from ..cache.paged import PagedQuantMLACache
 from ..config import QuantMLAConfig
 from ..format import CacheFormat
 from ..mla import mla_dims
-from ..cache.allocator import CacheBudgetExceeded, pages_for_budget
 from .batching import ContinuousBatcher, Sampling
-from ..cache.paged import PagedQuantMLACache
 
 # Under transformers' serving logger, so that `quantmla serve` shows these lines at the server's log level.
 logger = logging.get_logger("transformers.cli.serving.quantmla")
