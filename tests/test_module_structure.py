@@ -63,3 +63,60 @@ def test_kernels_import_nothing_above_the_format():
         if module.startswith("quantmla_hf") and module not in ("quantmla_hf.format",)
     ]
     assert not above, above
+
+
+# The package's parts from the bottom up: a module imports only from its own part and the parts below it.
+LAYERS = (
+    ("format", "config", "mla", "log", "hadamard", "distributed", "embedded", "tiny_models", "_source_kernels"),
+    ("kernels",),
+    ("ops",),
+    ("cache",),
+    ("attention",),
+    ("generation",),
+    ("saving",),
+    ("calibration",),
+    ("evaluation", "serving"),
+    ("hooks",),
+    ("integration",),
+    ("quantizer",),
+    ("cli", "optimum_register", "__init__"),
+)
+LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}
+
+
+def _part(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("").parts
+    return rel[0] if rel[0] != "__init__" else "__init__"
+
+
+def _target_part(path: Path, module: str) -> str | None:
+    """The part of the package `module` (as imported in `path`, relative or absolute) lies in, or None outside it."""
+    if module.startswith("quantmla_hf"):
+        parts = module.split(".")[1:]
+    elif module.startswith("."):
+        level = len(module) - len(module.lstrip("."))
+        here = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        base = here[:-1][: len(here) - level] if level > 1 else here[:-1]
+        parts = base + [p for p in module.lstrip(".").split(".") if p]
+    else:
+        return None
+    return parts[0] if parts else None
+
+
+def test_imports_go_one_way_through_the_package():
+    """No part imports one above it (and so no circle between parts): format and config at the bottom, then kernels,
+    ops, the caches, attention, generation, saving, calibration, evaluation and serving, the hooks, the integration,
+    the quantizer, the command line."""
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "assets" in path.parts:
+            continue
+        part = _part(path)
+        for module, _ in _imports(path):
+            target = _target_part(path, module)
+            if module in (".", "..") or target is None or target == part:
+                continue
+            if LEVEL[target] > LEVEL[part]:
+                upward.append((str(path.relative_to(ROOT)), module))
+    assert not upward, upward
+    assert set(LEVEL) >= {_part(p) for p in PACKAGE.rglob("*.py") if "assets" not in p.parts}
