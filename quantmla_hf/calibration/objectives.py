@@ -11,6 +11,9 @@
   `G_j = sum_{h, t counted for key j} q_ht q_ht^T` (`[d_R, d_R]`), a sum over `t >= j + recent` (a reverse cumulative
   sum over tokens). `H T^2 d_R` multiply-adds per window become `H T d_R^2 + T d_R^2`: 8x fewer at `T` 512, and
   the memory traffic of the score tensors goes.
+- `attention_partials` + `merged_attention`: the attention of the content objective split into the part that the
+  transform cannot change (exact keys: computed once per window, kept as a normalized output and its log-sum-exp) and
+  the part it changes (quantized keys), merged in one softmax (`learn.ContentLearner`).
 """
 
 from __future__ import annotations
@@ -79,16 +82,46 @@ def query_grams(q: torch.Tensor, sink: int = 0, recent: int = 0) -> tuple[torch.
     0), as `positional_qk_nmse`'s `error_pairs = protection.quantized_pairs(T, sink, recent)` counts them.
     `q: [B, H, T, d_R]` post-RoPE queries (fp32 sums).
     """
-    per_token = torch.einsum("bhtr,bhts->btrs", q.float(), q.float())  # [B, T, d_R, d_R]
-    causal = per_token.flip(1).cumsum(1).flip(1)  # causal[:, j] = sum over t >= j
+    causal = torch.einsum("bhtr,bhts->btrs", q.float(), q.float())  # per token, then summed over t >= j in place
+    T = q.shape[2]
+    for j in range(T - 2, -1, -1):  # a reverse cumulative sum; torch.cumsum over this axis is 8x slower on a CPU
+        causal[:, j] += causal[:, j + 1]
     if sink == 0 and recent == 0:
         return causal, causal
     error = torch.zeros_like(causal)
-    T = q.shape[2]
     if recent < T:
         error[:, : T - recent] = causal[:, recent:]
     error[:, : min(sink, T)] = 0
     return error, causal
+
+
+class _GramQuadratic(torch.autograd.Function):
+    """`sum_{b, t} e[b, t]^T G[rows[b], t] e[b, t]` for symmetric Gram matrices `G`, differentiable in `e`."""
+
+    @staticmethod
+    def forward(ctx, e, grams, rows):
+        # Each window's matrices are read in place (no gathered copy of the batch's) and once: the gradient
+        # `2 G e` reuses the forward's `e^T G` (G symmetric; the row-vector product is the faster one on a CPU).
+        ge = torch.stack([(e[i].unsqueeze(-2) @ grams[r]).squeeze(-2) for i, r in enumerate(rows.tolist())])
+        ctx.save_for_backward(ge)
+        return (ge * e).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ge,) = ctx.saved_tensors
+        return 2 * grad * ge, None, None
+
+
+def gram_quadratic(e: torch.Tensor, grams: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`sum_{b, t} e[b, t]^T grams[rows[b], t] e[b, t]` (fp32 scalar), differentiable in `e`.
+
+    Args:
+        e: `[B, T, d]`.
+        grams: `[N, T, d, d]` symmetric (`query_grams`), or `[B, T, d, d]` with `rows` None.
+        rows: `[B]` the window of `grams` each row of `e` reads (default: row `b` reads window `b`).
+    """
+    rows = torch.arange(e.shape[0]) if rows is None else rows.cpu()
+    return _GramQuadratic.apply(e.float(), grams, rows)
 
 
 def positional_qk_sums(e: torch.Tensor, k: torch.Tensor, grams: torch.Tensor, grams_causal: torch.Tensor):
@@ -101,6 +134,46 @@ def positional_qk_sums(e: torch.Tensor, k: torch.Tensor, grams: torch.Tensor, gr
         k: `[B, T, d_R]` the keys as `q` sees them (the denominator `sum (q . k)^2` is invariant under the transform).
         grams, grams_causal: `[B, T, d_R, d_R]` from `query_grams`.
     """
-    e, k = e.float(), k.float()
-    quadratic = lambda x, g: ((x.unsqueeze(-2) @ g).squeeze(-2) * x).sum()  # noqa: E731  (sum_bt x^T g x)
-    return quadratic(e, grams), quadratic(k, grams_causal)
+    return gram_quadratic(e, grams), gram_quadratic(k, grams_causal)
+
+
+def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, allowed: torch.Tensor):
+    """Softmax attention restricted to the `allowed` pairs, as a mergeable partial result `(out, lse)`.
+
+    Args:
+        q: `[B, H, Tq, d]` queries; k: `[B, H, Tk, d]` keys; v: `[B, H, Tk, d_v]` values.
+        scaling: the softmax scale.
+        allowed: bool `[Tq, Tk]`, the pairs this part attends over.
+
+    Returns:
+        `out: [B, H, Tq, d_v]` the attention output normalized over the allowed keys (0 on a row with none) and
+        `lse: [B, H, Tq]` the log-sum-exp of the row's allowed scaled scores (-inf on a row with none): the row's
+        share of a softmax over a larger key set is `exp(lse - lse_total)`.
+    """
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return probs @ v, lse
+
+
+def merged_attention(scores: torch.Tensor, v: torch.Tensor, part_out: torch.Tensor | None = None,
+                     part_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention over `Tk` keys, merged with a precomputed part over other keys of the same rows.
+
+    The softmax runs over `[scores | part_lse]`: the precomputed part enters as one column holding its log-sum-exp,
+    whose probability weighs its normalized output, so the result is exactly one softmax over both key sets.
+
+    Args:
+        scores: `[B, H, Tq, Tk]` scaled scores, -inf where a query does not attend.
+        v: `[B, H, Tk, d_v]` values.
+        part_out, part_lse: `attention_partials` of the other keys (`[B, H, Tq, d_v]`, `[B, H, Tq]`), or None.
+
+    Returns:
+        `[B, H, Tq, d_v]`.
+    """
+    if part_out is None:
+        return torch.softmax(scores, dim=-1) @ v
+    tk = scores.shape[-1]
+    probs = torch.softmax(torch.cat([scores, part_lse.unsqueeze(-1)], dim=-1), dim=-1)
+    return probs[..., :tk] @ v + probs[..., tk:] * part_out

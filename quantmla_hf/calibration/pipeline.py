@@ -304,7 +304,7 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
                     "rope": _cpu((torch.zeros(layout.n_pairs), smooth_rope(q, k, layout)))}
     entry, transforms = {}, {}
     if learn_content:
-        learner = ContentLearner(runner, streams.outputs, fmt.content, settings.sink, settings.recent)
+        learner = ContentLearner(runner, streams, fmt.content, settings.sink, settings.recent)
         candidates = {name: (r0, _start_scale(name, w)) for name, r0 in start_rotations(w).items()}
         candidates["smooth"] = smooth_content(streams.latent_max, runner.params["kv_b_proj.weight"], w)
         rotation, scale, report = learner.learn(candidates, train, held, settings)

@@ -1,0 +1,133 @@
+"""The content objective learning runs (`ContentLearner.loss_sums`: per-window constants, quantized pairs only, merged
+with a precomputed exact part) against its definition (`module_loss_sums`: the module's own forward on the doubled
+history), values and gradients, for every family and protection; the merge of partial softmaxes; the learner's own
+check of the two forms; the RoPE objective's quadratic form over per-window Gram matrices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_calibration import ids, planted
+
+from quantmla_hf.calibration.capture import AttentionRunner, capture_inputs
+from quantmla_hf.calibration.learn import ContentLearner, reference_streams
+from quantmla_hf.calibration.objectives import attention_partials, gram_quadratic, merged_attention, query_grams
+from quantmla_hf.calibration.transforms import ContentTransform, rope_kind, start_rotations
+from quantmla_hf.format import PathFormat
+from quantmla_hf.hooks import mla_attention_modules
+from quantmla_hf.tiny_models import TINY_FAMILIES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _learner(family, sink, recent, dtype=torch.float64, windows=3, t=23, bits=2):
+    model = planted(family)
+    m = mla_attention_modules(model)[-1]
+    inputs = capture_inputs(model, m, ids(windows, seed=5, t=t), 2)  # batches of 2 and 1 windows
+    runner = AttentionRunner(m, inputs, dtype=dtype)
+    streams = reference_streams(runner, rope_kind(model.config))
+    return ContentLearner(runner, streams, PathFormat(m.kv_a_layernorm.weight.numel(), bits, 64), sink, recent)
+
+
+def _moved_transform(learner, seed=0):
+    """A transform away from its start (random skew part and scales), in the learner's dtype."""
+    w = learner.base["kv_a_layernorm.weight"]
+    transform = ContentTransform(start_rotations(w)["identity"], w.abs().clamp_min(1e-8)).to(w.dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        transform.a.copy_(0.05 * torch.randn(transform.a.shape, generator=g))
+        transform.log_s.add_(0.2 * torch.randn(transform.log_s.shape, generator=g))
+    return transform
+
+
+def _value_and_grads(fn, transform, rows):
+    transform.zero_grad()
+    num, den = fn(transform.rotation(), transform.scale(), rows)
+    (num / den).backward()
+    return float(num.detach()), float(den), transform.a.grad.clone(), transform.log_s.grad.clone()
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("sink, recent", [(0, 0), (2, 5), (0, 7), (3, 0)])
+def test_constants_form_equals_the_module_forward_in_value_and_gradient(family, sink, recent):
+    learner = _learner(family, sink, recent)
+    learner.block = 4  # several query blocks, the last one shorter
+    transform = _moved_transform(learner)
+    rows = torch.tensor([2, 0])
+    fast = _value_and_grads(learner.loss_sums, transform, rows)
+    slow = _value_and_grads(learner.module_loss_sums, transform, rows)
+    assert fast[0] > 1e-3 * fast[1]  # a real quantization error, not a vanishing one
+    # fp64 everywhere but inside the fake quantizer, which runs in fp32 in both forms (its value last-bit rounded)
+    assert fast[0] == pytest.approx(slow[0], rel=1e-6)
+    assert fast[1] == pytest.approx(slow[1], rel=1e-12)
+    for a, b in zip(fast[2:], slow[2:]):
+        assert float((a - b).norm() / b.norm()) < 1e-5
+
+
+def test_block_size_does_not_change_the_objective():
+    learner = _learner("deepseek_v3", 2, 5)
+    transform = _moved_transform(learner, seed=1)
+    values = []
+    for block in (1, 5, 16, 1000):
+        learner.block = block
+        values.append(_value_and_grads(learner.loss_sums, transform, torch.arange(3)))
+    for v in values[1:]:
+        assert v[0] == pytest.approx(values[0][0], rel=1e-12)
+        assert torch.allclose(v[2], values[0][2], rtol=1e-9, atol=1e-15)
+
+
+def test_fp32_constants_form_is_as_close_to_fp64_as_the_module_forward():
+    exact = _learner("deepseek_v3", 2, 5, torch.float64)
+    single = _learner("deepseek_v3", 2, 5, torch.float32)
+    transform = _moved_transform(exact)
+    truth = float(exact.loss_sums(transform.rotation(), transform.scale(), torch.arange(3))[0])
+    r, s = transform.rotation().float().detach(), transform.scale().float().detach()
+    fast = float(single.loss_sums(r, s, torch.arange(3))[0])
+    slow = float(single.module_loss_sums(r, s, torch.arange(3))[0])
+    assert abs(fast - truth) <= max(abs(slow - truth), 1e-6 * truth)
+
+
+def test_merged_partial_softmaxes_are_one_softmax_over_both_key_sets():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 3, 7, 5, generator=g), torch.randn(2, 3, 11, 5, generator=g), torch.randn(2, 3, 11, 4, generator=g)
+    t = torch.arange(7)[:, None]
+    j = torch.arange(11)[None, :]
+    first = j < 4 + t  # an arbitrary split of each row's keys: first part precomputed, the rest merged
+    rest = (j >= 4 + t) & (j < 4 + 2 * t)
+    scores = (q @ k.transpose(-1, -2)) * 0.3
+    reference = torch.softmax(scores.masked_fill(~(first | rest), float("-inf")), -1) @ v
+    part_out, part_lse = attention_partials(q, k, v, 0.3, first)
+    merged = merged_attention(scores.masked_fill(~rest, float("-inf")), v, part_out, part_lse)
+    assert torch.allclose(merged, reference, atol=1e-6)
+    assert torch.allclose(part_out, torch.softmax(scores.masked_fill(~first, float("-inf")), -1) @ v, atol=1e-6)
+
+
+def test_the_learner_refuses_a_module_whose_forward_is_not_the_mla_forward_it_assumes():
+    model = planted("deepseek_v3")
+    m = mla_attention_modules(model)[-1]
+    forward = m.forward
+    m.forward = lambda *args, **kwargs: (2 * forward(*args, **kwargs)[0], None)  # a scale after o_proj
+    inputs = capture_inputs(model, m, ids(2, seed=5, t=23), 2)
+    runner = AttentionRunner(m, inputs)
+    with pytest.raises(RuntimeError, match="differs from .*own forward"):
+        ContentLearner(runner, reference_streams(runner, rope_kind(model.config)), PathFormat(64, 2, 64), 2, 5)
+
+
+def test_protection_that_leaves_no_quantized_pair_is_refused():
+    with pytest.raises(ValueError, match="leave no quantized pair in windows of 23 tokens"):
+        _learner("deepseek_v3", 3, 20, torch.float32)
+
+
+def test_gram_quadratic_reads_each_windows_grams_and_has_the_plain_gradient():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 2, 9, 6, generator=g)
+    grams, _ = query_grams(q, 1, 3)
+    e = torch.randn(3, 9, 6, generator=g, requires_grad=True)
+    rows = torch.tensor([3, 0, 3])
+    value = gram_quadratic(e, grams, rows)
+    (grad,) = torch.autograd.grad(value, e)
+    e2 = e.detach().clone().requires_grad_()
+    plain = ((e2.unsqueeze(-2) @ grams[rows]).squeeze(-2) * e2).sum()
+    (plain_grad,) = torch.autograd.grad(plain, e2)
+    assert float(value) == pytest.approx(float(plain), rel=1e-6)
+    assert torch.allclose(grad, plain_grad, rtol=1e-5, atol=1e-6)
