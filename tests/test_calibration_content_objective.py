@@ -1,7 +1,7 @@
 """The content objective learning runs (`ContentLearner.loss_sums`: per-window constants, quantized pairs only, merged
 with a precomputed exact part) against its definition (`module_loss_sums`: the module's own forward on the doubled
-history), values and gradients, for every family and protection; the merge of partial softmaxes; the learner's own
-check of the two forms; the RoPE objective's quadratic form over per-window Gram matrices."""
+history), values and gradients, for every family and protection; the merged attention and its hand-written backward;
+the learner's own check of the two forms; the RoPE objective's quadratic form over per-window Gram matrices."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from test_calibration import ids, planted
 
 from quantmla_hf.calibration.capture import AttentionRunner, capture_inputs
 from quantmla_hf.calibration.learn import ContentLearner, reference_streams
-from quantmla_hf.calibration.objectives import attention_partials, gram_quadratic, merged_attention, query_grams
+from quantmla_hf.calibration.objectives import (attention_partials, gram_quadratic, quantized_pairs_attention,
+                                                query_grams)
 from quantmla_hf.calibration.transforms import ContentTransform, rope_kind, start_rotations
 from quantmla_hf.format import PathFormat
 from quantmla_hf.hooks import mla_attention_modules
@@ -87,19 +88,34 @@ def test_fp32_constants_form_is_as_close_to_fp64_as_the_module_forward():
     assert abs(fast - truth) <= max(abs(slow - truth), 1e-6 * truth)
 
 
-def test_merged_partial_softmaxes_are_one_softmax_over_both_key_sets():
+@pytest.mark.parametrize("block", [3, 100])
+def test_quantized_pairs_attention_is_one_softmax_over_both_key_sets_in_value_and_gradient(block):
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 3, 7, 5, generator=g), torch.randn(2, 3, 11, 5, generator=g), torch.randn(2, 3, 11, 4, generator=g)
-    t = torch.arange(7)[:, None]
-    j = torch.arange(11)[None, :]
-    first = j < 4 + t  # an arbitrary split of each row's keys: first part precomputed, the rest merged
-    rest = (j >= 4 + t) & (j < 4 + 2 * t)
-    scores = (q @ k.transpose(-1, -2)) * 0.3
-    reference = torch.softmax(scores.masked_fill(~(first | rest), float("-inf")), -1) @ v
-    part_out, part_lse = attention_partials(q, k, v, 0.3, first)
-    merged = merged_attention(scores.masked_fill(~rest, float("-inf")), v, part_out, part_lse)
-    assert torch.allclose(merged, reference, atol=1e-6)
-    assert torch.allclose(part_out, torch.softmax(scores.masked_fill(~first, float("-inf")), -1) @ v, atol=1e-6)
+    b, h, n, m = 2, 3, 10, 6  # n queries over n merged keys (causal), m other keys precomputed
+    q, q_rot = torch.randn(b * h, n, 5, generator=g), torch.randn(b, h, n, 4, generator=g)
+    k = torch.randn(b * h, n, 5, generator=g, requires_grad=True)
+    v = torch.randn(b * h, n, 7, generator=g, requires_grad=True)
+    k_rot = torch.randn(b, 1, n, 4, generator=g)
+    k_other, v_other = torch.randn(b * h, m, 9, generator=g), torch.randn(b * h, m, 7, generator=g)
+    q_other = torch.randn(b * h, n, 9, generator=g)
+    other = torch.rand(n, m, generator=g) < 0.5  # an arbitrary pattern of other keys, at least one per row
+    other[:, 0] = True
+    part_out, part_lse = attention_partials(q_other, k_other, v_other, 0.3, other)
+    out = quantized_pairs_attention(q, k, v, q_rot, k_rot, 0.3, part_out, part_lse, block)
+    # One softmax over [merged keys | other keys], by autograd
+    rope = ((q_rot @ k_rot.transpose(-1, -2)) * 0.3).flatten(0, 1)
+    scores = torch.cat([(q @ k.transpose(1, 2) + rope).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(),
+                                                                    float("-inf")),
+                        ((q_other @ k_other.transpose(1, 2)) * 0.3).masked_fill(~other, float("-inf"))], -1)
+    reference = torch.softmax(scores, -1) @ torch.cat([v, v_other], 1)
+    assert torch.allclose(out, reference, atol=1e-6)
+    weight = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * weight).sum(), (k, v))
+    expected = torch.autograd.grad((reference * weight).sum(), (k, v))
+    for a, e in zip(grads, expected):
+        assert torch.allclose(a, e, atol=1e-5)
+    plain = quantized_pairs_attention(q, k, v, q_rot, k_rot, 0.3, block=block)  # nothing precomputed: causal alone
+    assert torch.allclose(plain, torch.softmax(scores[..., :n], -1) @ v, atol=1e-6)
 
 
 def test_the_learner_refuses_a_module_whose_forward_is_not_the_mla_forward_it_assumes():

@@ -25,7 +25,8 @@ from quantmla_hf.format import PathFormat
 
 from .capture import AttentionRunner, LatentHook
 from .fusion import content_weights, original_weights, query_projection
-from .objectives import attention_partials, fake_quantize, gram_quadratic, merged_attention, output_nmse, query_grams
+from .objectives import (attention_partials, fake_quantize, gram_quadratic, output_nmse, quantized_pairs_attention,
+                         query_grams)
 from .protection import dual_history, dual_history_mask, quantized_pairs
 from .transforms import ContentTransform, RopeLayout, RopeTransform, apply_family_rope
 
@@ -221,7 +222,7 @@ class ContentLearner:
     transformed `kv_b_proj`, their attention over the quantized pairs and `o_proj` are computed. With protection, a
     query `t` reads quantized keys `sink <= j <= t - recent`: queries `t >= sink + recent` over keys
     `sink <= j < T - recent`, a causal pattern of `T - sink - recent` tokens; the exact keys of each such query enter
-    as one precomputed partial softmax (`objectives.attention_partials`, merged by `objectives.merged_attention`),
+    as one precomputed partial softmax (`objectives.attention_partials`, merged by `objectives.quantized_pairs_attention`),
     and the earlier queries, which read no quantized key, have the teacher's output exactly (they contribute nothing
     to the numerator and are left out of it). `tests/test_calibration_protection.py` checks both forms, and their
     gradients, against each other; each learner checks them on its first window before learning.
@@ -263,8 +264,6 @@ class ContentLearner:
         self.normed = streams.normed[:, a:z]
         self.target = self.teacher[:, self.first :]
         self.den = self.teacher.pow(2).flatten(1).sum(1)
-        n = T - self.first
-        self.causal = torch.ones(n, n, dtype=torch.bool, device=self.teacher.device).tril()
         self.part_out = self.part_lse = None
         if self.mask is not None:
             self.part_out, self.part_lse = self._exact_partials(streams)
@@ -312,22 +311,13 @@ class ContentLearner:
         """Attention output `[b, T', H * d_v]` of the queries that read quantized keys over those keys (`k_nope`,
         `v`: `[b, H, T', d]`), merged with their exact part; query blocks of `block` rows attend only to the keys up
         to their last row (the causal pattern's upper triangle is not computed)."""
-        q_nope, q_rot, k_rot = self.q_nope[rows], self.q_rot[rows], self.k_rot[rows]
+        q_nope = self.q_nope[rows]
         b, h, n = q_nope.shape[:3]
-        q_nope = q_nope.flatten(0, 1)
-        k_t = k_nope.transpose(-1, -2).reshape(b * h, self.d_nope, n)
-        v = v.reshape(b * h, n, self.d_v)
         part = (self.part_out[rows].flatten(0, 1), self.part_lse[rows].flatten(0, 1)) if self.part_out is not None \
-            else None
-        outs = []
-        for r0 in range(0, n, self.block):
-            r1 = min(n, r0 + self.block)
-            with torch.no_grad():
-                bias = (q_rot[:, :, r0:r1] @ k_rot[:, :, :r1].transpose(-1, -2)) * self.scaling
-                bias = bias.masked_fill_(self.causal[r0:r1, :r1].logical_not(), float("-inf")).flatten(0, 1)
-            scores = torch.baddbmm(bias, q_nope[:, r0:r1], k_t[..., :r1])
-            outs.append(merged_attention(scores, v[:, :r1], *(t[:, r0:r1] for t in part or ())).view(b, h, r1 - r0, -1))
-        attn = torch.cat(outs, 2)
+            else (None, None)
+        attn = quantized_pairs_attention(q_nope.flatten(0, 1), k_nope.reshape(b * h, n, self.d_nope),
+                                         v.reshape(b * h, n, self.d_v), self.q_rot[rows], self.k_rot[rows],
+                                         self.scaling, *part, block=self.block).view(b, h, n, self.d_v)
         return attn.transpose(1, 2).reshape(b, n, -1)
 
     def module_loss_sums(self, rotation: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor):

@@ -11,9 +11,9 @@
   `G_j = sum_{h, t counted for key j} q_ht q_ht^T` (`[d_R, d_R]`), a sum over `t >= j + recent` (a reverse cumulative
   sum over tokens). `H T^2 d_R` multiply-adds per window become `H T d_R^2 + T d_R^2`: 8x fewer at `T` 512, and
   the memory traffic of the score tensors goes.
-- `attention_partials` + `merged_attention`: the attention of the content objective split into the part that the
-  transform cannot change (exact keys: computed once per window, kept as a normalized output and its log-sum-exp) and
-  the part it changes (quantized keys), merged in one softmax (`learn.ContentLearner`).
+- `attention_partials` + `quantized_pairs_attention`: the attention of the content objective split into the part that
+  the transform cannot change (exact keys: computed once per window, kept as a normalized output and its log-sum-exp)
+  and the part it changes (quantized keys), merged in one softmax (`learn.ContentLearner`).
 """
 
 from __future__ import annotations
@@ -157,23 +157,71 @@ def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
     return probs @ v, lse
 
 
-def merged_attention(scores: torch.Tensor, v: torch.Tensor, part_out: torch.Tensor | None = None,
-                     part_lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention over `Tk` keys, merged with a precomputed part over other keys of the same rows.
+class _QuantizedPairsAttention(torch.autograd.Function):
+    """`quantized_pairs_attention` with a hand-written backward (gradients for the keys and values only)."""
 
-    The softmax runs over `[scores | part_lse]`: the precomputed part enters as one column holding its log-sum-exp,
-    whose probability weighs its normalized output, so the result is exactly one softmax over both key sets.
+    @staticmethod
+    def forward(ctx, q, k, v, q_rot, k_rot, scaling, part_out, part_lse, block):
+        bh, n = q.shape[:2]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_().logical_not_()
+        out = v.new_empty(bh, n, v.shape[-1])
+        probs = []
+        for r0 in range(0, n, block):
+            r1 = min(n, r0 + block)
+            # The RoPE part of the scores, with the causal mask, is the scores' starting value.
+            s = (q_rot[:, :, r0:r1] @ k_rot[:, :, :r1].transpose(-1, -2)).mul_(scaling)
+            s = s.masked_fill_(causal[r0:r1, :r1], float("-inf")).flatten(0, 1)
+            s = s.baddbmm_(q[:, r0:r1], k[:, :r1].transpose(1, 2))
+            top = s.amax(-1)
+            if part_out is not None:
+                top = torch.maximum(top, part_lse[:, r0:r1])
+            s = s.sub_(top.unsqueeze(-1)).exp_()
+            total = s.sum(-1)
+            if part_out is not None:
+                part = (part_lse[:, r0:r1] - top).exp_()
+                total += part
+            s = s.div_(total.unsqueeze(-1))
+            o = torch.bmm(s, v[:, :r1])
+            if part_out is not None:
+                o += part_out[:, r0:r1] * (part / total).unsqueeze(-1)
+            out[:, r0:r1] = o
+            probs.append(s)
+        ctx.probs, ctx.block = probs, block
+        ctx.save_for_backward(q, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, v, out = ctx.saved_tensors
+        dk, dv = torch.zeros(*q.shape[:2], q.shape[-1], dtype=q.dtype, device=q.device), torch.zeros_like(v)
+        for i, p in enumerate(ctx.probs):
+            r0, r1 = i * ctx.block, i * ctx.block + p.shape[1]
+            g = grad[:, r0:r1]
+            dv[:, :r1].baddbmm_(p.transpose(1, 2), g)
+            # softmax backward over every column, the precomputed part's included: dS = P (dP - sum_j P_j dP_j),
+            # and sum_j P_j dP_j = g . out
+            ds = torch.bmm(g, v[:, :r1].transpose(1, 2)).sub_((g * out[:, r0:r1]).sum(-1, keepdim=True)).mul_(p)
+            dk[:, :r1].baddbmm_(ds.transpose(1, 2), q[:, r0:r1])
+        return None, dk, dv, None, None, None, None, None, None
+
+
+def quantized_pairs_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rot: torch.Tensor,
+                              k_rot: torch.Tensor, scaling: float, part_out: torch.Tensor | None = None,
+                              part_lse: torch.Tensor | None = None, block: int = 128) -> torch.Tensor:
+    """Causal attention of `n` queries over `n` keys (query `t` reads keys `j <= t`), merged with a precomputed part
+    over other keys of the same queries: exactly one softmax over both key sets.
+
+    The scores are `(q_rot . k_rot) * scaling + q . k` (`q` pre-scaled); queries run in blocks of `block` rows, each
+    over the keys up to its last row (the upper triangle is not computed). Differentiable in `k` and `v` only (the
+    queries, the RoPE part and the precomputed part are constants of the content objective); the backward reuses the
+    forward's probabilities.
 
     Args:
-        scores: `[B, H, Tq, Tk]` scaled scores, -inf where a query does not attend.
-        v: `[B, H, Tk, d_v]` values.
-        part_out, part_lse: `attention_partials` of the other keys (`[B, H, Tq, d_v]`, `[B, H, Tq]`), or None.
+        q: `[B * H, n, d]` content queries times the softmax scale; k: `[B * H, n, d]`; v: `[B * H, n, d_v]`.
+        q_rot: `[B, H, n, d_R]`; k_rot: `[B, 1, n, d_R]` (shared by the heads).
+        part_out, part_lse: `[B * H, n, d_v]`, `[B * H, n]` from `attention_partials`, or None.
 
     Returns:
-        `[B, H, Tq, d_v]`.
+        `[B * H, n, d_v]`.
     """
-    if part_out is None:
-        return torch.softmax(scores, dim=-1) @ v
-    tk = scores.shape[-1]
-    probs = torch.softmax(torch.cat([scores, part_lse.unsqueeze(-1)], dim=-1), dim=-1)
-    return probs[..., :tk] @ v + probs[..., tk:] * part_out
+    return _QuantizedPairsAttention.apply(q, k, v, q_rot, k_rot, scaling, part_out, part_lse, block)
