@@ -21,13 +21,14 @@ from quantmla_hf.tiny_models import TINY_FAMILIES
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _learner(family, sink, recent, dtype=torch.float64, windows=3, t=23, bits=2):
+def _learner(family, sink, recent, dtype=torch.float64, windows=3, t=23, bits=2, block=4):
     model = planted(family)
     m = mla_attention_modules(model)[-1]
     inputs = capture_inputs(model, m, ids(windows, seed=5, t=t), 2)  # batches of 2 and 1 windows
     runner = AttentionRunner(m, inputs, dtype=dtype)
     streams = reference_streams(runner, rope_kind(model.config))
-    return ContentLearner(runner, streams, PathFormat(m.kv_a_layernorm.weight.numel(), bits, 64), sink, recent)
+    fmt = PathFormat(m.kv_a_layernorm.weight.numel(), bits, 64)
+    return ContentLearner(runner, streams, fmt, sink, recent, block)  # several query blocks, the last one shorter
 
 
 def _moved_transform(learner, seed=0):
@@ -52,7 +53,6 @@ def _value_and_grads(fn, transform, rows):
 @pytest.mark.parametrize("sink, recent", [(0, 0), (2, 5), (0, 7), (3, 0)])
 def test_constants_form_equals_the_module_forward_in_value_and_gradient(family, sink, recent):
     learner = _learner(family, sink, recent)
-    learner.block = 4  # several query blocks, the last one shorter
     transform = _moved_transform(learner)
     rows = torch.tensor([2, 0])
     fast = _value_and_grads(learner.loss_sums, transform, rows)
@@ -66,12 +66,10 @@ def test_constants_form_equals_the_module_forward_in_value_and_gradient(family, 
 
 
 def test_block_size_does_not_change_the_objective():
-    learner = _learner("deepseek_v3", 2, 5)
-    transform = _moved_transform(learner, seed=1)
     values = []
     for block in (1, 5, 16, 1000):
-        learner.block = block
-        values.append(_value_and_grads(learner.loss_sums, transform, torch.arange(3)))
+        learner = _learner("deepseek_v3", 2, 5, block=block)
+        values.append(_value_and_grads(learner.loss_sums, _moved_transform(learner, seed=1), torch.arange(3)))
     for v in values[1:]:
         assert v[0] == pytest.approx(values[0][0], rel=1e-12)
         assert torch.allclose(v[2], values[0][2], rtol=1e-9, atol=1e-15)

@@ -235,17 +235,17 @@ class ContentLearner:
         sink, recent: the cache's protection to model (0, 0: every cached token quantized). With protection, each
             query reads the quantized latent only of the keys the cache would hold quantized for it
             (`protection.py`), so the objective weighs the errors that inference actually sees.
+        block: query rows per attention block (the result does not depend on it).
     """
 
-    BLOCK = 128  # query rows per attention block
     CHECK_RTOL = 1e-2  # the two forms differ by float rounding only; a family whose forward differs is off by O(1)
 
     def __init__(self, runner: AttentionRunner, streams: ReferenceStreams, fmt: PathFormat, sink: int = 0,
-                 recent: int = 0):
+                 recent: int = 0, block: int = 128):
         if streams.outputs is None:
             raise ValueError("the content objective needs the teacher: reference_streams(..., outputs=True)")
         self.runner, self.teacher, self.fmt = runner, streams.outputs, fmt
-        self.sink, self.recent, self.block = sink, recent, self.BLOCK
+        self.sink, self.recent, self.block = sink, recent, block
         self.base = original_weights(runner.module, runner.dtype)
         m, p = runner.module, runner.params
         T = self.teacher.shape[1]
@@ -272,22 +272,29 @@ class ContentLearner:
     @torch.no_grad()
     def _exact_partials(self, streams: ReferenceStreams):
         """Attention of queries `t >= sink + recent` over their exact (protected) keys, from the original latent:
-        `([N, H, T', d_v], [N, H, T'])`, `T' = T - sink - recent`."""
-        T = self.teacher.shape[1]
-        exact = torch.ones(T, T, dtype=torch.bool, device=self.teacher.device).tril()
-        exact &= ~quantized_pairs(T, self.sink, self.recent, self.teacher.device)
+        `([N, H, T', d_v], [N, H, T'])`, `T' = T - sink - recent`. A block of queries `[t0, t1)` reads the sink keys
+        and keys `t0 - recent < j < t1` (the band, not the whole window)."""
+        N, T = self.teacher.shape[:2]
+        device = self.teacher.device
+        exact = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        exact &= ~quantized_pairs(T, self.sink, self.recent, device)
         w = self.base["kv_a_layernorm.weight"]
-        outs, lses = [], []
-        for i in range(0, self.teacher.shape[0], self.runner.inputs.batch_size):
+        n = T - self.first
+        out = torch.empty(N, self.heads, n, self.d_v, dtype=self.teacher.dtype, device=device)
+        lse = torch.empty(N, self.heads, n, dtype=self.teacher.dtype, device=device)
+        for i in range(0, N, self.runner.inputs.batch_size):
             rows = slice(i, i + self.runner.inputs.batch_size)
-            latent = (w * streams.normed[rows]) * self.kv_scale
-            k_nope, v = self._expand(latent, self.runner.params["kv_b_proj.weight"])
-            k_rot = streams.k[rows].unsqueeze(1).expand(-1, self.heads, -1, -1)
-            q = torch.cat([streams.q_nope[rows], streams.q[rows]], -1)[:, :, self.first :]
-            out, lse = attention_partials(q, torch.cat([k_nope, k_rot], -1), v, self.scaling, exact[self.first :])
-            outs.append(out)
-            lses.append(lse)
-        return torch.cat(outs, 0), torch.cat(lses, 0)
+            k_nope, v = self._expand((w * streams.normed[rows]) * self.kv_scale, self.runner.params["kv_b_proj.weight"])
+            k = torch.cat([k_nope, streams.k[rows].unsqueeze(1).expand(-1, self.heads, -1, -1)], -1)
+            q = torch.cat([streams.q_nope[rows], streams.q[rows]], -1)
+            for t0 in range(self.first, T, self.block):
+                t1 = min(T, t0 + self.block)
+                keys = torch.cat([torch.arange(self.sink), torch.arange(max(self.sink, t0 - self.recent + 1), t1)])
+                keys = keys.to(device)
+                block = attention_partials(q[:, :, t0:t1], k[:, :, keys], v[:, :, keys], self.scaling,
+                                           exact[t0:t1][:, keys])
+                out[rows, :, t0 - self.first : t1 - self.first], lse[rows, :, t0 - self.first : t1 - self.first] = block
+        return out, lse
 
     def _expand(self, latent: torch.Tensor, kv_b: torch.Tensor):
         """`kv_b_proj` of `latent: [b, t, d_c]` split into keys `[b, H, t, d_nope]` and values `[b, H, t, d_v]`."""
