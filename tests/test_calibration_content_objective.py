@@ -1,7 +1,8 @@
 """The content objective learning runs (`ContentLearner.loss_sums`: per-window constants, quantized pairs only, merged
 with a precomputed exact part) against its definition (`module_loss_sums`: the module's own forward on the doubled
 history), values and gradients, for every family and protection; the merged attention and its hand-written backward;
-the learner's own check of the two forms; the RoPE objective's quadratic form over per-window Gram matrices."""
+the learner's own check of the two forms; the RoPE objective's quadratic form over per-window Gram matrices; the fake
+quantizer's values against the cache's."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from test_calibration import ids, planted
 
 from quantmla_hf.calibration.capture import AttentionRunner, capture_inputs
 from quantmla_hf.calibration.learn import ContentLearner, reference_streams
-from quantmla_hf.calibration.objectives import (attention_partials, gram_quadratic, quantized_pairs_attention,
-                                                query_grams)
+from quantmla_hf.calibration.objectives import (attention_partials, fake_quantize, gram_quadratic,
+                                                quantize_dequantize, quantized_pairs_attention, query_grams)
 from quantmla_hf.calibration.transforms import ContentTransform, rope_kind, start_rotations
 from quantmla_hf.format import PathFormat
 from quantmla_hf.hooks import mla_attention_modules
@@ -145,3 +146,17 @@ def test_gram_quadratic_reads_each_windows_grams_and_has_the_plain_gradient():
     (plain_grad,) = torch.autograd.grad(plain, e2)
     assert float(value) == pytest.approx(float(plain), rel=1e-6)
     assert torch.allclose(grad, plain_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_fake_quantize_gives_the_caches_values_bit_for_bit_and_the_surrogates_gradient(bits):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(3, 5, 128, generator=g) * torch.rand(3, 5, 1, generator=g) * 4
+    x[0, 0, :64] += 1000.0  # a group far from zero: its range is widened to include 0
+    x[0, 1, 64:] = 0.25  # a constant group
+    x.requires_grad_()
+    fmt = PathFormat(128, bits, 64)
+    out = fake_quantize(x, fmt)
+    assert torch.equal(out.detach(), quantize_dequantize(x.detach(), fmt))
+    (grad,) = torch.autograd.grad((out * torch.randn(out.shape, generator=g)).sum(), x)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0

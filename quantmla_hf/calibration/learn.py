@@ -300,7 +300,7 @@ class ContentLearner:
         """`kv_b_proj` of `latent: [b, t, d_c]` split into keys `[b, H, t, d_nope]` and values `[b, H, t, d_v]`."""
         kv = torch.nn.functional.linear(latent, kv_b, self.runner.params.get("kv_b_proj.bias"))
         kv = kv.view(*latent.shape[:2], self.heads, self.d_nope + self.d_v).transpose(1, 2)
-        return kv[..., : self.d_nope], kv[..., self.d_nope :]
+        return kv.split([self.d_nope, self.d_v], -1)  # (slices would each fill a zero gradient of kv's size)
 
     def loss_sums(self, rotation: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor):
         """`(sum |err|^2, sum |teacher|^2)` on windows `rows`, differentiable in `rotation`, `scale` (`[d_c, d_c]`

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from quantmla_hf.format import PathFormat
-from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN, dequantize_ref, quantize_ref
+from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN, dequantize_ref, fp16_round_up, quantize_ref
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -35,18 +35,38 @@ def quantize_dequantize(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
     return dequantize_ref(*quantize_ref(x, fmt), fmt, x.dtype)
 
 
+def _cache_step_and_zero(lo: torch.Tensor, hi: torch.Tensor, fmt: PathFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step (fp16 rounded up, as fp32) and zero point `quantize_ref` stores for groups of range `[lo, hi]`,
+    the range widened to include 0 where the zero point would not fit its int8."""
+
+    def step_and_zero(lo, hi):
+        step = fp16_round_up(torch.clamp((hi - lo) / fmt.qmax, min=SCALE_MIN)).float()
+        return step, torch.floor(-lo / step + 0.5)
+
+    step, zero = step_and_zero(lo, hi)
+    half = 1 << (fmt.bits - 1)
+    outside = (zero - half < -128) | (zero - half > 127)
+    wide_step, wide_zero = step_and_zero(lo.clamp(max=0), hi.clamp(min=0))
+    return torch.where(outside, wide_step, step), torch.where(outside, wide_zero, zero)
+
+
 def fake_quantize(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
-    """Quantize-dequantize `x: [..., dim]` with straight-through gradients (see the module docstring)."""
+    """Quantize-dequantize `x: [..., dim]` with straight-through gradients (see the module docstring).
+
+    The value is bit for bit `quantize_dequantize(x, fmt)` (the cache's quantizer computed without packing the codes:
+    the same fp32 operations); the gradient is the surrogate's."""
     if not fmt.quantized:
         return x
-    exact = quantize_dequantize(x.detach().float(), fmt)
     xg = x.float().reshape(*x.shape[:-1], fmt.n_groups, fmt.group)
     lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    with torch.no_grad():
+        s, z = _cache_step_and_zero(lo, hi, fmt)
+        exact = (torch.floor(xg / s + z + 0.5).clamp_(0, fmt.qmax) - z) * s
     step = ((hi - lo) / fmt.qmax).clamp_min(SCALE_MIN)
     zero = _round_ste(-lo / step)
     q = torch.clamp(_round_ste(xg / step) + zero, 0, fmt.qmax)
-    surrogate = ((q - zero) * step).reshape(x.shape)
-    return (surrogate + (exact - surrogate).detach()).to(x.dtype)
+    surrogate = (q - zero) * step
+    return (exact + (surrogate - surrogate.detach())).reshape(x.shape).to(x.dtype)
 
 
 def output_nmse(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
