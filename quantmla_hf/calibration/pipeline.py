@@ -17,7 +17,14 @@ from ..format import CacheFormat
 from ..log import get_logger
 from ..mla import mla_dims, text_config
 from .baselines import hadamard_content, smooth_content, smooth_rope
-from .capture import AttentionRunner, capture_inputs, capture_within, decoder_layers, module_device, propagate
+from .capture import (
+    AttentionRunner,
+    capture_inputs,
+    capture_within,
+    decoder_layers,
+    module_device,
+    propagate,
+)
 from .checkpoint import CalibrationCheckpoint, fingerprint
 from .defaults import calibration_data_or_default, resolve_transform
 from .fusion import fuse_content, fuse_rope
@@ -307,7 +314,7 @@ def calibrate_module(module, inputs, fmt: CacheFormat, layout, kind: str, transf
                     "rope": _cpu((torch.zeros(layout.n_pairs), smooth_rope(q, k, layout)))}
     entry, transforms = {}, {}
     if learn_content:
-        learner = ContentLearner(runner, streams.outputs, fmt.content, settings.sink, settings.recent)
+        learner = ContentLearner(runner, streams, fmt.content, settings.sink, settings.recent)
         candidates = {name: (r0, _start_scale(name, w)) for name, r0 in start_rotations(w).items()}
         candidates["smooth"] = smooth_content(streams.latent_max, runner.params["kv_b_proj.weight"], w)
         rotation, scale, report = learner.learn(candidates, train, held, settings)

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from .learn import ContentLearner
-from .transforms import ContentTransform, start_rotations
+from .learn import ContentLearner, reference_streams
+from .transforms import ContentTransform, rope_kind, start_rotations
 
 SHORT_RECIPE = {"calibration_samples": 32, "calibration_seq_len": 256, "calibration_steps": 50, "calibration_lr": 1e-2}
 RECIPE_OPTIONS = tuple(f"advanced.{name}" for name in SHORT_RECIPE)  # as `QuantMLAConfig.explicit_options` names them
@@ -41,9 +41,8 @@ def timed_step(runner, fmt, sink: int, recent: int, repeats: int = 3) -> float:
     `repeats` steps. `fmt` is the content path's format, `sink`/`recent` the protection the objective models."""
     module = runner.module
     rows = torch.arange(min(runner.inputs.batch_size, runner.inputs.hidden.shape[0]))
-    with torch.no_grad():
-        teacher = runner(runner.inputs.select(rows))
-    learner = ContentLearner(runner, teacher, fmt, sink, recent)
+    learner = ContentLearner(runner, reference_streams(runner, rope_kind(module.config), index=rows), fmt, sink, recent)
+    teacher = learner.teacher
     w = module.kv_a_layernorm.weight.detach().float()
     transform = ContentTransform(start_rotations(w)["identity"], w.abs().clamp_min(1e-8)).to(teacher.device)
     opt = torch.optim.Adam(transform.parameters(), lr=1e-3)
