@@ -3,9 +3,9 @@
     python benchmarks/calibration_recipes.py --text ../shared/data/wikitext-2-raw-test.raw \\
         --recipes default:64:512:8:100:auto,cpu:32:256:8:25:auto --bits C4R4,C2R4 --seeds 0,1,2 --out recipes.json
 
-A recipe is `NAME:WINDOWS:TOKENS:BATCH:STEPS:PROTECTION[:SEEDS]` (calibration windows and their length, windows per
-step, Adam steps per layer and path, `calibrate`'s `calibration_protection`, and its own seeds joined by "+" instead of
-`--seeds`); the first one is the reference. Every recipe
+A recipe is `NAME:WINDOWS:TOKENS:BATCH:STEPS:PROTECTION[:SEEDS[:LR]]` (calibration windows and their length, windows
+per step, Adam steps per layer and path, `calibrate`'s `calibration_protection`, its own seeds joined by "+" instead
+of `--seeds` (empty for `--seeds`), and its own learning rate instead of `--lr`); the first one is the reference. Every recipe
 calibrates learned transforms on the package's default text (`--calibration default`, what `QuantMLAConfig()` uses
 without text of yours) or on `--calibration FILE`, with each seed drawing its own windows and seeding Adam, at each
 `--bits` setting; every calibrated model and RTN are scored on `--windows` windows of the held-out `--text` through
@@ -34,11 +34,15 @@ from quantmla_hf.evaluation.intervals import bootstrap, perplexity_change, ratio
 
 def parse_recipe(spec: str) -> dict:
     try:
-        name, n, t, b, s, prot, *seeds = spec.split(":")
+        name, n, t, b, s, prot, *rest = spec.split(":")
+        if len(rest) > 2:
+            raise ValueError("too many fields")
         out = dict(name=name, samples=int(n), seq_len=int(t), batch=int(b), steps=int(s), protection=prot,
-                   seeds=[int(x) for x in seeds[0].split("+")] if seeds else None)
+                   seeds=[int(x) for x in rest[0].split("+")] if rest and rest[0] else None,
+                   lr=float(rest[1]) if len(rest) > 1 else None)
     except ValueError as err:
-        raise SystemExit(f"--recipes item {spec!r} is not NAME:WINDOWS:TOKENS:BATCH:STEPS:PROTECTION[:SEEDS] ({err})")
+        raise SystemExit(f"--recipes item {spec!r} is not NAME:WINDOWS:TOKENS:BATCH:STEPS:PROTECTION[:SEEDS[:LR]] "
+                         f"({err})")
     if out["protection"] not in ("auto", "on", "off"):
         raise SystemExit(f"--recipes item {spec!r}: protection must be auto, on or off")
     return out
@@ -50,7 +54,7 @@ def main(argv=None) -> dict:
     p.add_argument("--text", required=True, help="held-out evaluation text (.xz read with lzma)")
     p.add_argument("--max-chars", type=int, default=400_000)
     p.add_argument("--calibration", default="default", help="'default' (the package's text) or a text file")
-    p.add_argument("--recipes", required=True, help="comma list of NAME:WINDOWS:TOKENS:BATCH:STEPS:PROTECTION[:SEEDS]")
+    p.add_argument("--recipes", required=True, help="comma list of NAME:WINDOWS:TOKENS:BATCH:STEPS:PROTECTION[:SEEDS[:LR]]")
     p.add_argument("--calibrated-dir", default=None, help="store and reuse calibrated models here (keyed by recipe)")
     p.add_argument("--bits", default="C4R4,C2R4")
     p.add_argument("--seeds", default="0,1,2")
@@ -99,7 +103,7 @@ def main(argv=None) -> dict:
             kls, nlls, seconds = [], [], []
             for seed in recipe["seeds"] or seeds:
                 windows = harness.calibration_windows(stream, recipe["samples"], recipe["seq_len"], seed)
-                cal = harness.CalibrationRecipe(ids=windows, steps=recipe["steps"], lr=args.lr, seed=seed,
+                cal = harness.CalibrationRecipe(ids=windows, steps=recipe["steps"], lr=recipe["lr"] or args.lr, seed=seed,
                                                 batch_size=recipe["batch"], protection=recipe["protection"])
                 model, info = harness.calibrate_variant(base, f"learned-C{c}R{r}-seed{seed}", cal, cache_dir)
                 with torch.no_grad():

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantmla_hf import QuantMLAConfig
-from quantmla_hf.calibration import calibrate, checkpoint, plan
+from quantmla_hf.calibration import calibrate, checkpoint, plan, threads
 from quantmla_hf.calibration.defaults import default_calibration_text, resolve_transform
 from quantmla_hf.calibration.objectives import positional_qk_nmse, positional_qk_sums, query_grams
 from quantmla_hf.calibration.protection import quantized_pairs
@@ -143,6 +144,16 @@ def test_a_fixed_thread_count_is_left_alone(monkeypatch):
     with cpu_threads("cpu") as n:
         assert n in (1, before) and torch.get_num_threads() == n
     assert torch.get_num_threads() == before
+
+
+def test_this_process_own_threads_are_not_counted_as_other_load(monkeypatch):
+    # The previous sample and now, one second apart: the allowed CPUs were busy 2.0 s, 1.7 s of it this process's.
+    t0 = time.perf_counter()
+    monkeypatch.setattr(threads, "_last_sample", (t0, 100.0, 5.0))
+    monkeypatch.setattr(threads, "_cpu_sample", lambda: (t0 + 1.0, 102.0, 6.7))
+    assert threads.other_load() == pytest.approx(0.3)
+    monkeypatch.setattr(threads, "_cpu_sample", lambda: (t0 + 2.0, 104.0, 8.7))  # all of it this process's
+    assert threads.other_load() == pytest.approx(0.0, abs=1e-9)
 
 
 class _Killed(Exception):

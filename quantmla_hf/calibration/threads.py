@@ -4,7 +4,8 @@ torch starts one intra-op thread per core. On a machine whose cores other proces
 operation then waits at its barrier for a thread the scheduler has put aside: on the 2-core CPU shared with other
 jobs, an elementwise operation on 64 K floats took 14 ms with 2 threads against 8 us with 1, and one calibration
 step 2.5-3x longer with 2 threads than with 1 (docs/CALIBRATION.md). On an idle machine more threads are faster.
-`cpu_threads()` leaves out the cores other processes keep busy (the load average) and times a small workload with one
+`cpu_threads()` leaves out the cores other processes keep busy (`other_load`: the machine's busy time less this
+process's own, so that its own threads are never taken for another's work) and times a small workload with one
 thread and with the remaining count, keeping the faster; `retune()` decides again between the parts of long work
 (calibration layers, evaluation batches), since a shared machine's load changes. A count the user fixed
 (`OMP_NUM_THREADS` or `MKL_NUM_THREADS` set) is left alone.
@@ -45,11 +46,49 @@ def user_fixed_threads() -> bool:
     return any(os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
 
 
-def other_load() -> float:
-    """Cores' worth of work other processes keep busy: the 1-minute load average less this process's own share
-    (taken as one core while it runs); 0 where the platform gives no load average."""
+def _busy_seconds(line: str) -> float:
+    """Busy ticks of one `/proc/stat` cpu line (user nice system irq softirq steal; not idle, iowait or guest)."""
+    fields = [float(v) for v in line.split()[1:9]]
+    return sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)
+
+
+def _cpu_sample() -> tuple[float, float, float] | None:
+    """(wall seconds, busy CPU seconds of the CPUs this process may run on, CPU seconds of this process) now, from
+    `/proc/stat` and `os.times()`; None where `/proc/stat` cannot be read (not Linux)."""
     try:
-        return max(0.0, os.getloadavg()[0] - 1.0)
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+        allowed = os.sched_getaffinity(0)
+    except (OSError, AttributeError):
+        return None
+    busy = sum(_busy_seconds(line) for line in lines
+               if line.startswith("cpu") and line[3:4].isdigit() and int(line.split()[0][3:]) in allowed)
+    own = os.times()
+    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+_last_sample: tuple[float, float, float] | None = None
+SAMPLE_SECONDS = 0.2  # the first measurement's interval (this process idle meanwhile)
+
+
+def other_load() -> float:
+    """Cores' worth of work other processes keep busy. On Linux: the busy time of the CPUs this process may run on
+    less this process's own (all its threads) over the interval since the previous call (or a short idle interval on the first), so that this
+    process's own threads never count as another's load; elsewhere the 1-minute load average less the threads torch
+    runs; 0 where the platform gives neither."""
+    global _last_sample
+    if _last_sample is None or time.perf_counter() - _last_sample[0] > 60.0:
+        _last_sample = _cpu_sample()
+        time.sleep(SAMPLE_SECONDS)
+    now = _cpu_sample()
+    if now is not None and _last_sample is not None:
+        wall = now[0] - _last_sample[0]
+        others = (now[1] - _last_sample[1]) - (now[2] - _last_sample[2])
+        _last_sample = now
+        return max(0.0, others / max(wall, 1e-6))
+    _last_sample = now
+    try:
+        return max(0.0, os.getloadavg()[0] - torch.get_num_threads())
     except (AttributeError, OSError):
         return 0.0
 
