@@ -107,7 +107,8 @@ def test_library_recipe_learns_and_says_its_cost_and_a_shorter_recipe_before_sta
             "steps per layer and path at learning rate 0.005") in lines[0]
     assert "estimated" in lines[0] and "s per layer" in lines[0] and record["estimated_seconds"] > 0
     assert ("advanced={'calibration_samples': 32, 'calibration_seq_len': 256, 'calibration_steps': 50, "
-            "'calibration_lr': 0.01}") in lines[0]
+            "'calibration_lr': 0.01} would take about") in lines[0]
+    assert record["batch_size"] == plan.CPU_BATCH  # sized for the CPU: no batch_size given
     assert all(layer["threads"] >= 1 for layer in record["layers"])
     for path in ("content", "rope"):  # it learned: below RTN on its held-out windows in every layer
         assert all(layer[path]["heldout_best"] < layer[path]["heldout_rtn"] for layer in record["layers"])
@@ -125,6 +126,7 @@ def test_recipe_options_given_are_used_and_no_shorter_recipe_is_offered(tokenize
     assert plan.short_recipe_hint(QuantMLAConfig(), torch.device("cpu")) is not None
     assert plan.short_recipe_hint(QuantMLAConfig(advanced={"calibration_lr": 5e-3}), torch.device("cpu")) is None
     assert plan.short_recipe_hint(QuantMLAConfig(), torch.device("cuda")) is None
+    assert plan.default_batch("cpu") == 4 and plan.default_batch(torch.device("cuda", 0)) == 8
 
 
 def test_estimate_counts_the_recipe():
@@ -154,6 +156,25 @@ def test_this_process_own_threads_are_not_counted_as_other_load(monkeypatch):
     assert threads.other_load() == pytest.approx(0.3)
     monkeypatch.setattr(threads, "_cpu_sample", lambda: (t0 + 2.0, 104.0, 8.7))  # all of it this process's
     assert threads.other_load() == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_little_load_of_others_keeps_every_core_and_the_count_can_go_back_up(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "MIN_GAIN", 0.0)  # the probe always prefers the most threads: the count is the cap
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "other_load", lambda: 0.01)  # a daemon's share of a core
+        with threads.cpu_threads("cpu") as n:
+            assert n == 2
+            monkeypatch.setattr(threads, "other_load", lambda: 0.9)  # another process on one core
+            assert threads.retune("cpu") == 1
+            monkeypatch.setattr(threads, "other_load", lambda: 0.0)  # gone again
+            assert threads.retune("cpu") == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Killed(Exception):

@@ -12,13 +12,12 @@ tests' class-name lookups still work), which is also what `from_pretrained` of a
   transformers' common tests compares with stock outputs; none of them decodes from a QuantMLACache either, since
   a forward without a cache builds a DynamicCache: the quantized decode is tested in test_transformers_suite_fixes,
   test_attention_swap and test_quantizer).
-- `QUANTMLA_HF_FULL_SUITE=1` runs every upstream test on every family (about 14 minutes per family on a loaded
-  2-core box): on 2026-11-30, transformers 5.24.0, deepseek_v3: 118 passed, 43 skipped (by upstream conditions),
-  0 failed.
+- `QUANTMLA_HF_FULL_SUITE=1` runs every upstream test on every family (about 14 minutes per family on a 2-core
+  CPU; on deepseek_v3 none fails, the skipped ones skip by upstream conditions).
 
-CI cost: this selection (102 passed, 14 skipped by upstream conditions or the missing generation mixin) took 142 s
-wall, 93 s CPU (user + sys, import of the upstream module included) on 2026-11-30 on a shared 2-core box (load ~4),
-plus the first download of the 10.8 MB sdist (seconds; cached afterwards in `.cache/`).
+CI cost: this selection (about 100 tests, a dozen skipped by upstream conditions or the missing generation mixin)
+takes about two minutes on a 2-core CPU, plus the first download of the 10.8 MB sdist (cached afterwards in
+`.cache/`).
 
 Left out of CI (the CI budget is a 2-core CPU; timings from --durations on deepseek_v3):
 - `GenerationTesterMixin` and `ExportTesterMixin`: the sdist does not ship `tests/generation/` or

@@ -253,7 +253,7 @@ class ContentLearner:
         self.runner, self.teacher, self.fmt = runner, streams.outputs, fmt
         self.sink, self.recent, self.block = sink, recent, block
         self.base = original_weights(runner.module, runner.dtype)
-        m, p = runner.module, runner.params
+        m = runner.module
         T = self.teacher.shape[1]
         self.first, self.keys = sink + recent, (sink, T - recent)  # first query that reads a quantized key; key range
         if self.first >= T:

@@ -30,7 +30,7 @@ from .defaults import calibration_data_or_default, resolve_transform
 from .fusion import fuse_content, fuse_rope
 from .learn import ContentLearner, LearnSettings, RopeLearner, reference_streams
 from .offload import materialized
-from .plan import cost_line, estimate_seconds, short_recipe_hint, timed_step
+from .plan import SHORT_RECIPE, cost_line, default_batch, estimate_seconds, short_recipe_hint, timed_step
 from .protection import quantized_fraction
 from .threads import cpu_threads, retune
 from .tokens import token_stream
@@ -40,7 +40,6 @@ logger = get_logger(__name__)
 
 HELDOUT_FRACTION = 0.1
 MIN_QUANTIZED_PAIR_FRACTION = 0.25
-DEFAULT_BATCH = 8
 
 
 def calibration_token_ids(data, tokenizer, samples: int, seq_len: int, seed: int, vocab_size: int | None = None):
@@ -118,7 +117,7 @@ def protection_to_model(protection: str, seq_len: int, sink: int, recent: int) -
 
 
 def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict | None = None, calibration_data=None,
-             tokenizer=None, *, batch_size: int = DEFAULT_BATCH, progress: bool = True,
+             tokenizer=None, *, batch_size: int | None = None, progress: bool = True,
              calibration_protection: str = "auto", checkpoint_dir: str | os.PathLike | None = None) -> torch.nn.Module:
     """Calibrate the cache transform of `quantization_config.transform` and fuse it into `model`'s weights.
 
@@ -137,7 +136,8 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
         calibration_data: token ids `[N, T]`, a list of strings or a text-file path (strings need `tokenizer`);
             defaults to `quantization_config.calibration_data`, then (with a tokenizer) to the package's default
             text (`defaults.default_calibration_text`). Not needed for "none" and "hadamard".
-        batch_size: calibration windows per forward and per optimisation step.
+        batch_size: calibration windows per forward and per optimisation step; None: `plan.default_batch` of the
+            device the first attention module is on (4 on a CPU, 8 on an accelerator).
         progress: a tqdm bar over decoder layers with its ETA (also off when transformers' progress bars are
             disabled, `transformers.utils.logging.disable_progress_bar()`).
         calibration_protection: whether the objectives model the cache's sink/recent protection ("on": a query
@@ -181,6 +181,7 @@ def calibrate(model: torch.nn.Module, quantization_config: QuantMLAConfig | dict
             raise ValueError(f"transform={cfg.transform!r} needs calibration_data (token ids, strings or a text file) "
                              "or a tokenizer to calibrate on the default text")
         device = module_device(modules[0])
+        batch_size = batch_size or default_batch(device)
         recipe = cfg.advanced
         ids = calibration_token_ids(data, tokenizer, recipe.calibration_samples, recipe.calibration_seq_len,
                                     recipe.seed, getattr(text_config(model.config), "vocab_size", None))
@@ -252,12 +253,12 @@ def _calibrate_layers(model, cfg: QuantMLAConfig, modules: list, ids: torch.Tens
                         with materialized(m):
                             if not announced:
                                 announced = True
-                                estimate = _estimate(m, inputs, fmt, settings, ids.shape[0], held.numel(),
-                                                     cfg.advanced.calibration_steps, len(attention), to_learn) \
-                                    if cfg.transform == "learned" else None
+                                estimate, short = _estimate(m, inputs, fmt, settings, ids.shape, held.numel(),
+                                                            cfg.advanced.calibration_steps, len(attention), to_learn) \
+                                    if cfg.transform == "learned" else (None, None)
                                 record.update(threads=threads, estimated_seconds=estimate and round(estimate, 1))
                                 logger.warning(cost_line(record, len(layers), to_learn, threads, estimate,
-                                                         short_recipe_hint(cfg, device)))
+                                                         short_recipe_hint(cfg, device, short)))
                             entry, transforms = calibrate_module(m, inputs, fmt, layout, kind, cfg.transform,
                                                                  settings, train, held)
                             fused_any = True
@@ -282,11 +283,16 @@ def _calibrate_layers(model, cfg: QuantMLAConfig, modules: list, ids: torch.Tens
     bar.close()
 
 
-def _estimate(module, inputs, fmt, settings: LearnSettings, windows: int, held: int, steps: int, modules: int,
-              layers: int) -> float:
-    """Seconds the calibration of `layers` layers should take, from one timed step of `module` (`plan.timed_step`)."""
+def _estimate(module, inputs, fmt, settings: LearnSettings, windows: tuple, held: int, steps: int, modules: int,
+              layers: int) -> tuple[float, float]:
+    """Seconds the calibration of `layers` layers should take, from one timed step of `module` (`plan.timed_step`)
+    on `windows` (`(N, T)`), and the same for `plan.SHORT_RECIPE` (the step scaled by its window length)."""
     step = timed_step(AttentionRunner(module, inputs), fmt.content, settings.sink, settings.recent)
-    return estimate_seconds(step, windows, held, inputs.batch_size, steps, modules, layers)
+    estimate = estimate_seconds(step, windows[0], held, inputs.batch_size, steps, modules, layers)
+    n, t = SHORT_RECIPE["calibration_samples"], SHORT_RECIPE["calibration_seq_len"]
+    short = estimate_seconds(step * t / windows[1], n, _split(n)[1].numel(), inputs.batch_size,
+                             SHORT_RECIPE["calibration_steps"], modules, layers)
+    return estimate, short
 
 
 def apply_transforms(module, layout, transforms: dict) -> None:

@@ -2,10 +2,13 @@
 
 `cost_line` is the log line before learning starts: tokens, windows, steps, layers, threads and an estimate from the
 median of three timed content steps of the first attention module (`timed_step`) and the work count of the recipe
-(`estimate_seconds`). On a CPU, where the library's recipe (64 windows of 512 tokens, 100 steps at 5e-3) takes minutes
-per layer, the line also names `SHORT_RECIPE` (advanced options) when no recipe option was given: an eighth of
-the time, which on held-out text tied the library's recipe at C4R4 but had 1.22x its KL at C2R4 on the embedded
-model (docs/CALIBRATION.md, "Calibration on a 2-core CPU"), so it is offered, not taken.
+(`estimate_seconds`).
+
+The recipe is sized for the machine: `default_batch` is 8 windows per step on an accelerator, where a step costs
+mostly its launches, and 4 on a CPU, where it costs its arithmetic (half of it; on held-out text 4 tied 8 at C4R4 and
+C2R4, docs/ACCURACY.md). On a CPU, when no recipe option was given, the line also offers `SHORT_RECIPE` (advanced
+options) with its estimated time and what it was measured to cost in accuracy; it is offered, not taken, since it
+lost at C2R4.
 """
 
 from __future__ import annotations
@@ -24,15 +27,24 @@ RECIPE_OPTIONS = tuple(f"advanced.{name}" for name in SHORT_RECIPE)  # as `Quant
 # the CPU (docs/CALIBRATION.md): the estimate is a count of these units times one timed step.
 FORWARD_UNIT = 0.4
 ROPE_UNIT = 0.1
+ACCELERATOR_BATCH = 8  # windows per step where a step costs its launches
+CPU_BATCH = 4  # windows per step where a step costs its arithmetic
 
 
-def short_recipe_hint(config, device: torch.device) -> str | None:
+def default_batch(device: torch.device | str) -> int:
+    """Calibration windows per forward and per learning step when the caller gives none: `CPU_BATCH` on a CPU,
+    `ACCELERATOR_BATCH` elsewhere."""
+    return CPU_BATCH if torch.device(device).type == "cpu" else ACCELERATOR_BATCH
+
+
+def short_recipe_hint(config, device: torch.device, seconds: float | None = None) -> str | None:
     """On a CPU with no recipe option given (`QuantMLAConfig.explicit_options`), a sentence offering `SHORT_RECIPE`
-    with what it was measured to cost in accuracy; None otherwise."""
-    if device.type != "cpu" or set(getattr(config, "explicit_options", ())) & set(RECIPE_OPTIONS):
+    with its estimated `seconds` (when known) and what it was measured to cost in accuracy; None otherwise."""
+    if torch.device(device).type != "cpu" or set(getattr(config, "explicit_options", ())) & set(RECIPE_OPTIONS):
         return None
-    return (f"on a CPU, advanced={SHORT_RECIPE} takes about an eighth of this time; on held-out text that tied this "
-            "recipe's KL at C4R4 and had 1.22x it at C2R4 (docs/CALIBRATION.md)")
+    cost = f" would take about {seconds:.0f} s" if seconds is not None else " is shorter"
+    return (f"on a CPU, advanced={SHORT_RECIPE}{cost}; on held-out text it had 1.07x this recipe's KL at C4R4 and "
+            "1.22x at C2R4 (docs/ACCURACY.md)")
 
 
 def timed_step(runner, fmt, sink: int, recent: int, repeats: int = 3) -> float:

@@ -93,15 +93,15 @@ def other_load() -> float:
         return 0.0
 
 
-def best_thread_count() -> int:
-    """The thread count to run on: at most the cores other processes leave free (`other_load`, rounded down, at least
-    one), and more than one only where the probe ran that many `MIN_GAIN` times faster than one thread; the
-    count is left as found."""
-    n = torch.get_num_threads()
-    n = max(1, min(n, int(n - other_load())))
+def best_thread_count(ceiling: int | None = None) -> int:
+    """The thread count to run on: at most `ceiling` (default: torch's count now) less the cores other processes keep
+    busy (`other_load`, rounded to the nearest core, at least one left), and more than one only where the probe ran
+    that many `MIN_GAIN` times faster than one thread; torch's count is left as found."""
+    before = torch.get_num_threads()
+    n = ceiling or before
+    n = max(1, min(n, n - round(other_load())))
     if n <= 1:
         return 1
-    before = torch.get_num_threads()
     x, m = torch.randn(PROBE_ELEMENTS), torch.randn(192, 192)
     try:
         _probe(1, x, m)  # warm-up
@@ -112,23 +112,30 @@ def best_thread_count() -> int:
     return n if many * MIN_GAIN < one else 1
 
 
+_ceiling: int | None = None  # torch's count when the outermost `cpu_threads` block was entered
+
+
 def retune(device, fixed: int | None = None) -> int:
     """Set torch's thread count to `best_thread_count()` when `device` is a CPU and the user did not fix it (long
-    CPU work calls this between its parts: the load of a shared machine changes); returns the count in use. `fixed`:
-    the count to keep instead (the user's)."""
+    CPU work calls this between its parts: the load of a shared machine changes); returns the count in use. Within a
+    `cpu_threads` block the count may go back up to the one found on entering it. `fixed`: the count to keep instead
+    (the user's)."""
     if fixed is not None or device is None or torch.device(device).type != "cpu" or user_fixed_threads():
         return torch.get_num_threads()
-    torch.set_num_threads(best_thread_count())
+    torch.set_num_threads(best_thread_count(_ceiling))
     return torch.get_num_threads()
 
 
 @contextmanager
 def cpu_threads(device: torch.device | str | None):
     """Within the block torch runs on `best_thread_count()` threads when `device` is a CPU and the user did not fix
-    the count (`retune` may change it again inside); yields the count chosen. The previous count is restored on
-    leaving."""
-    before = torch.get_num_threads()
+    the count (`retune` may change it again inside, up to the count found on entering); yields the count chosen. The
+    previous count is restored on leaving."""
+    global _ceiling
+    before, outer = torch.get_num_threads(), _ceiling
+    _ceiling = outer or before
     try:
         yield retune(device)
     finally:
         torch.set_num_threads(before)
+        _ceiling = outer
