@@ -17,7 +17,7 @@ from quantmla_hf.calibration.defaults import default_calibration_text, resolve_t
 from quantmla_hf.calibration.objectives import positional_qk_nmse, positional_qk_sums, query_grams
 from quantmla_hf.calibration.protection import quantized_pairs
 from quantmla_hf.calibration.threads import cpu_threads
-from quantmla_hf.calibration.tokens import piece_chars, split_text, token_stream
+from quantmla_hf.calibration.tokens import piece_chars, split_text, text_token_ids, token_stream
 from quantmla_hf.embedded import REFERENCE_MODEL
 from quantmla_hf.tiny_models import tiny_mla_model
 
@@ -56,6 +56,21 @@ def test_default_text_is_tokenized_in_bounded_pieces_with_the_whole_texts_ids(to
     assert torch.equal(ids, torch.tensor(whole))
     calls = len(recording.calls)
     assert torch.equal(token_stream([text], recording), ids) and len(recording.calls) == calls  # counted once, kept
+
+
+def test_eval_text_is_tokenized_as_the_tokenizer_does_and_only_as_far_as_needed(tokenizer, caplog):
+    text = default_calibration_text()
+    recording = _Recording(tokenizer)
+    with caplog.at_level(logging.WARNING):
+        ids = text_token_ids(text, recording)
+        before = len(recording.calls)
+        first = text_token_ids(text, recording, needed=1000)
+        read = sum(chars for chars, _ in recording.calls[before:])
+    assert "Token indices sequence length" not in caplog.text
+    whole = tokenizer(text)["input_ids"]  # special tokens included, as `quantmla eval` reads a text
+    assert torch.equal(ids, torch.tensor(whole))
+    assert 1000 <= first.numel() < 1000 + tokenizer.model_max_length and torch.equal(first, ids[: first.numel()])
+    assert read < 4 * piece_chars(tokenizer) + 1000 < len(text) // 100  # a few pieces read, not the text
 
 
 def test_a_stretch_without_a_word_start_is_cut_at_the_piece_size():

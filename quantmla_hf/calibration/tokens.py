@@ -1,4 +1,4 @@
-"""Calibration text to token ids, tokenized in bounded pieces.
+"""Text to token ids, tokenized in bounded pieces (calibration text and `quantmla eval`'s text).
 
 `token_stream(texts, tokenizer)` joins the texts with blank lines and tokenizes the result in pieces of at most
 `piece_chars(tokenizer)` characters, each cut where a line starts with a non-blank character, else before a space that
@@ -7,6 +7,9 @@ kept with its word) before merging, and never merge across those places, so the 
 (`tests/test_calibration_plan.py` checks it on the reference model's tokenizer and the default text); no single call
 holds more tokens than the model's maximum length, so transformers' "Token indices sequence length is longer than the
 specified maximum" warning does not fire, and no call holds the whole text's encoding objects at once.
+
+`text_token_ids(text, tokenizer, needed)` gives what `tokenizer(text)` gives (its special tokens included) the same
+way, stopping once `needed` tokens are there: `quantmla eval` on two windows tokenizes a few pieces, not the file.
 
 The last `KEPT` streams are kept (keyed by the tokenizer object and the text): counting the default text's tokens for
 `transform="auto"`, checking the calibration inputs and cutting the windows then tokenize it once.
@@ -75,3 +78,27 @@ def token_list(texts: list[str], tokenizer) -> list:
 def token_stream(texts: list[str], tokenizer) -> torch.Tensor:
     """`[T]` int64 ids of the texts joined with blank lines, without special tokens, tokenized in pieces."""
     return torch.tensor(token_list(texts, tokenizer), dtype=torch.long)
+
+
+def special_tokens(tokenizer) -> tuple[list, list]:
+    """`(prefix, suffix)`: the ids `tokenizer(text)` puts before and after a text's own ids (e.g. `[bos]`, `[]`)."""
+    probe = "a"
+    full = tokenizer(probe)["input_ids"]
+    bare = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    for at in range(len(full) - len(bare) + 1):
+        if full[at : at + len(bare)] == bare:
+            return full[:at], full[at + len(bare) :]
+    return [], []
+
+
+def text_token_ids(text: str, tokenizer, needed: int | None = None) -> torch.Tensor:
+    """`[T]` int64 ids of `text` as `tokenizer(text)` gives them, special tokens included, tokenized in bounded
+    pieces; with `needed`, pieces stop once at least that many ids are there (the text's end, and a suffix token,
+    then left out)."""
+    prefix, suffix = special_tokens(tokenizer)
+    ids = list(prefix)
+    for piece in split_text(text, piece_chars(tokenizer)):
+        ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
+        if needed is not None and len(ids) >= needed:
+            return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids + list(suffix), dtype=torch.long)

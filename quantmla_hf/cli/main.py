@@ -38,6 +38,7 @@ from ..calibration.checks import (
 )
 from ..calibration.defaults import resolve_transform
 from ..calibration.threads import cpu_threads, retune
+from ..calibration.tokens import text_token_ids
 from ..config import DEFAULTS, QUANT_METHOD, QuantMLAConfig, nest_options, weight_conflicts
 from ..evaluation.analysis import analyze
 from ..evaluation.perplexity import window_nll
@@ -389,8 +390,9 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_quantized(args)
     qconfig = model.config.quantization_config
     check_window_reads_quantized(args.window, qconfig.sink_tokens, qconfig.recent_tokens, flags=saved is None)
-    ids = tokenizer(text.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"][0]
     stride = args.stride or args.window - args.prefill
+    needed = (args.max_windows - 1) * stride + args.window if args.max_windows else None
+    ids = text_token_ids(text.read_text(encoding="utf-8"), tokenizer, needed)
     low_precision = model.dtype in (torch.bfloat16, torch.float16)
     floor = args.floor if args.floor is not None else low_precision
     floor = floor and (qconfig.content_bits, qconfig.rope_bits) != (16, 16)
