@@ -3,9 +3,9 @@ the tests that check the kernels' layouts and reads on the CPU: which channels a
 program of the flat grid is which, which pages a paged launch reads."""
 
 import torch
-from quantmla_hf.kernels.mla_decode_gluon_common import BLOCK_T, min_split_tiles
 
 from quantmla_hf.format import CacheFormat
+from quantmla_hf.kernels.mla_decode_gluon_common import BLOCK_T, min_split_tiles
 
 
 def unit_base(u: int, q, n_groups: int):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
 from quantmla_hf.cache.growing import CACHE_KWARG  # noqa: F401  (the tests' name for it)
+from quantmla_hf.kernels.quant_pack_ref import quantize_ref
 
 # Where the tests run the Triton kernels: the CUDA GPU when there is one (compiled), else the CPU in the Triton
 # interpreter (tests/conftest.py sets TRITON_INTERPRET only where no GPU is).

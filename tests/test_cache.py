@@ -3,10 +3,10 @@
 import pytest
 import torch
 from helpers import CACHE_KWARG, KERNEL_DEVICE
-from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
 from transformers import DynamicCache
 
 from quantmla_hf import CacheFormat, PathFormat, QuantMLACache, QuantMLAConfig, QuantMLALayer, install_cache_hooks
+from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
 from quantmla_hf.tiny_models import TINY_FAMILIES, tiny_config, tiny_mla_model
 
 D_C, D_R = 64, 16

@@ -23,11 +23,7 @@ from quantmla_hf.calibration.objectives import (
     quantized_pairs_attention,
     query_grams,
 )
-from quantmla_hf.calibration.transforms import (
-    ContentTransform,
-    rope_kind,
-    start_rotations,
-)
+from quantmla_hf.calibration.transforms import ContentTransform, rope_kind, start_rotations
 from quantmla_hf.format import PathFormat
 from quantmla_hf.tiny_models import TINY_FAMILIES
 

@@ -24,8 +24,8 @@ from quantmla_hf.calibration.fusion import content_weights
 from quantmla_hf.calibration.learn import ContentLearner, reference_streams
 from quantmla_hf.calibration.objectives import positional_qk_nmse, quantize_dequantize
 from quantmla_hf.calibration.pipeline import protection_to_model
-from quantmla_hf.calibration.transforms import rope_kind
 from quantmla_hf.calibration.protection import dual_history_mask, quantized_fraction, quantized_pairs
+from quantmla_hf.calibration.transforms import rope_kind
 from quantmla_hf.format import PathFormat
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,10 +16,10 @@ import dataclasses
 import pytest
 import torch
 from helpers import KERNEL_DEVICE, assert_close
-from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, StaticQuantMLACache
 from quantmla_hf.cache.paged import PagedQuantMLACache
+from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
 from quantmla_hf.ops.decode import decode
 from quantmla_hf.tiny_models import tiny_config
 

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 from helpers import KERNEL_DEVICE, assert_close, random_planes, to_device
-from quantmla_hf.kernels.mla_decode_combine import combine
-from quantmla_hf.kernels.mla_decode_ref import combine_ref, mla_decode_ref
 
 from quantmla_hf import CacheFormat, PathFormat, QuantMLALayer
+from quantmla_hf.kernels.mla_decode_combine import combine
+from quantmla_hf.kernels.mla_decode_ref import combine_ref, mla_decode_ref
 from quantmla_hf.ops.backends import BACKENDS, mla_decode_static, select_backend, split_plan
 
 OUT_RATIO = 2e-3

@@ -5,10 +5,10 @@ device kind)."""
 import gluon_layout
 import pytest
 import torch
-from quantmla_hf.kernels import mla_decode_gluon_common as mc
-from quantmla_hf.kernels import mla_decode_triton as pt
 
 from quantmla_hf import CacheFormat, PathFormat
+from quantmla_hf.kernels import mla_decode_gluon_common as mc
+from quantmla_hf.kernels import mla_decode_triton as pt
 from quantmla_hf.ops import backends as md
 
 

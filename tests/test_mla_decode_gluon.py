@@ -21,12 +21,12 @@ import gluon_layout
 import pytest
 import torch
 import triton
+
+from quantmla_hf import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
-
-from quantmla_hf import CacheFormat, PathFormat
 
 NO_GLUON = "this Triton has no Gluon (triton.experimental.gluon, Triton >= 3.5)"
 

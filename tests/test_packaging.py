@@ -17,8 +17,9 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-import quantmla_hf.kernels
 from packaging.version import Version
+
+import quantmla_hf.kernels
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

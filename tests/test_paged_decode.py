@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 from helpers import assert_close, random_planes, to_device
-from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref, mla_decode_ref
-from quantmla_hf.kernels.mla_decode_triton import programs_per_sm
 
 from quantmla_hf.format import CacheFormat, PathFormat
+from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref, mla_decode_ref
+from quantmla_hf.kernels.mla_decode_triton import programs_per_sm
 from quantmla_hf.ops.backends import mla_decode_paged
 
 D_C, D_R, PAGE = 64, 16, 8

@@ -5,10 +5,10 @@ strided, constant, or far from zero, and tokens that enter the sink, the ring, b
 import pytest
 import torch
 from helpers import KERNEL_DEVICE, to_device
-from quantmla_hf.kernels.paged_write import paged_write
 
 from quantmla_hf import QuantMLAConfig
 from quantmla_hf.cache.paged import PagedQuantMLACache
+from quantmla_hf.kernels.paged_write import paged_write
 from quantmla_hf.tiny_models import tiny_config
 
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 from helpers import to_device
+
+from quantmla_hf.format import PathFormat
 from quantmla_hf.kernels.mla_decode_triton import mla_decode_triton_kernel
 from quantmla_hf.kernels.quant_pack import quant_pack_fwd_kernel, quantize_pack, quantize_pack_slots
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, pack_codes, quantize_ref, unpack_codes
-
-from quantmla_hf.format import PathFormat
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

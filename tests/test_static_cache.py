@@ -8,9 +8,6 @@ import pytest
 import torch
 import torch._dynamo
 from helpers import CACHE_KWARG, KERNEL_DEVICE, assert_close, to_device
-from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref, mla_decode_static_ref
-from quantmla_hf.kernels.quant_pack import quantize_pack
-from quantmla_hf.kernels.quant_pack_ref import quantize_pack_at_ref, quantize_ref
 from test_mla_decode import LSE_ABS, OUT_RATIO, random_case
 from transformers.generation import CompileConfig
 
@@ -22,6 +19,9 @@ from quantmla_hf import (
     apply_quantmla,
     install_cache_hooks,
 )
+from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref, mla_decode_static_ref
+from quantmla_hf.kernels.quant_pack import quantize_pack
+from quantmla_hf.kernels.quant_pack_ref import quantize_pack_at_ref, quantize_ref
 from quantmla_hf.ops import decode as ops
 from quantmla_hf.ops import write  # noqa: F401
 from quantmla_hf.ops.backends import mla_decode_static

@@ -21,12 +21,7 @@ from __future__ import annotations
 import torch
 
 from quantmla_hf.format import PathFormat
-from quantmla_hf.kernels.quant_pack_ref import (
-    SCALE_MIN,
-    dequantize_ref,
-    fp16_round_up,
-    quantize_ref,
-)
+from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN, dequantize_ref, fp16_round_up, quantize_ref
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,7 @@ from ..format import CacheFormat
 from ..log import get_logger
 from ..mla import mla_dims, text_config
 from .baselines import hadamard_content, smooth_content, smooth_rope
-from .capture import (
-    AttentionRunner,
-    capture_inputs,
-    capture_within,
-    decoder_layers,
-    module_device,
-    propagate,
-)
+from .capture import AttentionRunner, capture_inputs, capture_within, decoder_layers, module_device, propagate
 from .checkpoint import CalibrationCheckpoint, fingerprint
 from .defaults import calibration_data_or_default, resolve_transform
 from .fusion import fuse_content, fuse_rope
