@@ -416,9 +416,12 @@ def serving(model, args) -> None:
                         unit_arrivals=[round(t, 6) for t in unit]))
     rows, goodputs = [], {}
     for fmt in args.formats:
-        cache = PagedQuantMLACache(model.config, qconfig(fmt), page_size=args.page_size,
-                                   max_requests=args.max_requests, budget_bytes=budget, dtype=model.dtype,
-                                   device=DEVICE)
+        try:
+            cache = PagedQuantMLACache(model.config, qconfig(fmt), page_size=args.page_size,
+                                       max_requests=args.max_requests, budget_bytes=budget, dtype=model.dtype,
+                                       device=DEVICE)
+        except ValueError as err:
+            raise SystemExit(f"{fmt}: {err} (--budget-gib, --max-requests, --page-size)") from None
         largest = max(n + o for n, o in zip(lens, outs))
         if cache.pages_needed(None, largest + 1) + 1 > cache.num_pages:
             raise SystemExit(f"{fmt}: the largest request ({largest} tokens) does not fit {args.serve_budget_gib} GiB "
@@ -500,7 +503,9 @@ def print_serving_table(rows: list[dict], goodputs: dict, ratio: float | None, s
 
 # --serve's workload: (default, default with --tiny)
 SERVE_DEFAULTS = dict(requests=(100, 6), rates=("1,2,4,8", "4,inf"), prompt_median=(4096, 48), prompt_sigma=(1.0, 0.5),
-                      prompt_min=(1024, 16), prompt_max=(32768, 128), output_min=(64, 4), output_max=(1024, 12))
+                      prompt_min=(1024, 16), prompt_max=(32768, 128), output_min=(64, 4), output_max=(1024, 12),
+                      max_requests=(64, 8))
+SERVE_BUDGET_GIB = (2.0, 0.002)  # --serve's KV budget without --budget-gib: real, --tiny
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -553,13 +558,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-max", type=int, default=None, help="prompt lengths clipped to at most (32768)")
     ap.add_argument("--output-min", type=int, default=None, help="output lengths uniform from (64)")
     ap.add_argument("--output-max", type=int, default=None, help="output lengths uniform to (1024)")
-    ap.add_argument("--max-requests", type=int, default=64, help="requests running at once in --serve (cache rows)")
+    ap.add_argument("--max-requests", type=int, default=None,
+                    help="requests running at once in --serve (cache rows; 64, --tiny 8)")
     args = ap.parse_args(argv)
     for name, (real, tiny) in SERVE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else real)
     args.rates = list(dict.fromkeys(float(x) for x in args.rates.split(",") if x))  # each rate once
-    args.serve_budget_gib = args.budget_gib or (0.002 if args.tiny else 2.0)
+    args.serve_budget_gib = args.budget_gib or SERVE_BUDGET_GIB[args.tiny]
     if args.serve and not (args.rates and min(args.rates) > 0 and args.requests >= 1
                            and 1 <= args.prompt_min <= args.prompt_max and 1 <= args.output_min <= args.output_max):
         ap.error(f"--serve needs rates > 0 (got {args.rates}), --requests >= 1 (got {args.requests}) and "

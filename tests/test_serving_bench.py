@@ -43,6 +43,20 @@ def test_bench_serve_check_and_pressure_on_the_toy_model(tmp_path):
     assert all(r["ready_s"] > 0 and r["warm_steps"] > 0 and r["steps"] < 30 for r in pressured.values())
 
 
+def test_the_toy_serving_defaults_fit_their_budget():
+    from bench_generate import v2_lite
+    from bench_serve import SERVE_BUDGET_GIB, SERVE_DEFAULTS, qconfig
+
+    from quantmla_hf.cache.paged import PagedQuantMLACache
+
+    model = v2_lite(2, tiny=True)
+    for fmt in ("C16R16", "C4R4", "C2R4"):  # every row's sink/recent copies and pages for the toy workload
+        cache = PagedQuantMLACache(model.config, qconfig(fmt), page_size=64,
+                                   max_requests=SERVE_DEFAULTS["max_requests"][1],
+                                   budget_bytes=int(SERVE_BUDGET_GIB[1] * 2**30), dtype=model.dtype)
+        assert cache.capacity_tokens() >= SERVE_DEFAULTS["prompt_max"][1] + SERVE_DEFAULTS["output_max"][1]
+
+
 def test_bench_serve_serving_metrics_on_the_toy_model(tmp_path, capsys):
     from bench_serve import main
 
