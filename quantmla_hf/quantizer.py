@@ -10,11 +10,14 @@ of `quantmla_hf.hooks`).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import warnings
 
+import torch
 import transformers.quantizers.auto as transformers_quantizers_auto
 from transformers.quantizers.auto import AutoHfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.base import HfQuantizer
+from transformers.utils import logging as transformers_logging
 
 from .calibration.checks import check_calibration_inputs
 from .config import QUANT_METHOD, QuantMLAConfig, check_checkpoint_config, weight_conflicts
@@ -47,8 +50,8 @@ class QuantMLAHfQuantizer(HfQuantizer):
             ignored = check_checkpoint_config(self.quantization_config)
             if ignored:
                 warnings.warn(
-                    "this checkpoint is already quantized; options of the QuantMLAConfig passed to from_pretrained that "
-                    f"describe its weights cannot change them and are ignored: {'; '.join(ignored)}. Every cache "
+                    "this checkpoint is already quantized; options of the QuantMLAConfig passed to from_pretrained "
+                    f"that describe its weights cannot change them and are ignored: {'; '.join(ignored)}. Every cache "
                     "option given (bits, group_size, sink/recent tokens, and the advanced kernel, cache_block_size, "
                     "static_cache, decode_graphs) does apply",
                     UserWarning, stacklevel=2,
@@ -74,9 +77,13 @@ class QuantMLAHfQuantizer(HfQuantizer):
         # A transform cannot be fused into weights split across processes: refuse before they are read.
         check_load_not_sharded_for_calibration(model.config, qconfig.transform, qconfig.calibrated)
         check_calibration_inputs(qconfig, tokenizer=tokenizer)
+        self._expected_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self._ignore_mismatched_sizes = _from_pretrained_argument("ignore_mismatched_sizes", False)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        check_loaded_shapes(model, getattr(self, "_expected_shapes", {}),
+                            getattr(self, "_ignore_mismatched_sizes", False))
         return prepare_model(model, self.quantization_config, pre_quantized=self.pre_quantized)
 
     def _dequantize(self, model, dtype=None):
@@ -100,6 +107,53 @@ class QuantMLAHfQuantizer(HfQuantizer):
         # generate asks for a compiled decode step only with a compileable cache (the static QuantMLA cache): the model
         # answers with CUDA-graph steps or torch.compile (quantmla_hf.generation.graphs.compiled_call).
         return True
+
+
+def _from_pretrained_argument(name: str, default):
+    """The value of `from_pretrained`'s argument `name` in the call that is loading the model now (its frame is a
+    few levels up the stack of the quantizer's hooks); `default` outside such a call."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "from_pretrained" and name in frame.f_locals:
+                return frame.f_locals[name]
+            frame = frame.f_back
+        return default
+    finally:
+        del frame
+
+
+def check_loaded_shapes(model, expected: dict, ignore_mismatched_sizes: bool) -> None:
+    """Parameters whose loaded shape differs from the model's own (`expected`: name -> shape, read before loading).
+
+    Some transformers releases skip their size check whenever a quantizer loads the model and keep the checkpoint's
+    tensor (e.g. a classification head of 2 labels in a model built for 42); QuantMLA quantizes no weight, so the
+    check is the stock one: an error naming the tensors and the fix, or, with `ignore_mismatched_sizes=True`, the
+    tensor made anew at the model's shape and initialised as the model initialises it. Nothing to do where the
+    release checks itself. Sharded (tensor-parallel) loads are left to transformers.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        return
+    wrong = [(name, tuple(p.shape), expected[name]) for name, p in model.named_parameters()
+             if name in expected and tuple(p.shape) != expected[name]]
+    if not wrong:
+        return
+    listed = "; ".join(f"{name}: checkpoint {list(got)}, model {list(want)}" for name, got, want in wrong)
+    if not ignore_mismatched_sizes:
+        raise RuntimeError(f"the checkpoint's tensors do not match this model's shapes ({listed}); pass "
+                           "ignore_mismatched_sizes=True to from_pretrained to initialise them anew, or load the "
+                           "model with the config it was saved with")
+    for name, _, want in wrong:
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        old = getattr(module, param_name)
+        setattr(module, param_name, torch.nn.Parameter(torch.empty(want, dtype=old.dtype, device=old.device),
+                                                       requires_grad=old.requires_grad))
+        model._init_weights(module)
+    # Where a stock load reports it: transformers' loading logger, at its verbosity.
+    transformers_logging.get_logger("transformers.modeling_utils").warning(
+        f"Reinit due to size mismatch, initialised anew at the model's shapes: {listed}")
 
 
 def _refuse_second_transform(model, qconfig: QuantMLAConfig) -> None:

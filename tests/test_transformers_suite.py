@@ -50,6 +50,8 @@ try:
 except SourcesUnavailable as err:
     pytest.skip(f"transformers test sources unavailable: {err}", allow_module_level=True)
 
+import transformers  # noqa: E402
+from packaging.version import Version  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 from transformers.models.auto import modeling_auto  # noqa: E402
 
@@ -223,6 +225,9 @@ QUANTIZED_TESTS = (
 
 
 FULL_SUITE = os.environ.get("QUANTMLA_HF_FULL_SUITE", "") not in ("", "0")
+# The release the selections above were checked against: there every selected test must exist (a rename upstream
+# fails here); an older release may lack tests added since, which are then left out.
+SELECTION_RELEASE = Version("5.25.0")
 
 
 def _family_test(name: str, model_type: str, qconfig: dict = QUANTMLA_16, only: tuple[str, ...] = SELECTED_TESTS):
@@ -231,7 +236,7 @@ def _family_test(name: str, model_type: str, qconfig: dict = QUANTMLA_16, only: 
     if FULL_SUITE:
         return cls
     missing = [t for t in only if not callable(getattr(cls, t, None))]
-    if missing:
+    if missing and Version(transformers.__version__) >= SELECTION_RELEASE:
         raise AssertionError(f"transformers {tmc.__name__} has no {missing}: update SELECTED_TESTS")
     for attr in dir(cls):
         if attr.startswith("test_") and attr not in only and callable(getattr(cls, attr)):
