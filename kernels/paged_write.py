@@ -1,13 +1,12 @@
 """Triton kernel: one launch writes a layer's new tokens into the paged QuantMLA cache.
 
 Per new token `i` (one program): the content row `c[i]` and the RoPE row `r[i]` are quantized and packed into row
-`slots[i]` of their page planes (viewed as `[P * page_size, width]`), with the fp32 operations of
-`quant_pack.quant_pack_fwd_kernel` (`quant_pack_ref.quantize_ref`'s arithmetic: the same codes, scales and zero
-points, bit for bit), and both rows are copied as given into the model-dtype sink copies at flat row
-`copy_rows[0, i]` and the recent ring at flat row `copy_rows[1, i]` of `[rows * S, d]` / `[rows * R, d]` (-1: the
-token enters neither). A decode step of a packed format thus writes each layer in one launch, where two quantize
-launches and the gathers and scatters of the copies took up to ten.
-"""
+`slots[i]` of their page planes (viewed as `[P * page_size, width]`) by `quant_pack._quantize_pack_groups`, which
+the contiguous write runs too (`quant_pack_ref.quantize_ref`'s arithmetic: the same codes, scales and zero points,
+bit for bit), and both rows are copied as given into the model-dtype sink copies at flat row `copy_rows[0, i]` and
+the recent ring at flat row `copy_rows[1, i]` of `[rows * S, d]` / `[rows * R, d]` (-1: the token enters neither).
+A decode step of a packed format thus writes each layer in one launch, where two quantize launches and the gathers
+and scatters of the copies took up to ten."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import triton.language as tl
 
 from quantmla_hf.format import CacheFormat, PathFormat
 
-from .quant_pack import _scale_and_zero
+from .quant_pack import _quantize_pack_groups
 from .quant_pack_ref import SCALE_MIN
 
 
@@ -27,39 +26,15 @@ def _quantize_pack_row(p_x, p_codes, p_scale, p_zero, G: tl.constexpr, BLOCK_G: 
     """Quantize one row of `G` groups of `GROUP` elements at `p_x` and store its codes, scales and zero points."""
     PACK: tl.constexpr = 8 // BITS
     NB: tl.constexpr = GROUP // PACK
-    QMAX: tl.constexpr = (1 << BITS) - 1
-    HALF: tl.constexpr = 1 << (BITS - 1)
     o_g = tl.arange(0, BLOCK_G)
     o_n = tl.arange(0, NB)
     m_g = o_g < G
-    o_elem = o_g[:, None] * GROUP + o_n[None, :] * PACK
     m_x = m_g[:, None] & (o_n[None, :] < NB)
-
-    b_x = tl.load(p_x + o_elem, mask=m_x, other=0.0).to(tl.float32)
-    lo = tl.min(b_x, axis=1)
-    hi = tl.max(b_x, axis=1)
-    for k in tl.static_range(1, PACK):
-        b_x = tl.load(p_x + o_elem + k, mask=m_x, other=0.0).to(tl.float32)
-        lo = tl.minimum(lo, tl.min(b_x, axis=1))
-        hi = tl.maximum(hi, tl.max(b_x, axis=1))
-
-    s, z = _scale_and_zero(lo, hi, QMAX, S_MIN)
-    outside = (z - HALF < -128.0) | (z - HALF > 127.0)
-    s_w, z_w = _scale_and_zero(tl.minimum(lo, 0.0), tl.maximum(hi, 0.0), QMAX, S_MIN)
-    s = tl.where(outside, s_w, s)
-    z = tl.where(outside, z_w, z)
-    s32 = s.to(tl.float32)
-
-    b_byte = tl.zeros((BLOCK_G, NB), dtype=tl.int32)
-    for k in tl.static_range(PACK):
-        b_x = tl.load(p_x + o_elem + k, mask=m_x, other=0.0).to(tl.float32)
-        b_q = tl.floor(tl.div_rn(b_x, s32[:, None]) + z[:, None] + 0.5)
-        b_q = tl.minimum(tl.maximum(b_q, 0.0), QMAX).to(tl.int32)
-        b_byte = b_byte | (b_q << (BITS * k))
-
-    tl.store(p_codes + o_g[:, None] * NB + o_n[None, :], b_byte.to(tl.uint8), mask=m_x)
+    b_byte, s, zq = _quantize_pack_groups(p_x + o_g[:, None] * GROUP + o_n[None, :] * PACK, m_x, BLOCK_G, NB, BITS,
+                                          S_MIN)
+    tl.store(p_codes + o_g[:, None] * NB + o_n[None, :], b_byte, mask=m_x)
     tl.store(p_scale + o_g, s, mask=m_g)
-    tl.store(p_zero + o_g, (z - HALF).to(tl.int8), mask=m_g)
+    tl.store(p_zero + o_g, zq, mask=m_g)
 
 
 @triton.jit

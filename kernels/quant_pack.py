@@ -28,6 +28,39 @@ def _scale_and_zero(lo, hi, QMAX: tl.constexpr, S_MIN: tl.constexpr):
     return s, z
 
 
+@triton.jit
+def _quantize_pack_groups(p_elem, m_x, BLOCK_G: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
+                          S_MIN: tl.constexpr):
+    """The groups of one row, quantized and packed: `p_elem` `[BLOCK_G, NB]` points at the first element of every
+    code byte (`PACK = 8 // BITS` consecutive elements each), `m_x` masks it. Returns the code bytes `[BLOCK_G, NB]`
+    uint8, the fp16 scales `[BLOCK_G]` and the centred int8 zero points `[BLOCK_G]`."""
+    PACK: tl.constexpr = 8 // BITS
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    b_x = tl.load(p_elem, mask=m_x, other=0.0).to(tl.float32)
+    lo = tl.min(b_x, axis=1)
+    hi = tl.max(b_x, axis=1)
+    for k in tl.static_range(1, PACK):
+        b_x = tl.load(p_elem + k, mask=m_x, other=0.0).to(tl.float32)
+        lo = tl.minimum(lo, tl.min(b_x, axis=1))
+        hi = tl.maximum(hi, tl.max(b_x, axis=1))
+
+    s, z = _scale_and_zero(lo, hi, QMAX, S_MIN)
+    outside = (z - HALF < -128.0) | (z - HALF > 127.0)
+    s_w, z_w = _scale_and_zero(tl.minimum(lo, 0.0), tl.maximum(hi, 0.0), QMAX, S_MIN)
+    s = tl.where(outside, s_w, s)
+    z = tl.where(outside, z_w, z)
+    s32 = s.to(tl.float32)
+
+    b_byte = tl.zeros((BLOCK_G, NB), dtype=tl.int32)
+    for k in tl.static_range(PACK):
+        b_x = tl.load(p_elem + k, mask=m_x, other=0.0).to(tl.float32)
+        b_q = tl.floor(tl.div_rn(b_x, s32[:, None]) + z[:, None] + 0.5)
+        b_q = tl.minimum(tl.maximum(b_q, 0.0), QMAX).to(tl.int32)
+        b_byte = b_byte | (b_q << (BITS * k))
+    return b_byte.to(tl.uint8), s, (z - HALF).to(tl.int8)
+
+
 # The write position and the token count change every decode step: specialising on them (% 16, == 1) would
 # recompile the kernel in the middle of a generation.
 @triton.jit(do_not_specialize=["T", "start", "capacity"])
@@ -44,8 +77,6 @@ def quant_pack_fwd_kernel(
     i_t = pid % T
     PACK: tl.constexpr = 8 // BITS
     NB: tl.constexpr = GROUP // PACK
-    QMAX: tl.constexpr = (1 << BITS) - 1
-    HALF: tl.constexpr = 1 << (BITS - 1)
 
     o_g = tl.arange(0, BLOCK_G)
     o_n = tl.arange(0, NB)
@@ -53,28 +84,7 @@ def quant_pack_fwd_kernel(
     o_elem = o_g[:, None] * GROUP + o_n[None, :] * PACK
     m_x = m_g[:, None] & (o_n[None, :] < NB)
     p_x = x_ptr + i_b * stride_xb + i_t * stride_xt + o_elem
-
-    b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)
-    lo = tl.min(b_x, axis=1)
-    hi = tl.max(b_x, axis=1)
-    for k in tl.static_range(1, PACK):
-        b_x = tl.load(p_x + k, mask=m_x, other=0.0).to(tl.float32)
-        lo = tl.minimum(lo, tl.min(b_x, axis=1))
-        hi = tl.maximum(hi, tl.max(b_x, axis=1))
-
-    s, z = _scale_and_zero(lo, hi, QMAX, S_MIN)
-    outside = (z - HALF < -128.0) | (z - HALF > 127.0)
-    s_w, z_w = _scale_and_zero(tl.minimum(lo, 0.0), tl.maximum(hi, 0.0), QMAX, S_MIN)
-    s = tl.where(outside, s_w, s)
-    z = tl.where(outside, z_w, z)
-    s32 = s.to(tl.float32)
-
-    b_byte = tl.zeros((BLOCK_G, NB), dtype=tl.int32)
-    for k in tl.static_range(PACK):
-        b_x = tl.load(p_x + k, mask=m_x, other=0.0).to(tl.float32)
-        b_q = tl.floor(tl.div_rn(b_x, s32[:, None]) + z[:, None] + 0.5)
-        b_q = tl.minimum(tl.maximum(b_q, 0.0), QMAX).to(tl.int32)
-        b_byte = b_byte | (b_q << (BITS * k))
+    b_byte, s, zq = _quantize_pack_groups(p_x, m_x, BLOCK_G, NB, BITS, S_MIN)
 
     # Static caches keep the write position on the device (`start_ptr`, int64 [1]); a position past the capacity
     # is not written (the host-side wrapper cannot check it without a synchronisation).
@@ -87,9 +97,9 @@ def quant_pack_fwd_kernel(
     m_g = m_g & (o_g * 0 + pos < capacity)
     m_x = m_x & m_g[:, None]
     p_codes = codes_ptr + i_b * stride_cb + pos * stride_ct + o_g[:, None] * NB + o_n[None, :]
-    tl.store(p_codes, b_byte.to(tl.uint8), mask=m_x)
+    tl.store(p_codes, b_byte, mask=m_x)
     tl.store(scale_ptr + i_b * stride_sb + pos * stride_st + o_g, s, mask=m_g)
-    tl.store(zero_ptr + i_b * stride_zb + pos * stride_zt + o_g, (z - HALF).to(tl.int8), mask=m_g)
+    tl.store(zero_ptr + i_b * stride_zb + pos * stride_zt + o_g, zq, mask=m_g)
 
 
 def quant_pack_fwd(

@@ -46,6 +46,9 @@ class QuantMLAHfQuantizer(HfQuantizer):
         elif isinstance(quantization_config, QuantMLAConfig):
             quantization_config = quantization_config.copy()
         super().__init__(quantization_config, **kwargs)
+        # Read before the weights are (`_process_model_before_weight_loading`), checked after.
+        self._expected_shapes: dict[str, tuple] = {}
+        self._ignore_mismatched_sizes = False
         if self.pre_quantized:
             ignored = check_checkpoint_config(self.quantization_config)
             if ignored:
@@ -82,8 +85,7 @@ class QuantMLAHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        check_loaded_shapes(model, getattr(self, "_expected_shapes", {}),
-                            getattr(self, "_ignore_mismatched_sizes", False))
+        check_loaded_shapes(model, self._expected_shapes, self._ignore_mismatched_sizes)
         return prepare_model(model, self.quantization_config, pre_quantized=self.pre_quantized)
 
     def _dequantize(self, model, dtype=None):

@@ -162,7 +162,7 @@ def test_transformers_generate_batch_runs_on_the_paged_cache():
         rid = manager.add_request(ps[1], streaming=True, max_new_tokens=3)
         streamed = [list(o.generated_tokens) for o in manager.request_id_iter(rid)]
     assert streamed[-1] == alone(model, ps[1], 3) and [len(s) for s in streamed] == [1, 2, 3, 3]  # then finished
-    assert model.init_continuous_batching() is manager  # kept for the next session, with its warm cache
+    assert model.init_continuous_batching() is manager  # kept for the next call, with its warm cache
     model.destroy_cached_continuous_batching_manager()
     assert manager.cache.allocator.num_used == 0 and "_cached_continuous_batching_manager" not in model.__dict__
     model.dequantize()
