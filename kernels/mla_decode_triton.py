@@ -390,25 +390,26 @@ def _plane3(planes: dict, path: PathFormat, requests: int):
 
 
 def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                  split_target, NS, qk_scale, native=None, pages=None, block_t=None):
+                  split_target, NS, qk_scale, native=None, pages=None, block_t=None, kernel=None, rows_and_shape=None):
     """Launch `mla_decode_triton_kernel` on the grid `(NS + 1, cdiv(M, block_rows(M)), B)`: `q: [B, M, d_c]`,
     `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32, in the launch
     measured on the H200 (`block_rows`, `launch_shape`; `block_t` overrides the tile). `native`: `NATIVE`, default
     from the copies' dtype. `pages` (the kernel's `PAGE` launch, B the query tokens): `(page_table, rows,
-    cu_seqlens_q, token_request)` int32 of the requests, whose page planes `cp`, `rp` are `[P, page_size, width]`."""
+    cu_seqlens_q, token_request)` int32 of the requests, whose page planes `cp`, `rp` are `[P, page_size, width]`.
+    `kernel` and `rows_and_shape` (`(rows per program, (tile, warps, stages))`): another kernel of the same
+    arguments and partials (`mla_decode_heads.launch_heads`)."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
     if native is None:
         native = native_operands(fmt, q.dtype, qr.dtype, sink_c.dtype)
     GC, GROUP_C = path_tiling(fmt.content, 8)
-    block_m = block_rows(M)
-    tile, warps, stages = launch_shape(fmt, M)
+    block_m, (tile, warps, stages) = rows_and_shape or (block_rows(M), launch_shape(fmt, M))
     n_req = pages[0].shape[0] if pages else 0
     c0, c1, c2 = _plane3(cp, fmt.content, n_req)
     r0, r1, r2 = _plane3(rp, fmt.rope, n_req)
     page_size = next(iter(cp.values())).shape[1] if pages else 0
     pt, rows, cu_q, tok_req = pages if pages else (lp,) * 4
-    mla_decode_triton_kernel[(NS + 1, triton.cdiv(M, block_m), B)](
+    (kernel or mla_decode_triton_kernel)[(NS + 1, triton.cdiv(M, block_m), B)](
         q, qr, c0, c1, c2, r0, r1, r2, sink_c, sink_r, recent_c, recent_r, length, lp, pt, rows, cu_q, tok_req,
         o_part, lse_part, M, Tq, pt.stride(0) if pages else 0, split_target, NS, qk_scale,
         q.stride(0), qr.stride(0),

@@ -11,6 +11,8 @@ Backends (the kernels, each beside its reference in `kernels/`; timings and why 
     "gluon_regs"  mla_decode_gluon_regs.py   sm_90, 16 query rows per program, keys unpacked into wgmma registers
     "gluon_wide"  mla_decode_gluon_wide.py   sm_90, two warpgroups, 32 rows per program (many heads)
     "triton"      mla_decode_triton.py       any CUDA GPU (and the Triton interpreter on CPU), every dtype
+    "triton_heads" mla_decode_heads.py       the same GPUs and dtypes, 64 rows per program as the products' M, each
+                                             token tile unpacked once into the model dtype for both products
     "torch"       mla_decode_ref.py          the reference, for formats no kernel takes
 
 Every kernel splits the packed positions into `split_plan` shares sized from the device-side `length` (never the
@@ -35,6 +37,7 @@ import triton
 from ..format import CacheFormat
 from ..kernels import mla_decode_gluon_regs as regs
 from ..kernels import mla_decode_gluon_wide as wide
+from ..kernels import mla_decode_heads as heads
 from ..kernels import mla_decode_triton as portable
 from ..kernels.mla_decode_combine import combine
 from ..kernels.mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
@@ -42,8 +45,8 @@ from ..kernels.mla_decode_gluon_common import copy_programs, hopper_handles, min
 from ..kernels.mla_decode_ref import mla_decode_static_ref
 
 LOG2E = 1.4426950408889634
-BACKENDS = ("gluon_regs", "gluon_wide", "triton", "torch")
-PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "triton")
+BACKENDS = ("gluon_regs", "gluon_wide", "triton", "triton_heads", "torch")
+PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "triton", "triton_heads")
 
 
 def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, device) -> str:
@@ -111,8 +114,9 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
     ones): the same boundaries for a growing cache and a static one. At most `min(split_target, cdiv(n, min_tiles *
     block_t))` splits hold positions, so `grid_splits`, that bound at the capacity, covers every length the
     planes can hold; splits past the data write empty partials that the combine skips."""
-    if backend == "triton":
-        first, block_t, min_tiles = fmt.sink_tokens, portable.launch_shape(fmt, 0)[0], 2
+    if backend.startswith("triton"):
+        tile = portable.launch_shape(fmt, 0)[0] if backend == "triton" else heads.launch_shape(fmt)[0]
+        first, block_t, min_tiles = fmt.sink_tokens, tile, 2
         target = portable.split_target(B * head_blocks, sms)
     else:
         first, block_t, min_tiles = 0, GLUON_BLOCK_T, min_split_tiles(fmt)
@@ -213,8 +217,8 @@ def mla_decode_static(
     if backend == "torch":
         return mla_decode_static_ref(q_lat, q_rot, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c,
                                      recent_r, left_padding, length, capacity, scaling, out)
-    if backend == "triton" and not portable.triton_handles(fmt, sink_c.dtype):
-        raise ValueError(f"the Triton decode kernel does not take {fmt.name} with {sink_c.dtype} copies (power-of-two "
+    if backend.startswith("triton") and not portable.triton_handles(fmt, sink_c.dtype):
+        raise ValueError(f"the Triton decode kernels do not take {fmt.name} with {sink_c.dtype} copies (power-of-two "
                          "widths, at most 8 content groups and one RoPE group): use backend='torch'")
     if backend.startswith("gluon"):
         handles = regs.regs_handles(fmt) and (backend == "gluon_regs" or wide.wide_handles(fmt))
@@ -225,8 +229,8 @@ def mla_decode_static(
             raise ValueError("the Gluon decode kernels need plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
                              "use backend='triton' for strided planes")
 
-    if backend == "triton":
-        block_m, n_tail = portable.block_rows(M), 1
+    if backend.startswith("triton"):
+        block_m, n_tail = (portable.block_rows(M) if backend == "triton" else heads.BLOCK_M), 1
     else:
         block_m = regs.BLOCK_M if backend == "gluon_regs" else wide.BLOCK_M
         n_tail = copy_programs(fmt)
@@ -239,8 +243,8 @@ def mla_decode_static(
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
-    launch = (portable.launch_triton if backend == "triton"
-              else functools.partial(regs.launch_gluon, wide_program=backend == "gluon_wide"))
+    launch = {"triton": portable.launch_triton, "triton_heads": heads.launch_heads}.get(backend) or functools.partial(
+        regs.launch_gluon, wide_program=backend == "gluon_wide")
     launch(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
            M, Tq, target, NS, scaling * LOG2E)
     o, lse = combine(o_part, lse_part, n_tail, out, sms)
@@ -307,7 +311,6 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
         copy_dtype = sink_content.dtype
     else:
         copy_dtype = q_lat.dtype if fmt.content.quantized else content["values"].dtype
-    native = portable.native_operands(fmt, q_lat.dtype, q_rot.dtype, copy_dtype)
     if not portable.triton_handles(fmt, copy_dtype):
         raise ValueError(f"the paged Triton kernel does not take {fmt.name} (power-of-two widths, at most 8 content "
                          "groups and one RoPE group): use mla_decode_paged_ref")
@@ -332,10 +335,15 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
     S, R = sink_content.shape[1], recent_content.shape[1]
-    bt = block_t or portable.launch_shape(fmt, H)[0]
+    if backend == "triton":
+        native = portable.native_operands(fmt, q_lat.dtype, q_rot.dtype, copy_dtype)
+        bt, block_m, launch = block_t or portable.launch_shape(fmt, H)[0], portable.block_rows(H), portable.launch_triton
+    else:
+        native = heads.native_operands(q_lat.dtype, q_rot.dtype, copy_dtype)
+        bt, block_m, launch = block_t or heads.launch_shape(fmt)[0], heads.BLOCK_M, heads.launch_heads
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 8
-    target = max(1, int(num_splits or portable.split_target(Nq * triton.cdiv(H, portable.block_rows(H)), sms)))
+    target = max(1, int(num_splits or portable.split_target(Nq * triton.cdiv(H, block_m), sms)))
     NS = max(1, min(target, triton.cdiv(max(longest - R - S, 0), 2 * bt)))  # splits that can hold positions
     o_part = torch.empty((Nq, H, NS + 1, d_c), dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty((Nq, H, NS + 1), dtype=torch.float32, device=q_lat.device)
@@ -345,7 +353,6 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
     lens = seq_lens.to(torch.int32).contiguous()
     copies = dataclasses.replace(fmt, sink_tokens=S, recent_tokens=R)  # a 16-bit cache keeps no copies
     pages = tuple(t.to(torch.int32).contiguous() for t in (page_table, rows, cu_seqlens_q, token_request))
-    portable.launch_triton(q_lat.contiguous(), q_rot.contiguous(), content, rope, copies, snc, snr, rcc, rcr, lens,
-                           lens, o_part, lse_part, H, 1, target, NS, float(scaling) * LOG2E, native=native,
-                           pages=pages, block_t=bt)
+    launch(q_lat.contiguous(), q_rot.contiguous(), content, rope, copies, snc, snr, rcc, rcr, lens, lens, o_part,
+           lse_part, H, 1, target, NS, float(scaling) * LOG2E, native=native, pages=pages, block_t=bt)
     return combine(o_part, lse_part, 1, None, sms)
