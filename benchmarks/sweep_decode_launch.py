@@ -13,8 +13,13 @@
         `mla_decode_triton.programs_per_sm`)
     python benchmarks/sweep_decode_launch.py portable-splits
         the same split targets and points for the contiguous portable kernel (`backend="triton"`)
+    python benchmarks/sweep_decode_launch.py heads [--formats ..] [--points H:B:N,..] [--flashmla DIR]
+        the many-heads kernel (`backend="triton_heads"`, default C4R4, C2R4, C4R8, C8R8, C16R16 at 128 heads B8 and
+        B32 32K and 16 heads B8 32K) over token tiles {32, 64}, stages {1, 2} and bf16 or fp16 keys, each against the
+        default dispatch (and FlashMLA, given its build folder) in the same process, with its output's distance from
+        the default dispatch's
 
-Each time of `portable` and `splits` is the best of 3 `do_bench` medians of a CUDA-graph replay
+Each time of `portable`, `splits` and `heads` is the best of 3 `do_bench` medians of a CUDA-graph replay
 (`bench_decode.graphed`), of `paged` and `portable-splits` the median of 5 rounds taken in turns; a launch the GPU cannot run (shared
 memory) is reported and skipped. The launch parameters are swapped in the kernel module for the
 sweep (`launch_shape`) and restored after.
@@ -33,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402
 
 from quantmla_hf.ops import backends as dispatch  # noqa: E402
+from quantmla_hf.kernels import mla_decode_heads as heads  # noqa: E402
 from quantmla_hf.kernels import mla_decode_triton as portable  # noqa: E402
 
 
@@ -91,6 +97,48 @@ def sweep_splits(baseline, formats=("C4R4", "C2R4")) -> None:
             print(f"{name} {backend} split target {ns}: {t:.4f} ms ({t / old:.3f}x baseline)", flush=True)
 
 
+HEADS_POINTS = [(128, 8, 32768), (128, 32, 32768), (16, 8, 32768)]
+
+
+def sweep_heads(formats, points, flashmla_path="") -> None:
+    """The many-heads kernel's launch shapes and key dtypes against the default dispatch (module functions
+    `launch_shape` and `native_operands` swapped for the sweep, restored after)."""
+    flash = bd.load_flashmla(flashmla_path) if flashmla_path else None
+    saved = heads.launch_shape, heads.native_operands
+    try:
+        for name, (H, B, N) in itertools.product(formats, points):
+            args = point_args(name, H, B, N)
+            ref_o, _ = bd.decode_fn("default", N)(*args)
+            default = best_ms(bd.decode_fn("default", N), args)
+            line = f"{name} H={H} B={B} N={N}: default dispatch {default:.4f} ms"
+            if flash is not None:
+                q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, _, _ = args
+                step, _ = bd.flashmla_fn(flash, q_lat, q_rot, *bd.flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N))
+                line += f", FlashMLA {best_ms(step, ()):.4f}"
+            print(line, flush=True)
+            rows = []
+            for bt, st, bf16_keys in itertools.product((32, 64), (1, 2), (False, True)):
+                heads.launch_shape = lambda fmt, shape=(bt, 8, st): shape
+                heads.native_operands = lambda q, qr, c, keep=bf16_keys, rule=saved[1]: keep or rule(q, qr, c)
+                try:
+                    o, _ = bd.decode_fn("triton_heads", N)(*args)
+                    t = best_ms(bd.decode_fn("triton_heads", N), args)
+                except Exception as err:  # noqa: BLE001 - a launch the GPU refuses is reported, not fatal
+                    print(f"  tile={bt} stages={st} bf16 keys={bf16_keys}: {type(err).__name__} {err}", flush=True)
+                    continue
+                diff = ((o.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
+                rows.append((t, bt, st, bf16_keys))
+                print(f"  tile={bt} stages={st} bf16 keys={bf16_keys}: {t:.4f} ms ({t / default:.3f}x default), "
+                      f"output {diff:.1e} from the default's", flush=True)
+            if rows:
+                t, bt, st, k = min(rows)
+                print(f"best {name} H={H} B={B} N={N}: {t:.4f} ms (tile {bt}, stages {st}, bf16 keys {k}), "
+                      f"{t / default:.3f}x the default dispatch's {default:.4f}", flush=True)
+            del args
+    finally:
+        heads.launch_shape, heads.native_operands = saved
+
+
 def sweep_split_rule(layout: str, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:
     """Split targets of `per_sm` programs per multiprocessor for the paged kernel (`layout` "paged") or the
     contiguous portable kernel ("portable", through `mla_decode_static(backend="triton")`), with their combine."""
@@ -119,11 +167,12 @@ def sweep_split_rule(layout: str, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", choices=("portable", "splits", "paged", "portable-splits"))
+    ap.add_argument("sweep", choices=("portable", "splits", "paged", "portable-splits", "heads"))
     ap.add_argument("--baseline-path", default="", help="root of an older tree's kernels (git archive REV kernels); "
                     "portable and splits compare against it")
     ap.add_argument("--formats", default="", help="the formats swept (portable: C16R16, splits: C4R4,C2R4)")
-    ap.add_argument("--points", default="", help="portable: H:B:N,... (default PORTABLE_POINTS)")
+    ap.add_argument("--points", default="", help="portable, heads: H:B:N,... (default PORTABLE_POINTS, HEADS_POINTS)")
+    ap.add_argument("--flashmla", default="", help="heads: FlashMLA's build folder, timed beside it")
     a = ap.parse_args()
     if bd.DEVICE != "cuda":
         raise SystemExit("the launch sweeps time CUDA kernels: run them on a GPU")
@@ -134,7 +183,9 @@ def main() -> None:
     sweeps = {"portable": lambda base: sweep_portable(base, [f for f in (a.formats or "C16R16").split(",") if f],
                                                       points or PORTABLE_POINTS),
               "splits": lambda base: sweep_splits(base, [f for f in (a.formats or "C4R4,C2R4").split(",") if f]),
-              "paged": lambda _: sweep_split_rule("paged"), "portable-splits": lambda _: sweep_split_rule("portable")}
+              "paged": lambda _: sweep_split_rule("paged"), "portable-splits": lambda _: sweep_split_rule("portable"),
+              "heads": lambda _: sweep_heads([f for f in (a.formats or "C4R4,C2R4,C4R8,C8R8,C16R16").split(",") if f],
+                                             points or HEADS_POINTS, a.flashmla)}
     sweeps[a.sweep](baseline)
 
 
