@@ -9,7 +9,8 @@ Per token tile `[BT]` the program unpacks the whole content and RoPE rows once i
     acc[BM, D_C]   = acc * alpha + p[BM, BT] @ k_c[BT, D_C]
 
 Queries are staged once per program as fp16 after the per-row power of two `f` of the portable kernel (fp32 queries
-with their low part). Same arguments, grid, splits, paged reads and partials as `mla_decode_triton_kernel`, so
+with their low part); staged bf16 queries pass through the program's own partial rows so that the products read them
+from shared memory. Same arguments, grid, splits, paged reads and partials as `mla_decode_triton_kernel`, so
 `mla_decode_triton.launch_triton` launches either and `mla_decode_combine.py` merges their partials.
 """
 
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from quantmla_hf.format import CacheFormat
 
-from .mla_decode_triton import _magic_codes, _row_scale, launch_triton
+from .mla_decode_triton import _magic_codes, _program, _row_scale, _split_range, launch_triton
 
 
 @triton.jit
@@ -128,27 +129,8 @@ def mla_decode_heads_kernel(
     """`mla_decode_triton_kernel`'s programs, arguments and partials (its docstring) over whole-row tiles: one
     program per (split, block of `BLOCK_M` rows, sequence program); `GC` is unused (the content path is unpacked
     whole, in groups of `GROUP_C`)."""
-    i_s = tl.program_id(0).to(tl.int64)
-    i_hb = tl.program_id(1).to(tl.int64)
-    i_p = tl.program_id(2).to(tl.int64)
-
-    if PAGE:
-        i_req = tl.load(tok_req_ptr + i_p).to(tl.int64)
-        q_start = tl.load(cu_q_ptr + i_req).to(tl.int64)
-        q_len = tl.load(cu_q_ptr + i_req + 1).to(tl.int64) - q_start
-        length = tl.load(len_ptr + i_req).to(tl.int64)
-        row = tl.load(rows_ptr + i_req).to(tl.int64)
-        lp = 0
-        limit0 = length - q_len + (i_p - q_start) + 1
-    else:
-        i_req = i_p
-        row = i_p
-        length = tl.load(len_ptr).to(tl.int64)
-        lp = tl.load(lp_ptr + i_p).to(tl.int64)
-        limit0 = length - Tq + 1
-    o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
-    m_m = o_m < M
-    lim_m = limit0 + (o_m % Tq)  # query t of Tq sees positions < length - Tq + t + 1
+    i_s, i_p, i_req, row, length, lp, limit0, o_m, m_m, lim_m = _program(
+        len_ptr, lp_ptr, rows_ptr, cu_q_ptr, tok_req_ptr, M, Tq, PAGE, BLOCK_M)
 
     p_q = q_ptr + i_p * s_qb
     p_qr = qr_ptr + i_p * s_qrb
@@ -156,6 +138,21 @@ def mla_decode_heads_kernel(
     fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, NATIVE)
     qc_hi, qc_lo = _stage_rows(p_q, o_m, m_m, inv_fc, D_C, NATIVE)
     qr_hi, qr_lo = _stage_rows(p_qr, o_m, m_m, inv_fr, D_R, NATIVE)
+    o_row = (i_p * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (sequence program, row, split)
+    if not NATIVE and not Q_SPLIT:
+        # The staged fp16 queries go through this program's own partial rows (2 * D_C fp16 each, written again at
+        # the end) and are loaded back: operands loaded as they are, the products read them from shared memory
+        # instead of holding `[BM, D_C]` in registers.
+        p_st = o_ptr.to(tl.pointer_type(tl.float16)) + o_row[:, None].to(tl.int64) * (2 * D_C)
+        o_c = tl.arange(0, D_C)[None, :]
+        o_r = D_C + tl.arange(0, D_R)[None, :]
+        tl.store(p_st + o_c, qc_hi, mask=m_m[:, None])
+        tl.store(p_st + o_r, qr_hi, mask=m_m[:, None])
+        tl.debug_barrier()
+        qc_hi = tl.load(p_st + o_c, mask=m_m[:, None], other=0.0)
+        qr_hi = tl.load(p_st + o_r, mask=m_m[:, None], other=0.0)
+        qc_lo = qc_hi
+        qr_lo = qr_hi
     fc = fc * qk_scale
     fr = fr * qk_scale
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -164,11 +161,7 @@ def mla_decode_heads_kernel(
     is_dense = i_s == num_splits
 
     # Packed positions: this split's share of [S, length - R) (the portable kernel's rule), from valid positions on.
-    packed_len = tl.maximum(length - R - S, 0)
-    tokens_per_split = (packed_len + split_target - 1) // split_target
-    tokens_per_split = tl.maximum((tokens_per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T, 2 * BLOCK_T)
-    lo_s = S + i_s * tokens_per_split
-    hi_s = tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, tl.minimum(length - R, limit0)))
+    lo_s, hi_s = _split_range(length, limit0, i_s, is_dense, split_target, S, R, BLOCK_T)
     lo_valid = lp + S
     p_cc, p_cs, p_cz = cc_ptr + i_req * s_ccb, cs_ptr + i_req * s_csb, cz_ptr + i_req * s_csb
     p_rc, p_rs, p_rz = rc_ptr + i_req * s_rcb, rs_ptr + i_req * s_rsb, rz_ptr + i_req * s_rsb
@@ -213,7 +206,7 @@ def mla_decode_heads_kernel(
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_row = (i_p * M + o_m) * (num_splits + 1) + i_s  # [BM] index of (sequence program, row, split)
+    tl.debug_barrier()  # every thread's staged queries read before the partial overwrites them
     o_k = tl.arange(0, D_C)
     tl.store(o_ptr + o_row[:, None] * D_C + o_k[None, :], acc * inv_l[:, None], mask=m_m[:, None])
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)

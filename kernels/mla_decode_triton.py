@@ -206,6 +206,47 @@ def _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, acc, GROUP_C: tl.conste
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
+@triton.jit
+def _program(len_ptr, lp_ptr, rows_ptr, cu_q_ptr, tok_req_ptr, M, Tq, PAGE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """What a program of the grid `(split, row block, sequence program)` works on: `(i_s, i_p, i_req, row, length, lp,
+    limit0, o_m, m_m, lim_m)` = its split, sequence program, request (its planes), copy row, the request's length,
+    left padding, the causal limit of its first query token, its rows `o_m: [BLOCK_M]` (mask `m_m`) and each row's
+    causal limit `lim_m` (query t of Tq sees positions `< length - Tq + t + 1`). Contiguous (`PAGE` 0) and paged
+    launches as `mla_decode_triton_kernel` describes them."""
+    i_s = tl.program_id(0).to(tl.int64)
+    i_hb = tl.program_id(1).to(tl.int64)
+    i_p = tl.program_id(2).to(tl.int64)
+    if PAGE:
+        i_req = tl.load(tok_req_ptr + i_p).to(tl.int64)
+        q_start = tl.load(cu_q_ptr + i_req).to(tl.int64)
+        q_len = tl.load(cu_q_ptr + i_req + 1).to(tl.int64) - q_start
+        length = tl.load(len_ptr + i_req).to(tl.int64)
+        row = tl.load(rows_ptr + i_req).to(tl.int64)
+        lp = 0
+        limit0 = length - q_len + (i_p - q_start) + 1
+    else:
+        i_req = i_p
+        row = i_p
+        length = tl.load(len_ptr).to(tl.int64)
+        lp = tl.load(lp_ptr + i_p).to(tl.int64)
+        limit0 = length - Tq + 1
+    o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
+    return i_s, i_p, i_req, row, length, lp, limit0, o_m, o_m < M, limit0 + (o_m % Tq)
+
+
+@triton.jit
+def _split_range(length, limit0, i_s, is_dense, split_target, S: tl.constexpr, R: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """`[lo, hi)`: split `i_s`'s share of the packed positions `[S, length - R)`, cut below the causal limit
+    `limit0`, in `tokens_per_split = max(2 BT, round_up(cdiv(n, split_target), BT))` (`ops.backends.split_plan`);
+    empty for the copies' program (`is_dense`)."""
+    packed_len = tl.maximum(length - R - S, 0)
+    tokens_per_split = (packed_len + split_target - 1) // split_target
+    tokens_per_split = tl.maximum((tokens_per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T, 2 * BLOCK_T)
+    lo_s = S + i_s * tokens_per_split
+    return lo_s, tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, tl.minimum(length - R, limit0)))
+
+
 # Lengths, counts and the page-table width change every step: no specialisation on them.
 @triton.jit(do_not_specialize=["M", "Tq", "s_pt", "split_target", "num_splits"])
 def mla_decode_triton_kernel(
@@ -231,27 +272,8 @@ def mla_decode_triton_kernel(
     `PAGE > 0` (page pools `[P * PAGE, width]`, batch strides 0): `i_p` is query token n of request
     `tok_req_ptr[n]` (`M = H`, `Tq = 1`), its length `len_ptr[req]`, copy row `rows_ptr[req]`, causal limit from
     `cu_q_ptr`, position p read from pool row `pt_ptr[req * s_pt + p // PAGE] * PAGE + p % PAGE`."""
-    i_s = tl.program_id(0).to(tl.int64)
-    i_hb = tl.program_id(1).to(tl.int64)
-    i_p = tl.program_id(2).to(tl.int64)
-
-    if PAGE:
-        i_req = tl.load(tok_req_ptr + i_p).to(tl.int64)
-        q_start = tl.load(cu_q_ptr + i_req).to(tl.int64)
-        q_len = tl.load(cu_q_ptr + i_req + 1).to(tl.int64) - q_start
-        length = tl.load(len_ptr + i_req).to(tl.int64)
-        row = tl.load(rows_ptr + i_req).to(tl.int64)
-        lp = 0
-        limit0 = length - q_len + (i_p - q_start) + 1
-    else:
-        i_req = i_p
-        row = i_p
-        length = tl.load(len_ptr).to(tl.int64)
-        lp = tl.load(lp_ptr + i_p).to(tl.int64)
-        limit0 = length - Tq + 1
-    o_m = (i_hb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
-    m_m = o_m < M
-    lim_m = limit0 + (o_m % Tq)  # query t of Tq sees positions < length - Tq + t + 1
+    i_s, i_p, i_req, row, length, lp, limit0, o_m, m_m, lim_m = _program(
+        len_ptr, lp_ptr, rows_ptr, cu_q_ptr, tok_req_ptr, M, Tq, PAGE, BLOCK_M)
 
     fc, fr, qh, ql, qrh, qrl = _stage_queries(q_ptr + i_p * s_qb, qr_ptr + i_p * s_qrb, o_m, m_m, qk_scale, D_C, GC,
                                               GROUP_C, D_R, NATIVE)
@@ -260,11 +282,7 @@ def mla_decode_triton_kernel(
 
     # Packed positions: this split's share of [S, length - R), intersected with [lp + S, limit0). Every one of them
     # lies before each query row's causal limit: Tq <= R (the limit only cuts where R = 0: a paged C16R16 chunk).
-    packed_len = tl.maximum(length - R - S, 0)
-    tokens_per_split = (packed_len + split_target - 1) // split_target
-    tokens_per_split = tl.maximum((tokens_per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T, 2 * BLOCK_T)
-    lo_s = S + i_s * tokens_per_split
-    hi_s = tl.where(is_dense, lo_s, tl.minimum(lo_s + tokens_per_split, tl.minimum(length - R, limit0)))
+    lo_s, hi_s = _split_range(length, limit0, i_s, is_dense, split_target, S, R, BLOCK_T)
     lo_valid = lp + S
     p_cc, p_cs, p_cz = cc_ptr + i_req * s_ccb, cs_ptr + i_req * s_csb, cz_ptr + i_req * s_csb
     p_rc, p_rs, p_rz = rc_ptr + i_req * s_rcb, rs_ptr + i_req * s_rsb, rz_ptr + i_req * s_rsb
