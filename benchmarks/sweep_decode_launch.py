@@ -15,9 +15,9 @@
         the same split targets and points for the contiguous portable kernel (`backend="triton"`)
     python benchmarks/sweep_decode_launch.py heads [--formats ..] [--points H:B:N,..] [--flashmla DIR]
         the many-heads kernel (`backend="triton_heads"`, default C4R4, C2R4, C4R8, C8R8, C16R16 at 128 heads B8 and
-        B32 32K and 16 heads B8 32K) over token tiles {32, 64}, stages {1, 2} and bf16 or fp16 keys, each against the
-        default dispatch (and FlashMLA, given its build folder) in the same process, with its output's distance from
-        the default dispatch's
+        B32 32K and 16 heads B8 32K) over token tiles {32, 64}, bf16 or fp16 keys and split targets (its rule, one
+        program per multiprocessor), each against the default dispatch (and FlashMLA, given its build folder) in the
+        same process, with its output's distance from the default dispatch's
 
 Each time of `portable`, `splits` and `heads` is the best of 3 `do_bench` medians of a CUDA-graph replay
 (`bench_decode.graphed`), of `paged` and `portable-splits` the median of 5 rounds taken in turns; a launch the GPU cannot run (shared
@@ -101,13 +101,16 @@ HEADS_POINTS = [(128, 8, 32768), (128, 32, 32768), (16, 8, 32768)]
 
 
 def sweep_heads(formats, points, flashmla_path="") -> None:
-    """The many-heads kernel's launch shapes and key dtypes against the default dispatch (module functions
-    `launch_shape` and `native_operands` swapped for the sweep, restored after)."""
+    """The many-heads kernel's token tiles, key dtypes and split targets (its own rule, or one program per
+    multiprocessor: a program of two warpgroups holds most of an SM's shared memory) against the default dispatch
+    (module functions `launch_shape` and `native_operands` swapped for the sweep, restored after)."""
     flash = bd.load_flashmla(flashmla_path) if flashmla_path else None
     saved = heads.launch_shape, heads.native_operands
+    sms = dispatch.num_sms(0)
     try:
         for name, (H, B, N) in itertools.product(formats, points):
             args = point_args(name, H, B, N)
+            length = torch.tensor([N], dtype=torch.int64, device=bd.DEVICE)
             ref_o, _ = bd.decode_fn("default", N)(*args)
             default = best_ms(bd.decode_fn("default", N), args)
             line = f"{name} H={H} B={B} N={N}: default dispatch {default:.4f} ms"
@@ -117,23 +120,30 @@ def sweep_heads(formats, points, flashmla_path="") -> None:
                 line += f", FlashMLA {best_ms(step, ()):.4f}"
             print(line, flush=True)
             rows = []
-            for bt, st, bf16_keys in itertools.product((32, 64), (1, 2), (False, True)):
-                heads.launch_shape = lambda fmt, shape=(bt, 8, st): shape
+            one_per_sm = -(-sms // (B * -(-H // heads.BLOCK_M)))
+            for bt, bf16_keys, ns in itertools.product((32, 64), (False, True), (None, one_per_sm)):
+                heads.launch_shape = lambda fmt, shape=(bt, 8, 2): shape
                 heads.native_operands = lambda q, qr, c, keep=bf16_keys, rule=saved[1]: keep or rule(q, qr, c)
+
+                def run(*a, ns=ns, length=length, N=N):
+                    return dispatch.mla_decode_static(*a[:10], length, N, a[11], backend="triton_heads",
+                                                      num_splits=ns)
+
+                label = f"tile={bt} bf16 keys={bf16_keys} splits={'rule' if ns is None else ns}"
                 try:
-                    o, _ = bd.decode_fn("triton_heads", N)(*args)
-                    t = best_ms(bd.decode_fn("triton_heads", N), args)
+                    o, _ = run(*args)
+                    t = best_ms(run, args)
                 except Exception as err:  # noqa: BLE001 - a launch the GPU refuses is reported, not fatal
-                    print(f"  tile={bt} stages={st} bf16 keys={bf16_keys}: {type(err).__name__} {err}", flush=True)
+                    print(f"  {label}: {type(err).__name__} {err}", flush=True)
                     continue
                 diff = ((o.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
-                rows.append((t, bt, st, bf16_keys))
-                print(f"  tile={bt} stages={st} bf16 keys={bf16_keys}: {t:.4f} ms ({t / default:.3f}x default), "
-                      f"output {diff:.1e} from the default's", flush=True)
+                rows.append((t, label))
+                print(f"  {label}: {t:.4f} ms ({t / default:.3f}x default), output {diff:.1e} from the default's",
+                      flush=True)
             if rows:
-                t, bt, st, k = min(rows)
-                print(f"best {name} H={H} B={B} N={N}: {t:.4f} ms (tile {bt}, stages {st}, bf16 keys {k}), "
-                      f"{t / default:.3f}x the default dispatch's {default:.4f}", flush=True)
+                t, label = min(rows)
+                print(f"best {name} H={H} B={B} N={N}: {t:.4f} ms ({label}), {t / default:.3f}x the default "
+                      f"dispatch's {default:.4f}", flush=True)
             del args
     finally:
         heads.launch_shape, heads.native_operands = saved

@@ -123,6 +123,16 @@ def test_triton_kernels_at_deepseek_widths(backend, cb, rb, heads, tq):
     check(tuple(args), backend, lse_abs=LSE_ABS_FP16_KEYS, num_splits=2)
 
 
+@pytest.mark.parametrize("backend", [b for b in PORTABLE if b.startswith("triton")])
+@pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (4, 8)])
+def test_packed_cache_of_an_fp16_model_with_fp16_queries(backend, cb, rb):
+    """fp16 queries and copies: the many-heads kernel's products in the model dtype (`NATIVE`, keys rounded once to
+    fp16 from fp32, queries as loaded), the portable kernel's fp16 operands."""
+    args = list(random_case(2, 157, 5, 1, 128, 32, cb, rb, 4, 8, torch.float16, [0, 11], seed=cb * 7 + rb))
+    args[0], args[1] = args[0].half(), args[1].half()
+    check(tuple(args), backend, num_splits=3)
+
+
 @pytest.mark.parametrize("backend", PORTABLE)
 @pytest.mark.parametrize("length", [1, 7, 13, 14, 47, 81])
 def test_lengths_around_sink_recent_and_split_edges(backend, length):
