@@ -69,7 +69,7 @@ def compile_portable(content_bits: int, rope_bits: int, rope_dim: int, rows: int
     tile, warps, stages = portable.launch_shape(fmt, rows)
     const = dict(D_C=512, GC=groups, GROUP_C=group, C_BITS=content_bits, D_R=rope_dim, R_BITS=rope_bits, S=4, R=128,
                  PAGE=page, BLOCK_M=portable.block_rows(rows), BLOCK_T=tile, Q_SPLIT=fp32,
-                 NATIVE=portable.native_operands(fmt, dt, dt, dt))
+                 NATIVE=portable.native_operands(fmt, dt, dt, dt), WHOLE=False)
     copy = "*fp32" if fp32 else "*bf16"
     plane, scale, zero = (copy, copy, copy) if content_bits == 16 else ("*u8", "*fp16", "*i8")
     index = "*i32" if page else "*i64"

@@ -38,7 +38,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402
 
 from quantmla_hf.ops import backends as dispatch  # noqa: E402
-from quantmla_hf.kernels import mla_decode_heads as heads  # noqa: E402
 from quantmla_hf.kernels import mla_decode_triton as portable  # noqa: E402
 
 
@@ -103,9 +102,9 @@ HEADS_POINTS = [(128, 8, 32768), (128, 32, 32768), (16, 8, 32768)]
 def sweep_heads(formats, points, flashmla_path="") -> None:
     """The many-heads kernel's token tiles, key dtypes and split targets (its own rule, or one program per
     multiprocessor: a program of two warpgroups holds most of an SM's shared memory) against the default dispatch
-    (module functions `launch_shape` and `native_operands` swapped for the sweep, restored after)."""
+    (`heads_launch_shape` and `heads_native_operands` swapped for the sweep, restored after)."""
     flash = bd.load_flashmla(flashmla_path) if flashmla_path else None
-    saved = heads.launch_shape, heads.native_operands
+    saved = portable.heads_launch_shape, portable.heads_native_operands
     sms = dispatch.num_sms(0)
     try:
         for name, (H, B, N) in itertools.product(formats, points):
@@ -120,10 +119,10 @@ def sweep_heads(formats, points, flashmla_path="") -> None:
                 line += f", FlashMLA {best_ms(step, ()):.4f}"
             print(line, flush=True)
             rows = []
-            one_per_sm = -(-sms // (B * -(-H // heads.BLOCK_M)))
+            one_per_sm = -(-sms // (B * -(-H // portable.HEADS_BLOCK_M)))
             for bt, bf16_keys, ns in itertools.product((32, 64), (False, True), (None, one_per_sm)):
-                heads.launch_shape = lambda fmt, shape=(bt, 8, 2): shape
-                heads.native_operands = lambda q, qr, c, keep=bf16_keys, rule=saved[1]: keep or rule(q, qr, c)
+                portable.heads_launch_shape = lambda fmt, shape=(bt, 8, 2): shape
+                portable.heads_native_operands = lambda q, qr, c, keep=bf16_keys, rule=saved[1]: keep or rule(q, qr, c)
 
                 def run(*a, ns=ns, length=length, N=N):
                     return dispatch.mla_decode_static(*a[:10], length, N, a[11], backend="triton_heads",
@@ -146,7 +145,7 @@ def sweep_heads(formats, points, flashmla_path="") -> None:
                       f"dispatch's {default:.4f}", flush=True)
             del args
     finally:
-        heads.launch_shape, heads.native_operands = saved
+        portable.heads_launch_shape, portable.heads_native_operands = saved
 
 
 def sweep_split_rule(layout: str, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:

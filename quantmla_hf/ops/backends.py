@@ -11,8 +11,8 @@ Backends (the kernels, each beside its reference in `kernels/`; timings and why 
     "gluon_regs"  mla_decode_gluon_regs.py   sm_90, 16 query rows per program, keys unpacked into wgmma registers
     "gluon_wide"  mla_decode_gluon_wide.py   sm_90, two warpgroups, 32 rows per program (many heads)
     "triton"      mla_decode_triton.py       any CUDA GPU (and the Triton interpreter on CPU), every dtype
-    "triton_heads" mla_decode_heads.py       the same GPUs and dtypes, 64 rows per program as the products' M, each
-                                             token tile unpacked once into the model dtype for both products
+    "triton_heads" mla_decode_triton.py      the same kernel in its whole-row tiling: 64 rows per program as the
+                                             products' M, each token tile unpacked once for both products
     "torch"       mla_decode_ref.py          the reference, for formats no kernel takes
 
 Every kernel splits the packed positions into `split_plan` shares sized from the device-side `length` (never the
@@ -37,7 +37,6 @@ import triton
 from ..format import CacheFormat
 from ..kernels import mla_decode_gluon_regs as regs
 from ..kernels import mla_decode_gluon_wide as wide
-from ..kernels import mla_decode_heads as heads
 from ..kernels import mla_decode_triton as portable
 from ..kernels.mla_decode_combine import combine
 from ..kernels.mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
@@ -115,7 +114,7 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
     block_t))` splits hold positions, so `grid_splits`, that bound at the capacity, covers every length the
     planes can hold; splits past the data write empty partials that the combine skips."""
     if backend.startswith("triton"):
-        tile = portable.launch_shape(fmt, 0)[0] if backend == "triton" else heads.launch_shape(fmt)[0]
+        tile = portable.launch_shape(fmt, 0)[0] if backend == "triton" else portable.heads_launch_shape(fmt)[0]
         first, block_t, min_tiles = fmt.sink_tokens, tile, 2
         target = portable.split_target(B * head_blocks, sms)
     else:
@@ -230,7 +229,7 @@ def mla_decode_static(
                              "use backend='triton' for strided planes")
 
     if backend.startswith("triton"):
-        block_m, n_tail = (portable.block_rows(M) if backend == "triton" else heads.BLOCK_M), 1
+        block_m, n_tail = (portable.block_rows(M) if backend == "triton" else portable.HEADS_BLOCK_M), 1
     else:
         block_m = regs.BLOCK_M if backend == "gluon_regs" else wide.BLOCK_M
         n_tail = copy_programs(fmt)
@@ -243,8 +242,10 @@ def mla_decode_static(
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
-    launch = {"triton": portable.launch_triton, "triton_heads": heads.launch_heads}.get(backend) or functools.partial(
-        regs.launch_gluon, wide_program=backend == "gluon_wide")
+    if backend.startswith("triton"):
+        launch = functools.partial(portable.launch_triton, heads=backend == "triton_heads")
+    else:
+        launch = functools.partial(regs.launch_gluon, wide_program=backend == "gluon_wide")
     launch(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
            M, Tq, target, NS, scaling * LOG2E)
     o, lse = combine(o_part, lse_part, n_tail, out, sms)
@@ -335,12 +336,13 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
     S, R = sink_content.shape[1], recent_content.shape[1]
-    if backend == "triton":
-        native = portable.native_operands(fmt, q_lat.dtype, q_rot.dtype, copy_dtype)
-        bt, block_m, launch = block_t or portable.launch_shape(fmt, H)[0], portable.block_rows(H), portable.launch_triton
+    heads = backend == "triton_heads"
+    if heads:
+        native = portable.heads_native_operands(q_lat.dtype, q_rot.dtype, copy_dtype)
+        bt, block_m = block_t or portable.heads_launch_shape(fmt)[0], portable.HEADS_BLOCK_M
     else:
-        native = heads.native_operands(q_lat.dtype, q_rot.dtype, copy_dtype)
-        bt, block_m, launch = block_t or heads.launch_shape(fmt)[0], heads.BLOCK_M, heads.launch_heads
+        native = portable.native_operands(fmt, q_lat.dtype, q_rot.dtype, copy_dtype)
+        bt, block_m = block_t or portable.launch_shape(fmt, H)[0], portable.block_rows(H)
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 8
     target = max(1, int(num_splits or portable.split_target(Nq * triton.cdiv(H, block_m), sms)))
@@ -353,6 +355,7 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
     lens = seq_lens.to(torch.int32).contiguous()
     copies = dataclasses.replace(fmt, sink_tokens=S, recent_tokens=R)  # a 16-bit cache keeps no copies
     pages = tuple(t.to(torch.int32).contiguous() for t in (page_table, rows, cu_seqlens_q, token_request))
-    launch(q_lat.contiguous(), q_rot.contiguous(), content, rope, copies, snc, snr, rcc, rcr, lens, lens, o_part,
-           lse_part, H, 1, target, NS, float(scaling) * LOG2E, native=native, pages=pages, block_t=bt)
+    portable.launch_triton(q_lat.contiguous(), q_rot.contiguous(), content, rope, copies, snc, snr, rcc, rcr, lens,
+                           lens, o_part, lse_part, H, 1, target, NS, float(scaling) * LOG2E, native=native,
+                           pages=pages, block_t=bt, heads=heads)
     return combine(o_part, lse_part, 1, None, sms)
