@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -104,3 +105,42 @@ def test_ncu_stalls_sums_reasons_and_names_the_excess(tmp_path, monkeypatch):
     (tmp_path / "bad.csv").write_text('"Line No","Source"\n"1","x"\n')
     with pytest.raises(ValueError, match="--print-source sass"):
         ncu_stalls.read_source_page(str(tmp_path / "bad.csv"))
+
+
+def test_score_precision_variants_change_only_the_packed_scores(monkeypatch):
+    """`score_precision.py`: its exact variant is the reference decode; the rounding variants move the packed
+    positions' scores by what their rounding says (int8 per 64 channels within half a step, fp8 e4m3 within 1/16
+    relative, half a subnormal step at most) and leave a cache of copies only untouched."""
+    monkeypatch.syspath_prepend(BENCH)
+    import score_precision as sp
+
+    from quantmla_hf import CacheFormat, PathFormat
+    from quantmla_hf.kernels.mla_decode_ref import mla_decode_static_ref
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 128, generator=g) * 5
+    step = q.reshape(3, 2, 64).abs().amax(-1, keepdim=True) / 127
+    assert ((sp.int8_per_group(q) - q).reshape(3, 2, 64).abs() <= step / 2 + 1e-6).all()
+    subnormal_step = q.abs().amax(-1, keepdim=True) / sp.FP8_MAX * 2**-9  # e4m3's spacing below 2**-6
+    bound = torch.maximum(q.abs() / 16, subnormal_step / 2) + 1e-6
+    assert ((sp.fp8_per_row(q) - q).abs() <= bound).all() and not torch.equal(sp.fp8_per_row(q), q)
+
+    from helpers import random_planes
+
+    fmt = CacheFormat(PathFormat(128, 4, 64), PathFormat(64, 4, 64), 2, 8)
+    B, N, H = 2, 60, 3
+    content, rope = (random_planes(f, (B, N), g, torch.float32) for f in (fmt.content, fmt.rope))
+    copies = [torch.randn(B, n, d, generator=g) for n, d in ((2, 128), (2, 64), (8, 128), (8, 64))]
+    args = (torch.randn(B, H, 1, 128, generator=g), torch.randn(B, H, 1, 64, generator=g), content, rope, fmt,
+            *copies, torch.tensor([0, 5]), torch.tensor([N]), N, 0.1)
+    exact = mla_decode_static_ref(*args)
+    assert all(torch.equal(a, b) for a, b in zip(sp.decode_variant("exact")(*args), exact))
+    for variant in ("bf16_keys", "int8_q64", "fp8_q_row"):
+        o, lse = sp.decode_variant(variant)(*args)
+        assert not torch.equal(lse, exact[1]) and (lse - exact[1]).abs().max() < 0.5
+    short = list(args)
+    short[10], short[11] = torch.tensor([10]), 10  # 10 positions: 2 sink + 8 recent, nothing packed
+    short[9] = torch.tensor([0, 0])
+    for variant in ("bf16_keys", "int8_q64", "fp8_q_row"):
+        assert all(torch.equal(a, b) for a, b in zip(sp.decode_variant(variant)(*short),
+                                                     mla_decode_static_ref(*short)))
