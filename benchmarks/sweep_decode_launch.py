@@ -14,10 +14,10 @@
     python benchmarks/sweep_decode_launch.py portable-splits
         the same split targets and points for the contiguous portable kernel (`backend="triton"`)
     python benchmarks/sweep_decode_launch.py heads [--formats ..] [--points H:B:N,..] [--flashmla DIR]
-        the many-heads kernel (`backend="triton_heads"`, default C4R4, C2R4, C4R8, C8R8, C16R16 at 128 heads B8 and
-        B32 32K and 16 heads B8 32K) over token tiles {32, 64}, bf16 or fp16 keys and split targets (its rule, one
-        program per multiprocessor), each against the default dispatch (and FlashMLA, given its build folder) in the
-        same process, with its output's distance from the default dispatch's
+        the portable kernel's whole-row tiling (`backend="triton_heads"`; default C4R4, C2R4, C4R8, C8R8, C16R16 at
+        128 heads B8 and B32 32K and 16 heads B8 32K) over token tiles {32, 64}, bf16 or fp16 keys and split targets
+        (its rule, one program per multiprocessor), each against the default dispatch (and FlashMLA, given its build
+        folder) in the same process, with its output's distance from the default dispatch's
 
 Each time of `portable`, `splits` and `heads` is the best of 3 `do_bench` medians of a CUDA-graph replay
 (`bench_decode.graphed`), of `paged` and `portable-splits` the median of 5 rounds taken in turns; a launch the GPU cannot run (shared
@@ -100,7 +100,7 @@ HEADS_POINTS = [(128, 8, 32768), (128, 32, 32768), (16, 8, 32768)]
 
 
 def sweep_heads(formats, points, flashmla_path="") -> None:
-    """The many-heads kernel's token tiles, key dtypes and split targets (its own rule, or one program per
+    """The whole-row tiling's token tiles, key dtypes and split targets (its own rule, or one program per
     multiprocessor: a program of two warpgroups holds most of an SM's shared memory) against the default dispatch
     (`heads_launch_shape` and `heads_native_operands` swapped for the sweep, restored after)."""
     flash = bd.load_flashmla(flashmla_path) if flashmla_path else None

@@ -262,9 +262,10 @@ def _stage_queries(p_q, p_qr, o_m, m_m, qk_scale, o_ptr, o_row, D_C: tl.constexp
                    WHOLE: tl.constexpr):
     """Rows `o_m` of the queries `p_q: [., D_C]`, `p_qr: [., D_R]`, staged once per program: the score factors
     `fc, fr` (per-row powers of two times `qk_scale` = scaling * log2(e)) and the high/low parts `qh, ql` (content),
-    `qrh, qrl` (RoPE): tuples of the `GC` content groups, or with `WHOLE` whole rows (`_load_query_group`). Whole fp16 rows (not NATIVE, not Q_SPLIT) pass through the program's partial rows `o_row` of
-    `o_ptr` (as fp16, `2 * D_C` a row; written again at the end) and are loaded back, so that the products read them from
-    shared memory as loaded instead of holding `[BM, D_C]` in registers."""
+    `qrh, qrl` (RoPE): tuples of the `GC` content groups, or with `WHOLE` whole rows (`_load_query_group`). Whole
+    fp16 rows (not NATIVE, not Q_SPLIT) pass through the program's partial rows `o_row` of `o_ptr` (as fp16, `2 *
+    D_C` a row; written again at the end) and are loaded back, so that the products read them from shared memory as
+    loaded instead of holding `[BM, D_C]` in registers."""
     fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, NATIVE)
     fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, NATIVE)
     if WHOLE:
@@ -540,6 +541,20 @@ def heads_native_operands(q_dtype: torch.dtype, qr_dtype: torch.dtype, copy_dtyp
     return q_dtype == qr_dtype == copy_dtype and copy_dtype in (torch.float16, torch.float32)
 
 
+def tiling(fmt: CacheFormat, M: int, heads: bool = False) -> tuple[int, tuple[int, int, int]]:
+    """`(rows per program, (tokens per tile, warps, stages))` of a launch over `M` rows: `block_rows` and
+    `launch_shape`, or with `heads` the whole-row tiling's `HEADS_BLOCK_M` and `heads_launch_shape`."""
+    return (HEADS_BLOCK_M, heads_launch_shape(fmt)) if heads else (block_rows(M), launch_shape(fmt, M))
+
+
+def operands_native(fmt: CacheFormat, q_dtype: torch.dtype, qr_dtype: torch.dtype, copy_dtype: torch.dtype,
+                    heads: bool = False) -> bool:
+    """`NATIVE` of a launch: `native_operands`, or with `heads` `heads_native_operands`."""
+    if heads:
+        return heads_native_operands(q_dtype, qr_dtype, copy_dtype)
+    return native_operands(fmt, q_dtype, qr_dtype, copy_dtype)
+
+
 def _plane3(planes: dict, path: PathFormat, requests: int):
     """A path's `(p0, p1, p2)` planes `[B, capacity, width]` (`_group_tile`); given `requests` (> 0), page planes
     `[P, page_size, width]` as one pool `[requests, P * page_size, width]` of batch stride 0."""
@@ -561,16 +576,13 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
     measured on the H200 (`block_rows`, `launch_shape`; `block_t` overrides the tile). `native`: `NATIVE`, default
     from the copies' dtype. `pages` (the kernel's `PAGE` launch, B the query tokens): `(page_table, rows,
     cu_seqlens_q, token_request)` int32 of the requests, whose page planes `cp`, `rp` are `[P, page_size, width]`.
-    `heads`: the whole-row tiling (`WHOLE`, backend `triton_heads`) in `HEADS_BLOCK_M`-row programs of
-    `heads_launch_shape`, `NATIVE` by default from `heads_native_operands`."""
+    `heads`: the whole-row tiling (`WHOLE`, backend `triton_heads`; `tiling`, `operands_native`)."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
     if native is None:
-        rule = heads_native_operands(q.dtype, qr.dtype, sink_c.dtype) if heads else None
-        native = native_operands(fmt, q.dtype, qr.dtype, sink_c.dtype) if rule is None else rule
+        native = operands_native(fmt, q.dtype, qr.dtype, sink_c.dtype, heads)
     GC, GROUP_C = path_tiling(fmt.content, 8)
-    block_m, (tile, warps, stages) = (HEADS_BLOCK_M, heads_launch_shape(fmt)) if heads else (block_rows(M),
-                                                                                              launch_shape(fmt, M))
+    block_m, (tile, warps, stages) = tiling(fmt, M, heads)
     n_req = pages[0].shape[0] if pages else 0
     c0, c1, c2 = _plane3(cp, fmt.content, n_req)
     r0, r1, r2 = _plane3(rp, fmt.rope, n_req)

@@ -27,8 +27,8 @@ TINY_FAMILIES: dict[str, dict] = {
     "deepseek_v3": dict(num_hidden_layers=2, q_lora_rank=32, first_k_dense_replace=1, n_group=1, topk_group=1, **_MOE),
     "glm4_moe_lite": dict(num_hidden_layers=2, q_lora_rank=32, first_k_dense_replace=1, n_group=1, topk_group=1, **_MOE),
     "longcat_flash": dict(  # two attention modules per decoder layer; older releases do not derive the module count
-        num_layers=2, num_hidden_layers=4, q_lora_rank=32, n_routed_experts=4, moe_topk=2, expert_ffn_hidden_size=32, ffn_hidden_size=96,
-        head_dim=16,
+        num_layers=2, num_hidden_layers=4, q_lora_rank=32, n_routed_experts=4, moe_topk=2, expert_ffn_hidden_size=32,
+        ffn_hidden_size=96, head_dim=16,
     ),
     "minicpm3": dict(num_hidden_layers=2, q_lora_rank=32),
 }

@@ -1,5 +1,5 @@
-"""Paged MLA decode: the Triton kernels (portable and many-heads) against their PyTorch reference, and the reference
-against the contiguous one.
+"""Paged MLA decode: the Triton kernel in both tilings (`triton`, `triton_heads`) against its PyTorch reference, and
+the reference against the contiguous one.
 
 Fresh random pages in a shuffled order, requests of odd and unequal lengths in one launch (varlen), lengths on page
 boundaries and on the sink/recent boundaries, decode steps and chunks of several query tokens. On CPU the kernel runs
@@ -53,8 +53,8 @@ def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float
 
 def check(args, **kw):
     """fp32 copies: fp32 IEEE dots (the contiguous kernel's exact path); bf16: fp16 operands, one rounding of the
-    values, or bf16 operands when both paths are 16-bit (their bound in tests/test_mla_decode.py; the many-heads
-    kernel's packed keys are fp16 values, its LSE bound that of fp16 keys there)."""
+    values, or bf16 operands when both paths are 16-bit (their bound in tests/test_mla_decode.py; the whole-row
+    tiling's packed keys are fp16 values, its LSE bound that of fp16 keys there)."""
     out, lse = to_device(mla_decode_paged(*to_device(args), **kw), "cpu")
     ref_out, ref_lse = mla_decode_paged_ref(*args, dtype=torch.float64)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape

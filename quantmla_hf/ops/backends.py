@@ -114,8 +114,7 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
     block_t))` splits hold positions, so `grid_splits`, that bound at the capacity, covers every length the
     planes can hold; splits past the data write empty partials that the combine skips."""
     if backend.startswith("triton"):
-        tile = portable.launch_shape(fmt, 0)[0] if backend == "triton" else portable.heads_launch_shape(fmt)[0]
-        first, block_t, min_tiles = fmt.sink_tokens, tile, 2
+        first, block_t, min_tiles = fmt.sink_tokens, portable.tiling(fmt, 0, backend == "triton_heads")[1][0], 2
         target = portable.split_target(B * head_blocks, sms)
     else:
         first, block_t, min_tiles = 0, GLUON_BLOCK_T, min_split_tiles(fmt)
@@ -229,7 +228,7 @@ def mla_decode_static(
                              "use backend='triton' for strided planes")
 
     if backend.startswith("triton"):
-        block_m, n_tail = (portable.block_rows(M) if backend == "triton" else portable.HEADS_BLOCK_M), 1
+        block_m, n_tail = portable.tiling(fmt, M, backend == "triton_heads")[0], 1
     else:
         block_m = regs.BLOCK_M if backend == "gluon_regs" else wide.BLOCK_M
         n_tail = copy_programs(fmt)
@@ -337,12 +336,9 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
     S, R = sink_content.shape[1], recent_content.shape[1]
     heads = backend == "triton_heads"
-    if heads:
-        native = portable.heads_native_operands(q_lat.dtype, q_rot.dtype, copy_dtype)
-        bt, block_m = block_t or portable.heads_launch_shape(fmt)[0], portable.HEADS_BLOCK_M
-    else:
-        native = portable.native_operands(fmt, q_lat.dtype, q_rot.dtype, copy_dtype)
-        bt, block_m = block_t or portable.launch_shape(fmt, H)[0], portable.block_rows(H)
+    native = portable.operands_native(fmt, q_lat.dtype, q_rot.dtype, copy_dtype, heads)
+    block_m, (tile, _, _) = portable.tiling(fmt, H, heads)
+    bt = block_t or tile
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 8
     target = max(1, int(num_splits or portable.split_target(Nq * triton.cdiv(H, block_m), sms)))
