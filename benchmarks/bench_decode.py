@@ -175,6 +175,7 @@ CHECK_CASES = [  # (format, heads, batch, length, query tokens)
     ("C16R16", 128, 2, 20000, 1), ("C4R4", 128, 2, 131072, 1), ("C4R4", 16, 2, 131072, 4), ("C2R4", 128, 1, 5000, 16),
     ("C4R4", 16, 32, 131072, 1),  # B * N * 576 = 2.4e9 > 2**31 elements
     ("C8R8", 16, 3, 9000, 16), ("C4R4", 16, 5, 20000, 3),
+    ("C4R8", 16, 8, 32768, 1), ("C4R8", 128, 4, 20000, 1), ("C4R8", 16, 3, 9000, 16), ("C4R8", 16, 2, 150, 1),
     ("C4R4", 16, 3, 100, 1), ("C2R4", 16, 2, 197, 4),  # shorter than sink + recent; a few packed positions
 ]
 
@@ -542,7 +543,8 @@ def paged_fn(args, page_size=64, num_splits=None, backend=None, decode=None):
 
 
 PAGED_CHECK_CASES = [("C4R4", 16, 5, 32768), ("C2R4", 16, 4, 9000), ("C8R8", 16, 3, 9000), ("C4R4", 128, 3, 20000),
-                     ("C2R4", 128, 4, 9000), ("C4R4", 16, 6, 400), ("C16R16", 16, 3, 9000)]  # (format, heads, requests, longest length)
+                     ("C2R4", 128, 4, 9000), ("C4R4", 16, 6, 400), ("C16R16", 16, 3, 9000), ("C4R8", 16, 5, 32768),
+                     ("C4R8", 128, 3, 9000)]  # (format, heads, requests, longest length)
 
 
 def check_paged(out_lines, cases=None, page_size=64):
