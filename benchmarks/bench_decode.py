@@ -27,6 +27,9 @@ fetched separately and never committed) and the stock transformers step (`--stoc
         format's ratio to FlashMLA with its interval, and the outputs compared (`--bench` gets a FlashMLA row too)
     python benchmarks/bench_decode.py --profile H:B:N:FORMAT [--backends B] [--iters 20]
         one point run a few times for a profiler to attach (`ncu -k regex:mla_decode -s 2 -c 1 ...`)
+    python benchmarks/bench_decode.py --rounding-effect [--check-cases FORMAT:H:B:N:Tq,...]
+        no kernel: the LSE shift that rounding the packed score keys once to fp16 (the Gluon kernels below 8 bits,
+        `score_rounding`) causes on the --check cases, per path, against the exact fp64 reference (CPU or GPU)
     TRITON_INTERPRET=1 python benchmarks/bench_decode.py --tiny     # CPU smoke run of the script itself
 
 Times are `triton.testing.do_bench` medians (L2 flushed between runs). "bytes" are the cache bytes the method must
@@ -59,6 +62,7 @@ from quantmla_hf.ops.backends import (
     PAGED_BACKENDS,
     mla_decode_paged,
     mla_decode_static,
+    score_rounding,
     select_backend,
     select_paged_backend,
 )
@@ -180,22 +184,16 @@ CHECK_CASES = [  # (format, heads, batch, length, query tokens)
 ]
 
 
-def run_check(out_lines, cases=None, R=128, backends=("default",)):
-    """Each backend vs the fp64 reference on rows 0 and B-1 (the kernel runs on the whole batch), on planes with 67
-    positions of spare capacity (splits past the device-side length must stay empty). Queries in bf16 (what the
-    attention swap passes), fp32 (high/low split) and bf16 x 1e6 (the per-row power of two); model dtypes bf16,
-    fp16 and fp32 (the exact fp32 path). A backend that does not take a case says so and is skipped.
+class CheckCase:
+    """One `--check` case: planes of `N` positions plus 67 of spare capacity (splits past the device-side length must
+    stay empty), queries `[B, H, Tq, .]` of kind `qdt` ("bf16", "fp32", "bf16x1e6", "model": the copies' dtype),
+    unequal left padding (row 0 none), and the fp64 references of rows 0 and B - 1 (`reference`)."""
 
-    An fp32 reference is itself off by ~1e-4 in the LSE when scores reach ~100 (C8R8 with random codes)."""
-    models = [] if cases else [(f, 16, 3, 1000, 1, "model", dt) for f in ("C4R4", "C16R16")
-                               for dt in (torch.float16, torch.float32)]
-    cases = cases or CHECK_CASES
-    cases = ([c + ("bf16", torch.bfloat16) for c in cases] + [c + ("fp32", torch.bfloat16) for c in cases[:4]]
-             + [cases[min(1, len(cases) - 1)][:4] + (1, "bf16x1e6", torch.bfloat16)] + models)
-    worst_o, worst_lse, all_ok = 0.0, 0.0, True
-    for name, H, B, N, Tq, qdt, dtype in cases:
-        spare = 67
-        fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + spare, R=R, dtype=dtype, seed=B + N)
+    SPARE = 67
+
+    def __init__(self, name, H, B, N, Tq, qdt, dtype, R=128):
+        self.name, self.H, self.B, self.N, self.Tq, self.qdt, self.dtype = name, H, B, N, Tq, qdt, dtype
+        self.fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N + self.SPARE, R=R, dtype=dtype, seed=B + N)
         g = torch.Generator(device=DEVICE).manual_seed(N)
         q_lat = torch.randn(B, H, Tq, D_C, device=DEVICE, generator=g)
         q_rot = torch.randn(B, H, Tq, D_R, device=DEVICE, generator=g)
@@ -206,16 +204,50 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
             q_lat, q_rot = q_lat.to(dtype), q_rot.to(dtype)
         lp = torch.randint(0, 40, (B,), device=DEVICE, generator=g)
         lp[0] = 0
-        args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
-        refs = {}
-        for b in sorted({0, B - 1}):
-            sub = lambda d: {k: v[b : b + 1] for k, v in d.items()}  # noqa: E731
-            refs[b] = mla_decode_ref(q_lat[b : b + 1], q_rot[b : b + 1], sub(cp), sub(rp), fmt, sc[b : b + 1],
-                                     sr[b : b + 1], rc[b : b + 1], rr[b : b + 1], lp[b : b + 1], N, SCALING,
-                                     dtype=torch.float64)
+        self.args = (q_lat, q_rot, cp, rp, self.fmt, sc, sr, rc, rr, lp, N, SCALING)
+        self.refs = {}  # score rounding (content, RoPE) -> {row: fp64 (o, lse)}
+
+    def reference(self, rounding=(False, False)) -> dict:
+        """`{row: (o, lse)}` of `mla_decode_ref` in fp64 on rows 0 and B - 1, scoring with `rounding`."""
+        if rounding not in self.refs:
+            q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, _ = self.args
+            self.refs[rounding] = {}
+            for b in sorted({0, self.B - 1}):
+                row = slice(b, b + 1)
+                self.refs[rounding][b] = mla_decode_ref(
+                    q_lat[row], q_rot[row], {k: v[row] for k, v in cp.items()}, {k: v[row] for k, v in rp.items()},
+                    fmt, sc[row], sr[row], rc[row], rr[row], lp[row], N, SCALING, dtype=torch.float64,
+                    score_rounding=rounding)
+        return self.refs[rounding]
+
+
+def check_cases(cases=None) -> list[tuple]:
+    """`(format, H, B, N, Tq, query kind, copies dtype)` of `run_check`: each case with bf16 queries, the first four
+    with fp32, the second with 1e6-scaled bf16 (one query token), and (default cases only) fp16 and fp32 models."""
+    models = [] if cases else [(f, 16, 3, 1000, 1, "model", dt) for f in ("C4R4", "C16R16")
+                               for dt in (torch.float16, torch.float32)]
+    cases = cases or CHECK_CASES
+    return ([c + ("bf16", torch.bfloat16) for c in cases] + [c + ("fp32", torch.bfloat16) for c in cases[:4]]
+            + [cases[min(1, len(cases) - 1)][:4] + (1, "bf16x1e6", torch.bfloat16)] + models)
+
+
+def run_check(out_lines, cases=None, R=128, backends=("default",)):
+    """Each backend vs the fp64 reference on rows 0 and B-1 (the kernel runs on the whole batch) of every
+    `check_cases` case (`CheckCase`): queries in bf16 (what the attention swap passes), fp32 (high/low split) and
+    bf16 x 1e6 (the per-row power of two); model dtypes bf16, fp16 and fp32 (the exact fp32 path). A backend that
+    does not take a case says so and is skipped. The output is held to the exact reference; the LSE to the reference
+    that scores as the backend does (`score_rounding`: the Gluon kernels round packed keys below 8 bits once to
+    fp16), with `lse_vs_exact` beside it, that rounding's effect (`--rounding-effect` shows it per path).
+
+    An fp32 reference is itself off by ~1e-4 in the LSE when scores reach ~100 (C8R8 with random codes)."""
+    worst_o, worst_lse, all_ok = 0.0, 0.0, True
+    for name, H, B, N, Tq, qdt, dtype in check_cases(cases):
+        case = CheckCase(name, H, B, N, Tq, qdt, dtype, R)
+        fmt, args, spare = case.fmt, case.args, case.SPARE
         for backend in backends:
-            label = (backend if backend != "default"
-                     else f"default={select_backend(fmt, H * Tq, B, dtype, DEVICE)}")
+            chosen = backend if backend != "default" else select_backend(fmt, H * Tq, B, dtype, DEVICE)
+            label = backend if backend != "default" else f"default={chosen}"
+            exact, design = case.reference(), case.reference(score_rounding(chosen, fmt))
             try:
                 o, lse = decode_fn(backend, N, N + spare)(*args)
                 if DEVICE == "cuda":
@@ -229,9 +261,10 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
                 out_lines.append(f"check {label} {name} H={H} B={B} N={N} Tq={Tq} q={qdt}: ERROR {str(e)[:300]}")
                 print(out_lines[-1], flush=True)
                 continue
-            for b, (ref_o, ref_lse) in refs.items():
+            for b, (ref_o, ref_lse) in exact.items():
                 rel = ((o[b : b + 1] - ref_o).norm() / ref_o.norm()).item()
-                lse_err = (lse[b : b + 1] - ref_lse).abs().max().item()
+                lse_exact = (lse[b : b + 1] - ref_lse).abs().max().item()
+                lse_err = (lse[b : b + 1] - design[b][1]).abs().max().item()
                 lse_tol = 1e-4 * max(1.0, ref_lse.abs().max().item() / 100) if qdt == "bf16x1e6" else 1e-4
                 ok = rel < 2e-3 and lse_err < lse_tol and torch.isfinite(o).all().item()
                 worst_o = max(worst_o, rel)
@@ -240,17 +273,42 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
                 all_ok = all_ok and ok
                 line = (f"check {label:18s} {name:6s} H={H:3d} B={B:2d} N={N:6d} Tq={Tq:2d} q={qdt:8s} "
                         f"copies={str(dtype)[6:]:8s} row={b:2d} out_rel={rel:.2e} lse_abs={lse_err:.2e} "
-                        f"{'OK' if ok else 'FAIL'}")
+                        f"lse_vs_exact={lse_exact:.2e} {'OK' if ok else 'FAIL'}")
                 print(line, flush=True)
                 out_lines.append(line)
             del o, lse
-        del cp, rp, refs
+        del case, args
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     line = f"check worst out_rel={worst_o:.2e} (limit 2e-3) lse_abs={worst_lse:.2e} (limit 1e-4)"
     print(line, flush=True)
     out_lines.append(line)
     return all_ok
+
+
+def run_rounding_effect(out_lines, cases=None, R=128):
+    """What rounding the packed keys of the scores once to fp16 (`score_rounding`) does to the LSE on `run_check`'s
+    cases with bf16 queries (and its 1e6-scaled one), no kernel involved: per case the largest LSE shift over rows 0
+    and B - 1 from rounding the content keys, the RoPE keys, and both, against the exact fp64 reference. Runs on the
+    CPU as on a GPU."""
+    header = f"{'format':6s} {'H':>4s} {'B':>3s} {'N':>7s} {'Tq':>3s} {'queries':8s} {'|lse|':>10s} " \
+             f"{'content':>9s} {'rope':>9s} {'both':>9s}"
+    print(header, flush=True)
+    out_lines.append(header)
+    for name, H, B, N, Tq, qdt, dtype in check_cases(cases):
+        if qdt not in ("bf16", "bf16x1e6"):
+            continue
+        case = CheckCase(name, H, B, N, Tq, qdt, dtype, R)
+        exact = case.reference()
+        shift = {}
+        for label, rounding in (("content", (True, False)), ("rope", (False, True)), ("both", (True, True))):
+            rounded = case.reference(rounding)
+            shift[label] = max((rounded[b][1] - exact[b][1]).abs().max().item() for b in exact)
+        size = max(lse.abs().max().item() for _, lse in exact.values())
+        line = (f"{name:6s} {H:4d} {B:3d} {N:7d} {Tq:3d} {qdt:8s} {size:10.4g} "
+                + " ".join(f"{shift[k]:9.2e}" for k in ("content", "rope", "both")))
+        print(line, flush=True)
+        out_lines.append(line)
 
 
 def check_capacity_invariance(out_lines, backends, cases=None):
@@ -567,10 +625,13 @@ def check_paged(out_lines, cases=None, page_size=64):
         ql = torch.randn(B, H, D_C, device=DEVICE).bfloat16()
         qr = torch.randn(B, H, D_R, device=DEVICE).bfloat16()
         args = (ql, qr, pool["c"], pool["r"], fmt, sc, sr, rc, rr, table, rows, cu, seq, SCALING)
-        ref_o, ref_lse = mla_decode_paged_ref(*args, dtype=torch.float64)
+        refs = {}  # score rounding (content, RoPE) -> fp64 (o, lse)
         for backend in PAGED_BACKENDS:
             label = f"paged {backend}" + (" (default)" if backend == select_paged_backend(
                 fmt, H, B, B, page_size, sc.dtype, DEVICE) else "")
+            for rounding in {(False, False), score_rounding(backend, fmt)} - refs.keys():
+                refs[rounding] = mla_decode_paged_ref(*args, dtype=torch.float64, score_rounding=rounding)
+            (ref_o, ref_lse), design_lse = refs[(False, False)], refs[score_rounding(backend, fmt)][1]
             try:
                 o, lse = mla_decode_paged(*args, max_seq_len=N, backend=backend)
                 if DEVICE == "cuda":
@@ -580,11 +641,13 @@ def check_paged(out_lines, cases=None, page_size=64):
                 print(out_lines[-1], flush=True)
                 continue
             rel = ((o - ref_o).norm() / ref_o.norm()).item()
-            lse_err = (lse - ref_lse).abs().max().item()
+            lse_exact = (lse - ref_lse).abs().max().item()
+            lse_err = (lse - design_lse).abs().max().item()
             ok = rel < 2e-3 and lse_err < 1e-4 and torch.isfinite(o).all().item()
             all_ok = all_ok and ok
             out_lines.append(f"check {label:26s} {name:6s} H={H:3d} B={B:2d} N={N:6d} lengths={seq.tolist()} "
-                             f"out_rel={rel:.2e} lse_abs={lse_err:.2e} {'OK' if ok else 'FAIL'}")
+                             f"out_rel={rel:.2e} lse_abs={lse_err:.2e} lse_vs_exact={lse_exact:.2e} "
+                             f"{'OK' if ok else 'FAIL'}")
             print(out_lines[-1], flush=True)
     return all_ok
 
@@ -763,6 +826,8 @@ def main():
     ap.add_argument("--backends", default="default",
                     help=f"comma list for --check / --profile: default (select_backend) or of {BACKENDS}")
     ap.add_argument("--check-cases", default="", help="FORMAT:H:B:N:Tq,... cases of --check (default: CHECK_CASES)")
+    ap.add_argument("--rounding-effect", action="store_true",
+                    help="the LSE shift of rounding packed score keys to fp16 on the --check cases (CPU or GPU)")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--graph", action="store_true", help="--bench: replay every method from a CUDA graph")
     ap.add_argument("--points", default="", help="H:B:N,... timing points (default: POINTS)")
@@ -793,14 +858,17 @@ def main():
     if a.profile:
         run_profile(a.profile, backends[0], a.iters)
         return
-    env = (f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    env = (f"GPU {gpu} | torch {torch.__version__} | triton {triton.__version__} | "
            f"transformers {transformers.__version__} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(env, flush=True)
     lines, result = [env], {"env": env}
     points = [tuple(int(x) for x in p.split(":")) for p in a.points.split(",") if p] or POINTS
     formats = [f for f in a.formats.split(",") if f]
+    cases = [(f, *(int(x) for x in rest)) for f, *rest in (c.split(":") for c in a.check_cases.split(",") if c)]
+    if a.rounding_effect:
+        run_rounding_effect(lines, cases or None)
     if a.check:
-        cases = [(f, *(int(x) for x in rest)) for f, *rest in (c.split(":") for c in a.check_cases.split(",") if c)]
         result["check_ok"] = run_check(lines, cases=cases or None, backends=backends)
         result["capacity_ok"] = check_capacity_invariance(lines, backends)
         result["paged_ok"] = check_paged(lines) if a.paged else True

@@ -860,6 +860,15 @@ def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, q
     )
 
 
+def score_rounding(fmt: CacheFormat) -> tuple[bool, bool]:
+    """Whether the scores of the Gluon kernels see the packed keys of (content, RoPE) rounded once to fp16, to
+    nearest: below 8 bits a unit's `(code - z) * s` is one fp16 per element (`half_asm`), at 8 bits its high and low
+    fp16 parts both enter the score `wgmma`s (the score is exact to fp32 accumulation). The values always use the
+    rounded keys. `kernels.mla_decode_ref.mla_decode_static_ref(score_rounding=...)` scores the same way; the portable
+    kernel scores exactly (`q . (code - z)` per group, times `s` in fp32) and rounds only its values."""
+    return fmt.content.bits < 8, fmt.rope.bits < 8
+
+
 def hopper_handles(fmt: CacheFormat, copy_dtype: torch.dtype, device) -> bool:
     """Whether the Gluon kernels can run this case: Gluon available, a CUDA device of compute capability 9.0
     (wgmma), both paths packed at 2/4/8 bits in groups of 64 (RoPE: one group), bf16/fp16 copies. (Queries may be

@@ -25,13 +25,18 @@ from .quant_pack_ref import dequantize_ref
 def history_ref(
     planes: dict[str, torch.Tensor], fmt: PathFormat, sink: torch.Tensor, recent: torch.Tensor,
     left_padding: torch.Tensor, length: torch.Tensor, sink_tokens: int, recent_tokens: int, dtype=torch.float32,
+    round_packed: bool = False,
 ) -> torch.Tensor:
     """Every row of one path as attention sees it (the rule above), `[B, N, dim]` over the planes' `N` positions:
     `left_padding: [B]` and `length` (int64 `[1]`) on the planes' device, `sink: [B, S, dim]`, `recent: [B, R, dim]`
     (a path that keeps no copies may hold no rows at all). Positions past the length are zeros; those before the
-    left padding are left as stored."""
-    x = (dequantize_ref(planes["codes"], planes["scale"], planes["zero"], fmt, dtype) if fmt.quantized
-         else planes["values"].to(dtype))
+    left padding are left as stored. `round_packed`: the packed positions' values `(code - z) * s` (exact in fp32)
+    rounded once to fp16, to nearest, as the Gluon kernels' score keys are below 8 bits (`score_rounding`)."""
+    if fmt.quantized:
+        x = dequantize_ref(planes["codes"], planes["scale"], planes["zero"], fmt, torch.float32)
+        x = (x.half() if round_packed else x).to(dtype)
+    else:
+        x = planes["values"].to(dtype)
     B, N, _ = x.shape
     S, R = sink_tokens, recent_tokens
     pos = torch.arange(N, device=x.device)
@@ -50,10 +55,14 @@ def history_ref(
 
 def mla_decode_static_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content,
                           recent_rope, left_padding, length, capacity: int, scaling: float, out: tuple | None = None,
-                          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                          dtype: torch.dtype = torch.float32,
+                          score_rounding: tuple[bool, bool] = (False, False)) -> tuple[torch.Tensor, torch.Tensor]:
     """The function of `ops.backends.mla_decode_static`: the length on the device (int64 `[1]`) and every row at once
     over the static `capacity` positions, so no host synchronisation and no data-dependent shape: it traces into one
     graph (`torch.compile(fullgraph=True)`). Costs `[B, capacity, d_c + d_R]` of `dtype` per call.
+
+    `score_rounding` (content, RoPE): score with packed keys rounded once to fp16 on those paths, the arithmetic of a
+    kernel that rounds them (`kernels.mla_decode_gluon_common.score_rounding`); the values stay exact.
 
     Returns `o_lat: [B, H, Tq, d_c]`, `lse: [B, H, Tq]` (fp32; zeros and `-inf` for a row with nothing visible),
     written into `out` when given.
@@ -61,9 +70,12 @@ def mla_decode_static_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_co
     B, H, Tq, d_c = q_lat.shape
     S, R = fmt.sink_tokens, fmt.recent_tokens
     c = history_ref(content, fmt.content, sink_content, recent_content, left_padding, length, S, R, dtype)
-    r = history_ref(rope, fmt.rope, sink_rope, recent_rope, left_padding, length, S, R, dtype)
-    c, r = c[:, :capacity], r[:, :capacity]
-    scores = (q_lat.to(dtype) @ c.unsqueeze(1).transpose(-1, -2)
+    c_key = (history_ref(content, fmt.content, sink_content, recent_content, left_padding, length, S, R, dtype,
+                         round_packed=True) if score_rounding[0] else c)
+    r = history_ref(rope, fmt.rope, sink_rope, recent_rope, left_padding, length, S, R, dtype,
+                    round_packed=score_rounding[1])
+    c, c_key, r = c[:, :capacity], c_key[:, :capacity], r[:, :capacity]
+    scores = (q_lat.to(dtype) @ c_key.unsqueeze(1).transpose(-1, -2)
               + q_rot.to(dtype) @ r.unsqueeze(1).transpose(-1, -2)) * scaling  # [B, H, Tq, capacity]
     pos = torch.arange(c.shape[1], device=c.device)
     limit = length.reshape(()) - Tq + 1 + torch.arange(Tq, device=c.device)  # [Tq]
@@ -80,8 +92,8 @@ def mla_decode_static_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_co
 
 
 def mla_decode_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content, recent_rope,
-                   left_padding, length: int, scaling: float,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                   left_padding, length: int, scaling: float, dtype: torch.dtype = torch.float32,
+                   score_rounding: tuple[bool, bool] = (False, False)) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_decode_static_ref` with the length a host int, one batch row at a time over its first `length`
     positions, so a long context costs `[length, d_c + d_R]` of `dtype`, not `[B, length, ...]`."""
     B, H, Tq, d_c = q_lat.shape
@@ -94,13 +106,14 @@ def mla_decode_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, 
         planes = [{k: v[row, :length] for k, v in p.items()} for p in (content, rope)]
         copies = [t[row] for t in (sink_content, sink_rope, recent_content, recent_rope)]
         mla_decode_static_ref(q_lat[row], q_rot[row], *planes, fmt, *copies, left_padding[row], n, length, scaling,
-                              out=(o[row], lse[row]), dtype=dtype)
+                              out=(o[row], lse[row]), dtype=dtype, score_rounding=score_rounding)
     return o, lse
 
 
 def mla_decode_paged_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_content, sink_rope, recent_content,
                          recent_rope, page_table, rows, cu_seqlens_q, seq_lens, scaling: float,
-                         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                         dtype: torch.dtype = torch.float32,
+                         score_rounding: tuple[bool, bool] = (False, False)) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query token of a paged step, its requests packed without padding: request i has the query
     rows `[cu_seqlens_q[i], cu_seqlens_q[i + 1])` and `seq_lens[i]` cached tokens (its new ones included), read by
     the rule above with no left padding, `S = sink.shape[1]`, `R = recent.shape[1]` (0 for a cache that keeps no
@@ -114,6 +127,7 @@ def mla_decode_paged_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_con
         page_table: int32 `[n, max_pages]`; rows: int32 `[n]`; cu_seqlens_q: int32 `[n + 1]`; seq_lens: int32 `[n]`.
 
     Returns `o_lat: [Nq, H, d_c]` and `lse: [Nq, H]` (natural log of the scaled scores), both fp32.
+    `score_rounding`: as `mla_decode_static_ref`'s.
     """
     Nq, H, d_c = q_lat.shape
     o_out = torch.zeros((Nq, H, d_c), dtype=torch.float32, device=q_lat.device)
@@ -130,7 +144,7 @@ def mla_decode_paged_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_con
         planes = [{k: v.reshape(-1, v.shape[-1])[slots][None] for k, v in p.items()} for p in (content, rope)]
         copies = [t[row : row + 1] for t in (sink_content, sink_rope, recent_content, recent_rope)]
         o, lse = mla_decode_ref(q_lat[q0:q1].transpose(0, 1)[None], q_rot[q0:q1].transpose(0, 1)[None], *planes,
-                                step_fmt, *copies, no_padding, length, scaling, dtype)
+                                step_fmt, *copies, no_padding, length, scaling, dtype, score_rounding)
         o_out[q0:q1], lse_out[q0:q1] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
     return o_out, lse_out
 

@@ -12,8 +12,10 @@ from helpers import KERNEL_DEVICE, assert_close, random_planes, to_device
 
 from quantmla_hf import CacheFormat, PathFormat, QuantMLALayer
 from quantmla_hf.kernels.mla_decode_combine import combine
+from quantmla_hf.kernels.mla_decode_gluon_common import score_rounding as gluon_score_rounding
 from quantmla_hf.kernels.mla_decode_ref import combine_ref, mla_decode_ref
-from quantmla_hf.ops.backends import BACKENDS, mla_decode_static, select_backend, split_plan
+from quantmla_hf.kernels.quant_pack_ref import dequantize_ref
+from quantmla_hf.ops.backends import BACKENDS, mla_decode_static, score_rounding, select_backend, split_plan
 
 OUT_RATIO = 2e-3
 LSE_ABS = 1e-4
@@ -173,6 +175,36 @@ def test_sixteen_bit_cache_of_a_sixteen_bit_model(backend, dtype):
     args = list(random_case(2, 150, 2, 1, 64, 16, 16, 16, 4, 16, dtype, [0, 5], seed=31))
     args[0], args[1] = args[0].to(dtype), args[1].to(dtype)
     check(tuple(args), backend, num_splits=3)
+
+
+@pytest.mark.parametrize("cb, rb", [(4, 4), (4, 8), (8, 8)])
+def test_reference_scores_with_keys_rounded_as_the_gluon_kernels_do(cb, rb):
+    """`mla_decode_ref(score_rounding=...)` scores the packed keys of the flagged paths as `fp16((code - z) * s)`
+    (what `score_rounding` says the Gluon kernels do: below 8 bits), the copies and the values exact: recomputed here
+    from the dequantized planes, for no sink or recent copies (every position packed) and left padding."""
+    args = random_case(2, 77, 3, 1, 128, 64, cb, rb, 0, 0, torch.float32, [0, 9], seed=cb + rb)
+    q_lat, q_rot, content, rope, fmt, *_, left_padding, n, scaling = args
+    rounding = gluon_score_rounding(fmt)
+    assert rounding == (cb < 8, rb < 8)
+    assert score_rounding("gluon_regs", fmt) == rounding and score_rounding("triton", fmt) == (False, False)
+
+    def keys(planes, f, rounded):
+        x = dequantize_ref(planes["codes"][:, :n], planes["scale"][:, :n], planes["zero"][:, :n], f, torch.float32)
+        return (x.half() if rounded else x).double()
+
+    for flags in {(True, True), rounding}:
+        k_c, k_r = keys(content, fmt.content, flags[0]), keys(rope, fmt.rope, flags[1])
+        scores = (q_lat.double() @ k_c.unsqueeze(1).transpose(-1, -2)
+                  + q_rot.double() @ k_r.unsqueeze(1).transpose(-1, -2)) * scaling  # [B, H, 1, n]
+        visible = torch.arange(n)[None, :] >= left_padding[:, None]  # [B, n]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o, lse = mla_decode_ref(*args, dtype=torch.float64, score_rounding=flags)
+        assert (lse.double() - torch.logsumexp(scores, dim=-1)).abs().max() < 1e-6
+        assert (o.double() - probs @ keys(content, fmt.content, False).unsqueeze(1)).abs().max() < 1e-5
+    _, exact = mla_decode_ref(*args, dtype=torch.float64)
+    _, rounded = mla_decode_ref(*args, dtype=torch.float64, score_rounding=(True, True))
+    assert (exact - rounded).abs().max() > 1e-5  # the rounding shows on these planes, above the tolerance above
 
 
 def test_huge_bf16_queries_stay_finite_and_peaked_attention_keeps_the_lse():

@@ -41,6 +41,7 @@ from ..kernels import mla_decode_triton as portable
 from ..kernels.mla_decode_combine import combine
 from ..kernels.mla_decode_gluon_common import BLOCK_T as GLUON_BLOCK_T
 from ..kernels.mla_decode_gluon_common import copy_programs, hopper_handles, min_split_tiles, planes_contiguous
+from ..kernels.mla_decode_gluon_common import score_rounding as gluon_score_rounding
 from ..kernels.mla_decode_ref import mla_decode_static_ref
 
 LOG2E = 1.4426950408889634
@@ -88,6 +89,15 @@ def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: i
 
 
 @functools.lru_cache(maxsize=None)
+def score_rounding(backend: str, fmt: CacheFormat) -> tuple[bool, bool]:
+    """Whether `backend`'s scores see the packed keys of (content, RoPE) rounded once to fp16, as the reference can
+    repeat it (`mla_decode_ref`'s `score_rounding`; `bench_decode.py --check` holds each backend's LSE to that
+    reference): the Gluon kernels below 8 bits (`mla_decode_gluon_common.score_rounding`). The others are held to
+    the exact reference: "triton" and "torch" score exactly, "triton_heads" rounds its keys too (to fp16, or to the
+    query dtype where its operands are native), which the reference does not repeat."""
+    return gluon_score_rounding(fmt) if backend.startswith("gluon") else (False, False)
+
+
 def num_sms(device_index: int) -> int:
     """Multiprocessors of CUDA device `device_index` (read once)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
