@@ -708,9 +708,11 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     zh0`; `zz1, ss1, zh1`; `zzr, ssr, zhr`: `half_asm`); the content keys stored to `kbuf`. Each pair's words are
     replaced by the next tile's (at `tn`) once both units are unpacked: `_load_unit` masked to `[lo, end)`, or with
     `ROWS` from the row pointers `p_cc`, `p_rc` up to row `end`. Returns `(acc, c01, c23, c45, c67, cr)`. 8-bit
-    keys: accumulator chains 0-2, 3-5, 6-7 + RoPE (`_score_unit`), summed in fp32."""
+    keys: accumulator chains 0-2, 3-5, 6-7 + RoPE (`_score_unit`), summed in fp32. 8-bit RoPE under 2- or 4-bit
+    content (C4R8): the RoPE unit alone scores its high and low parts, in a chain of its own."""
     RWR: gl.constexpr = 2 * R_BITS
     LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
+    R_LO: gl.constexpr = R_BITS == 8
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     pend = acc  # LO: the finished accumulator chains
     pend2 = acc
@@ -736,12 +738,15 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     if ROPE:
         x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
         cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
-        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO,
+        if R_LO and not LO:  # the RoPE unit's own chain (as 8-bit keys chain their units), summed in fp32 below
+            pend = acc
+            acc = gl.zeros([64, BM], gl.float32, acc_l)
+        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, R_LO,
                                         INFLIGHT, dot_a, U0)
     if LO and NU == 8:
         acc, pend, pend2, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, pend2, p1, p2])
         acc = acc + pend + pend2
-    elif LO:
+    elif LO or (R_LO and ROPE):
         acc, pend, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, p1, p2])
         acc = acc + pend
     else:

@@ -272,6 +272,7 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
 
 def wide_handles(fmt: CacheFormat) -> bool:
     """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups (the two warpgroups take
-    four each), 2- or 4-bit content and 4-bit RoPE (C4R4, C2R4), or 8-bit content and RoPE (C8R8)."""
+    four each), 2- or 4-bit content with 4- or 8-bit RoPE (C4R4, C2R4, C4R8, C2R8), or 8-bit content and RoPE
+    (C8R8)."""
     c, r = fmt.content.bits, fmt.rope.bits
-    return fmt.content.n_groups == 8 and ((c in (2, 4) and r == 4) or (c == 8 and r == 8))
+    return fmt.content.n_groups == 8 and ((c in (2, 4) and r in (4, 8)) or (c == 8 and r == 8))
