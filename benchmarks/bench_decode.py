@@ -247,7 +247,8 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
         for backend in backends:
             chosen = backend if backend != "default" else select_backend(fmt, H * Tq, B, dtype, DEVICE)
             label = backend if backend != "default" else f"default={chosen}"
-            exact, design = case.reference(), case.reference(score_rounding(chosen, fmt))
+            q_dtype = args[0].dtype
+            exact, design = case.reference(), case.reference(score_rounding(chosen, fmt, q_dtype, dtype))
             try:
                 o, lse = decode_fn(backend, N, N + spare)(*args)
                 if DEVICE == "cuda":
@@ -629,9 +630,10 @@ def check_paged(out_lines, cases=None, page_size=64):
         for backend in PAGED_BACKENDS:
             label = f"paged {backend}" + (" (default)" if backend == select_paged_backend(
                 fmt, H, B, B, page_size, sc.dtype, DEVICE) else "")
-            for rounding in {(False, False), score_rounding(backend, fmt)} - refs.keys():
-                refs[rounding] = mla_decode_paged_ref(*args, dtype=torch.float64, score_rounding=rounding)
-            (ref_o, ref_lse), design_lse = refs[(False, False)], refs[score_rounding(backend, fmt)][1]
+            rounding = score_rounding(backend, fmt, ql.dtype, sc.dtype)
+            for r in {(False, False), rounding} - refs.keys():
+                refs[r] = mla_decode_paged_ref(*args, dtype=torch.float64, score_rounding=r)
+            (ref_o, ref_lse), design_lse = refs[(False, False)], refs[rounding][1]
             try:
                 o, lse = mla_decode_paged(*args, max_seq_len=N, backend=backend)
                 if DEVICE == "cuda":
@@ -826,6 +828,8 @@ def main():
     ap.add_argument("--backends", default="default",
                     help=f"comma list for --check / --profile: default (select_backend) or of {BACKENDS}")
     ap.add_argument("--check-cases", default="", help="FORMAT:H:B:N:Tq,... cases of --check (default: CHECK_CASES)")
+    ap.add_argument("--paged-check-cases", default="",
+                    help="FORMAT:H:B:N,... cases of --check --paged (default: PAGED_CHECK_CASES)")
     ap.add_argument("--rounding-effect", action="store_true",
                     help="the LSE shift of rounding packed score keys to fp16 on the --check cases (CPU or GPU)")
     ap.add_argument("--bench", action="store_true")
@@ -871,7 +875,9 @@ def main():
     if a.check:
         result["check_ok"] = run_check(lines, cases=cases or None, backends=backends)
         result["capacity_ok"] = check_capacity_invariance(lines, backends)
-        result["paged_ok"] = check_paged(lines) if a.paged else True
+        paged_cases = [(f, *(int(x) for x in rest))
+                       for f, *rest in (c.split(":") for c in a.paged_check_cases.split(",") if c)]
+        result["paged_ok"] = check_paged(lines, cases=paged_cases or None) if a.paged else True
     if a.repeat and a.placements:
         result["placements"] = run_placements(lines, points, formats, a.placements, a.repeat)
     elif a.repeat:

@@ -908,7 +908,7 @@ def score_rounding(fmt: CacheFormat) -> tuple[bool, bool]:
     nearest: below 8 bits a unit's `(code - z) * s` is one fp16 per element (`half_asm`), at 8 bits its high and low
     fp16 parts both enter the score `wgmma`s (the score is exact to fp32 accumulation). The values always use the
     rounded keys. `kernels.mla_decode_ref.mla_decode_static_ref(score_rounding=...)` scores the same way; the portable
-    kernel scores exactly (`q . (code - z)` per group, times `s` in fp32) and rounds only its values."""
+    kernel's group tiling scores exactly (`q . (code - z)` per group, times `s` in fp32) and rounds only its values."""
     return fmt.content.bits < 8, fmt.rope.bits < 8
 
 

@@ -89,13 +89,20 @@ def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: i
 
 
 @functools.lru_cache(maxsize=None)
-def score_rounding(backend: str, fmt: CacheFormat) -> tuple[bool, bool]:
-    """Whether `backend`'s scores see the packed keys of (content, RoPE) rounded once to fp16, as the reference can
-    repeat it (`mla_decode_ref`'s `score_rounding`; `bench_decode.py --check` holds each backend's LSE to that
-    reference): the Gluon kernels below 8 bits (`mla_decode_gluon_common.score_rounding`). The others are held to
-    the exact reference: "triton" and "torch" score exactly, "triton_heads" rounds its keys too (to fp16, or to the
-    query dtype where its operands are native), which the reference does not repeat."""
-    return gluon_score_rounding(fmt) if backend.startswith("gluon") else (False, False)
+def score_rounding(backend: str, fmt: CacheFormat, q_dtype: torch.dtype = torch.bfloat16,
+                   copy_dtype: torch.dtype = torch.bfloat16) -> tuple[bool, bool]:
+    """Whether `backend`'s scores see the packed keys of (content, RoPE) rounded once to fp16, to nearest (queries
+    of `q_dtype`, sink/recent copies of `copy_dtype`), as `mla_decode_ref(score_rounding=...)` repeats it
+    (`bench_decode.py --check` holds each backend's LSE to that reference): the Gluon kernels below 8 bits
+    (`mla_decode_gluon_common.score_rounding`), the whole-row tiling ("triton_heads") at every packed width unless
+    its operands are fp32 (`fp16((code - z) * s)`, `mla_decode_triton._dequant_rows`). "triton" and "torch" score
+    exactly."""
+    if backend.startswith("gluon"):
+        return gluon_score_rounding(fmt)
+    if backend == "triton_heads":
+        fp32 = portable.heads_native_operands(q_dtype, q_dtype, copy_dtype) and copy_dtype == torch.float32
+        return fmt.content.quantized and not fp32, fmt.rope.quantized and not fp32
+    return False, False
 
 
 def num_sms(device_index: int) -> int:
