@@ -905,8 +905,9 @@ def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, q
 
 def score_rounding(fmt: CacheFormat) -> tuple[bool, bool]:
     """Whether the scores of the Gluon kernels see the packed keys of (content, RoPE) rounded once to fp16, to
-    nearest: below 8 bits a unit's `(code - z) * s` is one fp16 per element (`half_asm`), at 8 bits its high and low
-    fp16 parts both enter the score `wgmma`s (the score is exact to fp32 accumulation). The values always use the
+    nearest: below 8 bits a unit's `(code - z) * s` is one fp16 per element (`half_asm`); at 8 bits the score is
+    exact to the fp32 accumulation (8-bit content: the high and low fp16 parts both enter the score `wgmma`s; 8-bit
+    RoPE under 2/4-bit content: its integer codes, times the token's step in fp32). The values always use the
     rounded keys. `kernels.mla_decode_ref.mla_decode_static_ref(score_rounding=...)` scores the same way; the portable
     kernel's group tiling scores exactly (`q . (code - z)` per group, times `s` in fp32) and rounds only its values."""
     return fmt.content.bits < 8, fmt.rope.bits < 8
