@@ -29,6 +29,18 @@ def test_decode_check_passes_at_tiny_sizes(bench_decode):
     assert lines[-1].startswith("check worst")
 
 
+def test_rounding_effect_shows_each_paths_rounding(bench_decode):
+    """`--rounding-effect`: one row per case with bf16 queries (and the 1e6-scaled one), the LSE shift of rounding
+    each path's packed keys to fp16; none on a BF16 cache, some on the packed paths of C4R8."""
+    lines = []
+    bench_decode.run_rounding_effect(lines, cases=[("C4R8", 4, 2, 200, 1), ("C16R16", 4, 1, 150, 1)], R=16)
+    rows = [line.split() for line in lines[1:]]
+    assert [(r[0], r[5]) for r in rows] == [("C4R8", "bf16"), ("C16R16", "bf16"), ("C16R16", "bf16x1e6")]
+    content, rope, both = (float(x) for x in rows[0][7:])
+    assert content > 0 and rope > 0 and both > 0
+    assert all(float(x) == 0 for r in rows[1:] for x in r[7:])
+
+
 def test_repeated_rounds_give_intervals_ratios_and_a_verdict(bench_decode):
     """`--repeat`'s summary: a method's mean with its t interval, its per-round ratio to the reference, and whether
     the reference's interval lies below, above or across a target."""

@@ -88,7 +88,6 @@ def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: i
     return choice if choice.startswith("gluon") else "triton"
 
 
-@functools.lru_cache(maxsize=None)
 def score_rounding(backend: str, fmt: CacheFormat, q_dtype: torch.dtype = torch.bfloat16,
                    copy_dtype: torch.dtype = torch.bfloat16) -> tuple[bool, bool]:
     """Whether `backend`'s scores see the packed keys of (content, RoPE) rounded once to fp16, to nearest (queries
@@ -105,6 +104,7 @@ def score_rounding(backend: str, fmt: CacheFormat, q_dtype: torch.dtype = torch.
     return False, False
 
 
+@functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     """Multiprocessors of CUDA device `device_index` (read once)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
