@@ -178,7 +178,7 @@ def _finish(l_i, m_i):
     return inv_l, gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
 
-def half_asm(bits: int, split: bool = False) -> str:
+def half_asm(bits: int, split: bool = False, codes: bool = False) -> str:
     """PTX that turns one 32-bit code word into its `E = 32 / bits` fp16 elements `(code - z) * s`, in word order.
 
     Elements k and k + E/2 (bits `[bits*k, bits*(k+1))` and 16 higher) are put under the fp16 magic number `0x6400`
@@ -191,7 +191,12 @@ def half_asm(bits: int, split: bool = False) -> str:
 
     8 bits (`split`): operands: outputs `$0 .. $(2E-1)`, the word, `(1024 + z)` and `(s, s)`; every element shifted
     to bit 0, and the remainder `lo = (code - z) * s - hi` by one `fma.rn.f16x2` in outputs `E + j` (a key of up to
-    255 steps rounded once would be too coarse for the scores)."""
+    255 steps rounded once would be too coarse for the scores).
+
+    8 bits (`codes`): operands: outputs `$0 .. $(E-1)`, the word and `(1024 + z)`; the integers `code - z` (exact in
+    fp16), the step applied by the caller (`_packed_scores`: the RoPE unit's score times its token's step)."""
+    if codes and (bits != 8 or split):
+        raise ValueError("half_asm(codes=True) is the 8-bit unit without the step: bits=8, split=False")
     n = 16 // bits
     e = 2 * n
     o = 2 * e if split else e  # first input operand
@@ -217,6 +222,9 @@ def half_asm(bits: int, split: bool = False) -> str:
                 lines.append(f"fma.rn.f16x2 t, t, ${o + 4}, ${o + 3};")
             else:
                 lines.append(f"sub.f16x2 t, t, ${o + 1};")
+        if codes:
+            lines.append(f"mov.b32 {{${k}, ${k + n}}}, t;")
+            continue
         lines.append(f"mul.f16x2 h, t, ${o + 2};")
         lines.append(f"mov.b32 {{${k}, ${k + n}}}, h;")
         if split:
@@ -282,6 +290,7 @@ if HAVE_GLUON:  # the asm of each width (plain functions cannot be called in a k
     _HALF_ASM_2 = gl.constexpr(half_asm(2))
     _HALF_ASM_4 = gl.constexpr(half_asm(4))
     _HALF_ASM_8 = gl.constexpr(half_asm(8, split=True))
+    _HALF_ASM_8_CODES = gl.constexpr(half_asm(8, codes=True))
     _META_ASM_2 = gl.constexpr(meta_asm(2))
     _META_ASM_4 = gl.constexpr(meta_asm(4))
     _META_ASM_8 = gl.constexpr(meta_asm(8))
@@ -326,6 +335,24 @@ def _unpack_unit(w, zz, ss, zh, BITS: gl.constexpr, wl: gl.constexpr):
         x = _order16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
         x = gl.reshape(x, [64, 4, w.shape[2], 2, 8])
         return x, x
+
+
+@_jit
+def _unpack_codes8(w, zz, wl: gl.constexpr):
+    """8-bit words `w: [64, 4, WU]` int32 and `zz: [64, 4]` (`(1024 + z)` pairs) -> `[64, 4, WU, 2, 2]` fp16 `code -
+    z` (exact), in `_unpack_unit`'s element order."""
+    ml: gl.constexpr = gl.SliceLayout(2, wl)
+    zz, w = gl.broadcast(gl.convert_layout(zz, ml, assert_trivial=True)[:, :, None], w)
+    y0, y1, y2, y3 = gl.inline_asm_elementwise(_HALF_ASM_8_CODES, "=h,=h,=h,=h,r,r", [w, zz], dtype=[gl.float16] * 4,
+                                               is_pure=True, pack=1)
+    return gl.reshape(_order4(y0, y1, y2, y3), [64, 4, w.shape[2], 2, 2])
+
+
+@_jit
+def _row_steps(s, acc_l: gl.constexpr):
+    """A group's steps `[64, 4]` fp16 (the same for every q: the RoPE group) -> `[64]` fp32 in the rows of a score
+    accumulator `[64, BM]`."""
+    return gl.convert_layout(gl.max(s, axis=1).to(gl.float32), gl.SliceLayout(1, acc_l))
 
 
 @_jit
@@ -697,7 +724,7 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
 
 
 @_jit
-def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz,
+def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, s_row, qbuf, qlo, kbuf, kz,
                    p_cc, p_rc, tn, lo, end, U0: gl.constexpr, NU: gl.constexpr, ROPE: gl.constexpr,
                    GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
                    R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
@@ -708,9 +735,12 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     zh0`; `zz1, ss1, zh1`; `zzr, ssr, zhr`: `half_asm`); the content keys stored to `kbuf`. Each pair's words are
     replaced by the next tile's (at `tn`) once both units are unpacked: `_load_unit` masked to `[lo, end)`, or with
     `ROWS` from the row pointers `p_cc`, `p_rc` up to row `end`. Returns `(acc, c01, c23, c45, c67, cr)`. 8-bit
-    keys: accumulator chains 0-2, 3-5, 6-7 + RoPE (`_score_unit`), summed in fp32."""
+    keys: accumulator chains 0-2, 3-5, 6-7 + RoPE (`_score_unit`), summed in fp32. 8-bit RoPE under 2- or 4-bit
+    content (C4R8, C2R8): the RoPE unit scores its integer codes `code - z` (exact in fp16) in a chain of its own,
+    times its tokens' steps `s_row: [64]` fp32 (`_row_steps`) when added: one `wgmma` per k-step, exact."""
     RWR: gl.constexpr = 2 * R_BITS
     LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
+    R_INT: gl.constexpr = R_BITS == 8 and not LO
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     pend = acc  # LO: the finished accumulator chains
     pend2 = acc
@@ -733,7 +763,13 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
         acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
                                             lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
                                             ROWS)
-    if ROPE:
+    if ROPE and R_INT:
+        x5 = _unpack_codes8(cr, zzr, wr_l)
+        cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
+        pend = acc  # the content chain; the RoPE unit's starts afresh (FIRST = GC: use_acc off)
+        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
+                                        INFLIGHT, dot_a, GC)
+    elif ROPE:
         x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
         cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
         acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO,
@@ -744,6 +780,9 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     elif LO:
         acc, pend, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, p1, p2])
         acc = acc + pend
+    elif ROPE and R_INT:
+        acc, pend, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, p1, p2])
+        acc = pend + acc * s_row[:, None]
     else:
         acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc, c01, c23, c45, c67, cr
@@ -763,12 +802,16 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
     zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
     zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
+    if R_BITS == 8 and C_BITS != 8:  # the RoPE unit scores its integer codes (`_packed_scores`)
+        s_row = _row_steps(sr, acc_l)
+    else:
+        s_row = gl.zeros([64], gl.float32, gl.SliceLayout(1, acc_l))
     row, shift = _tile_rows(p_pt, tn, last, PAGED)
     s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml)
     p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
     p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
     acc, c01, c23, c45, c67, cr = _packed_scores(
-        c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
+        c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, s_row, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
         lo, last, 0, GC, True, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, True)
     return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr
 
@@ -862,8 +905,9 @@ def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, q
 
 def score_rounding(fmt: CacheFormat) -> tuple[bool, bool]:
     """Whether the scores of the Gluon kernels see the packed keys of (content, RoPE) rounded once to fp16, to
-    nearest: below 8 bits a unit's `(code - z) * s` is one fp16 per element (`half_asm`), at 8 bits its high and low
-    fp16 parts both enter the score `wgmma`s (the score is exact to fp32 accumulation). The values always use the
+    nearest: below 8 bits a unit's `(code - z) * s` is one fp16 per element (`half_asm`); at 8 bits the score is
+    exact to the fp32 accumulation (8-bit content: the high and low fp16 parts both enter the score `wgmma`s; 8-bit
+    RoPE under 2/4-bit content: its integer codes, times the token's step in fp32). The values always use the
     rounded keys. `kernels.mla_decode_ref.mla_decode_static_ref(score_rounding=...)` scores the same way; the portable
     kernel's group tiling scores exactly (`q . (code - z)` per group, times `s` in fp32) and rounds only its values."""
     return fmt.content.bits < 8, fmt.rope.bits < 8

@@ -226,10 +226,10 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
 
 def regs_handles(fmt: CacheFormat) -> bool:
     """Whether this kernel takes the format (besides `hopper_handles`): 4 or 8 content groups and either 2- or
-    4-bit content and RoPE (keys rounded once to fp16) or 8-bit content and RoPE (keys as fp16 high and low parts
-    for the scores)."""
+    4-bit content (keys rounded once to fp16) with 2-, 4- or 8-bit RoPE, or 8-bit content and RoPE (8-bit keys as
+    fp16 high and low parts for the scores)."""
     c, r = fmt.content.bits, fmt.rope.bits
-    return fmt.content.n_groups in (4, 8) and ((c in (2, 4) and r in (2, 4)) or (c == 8 and r == 8))
+    return fmt.content.n_groups in (4, 8) and ((c in (2, 4) and r in (2, 4, 8)) or (c == 8 and r == 8))
 
 
 def launch_gluon(*args, wide_program: bool = False, page_table=None):

@@ -41,6 +41,7 @@ if HAVE_GLUON:
         _references,
         _rescale,
         _row_ptrs,
+        _row_steps,
         _split_range,
         _store_o,
         _tile_rows,
@@ -221,6 +222,10 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         tn = t0 + BT
         zz, ss, zh = _pair_meta(s0, z0, C_BITS)
         zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
+        if LEAD and R_BITS == 8 and C_BITS != 8:  # the RoPE unit scores its integer codes (`_packed_scores`)
+            s_row = _row_steps(sr, acc_l)
+        else:
+            s_row = gl.zeros([64], gl.float32, gl.SliceLayout(1, acc_l))
         row, shift = _tile_rows(p_pt, tn, last, PAGED)
         s0, z0 = _load_group(p_cs, p_cz, tn, lo, hi, 4 * HF, GC, ml, ROWS, last, shift)
         if LEAD:
@@ -229,7 +234,8 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L) if ROWS else p_rc
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, ca, cb, _, _, cr = _packed_scores(
-            ca, cb, ca, cb, cr, zz, ss, zh, zz, ss, zh, zzr, ssr, zhr, qbuf, qlo, kbuf, kz, pc, pr, tn, lo, last, U0, 4,
+            ca, cb, ca, cb, cr, zz, ss, zh, zz, ss, zh, zzr, ssr, zhr, s_row, qbuf, qlo, kbuf, kz, pc, pr, tn, lo, last,
+            U0, 4,
             LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ROWS)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo) & (o_t < hi))[:, None] & m_mh[None, :]
@@ -272,6 +278,7 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
 
 def wide_handles(fmt: CacheFormat) -> bool:
     """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups (the two warpgroups take
-    four each), 2- or 4-bit content and 4-bit RoPE (C4R4, C2R4), or 8-bit content and RoPE (C8R8)."""
+    four each), 2- or 4-bit content with 4- or 8-bit RoPE (C4R4, C2R4, C4R8, C2R8), or 8-bit content and RoPE
+    (C8R8)."""
     c, r = fmt.content.bits, fmt.rope.bits
-    return fmt.content.n_groups == 8 and ((c in (2, 4) and r == 4) or (c == 8 and r == 8))
+    return fmt.content.n_groups == 8 and ((c in (2, 4) and r in (4, 8)) or (c == 8 and r == 8))

@@ -103,7 +103,8 @@ def test_formats_and_dtypes_with_unequal_padding(backend, cb, rb, dtype):
 
 @pytest.mark.parametrize("backend", HOPPER)
 @pytest.mark.parametrize("cb, rb, heads, tq", [(4, 4, 16, 1), (2, 4, 16, 1), (8, 8, 16, 1), (4, 4, 64, 2),
-                                               (2, 4, 128, 1), (8, 8, 48, 1)])
+                                               (2, 4, 128, 1), (8, 8, 48, 1), (4, 8, 16, 1), (4, 8, 128, 1),
+                                               (2, 8, 64, 2)])
 def test_hopper_kernels_at_deepseek_widths(backend, cb, rb, heads, tq):
     """The Gluon kernels (sm_90 only) on the formats they take, odd length, unequal padding, several head blocks; the
     LSE against the reference that rounds the score keys as they do (`score_rounding`)."""

@@ -54,11 +54,11 @@ COMPILE_REGS = COMPILE_PREFIX + textwrap.dedent(
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
     from quantmla_hf.kernels import mla_decode_gluon_regs as mr
 
-    # (content bits, fp32 queries, paged): the launch of each format
+    # (content bits, RoPE bits, fp32 queries, paged): the launch of each format
     # and the paged launch (page pools read through a page table: int32 lengths, copy rows and page numbers)
-    for cb, q_split, paged in ((4, False, False), (2, False, False), (4, True, False), (8, False, False),
-                               (4, False, True), (2, False, True)):
-        rb = 8 if cb == 8 else 4
+    for cb, rb, q_split, paged in ((4, 4, False, False), (2, 4, False, False), (4, 4, True, False),
+                                   (8, 8, False, False), (4, 8, False, False), (4, 4, False, True),
+                                   (2, 4, False, True)):
         kernel = sd.compile_regs(cb, rb, q_split=q_split, inflight=mr.INFLIGHT[cb], paged=paged)
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = mr.smem_bytes(fmt, q_split)
@@ -68,8 +68,11 @@ COMPILE_REGS = COMPILE_PREFIX + textwrap.dedent(
         mma = r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 \\{[^}]*\\}, "
         per = 2 if q_split else 1
         # scores: 9 units x 4 k-steps with the A operand in registers, in the packed loop and the copy loop (the
-        # sink's or the recent ring's tile, `_copy_tile`) (8-bit keys: the packed loop also on the remainders)
-        n_reg = 2 * 9 * 4 * per + (9 * 4 if cb == 8 else 0)
+        # sink's or the recent ring's tile, `_copy_tile`) (8-bit keys: the packed loop also on the remainders; C4R8:
+        # the RoPE unit's integer codes, once)
+        units8 = 9 if cb == 8 else 0  # units of 8-bit codes split into high and low parts
+        codes8 = 1 if rb == 8 and cb != 8 else 0  # the RoPE unit as integer codes (no step, no remainder)
+        n_reg = 2 * 9 * 4 * per + units8 * 4
         assert len(re.findall(mma + r"\\{", ptx)) == n_reg, (cb, len(re.findall(mma + r"\\{", ptx)))
         # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
         assert len(re.findall(mma + r"%rd", ptx)) == 2 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
@@ -88,9 +91,9 @@ COMPILE_REGS = COMPILE_PREFIX + textwrap.dedent(
         # one lop3 + mul.f16x2 per pair: 9 units x 2 tokens x 8 pairs per thread and tile; at 2 and 4 bits half the
         # pairs made code - z by sub.f16x2, half by fma.rn.f16x2 (`half_asm`), at 8 bits every pair by sub.f16x2 and
         # its remainder by fma.rn.f16x2
-        per = 9 * 2 * 8
-        want = {"0x64006400": per, "mul.f16x2": per, "sub.f16x2": per if cb == 8 else per // 2,
-                "fma.rn.f16x2": per if cb == 8 else per // 2}
+        per, per8, perc = 9 * 2 * 8, units8 * 2 * 8, codes8 * 2 * 8
+        want = {"0x64006400": per, "mul.f16x2": per - perc, "sub.f16x2": per8 + perc + (per - per8 - perc) // 2,
+                "fma.rn.f16x2": per8 + (per - per8 - perc) // 2}
         for op, n_op in want.items():
             assert len(re.findall(re.escape(op), ptx)) == n_op, (cb, op, len(re.findall(re.escape(op), ptx)))
     print("compiled")
@@ -106,10 +109,9 @@ COMPILE_WIDE = COMPILE_PREFIX + textwrap.dedent(
     from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 
     bm = mw.BLOCK_M
-    # (content bits, fp32 queries, paged): the launch of each format and the paged launch
-    for cb, q_split, paged in ((4, False, False), (2, False, False), (2, True, False), (4, False, True),
-                               (8, False, False)):
-        rb = 8 if cb == 8 else 4
+    # (content bits, RoPE bits, fp32 queries, paged): the launch of each format and the paged launch
+    for cb, rb, q_split, paged in ((4, 4, False, False), (2, 4, False, False), (2, 4, True, False),
+                                   (4, 4, False, True), (8, 8, False, False), (4, 8, False, True)):
         kernel = sd.compile_wide(cb, rb, q_split=q_split, paged=paged)
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = mw.smem_bytes(fmt, q_split)
@@ -119,9 +121,10 @@ COMPILE_WIDE = COMPILE_PREFIX + textwrap.dedent(
         mma = rf"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16 \\{{[^}}]*\\}}, "
         per = 2 if q_split else 1
         # scores, A from registers: the leader's 4 content units + RoPE and the worker's 4, 4 k-steps each, in the
-        # packed loop (twice at 8 bits: the keys' high and low parts) and the copy tile
+        # packed loop (twice at 8 bits: the keys' high and low parts; C4R8's RoPE unit once, on its integer codes)
+        # and the copy tile
         n_reg = len(re.findall(mma + r"\\{", ptx))
-        assert n_reg == (3 if cb == 8 else 2) * 9 * 4 * per, (cb, bm, n_reg)
+        assert n_reg == 2 * 9 * 4 * per + (9 if cb == 8 else 0) * 4, (cb, rb, bm, n_reg)
         # values, A (the stored keys) from shared memory: 4 units per warpgroup, 4 k-steps, packed loop and copy tile
         n_smem = len(re.findall(mma + r"%rd", ptx))
         assert n_smem == 2 * 8 * 4, (cb, bm, n_smem)
