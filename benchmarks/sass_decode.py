@@ -1,10 +1,10 @@
 """Instruction mix of the register-operand Gluon decode kernel (`kernels/mla_decode_gluon_regs.py`), compiled for
 sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp and 64-token tile, counted by
 opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "The Gluon register
-kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C8R8): one
-packed loop per warpgroup (the leader's unpacks the RoPE unit too).
+kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C4R8,
+C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
-    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide]
+    python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide]
     python benchmarks/sass_decode.py --dump DIR
     python benchmarks/sass_decode.py [C4R4|C2R4|C8R8|C16R16] --heads [--bf16-keys]
 
@@ -42,7 +42,7 @@ from quantmla_hf.kernels import mla_decode_triton as portable
 from quantmla_hf.kernels import quant_pack
 from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN
 
-FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C8R8": (8, 8)}
+FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C8R8": (8, 8)}
 HEADS_FORMATS = {**FORMATS, "C16R16": (16, 16)}  # `--heads` also takes the 16-bit cache
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+[^;]*;", re.M)  # one SASS instruction line
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
@@ -50,7 +50,7 @@ UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (t
 
 # (content bits, RoPE bits, content groups, fp32 queries, paged, two warpgroups): DeepSeek (8 groups) and MiniCPM3
 # (4 groups) widths, every format and launch the dispatch sends to the Gluon kernels
-DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (8, 8)) for w in (False, True)
+DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (4, 8), (8, 8)) for w in (False, True)
                   for q, p in ((False, False), (False, True), (True, False))]
                  + [(c, r, 4, False, p, False) for c, r in ((4, 4), (8, 8)) for p in (False, True)]
                  + [(2, 2, 8, False, False, False)])
