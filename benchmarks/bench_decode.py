@@ -822,6 +822,11 @@ def run_tiny():
     print("tiny torch absorbed", tuple(torch_absorbed(q, torch.randn(2, 64, D_C + D_R, dtype=torch.bfloat16), 0.1).shape))
 
 
+def parse_cases(text: str) -> list[tuple]:
+    """`FORMAT:n:n:...,FORMAT:...` (`--check-cases`, `--paged-check-cases`) -> `[(FORMAT, n, n, ...), ...]`."""
+    return [(f, *(int(x) for x in rest)) for f, *rest in (c.split(":") for c in text.split(",") if c)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -869,15 +874,13 @@ def main():
     lines, result = [env], {"env": env}
     points = [tuple(int(x) for x in p.split(":")) for p in a.points.split(",") if p] or POINTS
     formats = [f for f in a.formats.split(",") if f]
-    cases = [(f, *(int(x) for x in rest)) for f, *rest in (c.split(":") for c in a.check_cases.split(",") if c)]
+    cases = parse_cases(a.check_cases)
     if a.rounding_effect:
         run_rounding_effect(lines, cases or None)
     if a.check:
         result["check_ok"] = run_check(lines, cases=cases or None, backends=backends)
         result["capacity_ok"] = check_capacity_invariance(lines, backends)
-        paged_cases = [(f, *(int(x) for x in rest))
-                       for f, *rest in (c.split(":") for c in a.paged_check_cases.split(",") if c)]
-        result["paged_ok"] = check_paged(lines, cases=paged_cases or None) if a.paged else True
+        result["paged_ok"] = check_paged(lines, cases=parse_cases(a.paged_check_cases) or None) if a.paged else True
     if a.repeat and a.placements:
         result["placements"] = run_placements(lines, points, formats, a.placements, a.repeat)
     elif a.repeat:

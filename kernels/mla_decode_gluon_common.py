@@ -349,10 +349,13 @@ def _unpack_codes8(w, zz, wl: gl.constexpr):
 
 
 @_jit
-def _row_steps(s, acc_l: gl.constexpr):
-    """A group's steps `[64, 4]` fp16 (the same for every q: the RoPE group) -> `[64]` fp32 in the rows of a score
-    accumulator `[64, BM]`."""
-    return gl.convert_layout(gl.max(s, axis=1).to(gl.float32), gl.SliceLayout(1, acc_l))
+def _row_steps(s, acc_l: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr):
+    """The RoPE group's steps `[64, 4]` fp16 (the same for every q) -> `[64]` fp32 in the rows of a score accumulator
+    `[64, BM]`, where `_packed_scores` scores the RoPE unit's integer codes (8-bit RoPE under 2/4-bit content); zeros
+    (unused) otherwise."""
+    if R_BITS == 8 and C_BITS != 8:
+        return gl.convert_layout(gl.max(s, axis=1).to(gl.float32), gl.SliceLayout(1, acc_l))
+    return gl.zeros([64], gl.float32, gl.SliceLayout(1, acc_l))
 
 
 @_jit
@@ -802,10 +805,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
     zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
     zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
-    if R_BITS == 8 and C_BITS != 8:  # the RoPE unit scores its integer codes (`_packed_scores`)
-        s_row = _row_steps(sr, acc_l)
-    else:
-        s_row = gl.zeros([64], gl.float32, gl.SliceLayout(1, acc_l))
+    s_row = _row_steps(sr, acc_l, C_BITS, R_BITS)
     row, shift = _tile_rows(p_pt, tn, last, PAGED)
     s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml)
     p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)

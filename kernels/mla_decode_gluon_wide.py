@@ -222,10 +222,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         tn = t0 + BT
         zz, ss, zh = _pair_meta(s0, z0, C_BITS)
         zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
-        if LEAD and R_BITS == 8 and C_BITS != 8:  # the RoPE unit scores its integer codes (`_packed_scores`)
-            s_row = _row_steps(sr, acc_l)
-        else:
-            s_row = gl.zeros([64], gl.float32, gl.SliceLayout(1, acc_l))
+        s_row = _row_steps(sr, acc_l, C_BITS, R_BITS if LEAD else 0)  # the leader scores the RoPE unit
         row, shift = _tile_rows(p_pt, tn, last, PAGED)
         s0, z0 = _load_group(p_cs, p_cz, tn, lo, hi, 4 * HF, GC, ml, ROWS, last, shift)
         if LEAD:
@@ -235,8 +232,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
         acc, ca, cb, _, _, cr = _packed_scores(
             ca, cb, ca, cb, cr, zz, ss, zh, zz, ss, zh, zzr, ssr, zhr, s_row, qbuf, qlo, kbuf, kz, pc, pr, tn, lo, last,
-            U0, 4,
-            LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ROWS)
+            U0, 4, LEAD, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l, dot_a, ROWS)
         o_t = t0 + o_bt
         m_valid = ((o_t >= lo) & (o_t < hi))[:, None] & m_mh[None, :]
         m_i, l_p, outs = _exchange_pv(acc, kbuf, pbuf, sbuf, abuf, s_bar, p_bar, ph, f_h, m_valid, m_i, l_p, outs,
