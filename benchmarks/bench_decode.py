@@ -247,8 +247,7 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
         for backend in backends:
             chosen = backend if backend != "default" else select_backend(fmt, H * Tq, B, dtype, DEVICE)
             label = backend if backend != "default" else f"default={chosen}"
-            q_dtype = args[0].dtype
-            exact, design = case.reference(), case.reference(score_rounding(chosen, fmt, q_dtype, dtype))
+            exact, design = case.reference(), case.reference(score_rounding(chosen, fmt))
             try:
                 o, lse = decode_fn(backend, N, N + spare)(*args)
                 if DEVICE == "cuda":
@@ -630,7 +629,7 @@ def check_paged(out_lines, cases=None, page_size=64):
         for backend in PAGED_BACKENDS:
             label = f"paged {backend}" + (" (default)" if backend == select_paged_backend(
                 fmt, H, B, B, page_size, sc.dtype, DEVICE) else "")
-            rounding = score_rounding(backend, fmt, ql.dtype, sc.dtype)
+            rounding = score_rounding(backend, fmt)
             for r in {(False, False), rounding} - refs.keys():
                 refs[r] = mla_decode_paged_ref(*args, dtype=torch.float64, score_rounding=r)
             (ref_o, ref_lse), design_lse = refs[(False, False)], refs[rounding][1]

@@ -6,14 +6,11 @@ C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too).
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide]
     python benchmarks/sass_decode.py --dump DIR
-    python benchmarks/sass_decode.py [C4R4|C2R4|C8R8|C16R16] --heads [--bf16-keys]
 
 `--paged`: the paged launch (`PAGED`: page pools read through a page table) of either kernel. `--dump DIR`: the
 whole SASS (addresses removed) of every Gluon launch in `DUMP_LAUNCHES` and every portable Triton launch in
 `PORTABLE_LAUNCHES`, one file each, so that two trees' kernels can be compared with `diff -r` (a change whose SASS is
-identical needs no timing). `--heads`: the portable kernel's whole-row tiling (`launch_triton(heads=True)`, bf16
-model, fp16 keys or with `--bf16-keys` bf16 ones) with the pointer and stride alignment a launch at DeepSeek widths
-specialises on: registers, spill stores (`STL`) and `wgmma`s (`HGMMA`) in its SASS.
+identical needs no timing).
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -43,7 +40,6 @@ from quantmla_hf.kernels import quant_pack
 from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN
 
 FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C8R8": (8, 8)}
-HEADS_FORMATS = {**FORMATS, "C16R16": (16, 16)}  # `--heads` also takes the 16-bit cache
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+[^;]*;", re.M)  # one SASS instruction line
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
 
@@ -73,7 +69,7 @@ def compile_portable(content_bits: int, rope_bits: int, rope_dim: int, rows: int
     tile, warps, stages = portable.launch_shape(fmt, rows)
     const = dict(D_C=512, GC=groups, GROUP_C=group, C_BITS=content_bits, D_R=rope_dim, R_BITS=rope_bits, S=4, R=128,
                  PAGE=page, BLOCK_M=portable.block_rows(rows), BLOCK_T=tile, Q_SPLIT=fp32,
-                 NATIVE=portable.native_operands(fmt, dt, dt, dt), WHOLE=False)
+                 NATIVE=portable.native_operands(fmt, dt, dt, dt))
     copy = "*fp32" if fp32 else "*bf16"
     plane, scale, zero = (copy, copy, copy) if content_bits == 16 else ("*u8", "*fp16", "*i8")
     index = "*i32" if page else "*i64"
@@ -107,29 +103,9 @@ def compile_combine(block_d: int, n_tail: int):
     return _compile_triton(combine.combine_kernel, const, ptr, "i32", dict(num_warps=4))
 
 
-def compile_heads(content_bits: int, rope_bits: int, bf16_keys: bool = False):
-    """The portable kernel's whole-row tiling compiled for sm_90 as `launch_triton(heads=True)` launches it for a
-    bf16 model at DeepSeek widths (fp16 keys, or bf16 ones with `bf16_keys`), contiguous planes, pointers and the
-    batch and row strides aligned to 16 as a launch specialises on them."""
-    fmt = CacheFormat(PathFormat(512, content_bits, 64), PathFormat(64, rope_bits, 64), 4, 128)
-    block_m, (tile, warps, stages) = portable.tiling(fmt, 128, heads=True)
-    const = dict(D_C=512, GC=8, GROUP_C=64, C_BITS=content_bits, D_R=64, R_BITS=rope_bits, S=4, R=128, PAGE=0,
-                 BLOCK_M=block_m, BLOCK_T=tile, Q_SPLIT=False, NATIVE=bf16_keys, WHOLE=True)
-    plane, scale, zero = ("*bf16",) * 3 if content_bits == 16 else ("*u8", "*fp16", "*i8")
-    ptr = dict(q_ptr="*bf16", qr_ptr="*bf16", cc_ptr=plane, cs_ptr=scale, cz_ptr=zero, rc_ptr=plane, rs_ptr=scale,
-               rz_ptr=zero, snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16", len_ptr="*i64",
-               lp_ptr="*i64", pt_ptr="*i64", rows_ptr="*i64", cu_q_ptr="*i64", tok_req_ptr="*i64", o_ptr="*fp32",
-               lse_ptr="*fp32", qk_scale="fp32")
-    fn = portable.mla_decode_triton_kernel
-    aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n in ("s_qb", "s_qrb", "s_ccb", "s_cct", "s_rcb",
-                                                                      "s_sncb", "s_snct", "s_rccb", "s_rcct")]
-    return _compile_triton(fn, const, ptr, "i32", dict(num_warps=warps, num_stages=stages), aligned)
-
-
-def _compile_triton(fn, const: dict, ptr: dict, default: str, options: dict, aligned=()):
+def _compile_triton(fn, const: dict, ptr: dict, default: str, options: dict):
     sig = {n: "constexpr" if n in const else ptr.get(n, default) for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -257,30 +233,16 @@ def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCH
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("format", nargs="?", default="C4R4", choices=sorted(HEADS_FORMATS))
+    ap.add_argument("format", nargs="?", default="C4R4", choices=sorted(FORMATS))
     ap.add_argument("--fp32-queries", action="store_true")
     ap.add_argument("--inflight", type=int, default=None, choices=(0, 1), help="default: the kernel's (`INFLIGHT`)")
     ap.add_argument("--paged", action="store_true", help="the paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
-    ap.add_argument("--heads", action="store_true", help="the portable kernel's whole-row tiling")
-    ap.add_argument("--bf16-keys", action="store_true", help="--heads: bf16 keys (NATIVE) instead of fp16")
     a = ap.parse_args()
     if a.dump:
         dump(a.dump)
         return
-    if a.heads:
-        kernel = compile_heads(*HEADS_FORMATS[a.format], bf16_keys=a.bf16_keys)
-        sass = disassemble(kernel.asm["cubin"], "-sass")
-        counts = opcode_counts(_instructions_and_loops(sass)[0])
-        ops = {name: sum(n for op, n in counts.items() if op.split(".")[0] == name) for name in ("STL", "LDL", "HGMMA")}
-        print(f"triton {triton.__version__} | {a.format} whole-row tiling | {'bf16' if a.bf16_keys else 'fp16'} keys "
-              f"| shared memory {kernel.metadata.shared} B")
-        print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", disassemble(kernel.asm["cubin"], "-res-usage"))))
-        print(f"spill stores (STL) {ops['STL']}, spill loads (LDL) {ops['LDL']}, wgmma (HGMMA) {ops['HGMMA']}")
-        return
-    if a.format not in FORMATS:
-        ap.error(f"{a.format} is taken by --heads only")
     if a.wide:
         main_wide(a)
         return

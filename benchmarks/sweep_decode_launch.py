@@ -13,13 +13,8 @@
         `mla_decode_triton.programs_per_sm`)
     python benchmarks/sweep_decode_launch.py portable-splits
         the same split targets and points for the contiguous portable kernel (`backend="triton"`)
-    python benchmarks/sweep_decode_launch.py heads [--formats ..] [--points H:B:N,..] [--flashmla DIR]
-        the portable kernel's whole-row tiling (`backend="triton_heads"`; default C4R4, C2R4, C4R8, C8R8, C16R16 at
-        128 heads B8 and B32 32K and 16 heads B8 32K) over token tiles {32, 64}, bf16 or fp16 keys and split targets
-        (its rule, one program per multiprocessor), each against the default dispatch (and FlashMLA, given its build
-        folder) in the same process, with its output's distance from the default dispatch's
 
-Each time of `portable`, `splits` and `heads` is the best of 3 `do_bench` medians of a CUDA-graph replay
+Each time of `portable` and `splits` is the best of 3 `do_bench` medians of a CUDA-graph replay
 (`bench_decode.graphed`), of `paged` and `portable-splits` the median of 5 rounds taken in turns; a launch the GPU cannot run (shared
 memory) is reported and skipped. The launch parameters are swapped in the kernel module for the
 sweep (`launch_shape`) and restored after.
@@ -96,58 +91,6 @@ def sweep_splits(baseline, formats=("C4R4", "C2R4")) -> None:
             print(f"{name} {backend} split target {ns}: {t:.4f} ms ({t / old:.3f}x baseline)", flush=True)
 
 
-HEADS_POINTS = [(128, 8, 32768), (128, 32, 32768), (16, 8, 32768)]
-
-
-def sweep_heads(formats, points, flashmla_path="") -> None:
-    """The whole-row tiling's token tiles, key dtypes and split targets (its own rule, or one program per
-    multiprocessor: a program of two warpgroups holds most of an SM's shared memory) against the default dispatch
-    (`heads_launch_shape` and `heads_native_operands` swapped for the sweep, restored after)."""
-    flash = bd.load_flashmla(flashmla_path) if flashmla_path else None
-    saved = portable.heads_launch_shape, portable.heads_native_operands
-    sms = dispatch.num_sms(0)
-    try:
-        for name, (H, B, N) in itertools.product(formats, points):
-            args = point_args(name, H, B, N)
-            length = torch.tensor([N], dtype=torch.int64, device=bd.DEVICE)
-            ref_o, _ = bd.decode_fn("default", N)(*args)
-            default = best_ms(bd.decode_fn("default", N), args)
-            line = f"{name} H={H} B={B} N={N}: default dispatch {default:.4f} ms"
-            if flash is not None:
-                q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, _, _ = args
-                step, _ = bd.flashmla_fn(flash, q_lat, q_rot, *bd.flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N))
-                line += f", FlashMLA {best_ms(step, ()):.4f}"
-            print(line, flush=True)
-            rows = []
-            one_per_sm = -(-sms // (B * -(-H // portable.HEADS_BLOCK_M)))
-            for bt, bf16_keys, ns in itertools.product((32, 64), (False, True), (None, one_per_sm)):
-                portable.heads_launch_shape = lambda fmt, shape=(bt, 8, 2): shape
-                portable.heads_native_operands = lambda q, qr, c, keep=bf16_keys, rule=saved[1]: keep or rule(q, qr, c)
-
-                def run(*a, ns=ns, length=length, N=N):
-                    return dispatch.mla_decode_static(*a[:10], length, N, a[11], backend="triton_heads",
-                                                      num_splits=ns)
-
-                label = f"tile={bt} bf16 keys={bf16_keys} splits={'rule' if ns is None else ns}"
-                try:
-                    o, _ = run(*args)
-                    t = best_ms(run, args)
-                except Exception as err:  # noqa: BLE001 - a launch the GPU refuses is reported, not fatal
-                    print(f"  {label}: {type(err).__name__} {err}", flush=True)
-                    continue
-                diff = ((o.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
-                rows.append((t, label))
-                print(f"  {label}: {t:.4f} ms ({t / default:.3f}x default), output {diff:.1e} from the default's",
-                      flush=True)
-            if rows:
-                t, label = min(rows)
-                print(f"best {name} H={H} B={B} N={N}: {t:.4f} ms ({label}), {t / default:.3f}x the default "
-                      f"dispatch's {default:.4f}", flush=True)
-            del args
-    finally:
-        portable.heads_launch_shape, portable.heads_native_operands = saved
-
-
 def sweep_split_rule(layout: str, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:
     """Split targets of `per_sm` programs per multiprocessor for the paged kernel (`layout` "paged") or the
     contiguous portable kernel ("portable", through `mla_decode_static(backend="triton")`), with their combine."""
@@ -176,12 +119,11 @@ def sweep_split_rule(layout: str, per_sm=(1, 2, 4, 8, 16), rounds=5) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", choices=("portable", "splits", "paged", "portable-splits", "heads"))
+    ap.add_argument("sweep", choices=("portable", "splits", "paged", "portable-splits"))
     ap.add_argument("--baseline-path", default="", help="root of an older tree's kernels (git archive REV kernels); "
                     "portable and splits compare against it")
     ap.add_argument("--formats", default="", help="the formats swept (portable: C16R16, splits: C4R4,C2R4)")
-    ap.add_argument("--points", default="", help="portable, heads: H:B:N,... (default PORTABLE_POINTS, HEADS_POINTS)")
-    ap.add_argument("--flashmla", default="", help="heads: FlashMLA's build folder, timed beside it")
+    ap.add_argument("--points", default="", help="portable: H:B:N,... (default PORTABLE_POINTS)")
     a = ap.parse_args()
     if bd.DEVICE != "cuda":
         raise SystemExit("the launch sweeps time CUDA kernels: run them on a GPU")
@@ -192,9 +134,7 @@ def main() -> None:
     sweeps = {"portable": lambda base: sweep_portable(base, [f for f in (a.formats or "C16R16").split(",") if f],
                                                       points or PORTABLE_POINTS),
               "splits": lambda base: sweep_splits(base, [f for f in (a.formats or "C4R4,C2R4").split(",") if f]),
-              "paged": lambda _: sweep_split_rule("paged"), "portable-splits": lambda _: sweep_split_rule("portable"),
-              "heads": lambda _: sweep_heads([f for f in (a.formats or "C4R4,C2R4,C4R8,C8R8,C16R16").split(",") if f],
-                                             points or HEADS_POINTS, a.flashmla)}
+              "paged": lambda _: sweep_split_rule("paged"), "portable-splits": lambda _: sweep_split_rule("portable")}
     sweeps[a.sweep](baseline)
 
 

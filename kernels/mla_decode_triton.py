@@ -133,19 +133,7 @@ def _pv(acc, alpha, b_p, b_k, b_s, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(b_s, m_valid, m_i, l_i):
-    """One online-softmax step in base 2 over scores `b_s: [BM, BT]` (positions outside `m_valid` dropped): `(m_new,
-    alpha, p, l_i)`, the running maximum, the rescale factor of what came before, the probabilities and the sum."""
-    b_s = tl.where(m_valid, b_s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    b_p = tl.exp2(b_s - m_use[:, None])
-    return m_new, alpha, b_p, l_i * alpha + tl.sum(b_p, axis=1)
-
-
-@triton.jit
-def _tile_groups(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr, qh, ql, qrh, qrl, m_i,
+def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr, qh, ql, qrh, qrl, m_i,
                  l_i, acc, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
                  R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr):
     """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (keys as exact
@@ -161,7 +149,7 @@ def _tile_groups(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_v
     k, s = _group_tile(r0, r1, r2, s_rt, s_rmt, o_t, m_t, 0, GROUP_R, R_BITS, NATIVE)
     b_s = sc * fc[:, None] + _qk(qrh, qrl, k, Q_SPLIT, NATIVE) * (s[None, :] * fr[:, None])
 
-    # `_softmax_step` written out: as a call it changes this kernel's sm_90 schedule (same instructions, other order)
+    # the online-softmax step in base 2
     b_s = tl.where(m_valid, b_s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -177,153 +165,46 @@ def _tile_groups(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_v
 
 
 @triton.jit
-def _dequant_rows(p0, p1, p2, s_t, s_mt, o_t, m_t, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-                  NATIVE: tl.constexpr, KD: tl.constexpr):
-    """Rows `o_t: [BT]` of one path (row-offset pointers, rows at stride `s_t`, metadata rows at `s_mt`) as values
-    `[BT, D]`: packed (`BITS` < 16; `p0, p1, p2` = codes, fp16 scales, zero points) `fp16((code - z) * s)`, 16-bit
-    (`p0` the values) as stored when NATIVE, else in fp16. Masked rows are zeros."""
-    G: tl.constexpr = D // GROUP
-    if BITS == 16:
-        o_k = tl.arange(0, D)
-        v = tl.load(p0 + (o_t * s_t)[:, None] + o_k[None, :], mask=m_t[:, None], other=0.0)
-        if not NATIVE:
-            v = v.to(tl.float16)
-    else:
-        BT: tl.constexpr = o_t.shape[0]
-        HALF: tl.constexpr = 1 << (BITS - 1)
-        if BITS == 8:
-            o_b = tl.arange(0, D)
-            b_byte = tl.load(p0 + (o_t * s_t)[:, None] + o_b[None, :], mask=m_t[:, None], other=0)
-            codes = (b_byte.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
-        else:
-            o_b = tl.arange(0, D * BITS // 8)
-            b_byte = tl.load(p0 + (o_t * s_t)[:, None] + o_b[None, :], mask=m_t[:, None], other=0)
-            codes = _magic_codes(b_byte, D, BITS)  # [BT, D] fp16 1024 + code
-        o_g = tl.arange(0, G)
-        b_s = tl.load(p1 + (o_t * s_mt)[:, None] + o_g[None, :], mask=m_t[:, None], other=0.0).to(tl.float16)
-        b_z = tl.load(p2 + (o_t * s_mt)[:, None] + o_g[None, :], mask=m_t[:, None], other=0).to(tl.int32)
-        z = (b_z + (1024 + HALF)).to(tl.float16)  # 1024 + z, exact
-        k = tl.reshape(codes, (BT, G, GROUP)) - z[:, :, None]  # code - z, exact
-        if NATIVE:
-            v = tl.reshape((k.to(tl.float32) * b_s.to(tl.float32)[:, :, None]).to(KD), (BT, D))
-        else:
-            v = tl.reshape(k * b_s[:, :, None], (BT, D))
-    return v
-
-
-@triton.jit
-def _scores(q_hi, q_lo, k, Q_SPLIT: tl.constexpr):
-    """`[BM, D] x [BT, D]^T -> [BM, BT]` fp32 (the low query part added when Q_SPLIT; fp32 operands an IEEE dot)."""
-    k_t = tl.trans(k)
-    if k.dtype == tl.float32:
-        return tl.dot(q_hi, k_t, input_precision="ieee")
-    d = tl.dot(q_hi, k_t)
-    if Q_SPLIT:
-        d += tl.dot(q_lo, k_t)
-    return d
-
-
-@triton.jit
-def _tile_rows(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr, qc_hi, qc_lo, qr_hi,
-               qr_lo, m_i, l_i, acc, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
-               D_R: tl.constexpr, R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr):
-    """`_tile_groups` over whole rows (`WHOLE`): the content and RoPE rows of the tile unpacked once
-    (`_dequant_rows`), queries `[BM, D_C]` and `[BM, D_R]`, one accumulator `acc: [BM, D_C]` fp32; both products
-    read the same unpacked values."""
-    k_c = _dequant_rows(c0, c1, c2, s_ct, s_cmt, o_t, m_t, GC * GROUP_C, GROUP_C, C_BITS, NATIVE, qc_hi.dtype)
-    k_r = _dequant_rows(r0, r1, r2, s_rt, s_rmt, o_t, m_t, D_R, D_R, R_BITS, NATIVE, qc_hi.dtype)
-    b_s = _scores(qc_hi, qc_lo, k_c, Q_SPLIT) * fc[:, None] + _scores(qr_hi, qr_lo, k_r, Q_SPLIT) * fr[:, None]
-    m_new, alpha, b_p, l_i = _softmax_step(b_s, m_valid, m_i, l_i)
-    if k_c.dtype == tl.float32:
-        pv = tl.dot(b_p, k_c, input_precision="ieee")
-    else:
-        pv = tl.dot(b_p.to(k_c.dtype), k_c)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr, qh, ql, qrh, qrl, m_i, l_i,
-          acc, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
-          R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr, WHOLE: tl.constexpr):
-    """One token tile in the launch's tiling: `_tile_rows` (`WHOLE`) or `_tile_groups`."""
-    if WHOLE:
-        m_i, l_i, acc = _tile_rows(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr, qh,
-                                   ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, C_BITS, GROUP_R, R_BITS, Q_SPLIT, NATIVE)
-    else:
-        m_i, l_i, acc = _tile_groups(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr, qh,
-                                     ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, C_BITS, GROUP_R, R_BITS, Q_SPLIT,
-                                     NATIVE)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _stage_queries(p_q, p_qr, o_m, m_m, qk_scale, o_ptr, o_row, D_C: tl.constexpr, GC: tl.constexpr,
-                   GROUP_C: tl.constexpr, D_R: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr,
-                   WHOLE: tl.constexpr):
+def _stage_queries(p_q, p_qr, o_m, m_m, qk_scale, D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr,
+                   D_R: tl.constexpr, NATIVE: tl.constexpr):
     """Rows `o_m` of the queries `p_q: [., D_C]`, `p_qr: [., D_R]`, staged once per program: the score factors
-    `fc, fr` (per-row powers of two times `qk_scale` = scaling * log2(e)) and the high/low parts `qh, ql` (content),
-    `qrh, qrl` (RoPE): tuples of the `GC` content groups, or with `WHOLE` whole rows (`_load_query_group`). Whole
-    fp16 rows (not NATIVE, not Q_SPLIT) pass through the program's partial rows `o_row` of `o_ptr` (as fp16, `2 *
-    D_C` a row; written again at the end) and are loaded back, so that the products read them from shared memory as
-    loaded instead of holding `[BM, D_C]` in registers."""
+    `fc, fr` (per-row powers of two times `qk_scale` = scaling * log2(e)) and the high/low parts `qh, ql` (content:
+    tuples of the `GC` groups), `qrh, qrl` (RoPE) of `_load_query_group`."""
     fc, inv_fc = _row_scale(p_q, o_m, m_m, D_C, NATIVE)
     fr, inv_fr = _row_scale(p_qr, o_m, m_m, D_R, NATIVE)
-    if WHOLE:
-        qh, ql = _load_query_group(p_q, o_m, m_m, inv_fc, 0, D_C, D_C, NATIVE)
-        qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, NATIVE)
-        if not NATIVE and not Q_SPLIT:
-            p_rows = o_ptr.to(tl.pointer_type(tl.float16)) + o_row[:, None].to(tl.int64) * (2 * D_C)
-            o_c = tl.arange(0, D_C)[None, :]
-            o_r = D_C + tl.arange(0, D_R)[None, :]
-            tl.store(p_rows + o_c, qh, mask=m_m[:, None])
-            tl.store(p_rows + o_r, qrh, mask=m_m[:, None])
-            tl.debug_barrier()
-            qh = tl.load(p_rows + o_c, mask=m_m[:, None], other=0.0)
-            qrh = tl.load(p_rows + o_r, mask=m_m[:, None], other=0.0)
-            ql = qh
-            qrl = qrh
-    else:
-        qh = ()
-        ql = ()
-        for g in tl.static_range(GC):
-            hi, lo = _load_query_group(p_q, o_m, m_m, inv_fc, g, GROUP_C, D_C, NATIVE)
-            qh = qh + (hi,)
-            ql = ql + (lo,)
-        qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, NATIVE)
+    qh = ()
+    ql = ()
+    for g in tl.static_range(GC):
+        hi, lo = _load_query_group(p_q, o_m, m_m, inv_fc, g, GROUP_C, D_C, NATIVE)
+        qh = qh + (hi,)
+        ql = ql + (lo,)
+    qrh, qrl = _load_query_group(p_qr, o_m, m_m, inv_fr, 0, D_R, D_R, NATIVE)
     return fc * qk_scale, fr * qk_scale, qh, ql, qrh, qrl
 
 
 @triton.jit
-def _empty_state(BLOCK_M: tl.constexpr, GROUP_C: tl.constexpr, GC: tl.constexpr, WHOLE: tl.constexpr):
-    """Online-softmax state before any token: running maximum, sum and the accumulators (the `GC` `[BLOCK_M,
-    GROUP_C]` ones, or with `WHOLE` one `[BLOCK_M, GC * GROUP_C]`)."""
+def _empty_state(BLOCK_M: tl.constexpr, GROUP_C: tl.constexpr, GC: tl.constexpr):
+    """Online-softmax state before any token: running maximum, sum and the `GC` `[BLOCK_M, GROUP_C]`
+    accumulators."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    if WHOLE:
-        acc = tl.zeros((BLOCK_M, GC * GROUP_C), tl.float32)
-    else:
-        acc = ()
-        for g in tl.static_range(GC):
-            acc = acc + (tl.zeros((BLOCK_M, GROUP_C), tl.float32),)
+    acc = ()
+    for g in tl.static_range(GC):
+        acc = acc + (tl.zeros((BLOCK_M, GROUP_C), tl.float32),)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, acc, GROUP_C: tl.constexpr, D_C: tl.constexpr,
-                   GC: tl.constexpr, WHOLE: tl.constexpr):
+                   GC: tl.constexpr):
     """Rows `o_row` of the partials: `o` normalised by this split's sum, `lse` in natural log (-inf when empty)."""
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     b_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    if WHOLE:
-        tl.debug_barrier()  # every thread's staged queries read before the partial overwrites them
-        o_k = tl.arange(0, D_C)
-        tl.store(o_ptr + o_row[:, None] * D_C + o_k[None, :], acc * inv_l[:, None], mask=m_m[:, None])
-    else:
-        o_k = tl.arange(0, GROUP_C)
-        for g in tl.static_range(GC):
-            tl.store(o_ptr + o_row[:, None] * D_C + g * GROUP_C + o_k[None, :], acc[g] * inv_l[:, None],
-                     mask=m_m[:, None])
+    o_k = tl.arange(0, GROUP_C)
+    for g in tl.static_range(GC):
+        tl.store(o_ptr + o_row[:, None] * D_C + g * GROUP_C + o_k[None, :], acc[g] * inv_l[:, None],
+                 mask=m_m[:, None])
     tl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
@@ -389,7 +270,6 @@ def mla_decode_triton_kernel(
     D_C: tl.constexpr, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr,
     D_R: tl.constexpr, R_BITS: tl.constexpr, S: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr,
-    WHOLE: tl.constexpr,
 ):
     """One program per (split, head block, sequence program `i_p`): splits `0 .. num_splits-1` take
     `tokens_per_split` packed positions each from `S`, sized from the device-side length (`ops.backends.split_plan`);
@@ -404,10 +284,9 @@ def mla_decode_triton_kernel(
     i_s, i_p, i_req, row, length, lp, limit0, o_m, m_m, lim_m = _program(
         len_ptr, lp_ptr, rows_ptr, cu_q_ptr, tok_req_ptr, M, Tq, PAGE, BLOCK_M)
 
-    fc, fr, qh, ql, qrh, qrl = _stage_queries(q_ptr + i_p * s_qb, qr_ptr + i_p * s_qrb, o_m, m_m, qk_scale, o_ptr,
-                                              _partial_rows(i_p, M, o_m, num_splits, i_s), D_C, GC, GROUP_C, D_R,
-                                              Q_SPLIT, NATIVE, WHOLE)
-    m_i, l_i, acc = _empty_state(BLOCK_M, GROUP_C, GC, WHOLE)
+    fc, fr, qh, ql, qrh, qrl = _stage_queries(q_ptr + i_p * s_qb, qr_ptr + i_p * s_qrb, o_m, m_m, qk_scale, D_C, GC,
+                                              GROUP_C, D_R, NATIVE)
+    m_i, l_i, acc = _empty_state(BLOCK_M, GROUP_C, GC)
     is_dense = i_s == num_splits
 
     # Packed positions: this split's share of [S, length - R), intersected with [lp + S, limit0). Every one of them
@@ -426,7 +305,7 @@ def mla_decode_triton_kernel(
             slot = tl.load(p_pt + o_t // PAGE, mask=m_t, other=0).to(tl.int64) * PAGE + o_t % PAGE
         m_i, l_i, acc = _tile(
             p_cc, p_cs, p_cz, p_rc, p_rs, p_rz, s_cct, s_cst, s_rct, s_rst, slot, m_t, m_m[:, None] & m_t[None, :],
-            fc, fr, qh, ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, NATIVE, WHOLE)
+            fc, fr, qh, ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, C_BITS, D_R, R_BITS, Q_SPLIT, NATIVE)
 
     # The last split takes the model-dtype copies: the sink (slot j = position lp + j) and the recent ring
     # (positions [length - R, length) past the sink, slot p % R), causal per query row.
@@ -440,7 +319,7 @@ def mla_decode_triton_kernel(
         m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
         m_i, l_i, acc = _tile(
             p_snc, p_snc, p_snc, p_snr, p_snr, p_snr, s_snct, s_snct, s_snrt, s_snrt, o_j, m_t, m_valid,
-            fc, fr, qh, ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE, WHOLE)
+            fc, fr, qh, ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
     r_lo = tl.maximum(length - R, 0)
     r_hi = tl.where(is_dense, length, r_lo)
     p_rcc = rcc_ptr + row * s_rccb
@@ -452,10 +331,10 @@ def mla_decode_triton_kernel(
         m_valid = m_m[:, None] & m_t[None, :] & (o_t[None, :] < lim_m[:, None])
         m_i, l_i, acc = _tile(
             p_rcc, p_rcc, p_rcc, p_rcr, p_rcr, p_rcr, s_rcct, s_rcct, s_rcrt, s_rcrt, o_t % RING, m_t, m_valid,
-            fc, fr, qh, ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE, WHOLE)
+            fc, fr, qh, ql, qrh, qrl, m_i, l_i, acc, GC, GROUP_C, 16, D_R, 16, Q_SPLIT, NATIVE)
 
     o_row = _partial_rows(i_p, M, o_m, num_splits, i_s)
-    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, acc, GROUP_C, D_C, GC, WHOLE)
+    _store_partial(o_ptr, lse_ptr, o_row, m_m, m_i, l_i, acc, GROUP_C, D_C, GC)
 
 
 def path_tiling(path: PathFormat, max_groups: int) -> tuple[int, int] | None:
@@ -523,38 +402,6 @@ def block_rows(M: int) -> int:
     return 16 if M <= 32 else 32
 
 
-HEADS_BLOCK_M = 64  # rows per program of the whole-row tiling: the M of every wgmma
-
-
-def heads_launch_shape(fmt: CacheFormat) -> tuple[int, int, int]:
-    """`(tokens per tile, warps, pipeline stages)` of the whole-row tiling: two warpgroups (the `[64, d_c]` fp32
-    accumulator at 128 registers a thread), 32-token tiles for packed content and 64 for 16-bit (the fewest spills
-    of the sm_90 compile)."""
-    return (32 if fmt.content.quantized else 64), 8, 2
-
-
-def heads_native_operands(q_dtype: torch.dtype, qr_dtype: torch.dtype, copy_dtype: torch.dtype) -> bool:
-    """Whether a whole-row launch keeps the products in the model dtype (`NATIVE`: queries as stored, keys rounded
-    once to the model dtype): fp16 and fp32 models whose queries are in the copies' dtype. A bf16 model's keys go to
-    fp16 (11-bit mantissa, the other kernels' accuracy), its queries scaled into fp16's range; `native=True` gives
-    it bf16 keys (8-bit mantissa, the precision of a bf16 cache)."""
-    return q_dtype == qr_dtype == copy_dtype and copy_dtype in (torch.float16, torch.float32)
-
-
-def tiling(fmt: CacheFormat, M: int, heads: bool = False) -> tuple[int, tuple[int, int, int]]:
-    """`(rows per program, (tokens per tile, warps, stages))` of a launch over `M` rows: `block_rows` and
-    `launch_shape`, or with `heads` the whole-row tiling's `HEADS_BLOCK_M` and `heads_launch_shape`."""
-    return (HEADS_BLOCK_M, heads_launch_shape(fmt)) if heads else (block_rows(M), launch_shape(fmt, M))
-
-
-def operands_native(fmt: CacheFormat, q_dtype: torch.dtype, qr_dtype: torch.dtype, copy_dtype: torch.dtype,
-                    heads: bool = False) -> bool:
-    """`NATIVE` of a launch: `native_operands`, or with `heads` `heads_native_operands`."""
-    if heads:
-        return heads_native_operands(q_dtype, qr_dtype, copy_dtype)
-    return native_operands(fmt, q_dtype, qr_dtype, copy_dtype)
-
-
 def _plane3(planes: dict, path: PathFormat, requests: int):
     """A path's `(p0, p1, p2)` planes `[B, capacity, width]` (`_group_tile`); given `requests` (> 0), page planes
     `[P, page_size, width]` as one pool `[requests, P * page_size, width]` of batch stride 0."""
@@ -570,19 +417,18 @@ def _plane3(planes: dict, path: PathFormat, requests: int):
 
 
 def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq,
-                  split_target, NS, qk_scale, native=None, pages=None, block_t=None, heads=False):
+                  split_target, NS, qk_scale, native=None, pages=None, block_t=None):
     """Launch `mla_decode_triton_kernel` on the grid `(NS + 1, cdiv(M, block_rows(M)), B)`: `q: [B, M, d_c]`,
     `qr: [B, M, d_R]`, partials `o_part: [B, M, NS + 1, d_c]`, `lse_part: [B, M, NS + 1]` fp32, in the launch
     measured on the H200 (`block_rows`, `launch_shape`; `block_t` overrides the tile). `native`: `NATIVE`, default
     from the copies' dtype. `pages` (the kernel's `PAGE` launch, B the query tokens): `(page_table, rows,
-    cu_seqlens_q, token_request)` int32 of the requests, whose page planes `cp`, `rp` are `[P, page_size, width]`.
-    `heads`: the whole-row tiling (`WHOLE`, backend `triton_heads`; `tiling`, `operands_native`)."""
+    cu_seqlens_q, token_request)` int32 of the requests, whose page planes `cp`, `rp` are `[P, page_size, width]`."""
     B, _, D_C = q.shape
     D_R = qr.shape[-1]
     if native is None:
-        native = operands_native(fmt, q.dtype, qr.dtype, sink_c.dtype, heads)
+        native = native_operands(fmt, q.dtype, qr.dtype, sink_c.dtype)
     GC, GROUP_C = path_tiling(fmt.content, 8)
-    block_m, (tile, warps, stages) = tiling(fmt, M, heads)
+    block_m, (tile, warps, stages) = block_rows(M), launch_shape(fmt, M)
     n_req = pages[0].shape[0] if pages else 0
     c0, c1, c2 = _plane3(cp, fmt.content, n_req)
     r0, r1, r2 = _plane3(rp, fmt.rope, n_req)
@@ -595,6 +441,6 @@ def launch_triton(q, qr, cp, rp, fmt, sink_c, sink_r, recent_c, recent_r, lp, le
         *(t.stride(i) for t in (c0, c1, r0, r1, sink_c, sink_r, recent_c, recent_r) for i in (0, 1)),
         D_C=D_C, GC=GC, GROUP_C=GROUP_C, C_BITS=fmt.content.bits, D_R=D_R, R_BITS=fmt.rope.bits,
         S=fmt.sink_tokens, R=fmt.recent_tokens, PAGE=page_size, BLOCK_M=block_m, BLOCK_T=block_t or tile,
-        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, NATIVE=native, WHOLE=heads, num_warps=warps,
+        Q_SPLIT=q.dtype == torch.float32 or qr.dtype == torch.float32, NATIVE=native, num_warps=warps,
         num_stages=stages,
     )

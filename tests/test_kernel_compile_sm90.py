@@ -5,8 +5,7 @@ The CPU tests run the kernels in the Triton interpreter, which neither type-chec
 fp32 model's launch once paired fp16 operands with fp32 IEEE dots and failed to compile on the H200 only) nor
 counts shared memory (a paged launch once needed 253,952 bytes of the 232,448 a program may use, and failed on the
 H200 only). This compiles the launches `launch_triton` and `mla_decode_paged` make (their tiling, warps and
-stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; its paged launch in bf16), its
-whole-row tiling (`launch_triton(heads=True)`: C4R4, C8R8, C16R16 in bf16, C4R4 in fp32) and the
+stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; its paged launch in bf16), the
 quantize-and-pack kernel's two ways of addressing rows and the paged cache's one-launch layer write ahead of time
 for sm_90 (Triton's own ptxas, no driver), in a subprocess because the test session runs Triton in interpreter mode.
 """
@@ -32,9 +31,8 @@ SCRIPT = textwrap.dedent(
         fmt = CacheFormat(PathFormat(512, bits, 64), PathFormat(64, bits, 64), 4, 128)
         gc, group = mod.path_tiling(fmt.content, 8)
         const = dict(D_C=512, GC=gc, GROUP_C=group, C_BITS=bits, D_R=64, R_BITS=bits, S=4, R=128,
-                     BLOCK_M=mod.block_rows(rows), BLOCK_T=mod.launch_shape(fmt, rows)[0], Q_SPLIT=exact, NATIVE=exact or bits == 16,
-                     WHOLE=False,
-                     **extra_const)
+                     BLOCK_M=mod.block_rows(rows), BLOCK_T=mod.launch_shape(fmt, rows)[0], Q_SPLIT=exact,
+                     NATIVE=exact or bits == 16, **extra_const)
         sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
@@ -56,31 +54,6 @@ SCRIPT = textwrap.dedent(
         if rows == 16 and not exact:
             ptr.update(len_ptr="*i32", pt_ptr="*i32", rows_ptr="*i32", cu_q_ptr="*i32", tok_req_ptr="*i32")
             compile_launch(mod.mla_decode_triton_kernel, bits, exact, rows, dict(PAGE=64), ptr)
-
-    # the whole-row tiling (`launch_triton(heads=True)`), with the divisibility a launch at DeepSeek widths
-    # specialises on (pointers and strides multiples of 16, with which the pipeliner stages more in shared memory)
-    fn = mod.mla_decode_triton_kernel
-    for bits, exact, page in ((4, False, 0), (8, False, 0), (16, False, 0), (4, True, 0)):
-        fmt = CacheFormat(PathFormat(512, bits, 64), PathFormat(64, bits, 64), 4, 128)
-        tile, warps, stages = mod.heads_launch_shape(fmt)
-        const = dict(D_C=512, GC=8, GROUP_C=64, C_BITS=bits, D_R=64, R_BITS=bits, S=4, R=128, PAGE=page,
-                     BLOCK_M=mod.HEADS_BLOCK_M, BLOCK_T=tile, Q_SPLIT=exact, NATIVE=exact, WHOLE=True)
-        copy = "*fp32" if exact else "*bf16"
-        plane, meta = (copy, (copy, copy)) if bits == 16 else ("*u8", ("*fp16", "*i8"))
-        index = "*i32" if page else "*i64"
-        ptr = dict(q_ptr=copy, qr_ptr=copy, cc_ptr=plane, cs_ptr=meta[0], cz_ptr=meta[1], rc_ptr=plane,
-                   rs_ptr=meta[0], rz_ptr=meta[1], snc_ptr=copy, snr_ptr=copy, rcc_ptr=copy, rcr_ptr=copy,
-                   len_ptr=index, lp_ptr="*i64", pt_ptr=index, rows_ptr=index, cu_q_ptr=index, tok_req_ptr=index,
-                   o_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")
-        sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in fn.arg_names}
-        aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n in ("s_qb", "s_qrb", "s_ccb", "s_cct", "s_rcb",
-                                                                          "s_sncb", "s_snct", "s_rccb", "s_rcct")]
-        src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-                        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
-                                                                                    num_stages=stages))
-        assert ".target sm_90" in kernel.asm["ptx"]
-        assert kernel.metadata.shared <= SMEM, ("heads", bits, exact, page, kernel.metadata.shared)
 
     # the quantize-and-pack writes: at consecutive positions (from a device-side start) and at page slots
     from quantmla_hf.kernels import quant_pack as qp

@@ -398,17 +398,3 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     args = seen["bound"].arguments
     assert args["PAGED"] and args["pt_ptr"] is table and args["s_pt"] == 7
     assert args["s_ccb"] == args["s_csb"] == args["s_rcb"] == args["s_rsb"] == 0
-
-
-def test_sass_script_reports_the_whole_row_tiling():
-    """`benchmarks/sass_decode.py --heads` (the command behind the whole-row tiling's compile figures in
-    docs/KERNELS.md): both of its products are `wgmma`s, and it reports registers and spills."""
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this Triton has no bundled cuobjdump")
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
-    out = subprocess.run([sys.executable, script, "C4R4", "--heads"], env=dict(os.environ, TRITON_INTERPRET="0"),
-                         capture_output=True, text=True, timeout=900, cwd="/")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"REG:\d+", out.stdout) and re.search(r"spill stores \(STL\) \d+", out.stdout), out.stdout
-    hgmma = re.search(r"wgmma \(HGMMA\) (\d+)", out.stdout)
-    assert hgmma and int(hgmma.group(1)) > 0, out.stdout

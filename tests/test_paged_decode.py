@@ -1,5 +1,5 @@
-"""Paged MLA decode: the Triton kernel in both tilings (`triton`, `triton_heads`) against its PyTorch reference, and
-the reference against the contiguous one.
+"""Paged MLA decode: the portable Triton kernel (`triton`) against its PyTorch reference, and the reference against
+the contiguous one.
 
 Fresh random pages in a shuffled order, requests of odd and unequal lengths in one launch (varlen), lengths on page
 boundaries and on the sink/recent boundaries, decode steps and chunks of several query tokens. On CPU the kernel runs
@@ -18,7 +18,6 @@ from quantmla_hf.kernels.mla_decode_triton import programs_per_sm
 from quantmla_hf.ops.backends import mla_decode_paged, score_rounding, select_paged_backend
 
 D_C, D_R, PAGE = 64, 16, 8
-TRITON = ["triton", "triton_heads"]
 
 
 def paged_case(lengths, query_lens, cb=4, rb=4, S=2, R=5, H=4, dtype=torch.float32, seed=0, D_C=D_C, D_R=D_R):
@@ -61,7 +60,7 @@ def check(args, **kw):
     page_size = next(iter(args[2].values())).shape[1]
     backend = kw.get("backend") or select_paged_backend(fmt, q_lat.shape[1], table.shape[0], q_lat.shape[0],
                                                         page_size, copies.dtype, KERNEL_DEVICE)
-    rounding = score_rounding(backend, fmt, q_lat.dtype, copies.dtype)
+    rounding = score_rounding(backend, fmt)
     _, ref_lse = mla_decode_paged_ref(*args, dtype=torch.float64, score_rounding=rounding)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     exact = copies.dtype == torch.float32
@@ -70,43 +69,37 @@ def check(args, **kw):
     return out, lse
 
 
-@pytest.mark.parametrize("backend", TRITON)
 @pytest.mark.parametrize("cb, rb", [(4, 4), (2, 4), (8, 8), (16, 16), (2, 16), (4, 8)])
-def test_unequal_requests_in_one_launch(backend, cb, rb):
+def test_unequal_requests_in_one_launch(cb, rb):
     # decode (1 token), a chunk of 3 and one of 9, lengths odd, on a page boundary and inside the sink window
-    check(paged_case([17, 16, 9, 1, 40], [1, 1, 3, 1, 9], cb=cb, rb=rb), backend=backend)
+    check(paged_case([17, 16, 9, 1, 40], [1, 1, 3, 1, 9], cb=cb, rb=rb), backend="triton")
 
 
-@pytest.mark.parametrize("backend", TRITON)
 @pytest.mark.parametrize("length", [1, 2, 3, 5, 6, 7, 8, 9, 33])
-def test_lengths_around_sink_recent_and_page_edges(backend, length):
+def test_lengths_around_sink_recent_and_page_edges(length):
     # S = 2, R = 5, page 8: below, on and past the sink, recent and page boundaries, with a 32-token block edge
-    check(paged_case([length, length + 8], [1, min(length, 4)], seed=length), backend=backend)
+    check(paged_case([length, length + 8], [1, min(length, 4)], seed=length), backend="triton")
 
 
-@pytest.mark.parametrize("backend", TRITON)
-def test_deepseek_widths(backend):
-    # d_c 512, d_R 64: the wide configuration (16-position blocks, 8 warps)
-    check(paged_case([21, 40], [1, 3], H=16, D_C=512, D_R=64), backend=backend)
+def test_deepseek_widths():
+    # d_c 512, d_R 64: the widths of DeepSeek's layers
+    check(paged_case([21, 40], [1, 3], H=16, D_C=512, D_R=64), backend="triton")
 
 
-@pytest.mark.parametrize("backend", TRITON)
-def test_many_heads_take_several_head_blocks(backend):
-    check(paged_case([13, 21], [2, 1], H=70), backend=backend)
+def test_many_heads_take_several_head_blocks():
+    check(paged_case([13, 21], [2, 1], H=70), backend="triton")
 
 
-@pytest.mark.parametrize("backend", TRITON)
 @pytest.mark.parametrize("cb, rb", [(4, 16), (16, 16)])
-def test_bf16_copies_and_pages(backend, cb, rb):
-    check(paged_case([19, 12], [1, 2], cb=cb, rb=rb, dtype=torch.bfloat16), backend=backend)
+def test_bf16_copies_and_pages(cb, rb):
+    check(paged_case([19, 12], [1, 2], cb=cb, rb=rb, dtype=torch.bfloat16), backend="triton")
 
 
-@pytest.mark.parametrize("backend", TRITON)
-def test_bf16_model_with_bf16_queries(backend):
+def test_bf16_model_with_bf16_queries():
     # C16R16 with queries in the model dtype: the `NATIVE` launch on a GPU, fp16 operands in the interpreter
     args = list(paged_case([19, 12], [1, 2], cb=16, rb=16, dtype=torch.bfloat16))
     args[0], args[1] = args[0].bfloat16(), args[1].bfloat16()
-    check(tuple(args), backend=backend)
+    check(tuple(args), backend="triton")
 
 
 def test_block_size_and_splits_do_not_change_the_result():

@@ -11,8 +11,6 @@ Backends (the kernels, each beside its reference in `kernels/`; timings and why 
     "gluon_regs"  mla_decode_gluon_regs.py   sm_90, 16 query rows per program, keys unpacked into wgmma registers
     "gluon_wide"  mla_decode_gluon_wide.py   sm_90, two warpgroups, 32 rows per program (many heads)
     "triton"      mla_decode_triton.py       any CUDA GPU (and the Triton interpreter on CPU), every dtype
-    "triton_heads" mla_decode_triton.py      the same kernel in its whole-row tiling: 64 rows per program as the
-                                             products' M, each token tile unpacked once for both products
     "torch"       mla_decode_ref.py          the reference, for formats no kernel takes
 
 Every kernel splits the packed positions into `split_plan` shares sized from the device-side `length` (never the
@@ -45,8 +43,8 @@ from ..kernels.mla_decode_gluon_common import score_rounding as gluon_score_roun
 from ..kernels.mla_decode_ref import mla_decode_static_ref
 
 LOG2E = 1.4426950408889634
-BACKENDS = ("gluon_regs", "gluon_wide", "triton", "triton_heads", "torch")
-PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "triton", "triton_heads")
+BACKENDS = ("gluon_regs", "gluon_wide", "triton", "torch")
+PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "triton")
 
 
 def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, device) -> str:
@@ -88,19 +86,13 @@ def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: i
     return choice if choice.startswith("gluon") else "triton"
 
 
-def score_rounding(backend: str, fmt: CacheFormat, q_dtype: torch.dtype = torch.bfloat16,
-                   copy_dtype: torch.dtype = torch.bfloat16) -> tuple[bool, bool]:
-    """Whether `backend`'s scores see the packed keys of (content, RoPE) rounded once to fp16, to nearest (queries
-    of `q_dtype`, sink/recent copies of `copy_dtype`), as `mla_decode_ref(score_rounding=...)` repeats it
+def score_rounding(backend: str, fmt: CacheFormat) -> tuple[bool, bool]:
+    """Whether `backend`'s scores see the packed keys of (content, RoPE) rounded once to fp16, to nearest, as
+    `mla_decode_ref(score_rounding=...)` repeats it
     (`bench_decode.py --check` holds each backend's LSE to that reference): the Gluon kernels below 8 bits
-    (`mla_decode_gluon_common.score_rounding`), the whole-row tiling ("triton_heads") at every packed width unless
-    its operands are fp32 (`fp16((code - z) * s)`, `mla_decode_triton._dequant_rows`). "triton" and "torch" score
-    exactly."""
+    (`mla_decode_gluon_common.score_rounding`). "triton" and "torch" score exactly."""
     if backend.startswith("gluon"):
         return gluon_score_rounding(fmt)
-    if backend == "triton_heads":
-        fp32 = portable.heads_native_operands(q_dtype, q_dtype, copy_dtype) and copy_dtype == torch.float32
-        return fmt.content.quantized and not fp32, fmt.rope.quantized and not fp32
     return False, False
 
 
@@ -130,8 +122,8 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
     ones): the same boundaries for a growing cache and a static one. At most `min(split_target, cdiv(n, min_tiles *
     block_t))` splits hold positions, so `grid_splits`, that bound at the capacity, covers every length the
     planes can hold; splits past the data write empty partials that the combine skips."""
-    if backend.startswith("triton"):
-        first, block_t, min_tiles = fmt.sink_tokens, portable.tiling(fmt, 0, backend == "triton_heads")[1][0], 2
+    if backend == "triton":
+        first, block_t, min_tiles = fmt.sink_tokens, portable.launch_shape(fmt, 0)[0], 2
         target = portable.split_target(B * head_blocks, sms)
     else:
         first, block_t, min_tiles = 0, GLUON_BLOCK_T, min_split_tiles(fmt)
@@ -245,8 +237,8 @@ def mla_decode_static(
             raise ValueError("the Gluon decode kernels need plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
                              "use backend='triton' for strided planes")
 
-    if backend.startswith("triton"):
-        block_m, n_tail = portable.tiling(fmt, M, backend == "triton_heads")[0], 1
+    if backend == "triton":
+        block_m, n_tail = portable.block_rows(M), 1
     else:
         block_m = regs.BLOCK_M if backend == "gluon_regs" else wide.BLOCK_M
         n_tail = copy_programs(fmt)
@@ -259,8 +251,8 @@ def mla_decode_static(
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
-    if backend.startswith("triton"):
-        launch = functools.partial(portable.launch_triton, heads=backend == "triton_heads")
+    if backend == "triton":
+        launch = portable.launch_triton
     else:
         launch = functools.partial(regs.launch_gluon, wide_program=backend == "gluon_wide")
     launch(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
@@ -353,9 +345,8 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
         counts = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
         token_request = torch.repeat_interleave(torch.arange(n, device=q_lat.device), counts)
     S, R = sink_content.shape[1], recent_content.shape[1]
-    heads = backend == "triton_heads"
-    native = portable.operands_native(fmt, q_lat.dtype, q_rot.dtype, copy_dtype, heads)
-    block_m, (tile, _, _) = portable.tiling(fmt, H, heads)
+    native = portable.native_operands(fmt, q_lat.dtype, q_rot.dtype, copy_dtype)
+    block_m, tile = portable.block_rows(H), portable.launch_shape(fmt, H)[0]
     bt = block_t or tile
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 8
@@ -371,5 +362,5 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
     pages = tuple(t.to(torch.int32).contiguous() for t in (page_table, rows, cu_seqlens_q, token_request))
     portable.launch_triton(q_lat.contiguous(), q_rot.contiguous(), content, rope, copies, snc, snr, rcc, rcr, lens,
                            lens, o_part, lse_part, H, 1, target, NS, float(scaling) * LOG2E, native=native,
-                           pages=pages, block_t=bt, heads=heads)
+                           pages=pages, block_t=bt)
     return combine(o_part, lse_part, 1, None, sms)
