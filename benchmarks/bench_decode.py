@@ -786,18 +786,29 @@ def run_placements(out_lines, points, formats, allocations, rounds):
     return out
 
 
-def run_profile(point: str, backend: str, iters: int):
-    """`H:B:N:FORMAT` decoded `iters` times through `backend` (eager launches, synchronised at the end)."""
+def run_profile(point: str, backend: str, iters: int, flashmla_path: str = ""):
+    """`H:B:N:FORMAT` decoded `iters` times through `backend` (eager launches, synchronised at the end); backend
+    "flashmla": FlashMLA (built in `flashmla_path`) on the same history as a BF16 page pool."""
     H, B, N, name = point.split(":")
     H, B, N = int(H), int(B), int(N)
     q_lat, q_rot, lp = _queries(B, H)
     fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
-    fn = decode_fn(backend, N)
+    if backend == "flashmla":
+        if not flashmla_path:
+            raise SystemExit("--profile with backend flashmla needs --flashmla DIR (FlashMLA's build folder)")
+        history = flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N)
+        step, _ = flashmla_fn(load_flashmla(flashmla_path), q_lat, q_rot, *history)
+        del history
+
+        def fn(*_):  # the packed cache's arguments, unused
+            step()
+    else:
+        fn = decode_fn(backend, N)
     for _ in range(iters):
         fn(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
     torch.cuda.synchronize()
-    print(f"profile {name} H={H} B={B} N={N} {backend} "
-          f"({select_backend(fmt, H, B, sc.dtype, DEVICE) if backend == 'default' else backend}): {iters} calls")
+    chosen = select_backend(fmt, H, B, sc.dtype, DEVICE) if backend == "default" else backend
+    print(f"profile {name} H={H} B={B} N={N} {backend} ({chosen}): {iters} calls")
 
 
 def run_tiny():
@@ -830,7 +841,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--backends", default="default",
-                    help=f"comma list for --check / --profile: default (select_backend) or of {BACKENDS}")
+                    help=f"comma list for --check / --profile: default (select_backend) or of {BACKENDS} "
+                    "(--profile also flashmla, with --flashmla)")
     ap.add_argument("--check-cases", default="", help="FORMAT:H:B:N:Tq,... cases of --check (default: CHECK_CASES)")
     ap.add_argument("--paged-check-cases", default="",
                     help="FORMAT:H:B:N,... cases of --check --paged (default: PAGED_CHECK_CASES)")
@@ -864,7 +876,7 @@ def main():
         return
     backends = [b for b in a.backends.split(",") if b]
     if a.profile:
-        run_profile(a.profile, backends[0], a.iters)
+        run_profile(a.profile, backends[0], a.iters, a.flashmla)
         return
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
     env = (f"GPU {gpu} | torch {torch.__version__} | triton {triton.__version__} | "

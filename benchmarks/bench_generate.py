@@ -7,7 +7,7 @@ CUDA graph per step), `-graphed` through `torch.compile(model, backend="cudagrap
 kernels recorded into one CUDA graph per step: no code generation, eager numerics). Compile time is reported
 separately, not in the step time.
 
-    python benchmarks/bench_generate.py --out DIR [--layers 27] [--steps 16] [--budget-gib 64]
+    python benchmarks/bench_generate.py --out DIR [--layers 27] [--heads 16] [--steps 16] [--budget-gib 64]
         [--methods dynamic-bf16,C4R4,C4R4-compiled,C4R4-graphed] [--grid 1x4096,8x32768]
         [--skip dynamic-bf16@32x32768] [--profile] [--check-tokens 64] [--check-variants eager,static,graphed]
 
@@ -344,9 +344,9 @@ class StepClock:
 
 @torch.no_grad()
 def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_points=DEFAULT_POINTS[:2],
-                           timed_points=DEFAULT_POINTS[:2], inductor=False, out_path=None):
-    """Plain `model.generate()` on a QuantMLA model (C4R4, transform none, no flags: the default path, decode
-    steps replayed from CUDA graphs) beside the eager static path (`disable_compile=True` on a
+                           timed_points=DEFAULT_POINTS[:2], inductor=False, out_path=None, heads=16):
+    """Plain `model.generate()` on a QuantMLA model (`heads` heads, C4R4, transform none, no flags: the default
+    path, decode steps replayed from CUDA graphs) beside the eager static path (`disable_compile=True` on a
     `StaticQuantMLACache`: the same kernels stepped eagerly) and, with `inductor`, `compile_config=CompileConfig(
     fullgraph=True)` at the first point, in one process, at each (batch, context) of `points` (random prompts):
 
@@ -363,9 +363,9 @@ def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_poin
     from quantmla_hf import apply_quantmla
     from quantmla_hf.generation.graphs import graph_stats, graphs_of
 
-    dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=16, kv_lora_rank=512,
+    dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=heads, kv_lora_rank=512,
                 qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)
-    cfg = AutoConfig.for_model("deepseek_v3", num_hidden_layers=layers, num_key_value_heads=16, q_lora_rank=None,
+    cfg = AutoConfig.for_model("deepseek_v3", num_hidden_layers=layers, num_key_value_heads=heads, q_lora_rank=None,
                                first_k_dense_replace=layers, max_position_embeddings=163840, **dims)
     torch.manual_seed(0)
     with torch.device(DEVICE):
@@ -450,6 +450,7 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--heads", type=int, default=16, help="attention heads (16: V2-Lite, 128: V2/V3)")
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--budget-gib", type=float, default=64.0, help="memory budget for the largest-batch estimate")
     ap.add_argument("--methods", default="dynamic-bf16,C16R16,C4R4,C2R4,quanto-int4")
@@ -476,9 +477,9 @@ def main():
         timed = [tuple(int(v) for v in p.split("x")) for p in a.default_timed.split(",") if p]
         os.makedirs(a.out, exist_ok=True)
         check_default_generate(a.layers, a.default_tokens, pts, eager, timed, a.default_inductor,
-                               os.path.join(a.out, f"bench_generate_default{a.tag}.json"))
+                               os.path.join(a.out, f"bench_generate_default{a.tag}.json"), a.heads)
         return
-    model = v2_lite(a.layers, a.tiny)
+    model = v2_lite(a.layers, a.tiny, a.heads)
     install_cache_hooks(model)
     # Target point first (batch 32 at 32K), then the rest of the grid; the budget cuts the tail.
     grid = [(32, 32768), (1, 32768), (64, 32768), (1, 131072), (8, 131072), (32, 4096)]
