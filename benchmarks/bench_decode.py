@@ -789,13 +789,13 @@ def run_placements(out_lines, points, formats, allocations, rounds):
 def run_profile(point: str, backend: str, iters: int, flashmla_path: str = ""):
     """`H:B:N:FORMAT` decoded `iters` times through `backend` (eager launches, synchronised at the end); backend
     "flashmla": FlashMLA (built in `flashmla_path`) on the same history as a BF16 page pool."""
+    if backend == "flashmla" and not flashmla_path:
+        raise SystemExit("--profile with backend flashmla needs --flashmla DIR (FlashMLA's build folder)")
     H, B, N, name = point.split(":")
     H, B, N = int(H), int(B), int(N)
     q_lat, q_rot, lp = _queries(B, H)
     fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
     if backend == "flashmla":
-        if not flashmla_path:
-            raise SystemExit("--profile with backend flashmla needs --flashmla DIR (FlashMLA's build folder)")
         history = flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N)
         step, _ = flashmla_fn(load_flashmla(flashmla_path), q_lat, q_rot, *history)
         del history

@@ -74,6 +74,11 @@ def test_placements_pool_the_allocations_and_pair_them(bench_decode):
         bench_decode.summarize_placements({("C4R4", 0): [0.02], ("C4R4", 1): [0.02], ("C2R4", 0): [0.02]})
 
 
+def test_profiling_flashmla_without_its_build_folder_says_what_to_pass(bench_decode):
+    with pytest.raises(SystemExit, match="needs --flashmla DIR"):
+        bench_decode.run_profile("16:1:300:C4R4", "flashmla", 1)
+
+
 def test_generate_benchmark_runs_and_fits_a_largest_batch(tmp_path):
     cmd = [sys.executable, os.path.join(BENCH, "bench_generate.py"), "--tiny", "--out", str(tmp_path),
            "--methods", "dynamic-bf16,C4R4,C4R4-static", "--skip", "C4R4-static@3x40"]
