@@ -466,15 +466,24 @@ def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.cons
 
 
 @_jit
-def _tile_rows(p_pt, tn, last, PAGED: gl.constexpr):
-    """`(row, shift)` of the tile at int32 position `tn`: the plane row its first token is read from and the offset
-    from positions to rows; `(tn, 0)` for planes offset to the split's first tile. `PAGED` (page pools; `p_pt[0]`
-    the page number of the split's first tile): `row = page * 64`, `shift = row - tn`; a tile past the last stored
-    position `last` (>= 0) takes that position's page, so every read stays inside a page of the request."""
+def _tile_page(p_pt, tn, last, PAGED: gl.constexpr):
+    """`PAGED` (page pools; `p_pt[0]` the page number of the split's first tile): the page number of the tile at
+    int32 position `tn`, loaded a tile before `_tile_rows` needs it; a tile past the last stored position `last`
+    (>= 0) takes that position's page, so every read stays inside a page of the request. 0 for contiguous planes."""
+    page = 0
     if PAGED:
-        t_a = gl.maximum(gl.minimum(tn, last // 64 * 64), 0)
-        row = gl.load(p_pt + t_a // 64) * 64
-        shift = row - t_a
+        page = gl.load(p_pt + gl.maximum(gl.minimum(tn, last // 64 * 64), 0) // 64)
+    return page
+
+
+@_jit
+def _tile_rows(page, tn, last, PAGED: gl.constexpr):
+    """`(row, shift)` of the tile at int32 position `tn` (`page`: its `_tile_page`): the plane row its first token
+    is read from and the offset from positions to rows; `(tn, 0)` for planes offset to the split's first tile.
+    `PAGED`: `row = page * 64`, `shift = row - tn` (`tn` clamped as `_tile_page` clamps it)."""
+    if PAGED:
+        row = page * 64
+        shift = row - gl.maximum(gl.minimum(tn, last // 64 * 64), 0)
     else:
         row = tn
         shift = 0
@@ -795,25 +804,27 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
 def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_rs, p_rz, qbuf, qlo, kbuf, kz, p_cc,
                  p_rc, t0, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
                  R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
-                 wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ml: gl.constexpr, last, p_pt,
+                 wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ml: gl.constexpr, last, p_pt, page_n,
                  PAGED: gl.constexpr):
     """Scores of the packed tile at int32 position `t0` (relative to the split's first tile) from its words `c01 ..
     cr` and metadata (steps `s0, s1, sr`, zero points `z0, z1, zr`: `_load_meta_rows`), loading the next tile's (`t0
-    + 64`) through row pointers up to row `last`. `PAGED`: the planes are page pools and `p_pt` the split's page
-    numbers (`_tile_rows`). Returns `(acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr)`, the next tile's."""
+    + 64`) through row pointers up to row `last`. `PAGED`: the planes are page pools, `p_pt` the split's page
+    numbers and `page_n` the next tile's (`_tile_page`); the page of the tile after it is loaded here. Returns `(acc,
+    c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, page)`, the next tile's and the page of the one after."""
     tn = t0 + 64
+    page_nn = _tile_page(p_pt, tn + 64, last, PAGED)
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
     zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
     zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
     s_row = _row_steps(sr, acc_l, C_BITS, R_BITS)
-    row, shift = _tile_rows(p_pt, tn, last, PAGED)
+    row, shift = _tile_rows(page_n, tn, last, PAGED)
     s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml)
     p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
     p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
     acc, c01, c23, c45, c67, cr = _packed_scores(
         c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, s_row, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
         lo, last, 0, GC, True, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, True)
-    return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr
+    return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, page_nn
 
 
 @_jit

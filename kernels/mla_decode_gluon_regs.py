@@ -42,6 +42,7 @@ if HAVE_GLUON:
         _split_range,
         _stage_queries,
         _store_o,
+        _tile_page,
         _tile_rows,
         _tile_scores,
     )
@@ -156,7 +157,7 @@ def mla_decode_gluon_kernel(
         if PAGED:  # the pools from their first row, through the request's page numbers from the split's first tile on
             last = gl.maximum(hi_l - 1, 0)
             p_pt = pt_ptr + i_b * s_pt + gl.where(n_tiles > 0, base // BT, 0)
-            row, shift = _tile_rows(p_pt, 0, last, True)
+            row, shift = _tile_rows(_tile_page(p_pt, 0, last, True), 0, last, True)
             pw, t_w, lo_w, end_w = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L), 0, lo_l, last
         else:  # the planes from the split's first tile on, the first tile masked
             pw, t_w, lo_w, end_w = p_cc, base, lo_valid, hi
@@ -187,13 +188,14 @@ def mla_decode_gluon_kernel(
                                                                           C_BITS, R_BITS)
         o_bt = gl.arange(0, BT, layout=row_l).to(gl.int64)
         o_bt32 = gl.arange(0, BT, layout=row_l)
+        page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
         for it in range(n_tiles):
             t_l = it * BT
             kz = it >> 30  # zero at run time, unknown to the compiler: keeps the descriptors in the loop
-            acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr = _tile_scores(
+            acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, page_n = _tile_scores(
                 c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs_s, p_cz_s, p_rs_s, p_rz_s, qbuf, qlo, kbuf, kz,
                 p_cc_s, p_rc_s, t_l, lo_l, hi_l, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l,
-                dot_a, ml, last, p_pt, PAGED)
+                dot_a, ml, last, p_pt, page_n, PAGED)
             o_t = t_l + o_bt32
             m_valid = ((o_t >= lo_l) & (o_t < hi_l))[:, None] & m_m[None, :]
             m_i, l_p, outs = _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf)

@@ -44,6 +44,7 @@ if HAVE_GLUON:
         _row_steps,
         _split_range,
         _store_o,
+        _tile_page,
         _tile_rows,
         _values,
     )
@@ -194,7 +195,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
             p_pt = pt_ptr
             p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _planes_from(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, first, GC, C_BITS,
                                                               R_BITS)
-        row, shift = _tile_rows(p_pt, 0, last, PAGED)
+        row, shift = _tile_rows(_tile_page(p_pt, 0, last, PAGED), 0, last, PAGED)
         t_first = 0
         pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
     else:
@@ -217,13 +218,16 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         sr = s0
         zr = z0
     ph = 0
+    page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
     for it in range(n_tiles):
         t0 = t_first + it * BT
         tn = t0 + BT
+        page_nn = _tile_page(p_pt, tn + BT, last, PAGED)
         zz, ss, zh = _pair_meta(s0, z0, C_BITS)
         zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
         s_row = _row_steps(sr, acc_l, C_BITS, R_BITS if LEAD else 0)  # the leader scores the RoPE unit
-        row, shift = _tile_rows(p_pt, tn, last, PAGED)
+        row, shift = _tile_rows(page_n, tn, last, PAGED)
+        page_n = page_nn
         s0, z0 = _load_group(p_cs, p_cz, tn, lo, hi, 4 * HF, GC, ml, ROWS, last, shift)
         if LEAD:
             sr, zr = _load_group(p_rs, p_rz, tn, lo, hi, 0, 0, ml, ROWS, last, shift)

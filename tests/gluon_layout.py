@@ -51,7 +51,7 @@ def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tu
 
 def paged_reads(length: int, split: int, num_splits: int, split_target: int, fmt: CacheFormat) -> tuple[list, list]:
     """The host's statement of the paged launch's reads for one request of `length` positions (`_split_range` with
-    no left padding, then `_tile_rows` for tile 0 and for every tile the loop loads, the last one a prefetch):
+    no left padding, then `_tile_page` for tiles 0 and 1 and, in every tile the loop attends, for the tile two ahead):
     `(page_indices, tiles)`, the page-table columns read and the positions `[lo, hi)` each attended tile holds."""
     BT = BLOCK_T
     per = max(-(-(-(-max(length - fmt.recent_tokens, 0) // split_target)) // BT) * BT, min_split_tiles(fmt) * BT)
@@ -61,6 +61,7 @@ def paged_reads(length: int, split: int, num_splits: int, split_target: int, fmt
     n_tiles = (hi - base + BT - 1) // BT if hi > lo else 0
     last = max(hi - base - 1, 0)
     first = base // BT if n_tiles > 0 else 0
-    pages = [first + max(min(t0, last // BT * BT), 0) // BT for t0 in [0] + [it * BT + BT for it in range(n_tiles)]]
+    pages = [first + max(min(t0, last // BT * BT), 0) // BT
+             for t0 in [0, BT] + [it * BT + 2 * BT for it in range(n_tiles)]]
     tiles = [(max(base + it * BT, lo), min(base + it * BT + BT, hi)) for it in range(n_tiles)]
     return pages, tiles
