@@ -679,9 +679,10 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
                 choice = select_paged_backend(fmt, H, B, B, 64, sc.dtype, DEVICE)
                 others = {"gluon_wide": ("gluon_regs", "triton"), "gluon_regs": ("triton",)}.get(choice, ())
                 old_paged = [("old-paged", None, baseline.paged)] if baseline and baseline.paged else []
-                for tag, backend, decode in [("paged", None, None)] + old_paged + [(f"paged-{b}", b, None)
-                                                                                   for b in others]:
-                    run = paged_fn(args, backend=backend, decode=decode)
+                # (not named `backend`: that is the contiguous decode's, for every later format and point)
+                for tag, paged_backend, decode in [("paged", None, None)] + old_paged + [(f"paged-{b}", b, None)
+                                                                                         for b in others]:
+                    run = paged_fn(args, backend=paged_backend, decode=decode)
                     keep.append((run, args))
                     replays[f"{tag}-{name}"] = graphed(run)
             if flashmla is not None:
