@@ -133,9 +133,9 @@ def _pv(acc, alpha, b_p, b_k, b_s, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr, qh, ql, qrh, qrl, m_i,
-                 l_i, acc, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
-                 R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr):
+def _tile(c0, c1, c2, r0, r1, r2, s_ct, s_cmt, s_rt, s_rmt, o_t, m_t, m_valid, fc, fr, qh, ql, qrh, qrl, m_i, l_i,
+          acc, GC: tl.constexpr, GROUP_C: tl.constexpr, C_BITS: tl.constexpr, GROUP_R: tl.constexpr,
+          R_BITS: tl.constexpr, Q_SPLIT: tl.constexpr, NATIVE: tl.constexpr):
     """One token tile: scores `sum_g s_g * (q_g . k_g)` over the content groups plus the RoPE group (keys as exact
     integers), an online-softmax step in base 2, and per group `a_g = a_g * alpha + p @ fp16(k_g * s_g)` (the
     group re-read, an L1 hit, and re-unpacked, scaled: one fp16 rounding). Queries: tuples `qh, ql` of `GC`
