@@ -3,7 +3,7 @@ backend) on the packed cache vs BF16 baselines on a BF16 latent cache: PyTorch a
 public BF16 MLA Triton decode kernel when one is given (`--bf16-kernel FILE`: vLLM's `triton_decode_attention.py`,
 fetched separately and never committed) and the stock transformers step (`--stock`). DeepSeek-V2-Lite dims.
 
-    python benchmarks/bench_decode.py --check [--backends default,gluon_regs,gluon_wide,triton]
+    python benchmarks/bench_decode.py --check [--backends default,gluon_regs,gluon_wide,gluon_staged,triton]
         every backend vs the fp64 reference at real sizes (d_c 512, 16/128 heads, B 1-64, up to 128K, Tq up to 16,
         bf16/fp32 queries, bf16/fp16/fp32 models, B x N x 576 > 2^31), and capacity invariance (bitwise)
     python benchmarks/bench_decode.py --bench [--graph] [--points H:B:N,...] [--formats C4R4,...] --out DIR
@@ -245,7 +245,7 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
         case = CheckCase(name, H, B, N, Tq, qdt, dtype, R)
         fmt, args, spare = case.fmt, case.args, case.SPARE
         for backend in backends:
-            chosen = backend if backend != "default" else select_backend(fmt, H * Tq, B, dtype, DEVICE)
+            chosen = backend if backend != "default" else select_backend(fmt, H * Tq, B, dtype, DEVICE, args[0].dtype)
             label = backend if backend != "default" else f"default={chosen}"
             exact, design = case.reference(), case.reference(score_rounding(chosen, fmt))
             try:
@@ -677,7 +677,8 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
             if paged:  # the default paged kernel, and the other ones that take the case
                 choice = select_paged_backend(fmt, H, B, B, 64, sc.dtype, DEVICE)
-                others = {"gluon_wide": ("gluon_regs", "triton"), "gluon_regs": ("triton",)}.get(choice, ())
+                others = {"gluon_staged": ("gluon_wide",), "gluon_wide": ("gluon_regs", "triton"),
+                          "gluon_regs": ("triton",)}.get(choice, ())
                 old_paged = [("old-paged", None, baseline.paged)] if baseline and baseline.paged else []
                 # (not named `backend`: that is the contiguous decode's, for every later format and point)
                 for tag, paged_backend, decode in [("paged", None, None)] + old_paged + [(f"paged-{b}", b, None)

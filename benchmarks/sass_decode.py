@@ -34,6 +34,7 @@ from triton.experimental import gluon
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_combine as combine
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
+from quantmla_hf.kernels import mla_decode_gluon_staged as ms
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 from quantmla_hf.kernels import mla_decode_triton as portable
 from quantmla_hf.kernels import quant_pack
@@ -50,6 +51,8 @@ DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (4, 8), (8, 8)
                   for q, p in ((False, False), (False, True), (True, False))]
                  + [(c, r, 4, False, p, False) for c, r in ((4, 4), (8, 8)) for p in (False, True)]
                  + [(2, 2, 8, False, False, False)])
+# (content bits, RoPE bits, paged): the staged kernel's launches
+STAGED_LAUNCHES = [(c, 4, p) for c in (4, 2) for p in (False, True)]
 
 
 # (content bits, RoPE bits, RoPE width, query rows, fp32 model, page size): the portable kernel's launches, every
@@ -120,6 +123,17 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
                  paged: bool = False):
     """The kernel's two-warpgroup program compiled for sm_90 at DeepSeek widths with its registers."""
     return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=True)
+
+
+def compile_staged(content_bits: int, rope_bits: int, paged: bool = False):
+    """The staged kernel (`kernels/mla_decode_gluon_staged.py`: a producer and two consumers, 64 rows) compiled for
+    sm_90 at DeepSeek widths with its registers."""
+    c_regs, p_regs = ms.REGS[content_bits]
+    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=ms.BLOCK_M, Q_SPLIT=False, PAGED=paged,
+                 C_REGS=c_regs, P_REGS=p_regs)
+    index = "*i32" if paged else "*i64"
+    return _compile(ms.mla_decode_staged_kernel, const, False, {"num_warps": 4, "maxnreg": ms.LAUNCH_REGS},
+                    dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
 
 
 def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide, groups=8):
@@ -206,9 +220,10 @@ def opcode_counts(instructions: list[str]) -> collections.Counter:
 
 
 def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCHES, quant_pack_launches=
-         QUANT_PACK_LAUNCHES, combine_launches=COMBINE_LAUNCHES) -> None:
-    """Write the SASS of every Gluon launch in `launches`, every portable launch in `portable_launches` and the
-    quantize-and-pack and combine launches to `out_dir` (instruction addresses removed)."""
+         QUANT_PACK_LAUNCHES, combine_launches=COMBINE_LAUNCHES, staged_launches=STAGED_LAUNCHES) -> None:
+    """Write the SASS of every Gluon launch in `launches` and `staged_launches`, every portable launch in
+    `portable_launches` and the quantize-and-pack and combine launches to `out_dir` (instruction addresses
+    removed)."""
     os.makedirs(out_dir, exist_ok=True)
 
     def gluon(cb, rb, groups, q_split, paged, wide):
@@ -219,6 +234,8 @@ def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCH
     jobs = ([(gluon, a, "C{}R{}_{}groups_{}_{}_{}.sass".format(
         *a[:3], "fp32" if a[3] else "bf16", "paged" if a[4] else "contiguous", "wide" if a[5] else "regs"))
              for a in launches]
+            + [(compile_staged, a, "C{}R{}_8groups_bf16_{}_staged.sass".format(*a[:2], "paged" if a[2] else "contiguous"))
+               for a in staged_launches]
             + [(compile_portable, a, "portable_C{}R{}_rope{}_{}rows_{}_page{}.sass".format(
                 *a[:4], "fp32" if a[4] else "bf16", a[5])) for a in portable_launches]
             + [(compile_quant_pack, a, "quant_pack_{}bit_{}wide_{}.sass".format(*a[:2], "slots" if a[2] else "start"))

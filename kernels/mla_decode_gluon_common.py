@@ -136,6 +136,19 @@ def _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
 
 
 @_jit
+def _copy_range(i_s, num_splits, length, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
+    """`(lo, hi, sink)` of copy program `d = i_s - num_splits` (`_copy_tile`)."""
+    SINK_TILES: gl.constexpr = (S + BT - 1) // BT
+    d = i_s - num_splits
+    sink = d < SINK_TILES
+    s_lo = d * BT
+    r_lo = gl.maximum(length - R, 0) + (d - SINK_TILES) * BT
+    lo = gl.where(sink, s_lo, r_lo)
+    hi = gl.where(i_s >= num_splits, gl.where(sink, gl.minimum(s_lo + BT, S), gl.minimum(r_lo + BT, length)), lo)
+    return lo, hi, sink
+
+
+@_jit
 def _copy_rows(start, hi, sink, lp, length, o_dt, o_bt, lim_m, m_m, S: gl.constexpr, R: gl.constexpr):
     """The 64 copied tokens from `start` of a copy tile `[start, hi)` (`_copy_tile`), valid from position `lp + S`
     (recent) or `lp` (sink) up to `length`: `(kz, slot, m_t, m_valid)`: a run-time zero for the shared-memory
@@ -149,6 +162,17 @@ def _copy_rows(start, hi, sink, lp, length, o_dt, o_bt, lim_m, m_m, S: gl.conste
     p = start + o_bt + shift
     m_valid = ((p < hi + shift) & (p >= p_min) & (p < length))[:, None] & m_m[None, :] & (p[:, None] < lim_m[None, :])
     return kz, gl.where(sink, j, j % R), m_t, m_valid
+
+
+@_jit
+def _copy_slots(start, hi, sink, lp, length, o_dt, S: gl.constexpr, R: gl.constexpr):
+    """The slots and valid keys `(slot, m_t)` of the 64 copied tokens from `start` of a copy tile (`_copy_rows`), in
+    the layout of `o_dt: [64]`."""
+    shift = gl.where(sink, lp, 0)
+    p_min = gl.where(sink, 0, lp + S)
+    j = start + o_dt
+    m_t = (j < hi) & (j + shift >= p_min) & (j + shift < length)
+    return gl.where(sink, j, j % R), m_t
 
 
 @_jit
@@ -503,10 +527,26 @@ def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, BITS: gl
 
 
 @_jit
+def _kbuf_channel(u: gl.constexpr, c, BITS: gl.constexpr, GC: gl.constexpr):
+    """The channel held by column `c` of unit u's stored key tile (`_v_view` order: column `16 q + 8 h + i` holds
+    channel `_unit_base(u, q) + E (i // K) + 2 ((i % K) // 2) + K (i % 2) + h`, `K = 16 / bits`, `E = 2 K`; the
+    rows of `O^T` come out in it, `_store_o`)."""
+    K: gl.constexpr = 16 // BITS
+    i = c % 8
+    return _unit_base(u, c // 16, GC) + (i // K) * (2 * K) + ((i % K) // 2) * 2 + K * (i % 2) + (c // 8) % 2
+
+
+@_jit
 def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC: gl.constexpr,
-                C_BITS: gl.constexpr, R_BITS: gl.constexpr):
-    """Unit u's 64 query columns of rows `o_m` (content units 0..GC-1, RoPE unit GC) in `score_channel` order, fp32."""
-    if u < GC:
+                C_BITS: gl.constexpr, R_BITS: gl.constexpr, KBUF: gl.constexpr = False):
+    """Unit u's 64 query columns of rows `o_m` (content units 0..GC-1, RoPE unit GC) in `score_channel` order (with
+    `KBUF`: in the stored key tile's, `_kbuf_channel`), fp32."""
+    if KBUF:
+        if u < GC:
+            x = gl.load(p_q + o_m[:, None] * D_C + _kbuf_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m, other=0.0)
+        else:
+            x = gl.load(p_qr + o_m[:, None] * 64 + _kbuf_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m, other=0.0)
+    elif u < GC:
         x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m, other=0.0)
     else:
         x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m, other=0.0)
@@ -515,17 +555,18 @@ def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC
 
 @_jit
 def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
-                   Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr):
+                   Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr,
+                   KBUF: gl.constexpr = False):
     """Rows `row0 + [0, BM)` of `p_q: [M, D_C]` and `p_qr: [M, 64]`, divided by one per-row power of two `f` (so
     `|q| / f < 2**14`), as fp16 (high, and low for fp32 queries) in `qbuf[u]: [1, BM, 64]` in `score_channel` order
-    (units 0..GC-1 content, GC RoPE). Returns `f: [BM]` (q_l rows)."""
+    (`KBUF`: `_kbuf_channel` order) (units 0..GC-1 content, GC RoPE). Returns `f: [BM]` (q_l rows)."""
     o_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
     m_m = (o_m < M)[:, None]
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
     amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, q_l))
     xs = ()
     for u in gl.static_range(GC + 1):
-        x = _query_unit(p_q, p_qr, o_m, m_m, o_c, u, D_C, GC, C_BITS, R_BITS)
+        x = _query_unit(p_q, p_qr, o_m, m_m, o_c, u, D_C, GC, C_BITS, R_BITS, KBUF)
         amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
         xs = xs + (x,)
     e = gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0)
@@ -843,11 +884,11 @@ def _alloc_tiles(GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: 
 
 
 @_jit
-def _unit_buffers(N: gl.constexpr, ROWS: gl.constexpr, sl: gl.constexpr):
-    """A tuple of `N` separately allocated shared buffers `[1, ROWS, 64]` fp16, one per unit."""
+def _unit_buffers(N: gl.constexpr, ROWS: gl.constexpr, sl: gl.constexpr, DEPTH: gl.constexpr = 1):
+    """A tuple of `N` separately allocated shared buffers `[DEPTH, ROWS, 64]` fp16, one per unit."""
     bufs = ()
     for u in gl.static_range(N):
-        bufs = bufs + (gl.allocate_shared_memory(gl.float16, [1, ROWS, 64], sl),)
+        bufs = bufs + (gl.allocate_shared_memory(gl.float16, [DEPTH, ROWS, 64], sl),)
     return bufs
 
 

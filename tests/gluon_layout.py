@@ -29,7 +29,9 @@ def score_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
 
 
 def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
-    """`[64]` int64: the content channel held by row c of `kbuf[u]`'s transpose (the value output's row c): column
+    """`[64]` int64: the channel held by column c of unit u's stored key tile (content units: row c of `kbuf[u]`'s
+    transpose, the value output's row c; the staged kernel also stores the RoPE unit, u = n_groups, and stages the
+    queries in this order): column
     `16 q + 8 (k % 2) + K w + 2 (k // 2) + e` of the stored tile holds element `E w + k + K e` of quad slot q's 16
     channels (`E = 32 / bits`, `K = E / 2`), so each stored 32-bit pair is one asm register and rows c and c + 8
     are adjacent channels."""

@@ -25,6 +25,7 @@ import triton
 from quantmla_hf import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
+from quantmla_hf.kernels import mla_decode_gluon_staged as ms
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
 
@@ -142,6 +143,35 @@ COMPILE_WIDE = COMPILE_PREFIX + textwrap.dedent(
 )
 
 
+COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
+    """
+    import re
+    from quantmla_hf import CacheFormat, PathFormat
+    from quantmla_hf.kernels import mla_decode_gluon_common as mc
+    from quantmla_hf.kernels import mla_decode_gluon_staged as ms
+
+    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True)):
+        kernel = sd.compile_staged(cb, rb, paged=paged)
+        fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
+        need = ms.smem_bytes(fmt, False)
+        assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, paged, kernel.metadata.shared, need)
+        ptx = kernel.asm["ptx"]
+        # the consumers take their registers from the producer (and the default warps theirs)
+        c_regs, p_regs = ms.REGS[cb]
+        assert f"setmaxnreg.dec.sync.aligned.u32 \t{p_regs};" in ptx, ptx[:200]
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx
+        # every product from shared memory: per consumer, the scores of 9 units issued before the loop and in it (the
+        # next tile's), the values of 8 in it, 4 k-steps each (the copy tile is a tile of the loop); none with an A
+        # operand in registers
+        mma = rf"wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 \\{{[^}}]*\\}}, "
+        n_smem = len(re.findall(mma + r"%rd", ptx))
+        assert n_smem == 2 * (2 * 9 + 8) * 4, (cb, paged, n_smem)
+        assert not re.findall(mma + r"\\{", ptx)
+        # the ring's barriers: the producer waits on `empty`, the consumers on `full`
+        assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
+    print("compiled")
+    """
+)
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
@@ -152,6 +182,22 @@ def test_regs_kernel_compiles_for_sm90_register_operands():
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_wide_kernel_compiles_for_sm90_two_warpgroups():
     _compile(COMPILE_WIDE)
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_staged_kernel_compiles_for_sm90_producer_and_consumers():
+    _compile(COMPILE_STAGED)
+
+
+def test_staged_shared_memory_and_formats():
+    c2r4 = CacheFormat(PathFormat(512, 2, 64), PathFormat(64, 4, 64))
+    # key ring (2 stages x 9 units x 64 x 64 fp16) + per consumer queries (9 x 32 x 64), P (64 x 32), votes + two
+    # pairs of barriers + 1 KB scratch: under the 227 KB of one program
+    assert ms.smem_bytes(c2r4, False) == 2 * 9 * 8192 + 2 * (9 * 32 * 128 + 64 * 32 * 2 + 16) + 32 + 1024
+    assert ms.smem_bytes(c2r4, False) <= mc.SMEM_LIMIT
+    assert ms.staged_handles(c2r4) and ms.staged_handles(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64)))
+    for c, r, dc in ((4, 8, 512), (8, 8, 512), (4, 4, 256)):  # 8-bit keys, 4 content groups: not this kernel's
+        assert not ms.staged_handles(CacheFormat(PathFormat(dc, c, 64), PathFormat(64, r, 64)))
 
 
 def test_wide_shared_memory():
@@ -222,18 +268,19 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
             prod = exact * scale.float().repeat_interleave(64, dim=1)  # exact in fp32 (8-bit x 11-bit)
             lo = (prod - ref).half()
             assert torch.equal(ref.double() + lo.double(), prod.double()), u
-        if not rope:
-            vc = gluon_layout.value_channel(u, bits, n_groups)
-            assert torch.equal(v.float(), ref[:, vc]), u
-            # `_store_o`: a thread's rows c and c + 8 (c % 16 < 8) are adjacent channels, stored as one pair
-            lead = vc.reshape(4, 2, 8)
-            assert torch.equal(lead[:, 1], lead[:, 0] + 1), u
+        # the stored tile (the staged kernel stores the RoPE unit's too and stages its queries in this order)
+        vc = gluon_layout.value_channel(u, bits, n_groups)
+        assert torch.equal(v.float(), ref[:, vc]), u
+        # `_store_o`: a thread's rows c and c + 8 (c % 16 < 8) are adjacent channels, stored as one pair
+        lead = vc.reshape(4, 2, 8)
+        assert torch.equal(lead[:, 1], lead[:, 0] + 1), u
     for bits in (2, 4):
         content = torch.cat([gluon_layout.score_channel(u, bits, n_groups) for u in range(n_groups)])
         values = torch.cat([gluon_layout.value_channel(u, bits, n_groups) for u in range(n_groups)])
         assert sorted(content.tolist()) == list(range(64 * n_groups))
         assert sorted(values.tolist()) == list(range(64 * n_groups))
         assert sorted(gluon_layout.score_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
+        assert sorted(gluon_layout.value_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
 
 
 def _emulate_meta_asm(z: torch.Tensor, s: torch.Tensor, bits: int):
@@ -322,7 +369,8 @@ def test_sass_dump_writes_comparable_sass(tmp_path):
     launch = [(4, 4, 8, False, False, False)]  # the C4R4 register program (compiled by the test above too)
     portable = [(4, 4, 64, 16, False, 0)]  # and the portable kernel's C4R4 launch at 16 rows
     for d in ("a", "b"):
-        _compile(COMPILE_PREFIX + f"sd.dump({str(tmp_path / d)!r}, {launch!r}, {portable!r})\nprint('compiled')\n")
+        _compile(COMPILE_PREFIX + f"sd.dump({str(tmp_path / d)!r}, {launch!r}, {portable!r}, staged_launches=[])\n"
+                 "print('compiled')\n")
     files = sorted(os.listdir(tmp_path / "a"))
     assert files == ["C4R4_8groups_bf16_contiguous_regs.sass", "combine_512cols_1tail.sass", "combine_64cols_3tail.sass",
                      "portable_C4R4_rope64_16rows_bf16_page0.sass", "quant_pack_2bit_512wide_slots.sass",
@@ -353,13 +401,14 @@ def test_sass_script_counts_both_packed_loops():
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
-@pytest.mark.parametrize("which", ["regs", "wide"])
+@pytest.mark.parametrize("which", ["regs", "wide", "staged"])
 def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
-    """`launch_gluon` (through `launch_flat`) gives the kernel every parameter of its signature, by name, once, and
-    launches `flat_grid` programs of either program: the kernel is replaced by a binder of its own signature, since it
+    """`launch_gluon` and `launch_staged` (through `launch_flat`) give their kernel every parameter of its signature,
+    by name, once, and launch `flat_grid` programs: the kernel is replaced by a binder of its own signature, since it
     cannot launch without a GPU."""
-    module = {"regs": mr, "wide": mw}[which]
-    kernel = mr.mla_decode_gluon_kernel
+    module = {"regs": mr, "wide": mw, "staged": ms}[which]
+    owner, name = (ms, "mla_decode_staged_kernel") if which == "staged" else (mr, "mla_decode_gluon_kernel")
+    kernel = getattr(owner, name)
     params = inspect.signature(kernel.fn).parameters
     seen = {}
 
@@ -370,9 +419,9 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
                 seen.update(grid=grid, bound=inspect.signature(kernel.fn).bind(*args, **kwargs), options=options)
             return launch
 
-    monkeypatch.setattr(mr, "mla_decode_gluon_kernel", Binder())
+    monkeypatch.setattr(owner, name, Binder())
     fmt = CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64), 4, 128)
-    B, M, cap, NS = 2, 16 if which == "regs" else 64, 300, 5
+    B, M, cap, NS = 2, 16 if which == "regs" else 128, 300, 5
     cp = {"codes": torch.zeros(B, cap, 256, dtype=torch.uint8), "scale": torch.zeros(B, cap, 8, dtype=torch.float16),
           "zero": torch.zeros(B, cap, 8, dtype=torch.int8)}
     rp = {"codes": torch.zeros(B, cap, 32, dtype=torch.uint8), "scale": torch.zeros(B, cap, 1, dtype=torch.float16),
@@ -380,7 +429,10 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     copies = [torch.zeros(B, n, d, dtype=torch.bfloat16) for n, d in ((4, 512), (4, 64), (128, 512), (128, 64))]
 
     def launcher(*args, **kwargs):
-        mr.launch_gluon(*args, wide_program=which == "wide", **kwargs)
+        if which == "staged":
+            ms.launch_staged(*args, **kwargs)
+        else:
+            mr.launch_gluon(*args, wide_program=which == "wide", **kwargs)
 
     launcher(torch.zeros(B, M, 512, dtype=torch.bfloat16), torch.zeros(B, M, 64, dtype=torch.bfloat16), cp, rp, fmt,
              *copies, torch.zeros(B, dtype=torch.int64), torch.tensor([cap]), torch.zeros(B, M, NS + 3, 512),
@@ -388,7 +440,12 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     assert set(seen["bound"].arguments) == set(params), set(params) ^ set(seen["bound"].arguments)
     assert seen["grid"] == mc.flat_grid(NS, fmt, M, module.BLOCK_M, B)
     assert seen["bound"].arguments["BM"] == module.BLOCK_M and seen["options"]["num_warps"] == 4
-    assert seen["bound"].arguments["WIDE"] == (which == "wide")
+    if which == "staged":  # three warpgroups: the launch's registers for all 12 warps, the partitions' as set
+        assert seen["options"]["maxnreg"] == ms.LAUNCH_REGS and 12 * 32 * ms.LAUNCH_REGS <= 65536
+        assert (seen["bound"].arguments["C_REGS"], seen["bound"].arguments["P_REGS"]) == ms.REGS[4]
+        assert sum(ms.REGS[4]) + ms.REGS[4][0] - 8 <= 65536 // 128
+    else:
+        assert seen["bound"].arguments["WIDE"] == (which == "wide")
     # the paged launch: pools from their first row (batch strides 0), the page table's stride
     assert not seen["bound"].arguments["PAGED"]
     table = torch.zeros(B, 7, dtype=torch.int32)

@@ -10,6 +10,7 @@ Backends (the kernels, each beside its reference in `kernels/`; timings and why 
 
     "gluon_regs"  mla_decode_gluon_regs.py   sm_90, 16 query rows per program, keys unpacked into wgmma registers
     "gluon_wide"  mla_decode_gluon_wide.py   sm_90, two warpgroups, 32 rows per program (many heads)
+    "gluon_staged" mla_decode_gluon_staged.py sm_90, a producer warpgroup stages the keys for two consumers, 64 rows
     "triton"      mla_decode_triton.py       any CUDA GPU (and the Triton interpreter on CPU), every dtype
     "torch"       mla_decode_ref.py          the reference, for formats no kernel takes
 
@@ -34,6 +35,7 @@ import triton
 
 from ..format import CacheFormat
 from ..kernels import mla_decode_gluon_regs as regs
+from ..kernels import mla_decode_gluon_staged as staged
 from ..kernels import mla_decode_gluon_wide as wide
 from ..kernels import mla_decode_triton as portable
 from ..kernels.mla_decode_combine import combine
@@ -43,19 +45,27 @@ from ..kernels.mla_decode_gluon_common import score_rounding as gluon_score_roun
 from ..kernels.mla_decode_ref import mla_decode_static_ref
 
 LOG2E = 1.4426950408889634
-BACKENDS = ("gluon_regs", "gluon_wide", "triton", "torch")
-PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "triton")
+BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "triton", "torch")
+PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "triton")
+GLUON_KERNELS = {  # backend: (rows per program, programs per SM the splits fill)
+    "gluon_regs": (regs.BLOCK_M, regs.FILL_PER_SM),
+    "gluon_wide": (wide.BLOCK_M, wide.FILL_PER_SM),
+    "gluon_staged": (staged.BLOCK_M, staged.FILL_PER_SM),
+}
 
 
-def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, device) -> str:
+def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, device,
+                   query_dtype: torch.dtype | None = None) -> str:
     """The decode kernel for this format, `rows = H * Tq` query rows per batch row, `batch` rows, model dtype
-    `dtype` (of the sink/recent copies and 16-bit planes) and device: one of `BACKENDS`.
+    `dtype` (of the sink/recent copies and 16-bit planes), device and query dtype (default: `dtype`): one of
+    `BACKENDS`.
 
-    The table (H200 timings: docs/KERNELS.md "Which kernel runs"):
+    The table (timings: docs/KERNELS.md "Which kernel runs"):
 
-    - Hopper (sm_90) with 2/4/8-bit paths in groups of 64 and bf16/fp16 copies: `gluon_wide` above 16 rows where it
-      takes the format (C4R4, C2R4, C4R8, C2R8, C8R8 with 8 content groups), else `gluon_regs`. Every batch
-      measured picks the same kernel, so `batch` does not enter the rule.
+    - Hopper (sm_90) with 2/4/8-bit paths in groups of 64 and bf16/fp16 copies: `gluon_staged` from 64 rows where
+      it takes the format (C4R4, C2R4 with 8 content groups; bf16/fp16 queries), else `gluon_wide` above 16 rows
+      where it takes the format (C4R4, C2R4, C4R8, C2R8, C8R8 with 8 content groups), else `gluon_regs`. Every
+      batch measured picks the same kernel, so `batch` does not enter the rule.
     - Any other CUDA GPU, 16-bit paths, fp32 models, and the Triton interpreter on CPU: `triton`, where the format
       has power-of-two widths (`mla_decode_triton.triton_handles`).
     - Everything else (CPU without the interpreter, other widths): `torch`.
@@ -68,6 +78,8 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
     if device.type != "cuda":
         return "torch"
     if hopper_handles(fmt, dtype, device) and regs.regs_handles(fmt):
+        if rows >= staged.BLOCK_M and staged.staged_handles(fmt) and (query_dtype or dtype) != torch.float32:
+            return "gluon_staged"
         return "gluon_wide" if rows > 16 and wide.wide_handles(fmt) else "gluon_regs"
     if torch.cuda.get_device_capability(device)[0] < 8:
         return "torch"
@@ -75,15 +87,33 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
 
 
 def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: int, page_size: int,
-                         copy_dtype: torch.dtype, device) -> str:
+                         copy_dtype: torch.dtype, device, query_dtype: torch.dtype | None = None) -> str:
     """The paged decode kernel: for a decode step, one query token per request (`n_queries == n_requests`), in pages
-    of 64 tokens with sink and recent copies, the Gluon kernel `select_backend` picks for these `H` rows (`gluon_regs`
-    or `gluon_wide`, reading the pools through the page table); otherwise `triton` (any step, page size and
-    format)."""
+    of 64 tokens with sink and recent copies, the Gluon kernel `select_backend` picks for these `H` rows
+    (`gluon_regs`, `gluon_wide` or `gluon_staged`, reading the pools through the page table); otherwise `triton`
+    (any step, page size and format)."""
     if n_queries != n_requests or page_size != GLUON_BLOCK_T or not (fmt.sink_tokens and fmt.recent_tokens):
         return "triton"
-    choice = select_backend(fmt, H, n_requests, copy_dtype, device)
+    choice = select_backend(fmt, H, n_requests, copy_dtype, device, query_dtype)
     return choice if choice.startswith("gluon") else "triton"
+
+
+def gluon_handles(backend: str, fmt: CacheFormat) -> bool:
+    """Whether Gluon kernel `backend` takes the format (besides `hopper_handles`)."""
+    if not regs.regs_handles(fmt):
+        return False
+    if backend == "gluon_wide":
+        return wide.wide_handles(fmt)
+    if backend == "gluon_staged":
+        return staged.staged_handles(fmt)
+    return True
+
+
+def gluon_launch(backend: str):
+    """The host launch of Gluon kernel `backend` (`launch_flat`'s arguments after its `block_m`)."""
+    if backend == "gluon_staged":
+        return staged.launch_staged
+    return functools.partial(regs.launch_gluon, wide_program=backend == "gluon_wide")
 
 
 def score_rounding(backend: str, fmt: CacheFormat) -> tuple[bool, bool]:
@@ -127,8 +157,7 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
         target = portable.split_target(B * head_blocks, sms)
     else:
         first, block_t, min_tiles = 0, GLUON_BLOCK_T, min_split_tiles(fmt)
-        per_sm = regs.FILL_PER_SM if backend == "gluon_regs" else wide.FILL_PER_SM
-        target = fill_splits(B, head_blocks, sms, per_sm)
+        target = fill_splits(B, head_blocks, sms, GLUON_KERNELS[backend][1])
         if fmt.content.bits == 8:  # splits of 2 tiles (`min_split_tiles`), at most one per SM (docs/KERNELS.md)
             target = min(target, sms)
     target = max(1, int(num_splits or target))
@@ -218,7 +247,8 @@ def mla_decode_static(
                   capacity, out)
     B, H, Tq, D_C = q_lat.shape
     M = H * Tq
-    backend = backend or select_backend(fmt, M, B, sink_c.dtype, q_lat.device)
+    backend = backend or select_backend(fmt, M, B, sink_c.dtype, q_lat.device,
+                                        torch.promote_types(q_lat.dtype, q_rot.dtype))
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
@@ -228,7 +258,7 @@ def mla_decode_static(
         raise ValueError(f"the Triton decode kernels do not take {fmt.name} with {sink_c.dtype} copies (power-of-two "
                          "widths, at most 8 content groups and one RoPE group): use backend='torch'")
     if backend.startswith("gluon"):
-        handles = regs.regs_handles(fmt) and (backend == "gluon_regs" or wide.wide_handles(fmt))
+        handles = gluon_handles(backend, fmt)
         if not (hopper_handles(fmt, sink_c.dtype, q_lat.device) and handles):
             raise ValueError(f"the {backend} kernel does not take {fmt.name} with {sink_c.dtype} copies on "
                              f"{q_lat.device} (sm_90, groups of 64; wide: 8 content groups of C4R4, C2R4, "
@@ -240,7 +270,7 @@ def mla_decode_static(
     if backend == "triton":
         block_m, n_tail = portable.block_rows(M), 1
     else:
-        block_m = regs.BLOCK_M if backend == "gluon_regs" else wide.BLOCK_M
+        block_m = GLUON_KERNELS[backend][0]
         n_tail = copy_programs(fmt)
     head_blocks = -(-M // block_m)
     sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda and not portable.interpreting() else 8
@@ -251,10 +281,7 @@ def mla_decode_static(
     o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
-    if backend == "triton":
-        launch = portable.launch_triton
-    else:
-        launch = functools.partial(regs.launch_gluon, wide_program=backend == "gluon_wide")
+    launch = portable.launch_triton if backend == "triton" else gluon_launch(backend)
     launch(q, qr, content_planes, rope_planes, fmt, sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part,
            M, Tq, target, NS, scaling * LOG2E)
     o, lse = combine(o_part, lse_part, n_tail, out, sms)
@@ -274,15 +301,14 @@ def _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_
             raise ValueError(f"the paged Gluon kernel addresses pool rows with int32 offsets; {words} code words "
                              "are more: use backend='triton'")
     sms = num_sms(q_lat.device.index or 0)
-    block_m = regs.BLOCK_M if backend == "gluon_regs" else wide.BLOCK_M
-    target, NS = split_plan(backend, n, -(-H // block_m), longest, fmt, sms, num_splits)
+    target, NS = split_plan(backend, n, -(-H // GLUON_KERNELS[backend][0]), longest, fmt, sms, num_splits)
     NSP = NS + copy_programs(fmt)
     o_part = torch.empty((n, H, NSP, d_c), dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty((n, H, NSP), dtype=torch.float32, device=q_lat.device)
-    regs.launch_gluon(q_lat.contiguous(), q_rot.contiguous(), content, rope, fmt, sink_content, sink_rope,
-                      recent_content, recent_rope, rows.to(torch.int32), seq_lens.to(torch.int32), o_part, lse_part, H,
-                      1, target, NS, float(scaling) * LOG2E, wide_program=backend == "gluon_wide",
-                      page_table=page_table.to(torch.int32).contiguous())
+    gluon_launch(backend)(q_lat.contiguous(), q_rot.contiguous(), content, rope, fmt, sink_content, sink_rope,
+                          recent_content, recent_rope, rows.to(torch.int32), seq_lens.to(torch.int32), o_part,
+                          lse_part, H, 1, target, NS, float(scaling) * LOG2E,
+                          page_table=page_table.to(torch.int32).contiguous())
     return combine(o_part, lse_part, copy_programs(fmt), None, sms)
 
 
@@ -328,12 +354,13 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
         return (torch.empty((0, H, d_c), dtype=torch.float32, device=q_lat.device),
                 torch.empty((0, H), dtype=torch.float32, device=q_lat.device))
     page_size = next(iter(content.values())).shape[1]
-    choice = select_paged_backend(fmt, H, n, Nq, page_size, copy_dtype, q_lat.device)  # "triton" in the interpreter
+    choice = select_paged_backend(fmt, H, n, Nq, page_size, copy_dtype, q_lat.device,  # "triton" in the interpreter
+                                  torch.promote_types(q_lat.dtype, q_rot.dtype))
     backend = backend or choice
     if backend not in PAGED_BACKENDS:
         raise ValueError(f"backend must be one of {PAGED_BACKENDS}, got {backend!r}")
     if backend.startswith("gluon"):
-        if choice == "triton" or (backend == "gluon_wide" and not wide.wide_handles(fmt)):
+        if choice == "triton" or not gluon_handles(backend, fmt):
             raise ValueError(f"the paged {backend} kernel does not take {fmt.name}, {Nq} query tokens of {n} requests "
                              f"in pages of {page_size} on {q_lat.device}: it takes decode steps (one query token per "
                              f"request) of 2/4/8-bit formats with sink and recent copies (wide: C4R4, C2R4, "
