@@ -136,19 +136,6 @@ def _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
 
 
 @_jit
-def _copy_range(i_s, num_splits, length, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
-    """`(lo, hi, sink)` of copy program `d = i_s - num_splits` (`_copy_tile`)."""
-    SINK_TILES: gl.constexpr = (S + BT - 1) // BT
-    d = i_s - num_splits
-    sink = d < SINK_TILES
-    s_lo = d * BT
-    r_lo = gl.maximum(length - R, 0) + (d - SINK_TILES) * BT
-    lo = gl.where(sink, s_lo, r_lo)
-    hi = gl.where(i_s >= num_splits, gl.where(sink, gl.minimum(s_lo + BT, S), gl.minimum(r_lo + BT, length)), lo)
-    return lo, hi, sink
-
-
-@_jit
 def _copy_rows(start, hi, sink, lp, length, o_dt, o_bt, lim_m, m_m, S: gl.constexpr, R: gl.constexpr):
     """The 64 copied tokens from `start` of a copy tile `[start, hi)` (`_copy_tile`), valid from position `lp + S`
     (recent) or `lp` (sink) up to `length`: `(kz, slot, m_t, m_valid)`: a run-time zero for the shared-memory
@@ -191,6 +178,27 @@ def _planes_from(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, t, GC: gl.constexpr, C_BITS
     RWC: gl.constexpr = GC * 2 * C_BITS
     RWR: gl.constexpr = 2 * R_BITS
     return p_cc + t * RWC, p_rc + t * RWR, p_cs + t * GC, p_cz + t * GC, p_rs + t, p_rz + t
+
+
+@_jit
+def _split_rows(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, pt_ptr, s_pt, i_b, base, lo_valid, hi, n_tiles, GC: gl.constexpr,
+                C_BITS: gl.constexpr, R_BITS: gl.constexpr, BT: gl.constexpr, PAGED: gl.constexpr):
+    """A split as the row-pointer loads see it (int32 positions relative to its first tile, `_row_ptrs`,
+    `_load_meta_rows`): `(lo, hi, last, p_pt, p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, row, shift)`, the valid positions
+    `[lo, hi)`, the last row word loads read, the page numbers from the split's first tile (`PAGED`) or the planes
+    advanced to it (`_planes_from`), and tile 0's `_tile_rows`."""
+    lo = (lo_valid - base).to(gl.int32)
+    hi = (hi - base).to(gl.int32)
+    last = gl.maximum(hi - 1, 0)
+    first = gl.where(n_tiles > 0, base, 0)
+    if PAGED:
+        p_pt = pt_ptr + i_b * s_pt + first // BT
+    else:
+        p_pt = pt_ptr
+        p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _planes_from(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, first, GC, C_BITS,
+                                                          R_BITS)
+    row, shift = _tile_rows(_tile_page(p_pt, 0, last, PAGED), 0, last, PAGED)
+    return lo, hi, last, p_pt, p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, row, shift
 
 
 @_jit
@@ -657,12 +665,15 @@ def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
 
 
 @_jit
-def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf):
+def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf, ks=0, STAGED: gl.constexpr = False):
     """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0), then the values of every
     content unit (`outs[u] = o_u^T[64, BM] += kbuf[u]^T @ P`, waited). Returns `(m_i, l_p, outs)`, `l_p: [64, BM]`
     the row sums per token (reduced at the end). Lazy rescaling (`_references`): P is stored against the present
     references; a per-warp vote (`vbuf: [4]` int32, read after the barrier that publishes P) on any score passing
-    its reference by more than 8 moves the references, rescales the accumulators and stores P again."""
+    its reference by more than 8 moves the references, rescales the accumulators and stores P again.
+
+    `STAGED` (the staged kernel's consumers): the values read key stage `ks` and are issued, not waited (the third
+    result is the tuple of their accumulators), and `l_p` holds each thread's sums of its two tokens (`_lane_sums`)."""
     b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
     m_new = m_i
     m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -670,18 +681,40 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf):
     up = (b_s > (m_i + 8.0)[None, :]).to(gl.int32)
     vbuf.store(gl.max(gl.reshape(up, [4, up.shape[0] * up.shape[1] // 4]), axis=1))  # tokens 16 w.. of warp w
     pbuf.index(kz).store(p.to(gl.float16))
+    if STAGED:
+        ps = _lane_sums(p)
     fence_async_shared()
     _cta_barrier()
     if gl.max(vbuf.load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
         move, m_new, m_use, p = _references(b_s, m_i)
         alpha = gl.exp2(m_i - m_use)
-        l_p = l_p * alpha[None, :]
+        if STAGED:
+            l_p = l_p * gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, l_p.type.layout)))[None, None, :]
+        else:
+            l_p = l_p * alpha[None, :]
         outs = _rescale(outs, alpha)
         pbuf.index(kz).store(p.to(gl.float16))
+        if STAGED:
+            ps = _lane_sums(p)
         fence_async_shared()
         _cta_barrier()
-    l_p = l_p + p
-    return m_new, l_p, _values(kbuf, pbuf, outs, 0, kz)
+    if STAGED:
+        l_p = l_p + ps
+        pv = ()
+        for u in gl.static_range(len(outs)):
+            pv = pv + (warpgroup_mma(kbuf[u].index(ks).permute((1, 0)), pbuf.index(kz), outs[u], is_async=True),)
+    else:
+        l_p = l_p + p
+        pv = _values(kbuf, pbuf, outs, 0, kz)
+    return m_new, l_p, pv
+
+
+@_jit
+def _lane_sums(p):
+    """`[64, BM]` probabilities (accumulator layout: a thread holds tokens `t` and `t + 8` of its warp's 16) ->
+    `[4, 8, BM]`, the sum of each thread's two tokens (a register-local add; half the registers of keeping both)."""
+    BM: gl.constexpr = p.shape[1]
+    return gl.sum(gl.reshape(p, [4, 2, 8, BM]), axis=1)
 
 
 @_jit

@@ -39,21 +39,20 @@ if HAVE_GLUON:
 
     from .mla_decode_gluon_common import (
         _batch_planes,
-        _copy_range,
         _copy_slots,
         _copy_tile,
         _cta_barrier,
         _finish,
+        _lane_sums,
         _load_dense,
         _load_meta_rows,
         _load_unit,
         _pair_meta,
-        _planes_from,
         _program_rows,
-        _references,
-        _rescale,
         _row_ptrs,
+        _softmax_pv,
         _split_range,
+        _split_rows,
         _split_units,
         _stage_queries,
         _store_o,
@@ -63,7 +62,6 @@ if HAVE_GLUON:
         _unpack_unit,
         _v_view,
     )
-    from .mla_decode_gluon_wide import _lane_sums
 
 BLOCK_M = 64  # query rows per program: two consumers of 32
 STAGES = 2  # key tiles in the ring
@@ -87,40 +85,9 @@ def _issue_scores(kbuf, qbuf, st, kz, GC: gl.constexpr, HM: gl.constexpr, acc_l:
 
 
 @_jit
-def _staged_softmax_pv(acc, kbuf, pbuf, vbuf, st, kz, f, m_valid, m_i, l_p, outs):
-    """One online-softmax step of a consumer's rows over the tile's scores `acc: [64, HM]` (lazy rescaling and the
-    per-warp vote of `mla_decode_gluon_common._softmax_pv`), then the value products `outs[u] + kbuf[u][st]^T @ P`
-    of every content unit, issued without waiting (`kz`: a run-time zero, `_issue_scores`). Returns `(m_i, l_p,
-    values)`."""
-    b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
-    m_new = m_i
-    m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-    p = gl.exp2(b_s - m_use[None, :])
-    up = (b_s > (m_i + 8.0)[None, :]).to(gl.int32)
-    vbuf.store(gl.max(gl.reshape(up, [4, up.shape[0] * up.shape[1] // 4]), axis=1))  # tokens 16 w.. of warp w
-    pbuf.index(kz).store(p.to(gl.float16))
-    ps = _lane_sums(p)
-    fence_async_shared()
-    _cta_barrier()
-    if gl.max(vbuf.load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
-        move, m_new, m_use, p = _references(b_s, m_i)
-        alpha = gl.exp2(m_i - m_use)
-        l_p = l_p * gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, l_p.type.layout)))[None, None, :]
-        outs = _rescale(outs, alpha)
-        pbuf.index(kz).store(p.to(gl.float16))
-        ps = _lane_sums(p)
-        fence_async_shared()
-        _cta_barrier()
-    l_p = l_p + ps
-    pv = ()
-    for u in gl.static_range(len(outs)):
-        pv = pv + (warpgroup_mma(kbuf[u].index(st).permute((1, 0)), pbuf.index(kz), outs[u], is_async=True),)
-    return m_new, l_p, pv
-
-
-@_jit
-def _consumer(HF: gl.constexpr, kbuf, qbuf, pbuf, vbuf, full, empty, q_ptr, qr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr,
-              M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, GC: gl.constexpr, C_BITS: gl.constexpr,
+def _consumer(HF: gl.constexpr, kbuf, qbuf, pbuf, vbuf, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
+              rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb,
+              s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr,
               R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
     """Consumer `HF` (0: the default warps, 1: a worker): rows `[HF * BM/2, + BM/2)` of the program's block over
     the tiles of its split, then (a copy program) its copy tile, its partial outputs and LSE. Software-pipelined:
@@ -154,7 +121,8 @@ def _consumer(HF: gl.constexpr, kbuf, qbuf, pbuf, vbuf, full, empty, q_ptr, qr_p
         outs = outs + (gl.zeros([64, HM], gl.float32, acc_l),)
     base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
     # the copy tile's positions `[c_lo, c_hi)` from `c_t0` (`_copy_rows`'s mask; none in a packed program)
-    lo_c, hi_c, sink = _copy_range(i_s, num_splits, length, S, R, BT)
+    lo_c, hi_c, sink, _, _, _, _ = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb,
+                                              s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, BT)
     shift = gl.where(sink, lp, 0)
     c_t0 = (lo_c + shift).to(gl.int32)
     c_lo = gl.maximum(gl.where(sink, lp, lp + S), lo_c + shift).to(gl.int32)
@@ -176,7 +144,7 @@ def _consumer(HF: gl.constexpr, kbuf, qbuf, pbuf, vbuf, full, empty, q_ptr, qr_p
         p_lo = gl.where(packed, lo, c_lo)
         p_hi = gl.where(packed, hi, c_hi)
         m_valid = (((p_t >= p_lo) & (p_t < p_hi))[:, None] & m_m[None, :]) & (p_t[:, None] < lim_m[None, :])
-        m_i, l_p, pv = _staged_softmax_pv(acc, kbuf, pbuf, vbuf, st, kz, f, m_valid, m_i, l_p, outs)
+        m_i, l_p, pv = _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf, st, True)
         nxt = gl.minimum(it + 1, n_all - 1)  # the next tile (the last one: itself, whose stage is still full)
         mbarrier.wait(full.index(nxt % NST), (nxt // NST) & 1)
         acc = _issue_scores(kbuf, qbuf, nxt % NST, kz, GC, HM, acc_l)
@@ -228,17 +196,9 @@ def _producer(kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
     base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
     p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _batch_planes(cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, i_b, s_ccb,
                                                        s_csb, s_rcb, s_rsb)
-    lo = (lo_valid - base).to(gl.int32)
-    hi = (hi - base).to(gl.int32)
-    last = gl.maximum(hi - 1, 0)
-    first = gl.where(n_tiles > 0, base, 0)
-    if PAGED:
-        p_pt = pt_ptr + i_b * s_pt + first // BT
-    else:
-        p_pt = pt_ptr
-        p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _planes_from(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, first, GC, C_BITS,
-                                                          R_BITS)
-    row, shift = _tile_rows(_tile_page(p_pt, 0, last, PAGED), 0, last, PAGED)
+    lo, hi, last, p_pt, p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, row, shift = _split_rows(
+        p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, pt_ptr, s_pt, i_b, base, lo_valid, hi, n_tiles, GC, C_BITS, R_BITS, BT,
+        PAGED)
     pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
     c01 = _load_unit(pw, 0, lo, last, 0, RWC, C_BITS, GC, WP_L, 2, True)
     c23 = _load_unit(pw, 0, lo, last, 2, RWC, C_BITS, GC, WP_L, 2, True)
@@ -328,10 +288,12 @@ def mla_decode_staged_kernel(
 
     # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
     gl.warp_specialize([
-        (_consumer, (0, kbuf, qbuf0, pbuf0, vbuf0, full, empty, q_ptr, qr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
-                     split_target, num_splits, qk_scale, s_qb, s_qrb, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
-        (_consumer, (1, kbuf, qbuf1, pbuf1, vbuf1, full, empty, q_ptr, qr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq,
-                     split_target, num_splits, qk_scale, s_qb, s_qrb, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
+        (_consumer, (0, kbuf, qbuf0, pbuf0, vbuf0, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
+                     lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb,
+                     s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
+        (_consumer, (1, kbuf, qbuf1, pbuf1, vbuf1, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
+                     lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb,
+                     s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
         (_producer, (kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr,
                      rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
                      s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R,

@@ -33,16 +33,17 @@ if HAVE_GLUON:
         _dense_scores,
         _finish,
         _load_group,
+        _lane_sums,
         _load_unit,
         _packed_scores,
         _pair_meta,
-        _planes_from,
         _program_rows,
         _references,
         _rescale,
         _row_ptrs,
         _row_steps,
         _split_range,
+        _split_rows,
         _store_o,
         _tile_page,
         _tile_rows,
@@ -59,12 +60,6 @@ FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends
 
 
 # --------------------------------------------------------------------------------------------- one half tile
-@_jit
-def _lane_sums(p):
-    """`[64, BM]` probabilities (accumulator layout: a thread holds tokens `t` and `t + 8` of its warp's 16) ->
-    `[4, 8, BM]`, the sum of each thread's two tokens (a register-local add; half the registers of keeping both)."""
-    BM: gl.constexpr = p.shape[1]
-    return gl.sum(gl.reshape(p, [4, 2, 8, BM]), axis=1)
 
 
 @_jit
@@ -185,17 +180,9 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
     # row pointers); else int64 positions and masked loads. Positions `[lo, hi)` are valid; word loads end at `last`.
     ROWS: gl.constexpr = PAGED or C_BITS != 8
     if ROWS:
-        lo = (lo_valid - base).to(gl.int32)
-        hi = (hi - base).to(gl.int32)
-        last = gl.maximum(hi - 1, 0)
-        first = gl.where(n_tiles > 0, base, 0)
-        if PAGED:
-            p_pt = pt_ptr + i_b * s_pt + first // BT
-        else:
-            p_pt = pt_ptr
-            p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _planes_from(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, first, GC, C_BITS,
-                                                              R_BITS)
-        row, shift = _tile_rows(_tile_page(p_pt, 0, last, PAGED), 0, last, PAGED)
+        lo, hi, last, p_pt, p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, row, shift = _split_rows(
+            p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, pt_ptr, s_pt, i_b, base, lo_valid, hi, n_tiles, GC, C_BITS, R_BITS, BT,
+            PAGED)
         t_first = 0
         pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
     else:
