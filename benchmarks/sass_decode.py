@@ -2,15 +2,17 @@
 sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp and 64-token tile, counted by
 opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "The Gluon register
 kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C4R8,
-C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too).
+C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too). `--staged`: the staged kernel
+(`kernels/mla_decode_gluon_staged.py`, C4R4, C2R4): each warpgroup's registers and the main loop of the producer and
+of each consumer, with its `wgmma`s, unpacking multiplies and local-memory (spill) instructions.
 
-    python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide]
+    python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide|--staged]
     python benchmarks/sass_decode.py --dump DIR
 
-`--paged`: the paged launch (`PAGED`: page pools read through a page table) of either kernel. `--dump DIR`: the
-whole SASS (addresses removed) of every Gluon launch in `DUMP_LAUNCHES` and every portable Triton launch in
-`PORTABLE_LAUNCHES`, one file each, so that two trees' kernels can be compared with `diff -r` (a change whose SASS is
-identical needs no timing).
+`--paged`: the paged launch (`PAGED`: page pools read through a page table) of any of them. `--dump DIR`: the whole
+SASS (addresses removed) of every Gluon launch in `DUMP_LAUNCHES` and `STAGED_LAUNCHES` and every portable Triton
+launch in `PORTABLE_LAUNCHES`, one file each, so that two trees' kernels can be compared with `diff -r` (a change
+whose SASS is identical needs no timing).
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -42,6 +44,7 @@ from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN
 
 FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C8R8": (8, 8)}
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+[^;]*;", re.M)  # one SASS instruction line
+SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);")  # a partition's registers (PTX)
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
 
 
@@ -255,6 +258,7 @@ def main():
     ap.add_argument("--inflight", type=int, default=None, choices=(0, 1), help="default: the kernel's (`INFLIGHT`)")
     ap.add_argument("--paged", action="store_true", help="the paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
+    ap.add_argument("--staged", action="store_true", help="the staged kernel (C4R4, C2R4; bf16 queries)")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     a = ap.parse_args()
     if a.dump:
@@ -262,6 +266,11 @@ def main():
         return
     if a.wide:
         main_wide(a)
+        return
+    if a.staged:
+        if a.format not in ("C4R4", "C2R4") or a.fp32_queries:
+            ap.error("--staged: the staged kernel takes C4R4 and C2R4 with bf16/fp16 queries")
+        main_staged(a)
         return
     a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
     kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, paged=a.paged)
@@ -292,6 +301,36 @@ def main_wide(a):
         counts = opcode_counts(loop)
         print(f"{name} packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
               f"({counts[UNPACK_MUL]} unpacking multiplies)")
+        print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16)))
+
+
+def main_loops(sass: str, min_len: int = 100) -> list[list[str]]:
+    """The loops of at least `min_len` instructions that hold no other such loop, in address order (the short
+    loops inside them are mbarrier waits)."""
+    ins, loops = _instructions_and_loops(sass)
+    big = [(s, e) for s, e in loops if e - s + 1 >= min_len]
+    inner = [(s, e) for s, e in big if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in big)]
+    return [ins[s:e + 1] for s, e in sorted(set(inner))]
+
+
+def main_staged(a):
+    cb, rb = FORMATS[a.format]
+    kernel = compile_staged(cb, rb, paged=a.paged)
+    sass = disassemble(kernel.asm["cubin"], "-sass")
+    c_regs, p_regs = ms.REGS[cb]
+    print(f"triton {triton.__version__} | {a.format} staged | {ms.BLOCK_M} rows | "
+          f"{'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
+    print(f"registers: launch {ms.LAUNCH_REGS}, consumer worker {c_regs}, producer {p_regs}; setmaxnreg "
+          + " ".join(f"{k} {n}" for k, n in SETMAXNREG.findall(kernel.asm["ptx"])))
+    local = len(re.findall(r"\b(?:LDL|STL)\b", sass))
+    print(f"local memory instructions in the kernel: {local}")
+    for loop in main_loops(sass):
+        counts = opcode_counts(loop)
+        name = "producer" if counts[UNPACK_MUL] else "consumer"
+        mma = sum(n for op, n in counts.items() if op.startswith("HGMMA"))
+        spills = sum(n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL"))
+        print(f"{name} loop: {len(loop)} SASS instructions per warp and 64-token tile ({mma} HGMMA, "
+              f"{counts[UNPACK_MUL]} unpacking multiplies, {spills} local-memory)")
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16)))
 
 

@@ -401,6 +401,27 @@ def test_sass_script_counts_both_packed_loops():
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_sass_script_reads_the_staged_kernels_loops():
+    """`benchmarks/sass_decode.py --staged` finds each consumer's main loop (per tile: the next tile's scores, 9 units
+    x 4 k-steps, and the values, 8 x 4: 68 `wgmma`s, no unpacking) and the producer's (9 units x 16 pairs per
+    thread: 144 unpacking multiplies, no `wgmma`), and reports the warpgroups' registers."""
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no bundled cuobjdump")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
+    out = subprocess.run([sys.executable, script, "C4R4", "--staged"], env=dict(os.environ, TRITON_INTERPRET="0"),
+                         capture_output=True, text=True, timeout=900, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    consumers = re.findall(r"^consumer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
+    producers = re.findall(r"^producer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
+    assert consumers == [("68", "0"), ("68", "0")], out.stdout
+    assert ("0", "144") in producers, out.stdout
+    assert f"consumer worker {ms.REGS[4][0]}, producer {ms.REGS[4][1]}" in out.stdout, out.stdout
+    bad = subprocess.run([sys.executable, script, "C8R8", "--staged"], env=dict(os.environ, TRITON_INTERPRET="0"),
+                         capture_output=True, text=True, timeout=300, cwd="/")
+    assert bad.returncode == 2 and "takes C4R4 and C2R4" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 @pytest.mark.parametrize("which", ["regs", "wide", "staged"])
 def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     """`launch_gluon` and `launch_staged` (through `launch_flat`) give their kernel every parameter of its signature,
