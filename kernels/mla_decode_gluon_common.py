@@ -153,8 +153,9 @@ def _copy_rows(start, hi, sink, lp, length, o_dt, o_bt, lim_m, m_m, S: gl.conste
 
 @_jit
 def _copy_slots(start, hi, sink, lp, length, o_dt, S: gl.constexpr, R: gl.constexpr):
-    """The slots and valid keys `(slot, m_t)` of the 64 copied tokens from `start` of a copy tile (`_copy_rows`), in
-    the layout of `o_dt: [64]`."""
+    """The slots and valid keys `(slot, m_t)` of the 64 copied tokens from `start` of a copy tile, in the layout of
+    `o_dt: [64]`: what `_copy_rows` computes first (the staged kernel's producer needs no score mask). `_copy_rows`
+    keeps its own copy of these lines: calling this from it reorders the register programs' SASS."""
     shift = gl.where(sink, lp, 0)
     p_min = gl.where(sink, 0, lp + S)
     j = start + o_dt

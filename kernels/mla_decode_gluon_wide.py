@@ -32,8 +32,8 @@ if HAVE_GLUON:
         _cta_barrier,
         _dense_scores,
         _finish,
-        _load_group,
         _lane_sums,
+        _load_group,
         _load_unit,
         _packed_scores,
         _pair_meta,
@@ -60,8 +60,6 @@ FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends
 
 
 # --------------------------------------------------------------------------------------------- one half tile
-
-
 @_jit
 def _row_halves(x, acc_h: gl.constexpr):
     """`[64, BM]` accumulator -> its rows `[0, BM/2)` and `[BM/2, BM)` as two `[64, BM/2]` tensors in `acc_h` (the

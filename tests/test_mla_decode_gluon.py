@@ -341,16 +341,22 @@ def test_unit_pairs_are_contiguous_in_a_group(n_groups):
             assert lo // 64 == (hi + 15) // 64, (q, u, lo, hi)
 
 
+def _sass_script(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`benchmarks/sass_decode.py ARGS` in a subprocess (compiling, not interpreting); skips the test where this
+    Triton bundles no `cuobjdump`."""
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no bundled cuobjdump")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
+    return subprocess.run([sys.executable, script, *args], env=dict(os.environ, TRITON_INTERPRET="0"),
+                          capture_output=True, text=True, timeout=timeout, cwd="/")
+
+
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_sass_script_counts_the_packed_loop():
     """`benchmarks/sass_decode.py` (the command behind the SASS figures of docs/KERNELS.md) finds the packed-tile loop
     of the compiled kernel: one unpacking multiply per pair of elements (9 units x 2 tokens x 8 pairs per thread) and
     the 68 `wgmma`s of a tile (36 score, 32 value)."""
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this Triton has no bundled cuobjdump")
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
-    out = subprocess.run([sys.executable, script, "C4R4"], env=dict(os.environ, TRITON_INTERPRET="0"),
-                         capture_output=True, text=True, timeout=900, cwd="/")
+    out = _sass_script("C4R4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "(144 unpacking multiplies" in out.stdout, out.stdout
     assert re.search(r"^HGMMA\.64x16x16\s+68$", out.stdout, re.M), out.stdout
@@ -387,11 +393,7 @@ def test_sass_script_counts_both_packed_loops():
     """`benchmarks/sass_decode.py --wide` (the command behind the SASS figures of docs/KERNELS.md) finds one packed
     loop per warpgroup: the leader unpacks 5 units (4 content + RoPE: 80 multiplies per thread, one per pair) and
     issues their 20 score `wgmma`s, the worker 4 units (64, 16), each plus the 16 value `wgmma`s of its units."""
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this Triton has no bundled cuobjdump")
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
-    out = subprocess.run([sys.executable, script, "C4R4", "--wide"], env=dict(os.environ, TRITON_INTERPRET="0"),
-                         capture_output=True, text=True, timeout=900, cwd="/")
+    out = _sass_script("C4R4", "--wide")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^leader packed loop: \d+ .*\(80 unpacking multiplies\)\n.*HGMMA\.64x32x16 36", out.stdout, re.M), \
         out.stdout
@@ -405,19 +407,14 @@ def test_sass_script_reads_the_staged_kernels_loops():
     """`benchmarks/sass_decode.py --staged` finds each consumer's main loop (per tile: the next tile's scores, 9 units
     x 4 k-steps, and the values, 8 x 4: 68 `wgmma`s, no unpacking) and the producer's (9 units x 16 pairs per
     thread: 144 unpacking multiplies, no `wgmma`), and reports the warpgroups' registers."""
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this Triton has no bundled cuobjdump")
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_decode.py")
-    out = subprocess.run([sys.executable, script, "C4R4", "--staged"], env=dict(os.environ, TRITON_INTERPRET="0"),
-                         capture_output=True, text=True, timeout=900, cwd="/")
+    out = _sass_script("C4R4", "--staged")
     assert out.returncode == 0, out.stderr[-3000:]
     consumers = re.findall(r"^consumer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
     producers = re.findall(r"^producer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
     assert consumers == [("68", "0"), ("68", "0")], out.stdout
     assert ("0", "144") in producers, out.stdout
     assert f"consumer worker {ms.REGS[4][0]}, producer {ms.REGS[4][1]}" in out.stdout, out.stdout
-    bad = subprocess.run([sys.executable, script, "C8R8", "--staged"], env=dict(os.environ, TRITON_INTERPRET="0"),
-                         capture_output=True, text=True, timeout=300, cwd="/")
+    bad = _sass_script("C8R8", "--staged", timeout=300)
     assert bad.returncode == 2 and "takes C4R4 and C2R4" in bad.stderr, bad.stderr[-2000:]
 
 

@@ -262,7 +262,7 @@ def mla_decode_static(
         if not (hopper_handles(fmt, sink_c.dtype, q_lat.device) and handles):
             raise ValueError(f"the {backend} kernel does not take {fmt.name} with {sink_c.dtype} copies on "
                              f"{q_lat.device} (sm_90, groups of 64; wide: 8 content groups of C4R4, C2R4, "
-                             "C4R8, C2R8 or C8R8): use backend='triton'")
+                             "C4R8, C2R8 or C8R8; staged: 8 content groups of C4R4 or C2R4): use backend='triton'")
         if not planes_contiguous(fmt, content_planes, rope_planes):
             raise ValueError("the Gluon decode kernels need plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
                              "use backend='triton' for strided planes")
@@ -364,7 +364,8 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
             raise ValueError(f"the paged {backend} kernel does not take {fmt.name}, {Nq} query tokens of {n} requests "
                              f"in pages of {page_size} on {q_lat.device}: it takes decode steps (one query token per "
                              f"request) of 2/4/8-bit formats with sink and recent copies (wide: C4R4, C2R4, "
-                             f"C4R8, C2R8, C8R8) in pages of {GLUON_BLOCK_T} tokens on sm_90; use backend='triton'")
+                             f"C4R8, C2R8, C8R8; staged: C4R4, C2R4) in pages of {GLUON_BLOCK_T} tokens on sm_90; "
+                             "use backend='triton'")
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         return _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content,
                              recent_rope, page_table, rows, seq_lens, scaling, longest, num_splits)
