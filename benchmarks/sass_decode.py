@@ -4,7 +4,9 @@ opcode, plus the registers and spills of the kernel (the compile facts of docs/K
 kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C4R8,
 C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too). `--staged`: the staged kernel
 (`kernels/mla_decode_gluon_staged.py`, C4R4, C2R4): each warpgroup's registers and the main loop of the producer and
-of each consumer, with its `wgmma`s, unpacking multiplies and local-memory (spill) instructions.
+of each consumer, with its `wgmma`s, unpacking multiplies and local-memory (spill) instructions. Each also prints
+what ptxas said (`ptxas_facts`): whether it serialized the wgmmas (each waiting for the one before, which a kernel
+short of registers gets without failing) and the spill bytes.
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide|--staged]
     python benchmarks/sass_decode.py --dump DIR
@@ -12,7 +14,7 @@ of each consumer, with its `wgmma`s, unpacking multiplies and local-memory (spil
 `--paged`: the paged launch (`PAGED`: page pools read through a page table) of any of them. `--dump DIR`: the whole
 SASS (addresses removed) of every Gluon launch in `DUMP_LAUNCHES` and `STAGED_LAUNCHES` and every portable Triton
 launch in `PORTABLE_LAUNCHES`, one file each, so that two trees' kernels can be compared with `diff -r` (a change
-whose SASS is identical needs no timing).
+whose SASS is identical needs no timing). It prints each launch's ptxas facts beside its instruction count.
 
 It compiles with the Triton in the environment and disassembles with that Triton's bundled `cuobjdump`; the figures
 in the docs came from Triton 3.6 (the H200's version; another version schedules and allocates differently).
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -29,6 +33,7 @@ import tempfile
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental import gluon
@@ -46,6 +51,10 @@ FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C8R8": (8, 8)}
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+[^;]*;", re.M)  # one SASS instruction line
 SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);")  # a partition's registers (PTX)
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
+# ptxas's notes (`-v`) on a kernel whose wgmmas it runs one at a time (C7510-C7515: registers short, accumulators
+# touched between wgmmas, ...), and on its spills
+WGMMA_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized")
+SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
 # (content bits, RoPE bits, content groups, fp32 queries, paged, two warpgroups): DeepSeek (8 groups) and MiniCPM3
@@ -112,7 +121,36 @@ def compile_combine(block_d: int, n_tail: int):
 def _compile_triton(fn, const: dict, ptr: dict, default: str, options: dict):
     sig = {n: "constexpr" if n in const else ptr.get(n, default) for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_sm90(src, options)
+
+
+def compile_sm90(src, options: dict):
+    """`triton.compile` of `src` for sm_90, past Triton's cache so that ptxas runs, its `-v` log kept as the
+    kernel's `ptxas_log` (`ptxas_facts`)."""
+    log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel.ptxas_log = log.getvalue()
+    if not SPILLS.search(kernel.ptxas_log):
+        raise RuntimeError(f"Triton {triton.__version__} printed no ptxas -v log (TRITON_DUMP_PTXAS_LOG)")
+    return kernel
+
+
+def wgmma_serialized(kernel) -> list[str]:
+    """The codes of ptxas's notes that it serialized the kernel's wgmmas (each waits for the one before: the
+    tensor-core pipeline runs empty), none when it did not."""
+    return WGMMA_SERIALIZED.findall(kernel.ptxas_log)
+
+
+def ptxas_facts(kernel) -> str:
+    """One line of what ptxas said of a kernel (`compile_sm90`): whether its wgmmas are serialized and its spill
+    bytes."""
+    codes = wgmma_serialized(kernel)
+    stores, loads = SPILLS.search(kernel.ptxas_log).groups()
+    return (f"ptxas: wgmmas {'serialized (' + ', '.join(sorted(set(codes))) + ')' if codes else 'not serialized'}, "
+            f"spills {stores} B stored, {loads} B loaded")
 
 
 def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, paged: bool = False,
@@ -160,7 +198,7 @@ def _compile(fn, const: dict, q_split: bool, options: dict, index_ptrs: dict | N
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides if n in fn.arg_names}
     src = gluon._runtime.GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                                         attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_sm90(src, options)
 
 
 def cuobjdump() -> str:
@@ -245,10 +283,11 @@ def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCH
                for a in quant_pack_launches]
             + [(compile_combine, a, "combine_{}cols_{}tail.sass".format(*a)) for a in combine_launches])
     for compile_fn, args, name in jobs:
-        sass = disassemble(compile_fn(*args).asm["cubin"], "-sass")
+        kernel = compile_fn(*args)
+        sass = disassemble(kernel.asm["cubin"], "-sass")
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(re.sub(r"/\*[0-9a-f]{4,}\*/", "", sass))
-        print(f"{name}: {len(INSTRUCTION.findall(sass))} instructions", flush=True)
+        print(f"{name}: {len(INSTRUCTION.findall(sass))} instructions; {ptxas_facts(kernel)}", flush=True)
 
 
 def main():
@@ -280,6 +319,7 @@ def main():
     print(f"triton {triton.__version__} | {a.format} | {'fp32' if a.fp32_queries else 'bf16'} queries | "
           f"inflight {a.inflight} | {'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
+    print(ptxas_facts(kernel))
     print(f"packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
           f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements)")
     for op, n in counts.most_common():
@@ -296,6 +336,7 @@ def main_wide(a):
           f"{'paged' if a.paged else 'contiguous'} | shared memory "
           f"{kernel.metadata.shared} B")
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
+    print(ptxas_facts(kernel))
     loops = sorted(packed_loops(sass), key=lambda body: -opcode_counts(body)[UNPACK_MUL])
     for name, loop in zip(("leader", "worker"), loops):
         counts = opcode_counts(loop)
@@ -324,6 +365,7 @@ def main_staged(a):
           + " ".join(f"{k} {n}" for k, n in SETMAXNREG.findall(kernel.asm["ptx"])))
     local = len(re.findall(r"\b(?:LDL|STL)\b", sass))
     print(f"local memory instructions in the kernel: {local}")
+    print(ptxas_facts(kernel))
     for loop in main_loops(sass):
         counts = opcode_counts(loop)
         name = "producer" if counts[UNPACK_MUL] else "consumer"

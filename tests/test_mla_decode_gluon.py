@@ -61,6 +61,7 @@ COMPILE_REGS = COMPILE_PREFIX + textwrap.dedent(
                                    (8, 8, False, False), (4, 8, False, False), (4, 4, False, True),
                                    (2, 4, False, True)):
         kernel = sd.compile_regs(cb, rb, q_split=q_split, inflight=mr.INFLIGHT[cb], paged=paged)
+        assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))  # the tensor pipe kept full
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = mr.smem_bytes(fmt, q_split)
         assert kernel.metadata.shared <= need, (cb, q_split, kernel.metadata.shared, need)
@@ -114,6 +115,7 @@ COMPILE_WIDE = COMPILE_PREFIX + textwrap.dedent(
     for cb, rb, q_split, paged in ((4, 4, False, False), (2, 4, False, False), (2, 4, True, False),
                                    (4, 4, False, True), (8, 8, False, False), (4, 8, False, True)):
         kernel = sd.compile_wide(cb, rb, q_split=q_split, paged=paged)
+        assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))  # the tensor pipe kept full
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = mw.smem_bytes(fmt, q_split)
         assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, bm, q_split, kernel.metadata.shared, need)
@@ -152,6 +154,7 @@ COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
 
     for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True)):
         kernel = sd.compile_staged(cb, rb, paged=paged)
+        assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))  # the tensor pipe kept full
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = ms.smem_bytes(fmt, False)
         assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, paged, kernel.metadata.shared, need)
@@ -172,6 +175,33 @@ COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
     print("compiled")
     """
 )
+
+
+PTXAS_NOTES = COMPILE_PREFIX + textwrap.dedent(
+    """
+    import types
+
+    # ptxas 13.4's -v notes on a consumer warpgroup 8 registers short, then on one with enough
+    short = types.SimpleNamespace(ptxas_log=(
+        "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "insufficient register resources for the function 'mla_decode_staged_kernel'\\n"
+        "ptxas info    : Function properties for mla_decode_staged_kernel\\n"
+        "    64 bytes stack frame, 76 bytes spill stores, 100 bytes spill loads\\n"))
+    assert sd.wgmma_serialized(short) == ["C7512"], sd.wgmma_serialized(short)
+    assert sd.ptxas_facts(short) == "ptxas: wgmmas serialized (C7512), spills 76 B stored, 100 B loaded"
+    enough = types.SimpleNamespace(ptxas_log="    80 bytes stack frame, 152 bytes spill stores, 198 bytes spill loads")
+    assert not sd.wgmma_serialized(enough)
+    assert sd.ptxas_facts(enough) == "ptxas: wgmmas not serialized, spills 152 B stored, 198 B loaded"
+    print("compiled")
+    """
+)
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_ptxas_notes_of_serialized_wgmmas_are_read():
+    """`sass_decode.ptxas_facts` reads ptxas's note that it serialized a kernel's wgmmas (the compile tests assert
+    that no launch has one) and its spill bytes."""
+    _compile(PTXAS_NOTES)
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
@@ -414,6 +444,7 @@ def test_sass_script_reads_the_staged_kernels_loops():
     assert consumers == [("68", "0"), ("68", "0")], out.stdout
     assert ("0", "144") in producers, out.stdout
     assert f"consumer worker {ms.REGS[4][0]}, producer {ms.REGS[4][1]}" in out.stdout, out.stdout
+    assert re.search(r"^ptxas: wgmmas not serialized, spills \d+ B stored, \d+ B loaded$", out.stdout, re.M), out.stdout
     bad = _sass_script("C8R8", "--staged", timeout=300)
     assert bad.returncode == 2 and "takes C4R4 and C2R4" in bad.stderr, bad.stderr[-2000:]
 
