@@ -12,7 +12,8 @@ fetched separately and never committed) and the stock transformers step (`--stoc
         every method replayed from a CUDA graph, in turns, ROUNDS times: 95% intervals of each time and of the
         ratio new / baseline (`--baseline-path`: the kernels of an older tree, e.g. `git archive REV | tar -x -C DIR`,
         imported side by side in the same process and run through that tree's dispatch, or both trees through one
-        backend with `--repeat-backend NAME`, e.g. `triton` for the portable kernel; `--paged`: the paged
+        backend with `--repeat-backend NAME`, e.g. `triton` for the portable kernel; `--also-backends A,B`: those
+        backends beside the default on the same cache, e.g. `gluon_staged_channels`; `--paged`: the paged
         kernels, the default choice and the others that take the case, on the same cache laid out in pages of 64)
     python benchmarks/bench_decode.py --repeat ROUNDS --placements K --points H:B:N,... --formats C4R4,C2R4
         each format's default decode on K caches allocated one after the other, in turns: the spread between
@@ -654,7 +655,7 @@ def check_paged(out_lines, cases=None, page_size=64):
 
 
 def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False, backend="default",
-                flashmla=None):
+                flashmla=None, also=()):
     """Per point: the default dispatch (or the named `backend`) for each format (`new-FMT`), the baseline tree's
     (`old-FMT`, given `baseline`; the same named backend), the paged kernel on the same cache in pages (`paged-FMT`, given `paged`; with a baseline tree that
     has a paged decode also its `old-paged-FMT`) and the torch bmm on a
@@ -662,7 +663,8 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
     each round) in one process; reported by `summarize_rounds` (ratios to the first method) and, per format, the
     ratio new / old with its interval and a verdict. `flashmla` (the `flash_mla_cuda` module): FlashMLA on the first
     format's history as a BF16 page pool (`flashmla-bf16`), each format's ratio to it with its interval, and each
-    format's output against FlashMLA's on its own history."""
+    format's output against FlashMLA's on its own history. `also`: backends timed beside the default on the same
+    cache (`BACKEND-FMT`, and with `paged` their paged launch, `paged-BACKEND-FMT`), where they take the case."""
     out = []
     for H, B, N in points:
         q_lat, q_rot, lp = _queries(B, H)
@@ -675,17 +677,33 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             for tag, fn in makers:
                 keep.append((fn, args))  # a graph reads the tensors it was captured with
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
+            for extra in also:
+                fn = decode_fn(extra, N)
+                try:
+                    fn(*args)
+                except ValueError as e:
+                    out_lines.append(f"repeat H={H:3d} B={B:2d} N={N:6d} {extra}-{name}: skipped ({e})")
+                    print(out_lines[-1], flush=True)
+                    continue
+                keep.append((fn, args))
+                replays[f"{extra}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
             if paged:  # the default paged kernel, and the other ones that take the case
                 choice = select_paged_backend(fmt, H, B, B, 64, sc.dtype, DEVICE)
                 others = {"gluon_staged": ("gluon_wide",), "gluon_wide": ("gluon_regs", "triton"),
                           "gluon_regs": ("triton",)}.get(choice, ())
+                others = others + tuple(b for b in also if b != choice and b not in others)
                 old_paged = [("old-paged", None, baseline.paged)] if baseline and baseline.paged else []
                 # (not named `backend`: that is the contiguous decode's, for every later format and point)
                 for tag, paged_backend, decode in [("paged", None, None)] + old_paged + [(f"paged-{b}", b, None)
                                                                                          for b in others]:
                     run = paged_fn(args, backend=paged_backend, decode=decode)
+                    try:
+                        replays[f"{tag}-{name}"] = graphed(run)
+                    except ValueError as e:  # an `also` backend that does not take the case
+                        out_lines.append(f"repeat H={H:3d} B={B:2d} N={N:6d} {tag}-{name}: skipped ({e})")
+                        print(out_lines[-1], flush=True)
+                        continue
                     keep.append((run, args))
-                    replays[f"{tag}-{name}"] = graphed(run)
             if flashmla is not None:
                 rel, lse_err = compare_flashmla(flashmla, fmt, args, N)
                 out_lines.append(f"flashmla H={H:3d} B={B:2d} N={N:6d} {name:6s} vs FlashMLA on the same history: "
@@ -866,6 +884,8 @@ def main():
     ap.add_argument("--repeat-backend", default="default",
                     help="--repeat: the backend both trees run (default: each tree's own dispatch)")
     ap.add_argument("--target-ms", type=float, default=None, help="--repeat: where the first method stands")
+    ap.add_argument("--also-backends", default="",
+                    help="--repeat: comma list of backends timed beside the default on the same cache (and paged)")
     ap.add_argument("--placements", type=int, default=0,
                     help="--repeat: instead, each format on this many separately allocated caches (the placement spread)")
     ap.add_argument("--profile", default="", help="H:B:N:FORMAT: run one point --iters times (first of --backends)")
@@ -899,7 +919,8 @@ def main():
     elif a.repeat:
         baseline = load_baseline(a.baseline_path) if a.baseline_path else None
         result["repeats"] = run_repeats(lines, points, formats, baseline, a.repeat, a.target_ms, a.paged,
-                                        a.repeat_backend, load_flashmla(a.flashmla))
+                                        a.repeat_backend, load_flashmla(a.flashmla),
+                                        tuple(b for b in a.also_backends.split(",") if b))
     if a.bench:
         bf16 = load_bf16_kernel(a.bf16_kernel)
         lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")
