@@ -86,6 +86,28 @@ FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends
 
 # --------------------------------------------------------------------------------------------- the row consumers
 @_jit
+def _consumer_tiles(i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct,
+                    s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S: gl.constexpr, R: gl.constexpr,
+                    C_BITS: gl.constexpr):
+    """The tiles a consumer attends, as int32: `(n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi)`, the split's
+    packed tiles from `t_base` valid in `[lo, hi)` (`_split_range`), then (a copy program, `n_all = n_tiles + 1`) the
+    copy tile at `c_t0` valid in `[c_lo, c_hi)` (`_copy_rows`'s mask)."""
+    BT: gl.constexpr = 64
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
+    lo_c, hi_c, sink, _, _, _, _ = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb,
+                                              s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, BT)
+    shift = gl.where(sink, lp, 0)
+    c_t0 = (lo_c + shift).to(gl.int32)
+    c_lo = gl.maximum(gl.where(sink, lp, lp + S), lo_c + shift).to(gl.int32)
+    c_hi = gl.minimum(hi_c + shift, length).to(gl.int32)
+    n_all = n_tiles + (i_s >= num_splits).to(gl.int32)  # tiles in the ring: the packed ones, then a copy tile
+    t_base = base.to(gl.int32)
+    lo = lo_valid.to(gl.int32)
+    hi = hi.to(gl.int32)
+    return n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi
+
+
+@_jit
 def _row_scores(kbuf, qbuf, st, kz, GC: gl.constexpr, HM: gl.constexpr, acc_l: gl.constexpr):
     """Issue the scores `S^T: [64, HM]` of key stage `st` against the staged queries, `sum_u kbuf[u][st] @
     qbuf[u]^T` (both operands in shared memory), without waiting. `kz`: a run-time zero (the queries' descriptors
@@ -98,9 +120,10 @@ def _row_scores(kbuf, qbuf, st, kz, GC: gl.constexpr, HM: gl.constexpr, acc_l: g
 
 @_jit
 def _row_consumer(HF: gl.constexpr, kbuf, qbuf, pbuf, vbuf, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
-              rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb,
-              s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr,
-              R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
+                  rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb,
+                  s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr,
+                  C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
+                  PAGED: gl.constexpr):
     """Consumer `HF` (0: the default warps, 1: a worker): rows `[HF * BM/2, + BM/2)` of the program's block over
     the tiles of its split, then (a copy program) its copy tile, its partial outputs and LSE. Software-pipelined:
     the next tile's scores are issued while this tile's values run; the last tile issues its own scores again (an
@@ -131,18 +154,9 @@ def _row_consumer(HF: gl.constexpr, kbuf, qbuf, pbuf, vbuf, full, empty, q_ptr, 
     outs = ()  # the value accumulators `o_u^T: [64, HM]` of the content units
     for u in gl.static_range(GC):
         outs = outs + (gl.zeros([64, HM], gl.float32, acc_l),)
-    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
-    # the copy tile's positions `[c_lo, c_hi)` from `c_t0` (`_copy_rows`'s mask; none in a packed program)
-    lo_c, hi_c, sink, _, _, _, _ = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb,
-                                              s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, BT)
-    shift = gl.where(sink, lp, 0)
-    c_t0 = (lo_c + shift).to(gl.int32)
-    c_lo = gl.maximum(gl.where(sink, lp, lp + S), lo_c + shift).to(gl.int32)
-    c_hi = gl.minimum(hi_c + shift, length).to(gl.int32)
-    n_all = n_tiles + (i_s >= num_splits).to(gl.int32)  # tiles in the ring: the packed ones, then a copy tile
-    t_base = base.to(gl.int32)
-    lo = lo_valid.to(gl.int32)
-    hi = hi.to(gl.int32)
+    n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi = _consumer_tiles(
+        i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb,
+        s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, C_BITS)
     o_bt = gl.arange(0, BT, layout=row_l)
 
     mbarrier.wait(full.index(0), 0)  # (an empty split's producer arrives on it with nothing stored)
@@ -224,9 +238,10 @@ def _channel_values(p, kbuf, outs, st, U0: gl.constexpr, p_l: gl.constexpr):
 
 @_jit
 def _channel_consumer(HF: gl.constexpr, kbuf, qbuf, fbuf, qready, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
-              rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb,
-              s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr,
-              R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
+                      rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb,
+                      s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr,
+                      C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
+                      PAGED: gl.constexpr):
     """Consumer `HF` (0: the default warps, 1: a worker): content channels of units `[HF * GC/2, + GC/2)` of all
     `BM` rows of the program's block over the tiles of its split, then (a copy program) its copy tile; its partial
     outputs (consumer 0: and the LSE). It stages rows `[HF * BM/2, + BM/2)` of the queries and their pre-scaling in
@@ -264,18 +279,9 @@ def _channel_consumer(HF: gl.constexpr, kbuf, qbuf, fbuf, qready, full, empty, q
     outs = ()  # the value accumulators `o_u: [BM, 64]` of this consumer's content units
     for u in gl.static_range(NV):
         outs = outs + (gl.zeros([BM, 64], gl.float32, acc_l),)
-    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
-    # the copy tile's positions `[c_lo, c_hi)` from `c_t0` (`_copy_rows`'s mask; none in a packed program)
-    lo_c, hi_c, sink, _, _, _, _ = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb,
-                                              s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, BT)
-    shift = gl.where(sink, lp, 0)
-    c_t0 = (lo_c + shift).to(gl.int32)
-    c_lo = gl.maximum(gl.where(sink, lp, lp + S), lo_c + shift).to(gl.int32)
-    c_hi = gl.minimum(hi_c + shift, length).to(gl.int32)
-    n_all = n_tiles + (i_s >= num_splits).to(gl.int32)  # tiles in the ring: the packed ones, then a copy tile
-    t_base = base.to(gl.int32)
-    lo = lo_valid.to(gl.int32)
-    hi = hi.to(gl.int32)
+    n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi = _consumer_tiles(
+        i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb,
+        s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, C_BITS)
     o_bt = gl.arange(0, BT, layout=key_l)
 
     for it in range(n_all):

@@ -152,24 +152,29 @@ COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
     from quantmla_hf.kernels import mla_decode_gluon_staged as ms
 
-    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True)):
-        kernel = sd.compile_staged(cb, rb, paged=paged)
-        assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))  # the tensor pipe kept full
+    for cb, rb, paged, channels in ((2, 4, False, False), (4, 4, False, False), (2, 4, True, False),
+                                    (2, 4, False, True), (4, 4, False, True), (2, 4, True, True)):
+        kernel = sd.compile_staged(cb, rb, paged=paged, channels=channels)
+        case = (cb, rb, paged, channels)
+        assert not sd.wgmma_serialized(kernel), (case, sd.ptxas_facts(kernel))  # the tensor pipe kept full
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
-        need = ms.smem_bytes(fmt, False)
-        assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, paged, kernel.metadata.shared, need)
+        need = ms.smem_bytes(fmt, False, channels=channels)
+        assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (case, kernel.metadata.shared, need)
         ptx = kernel.asm["ptx"]
         # the consumers take their registers from the producer (and the default warps theirs)
-        c_regs, p_regs = ms.REGS[cb]
+        c_regs, p_regs = (ms.CHANNEL_REGS if channels else ms.REGS)[cb]
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{p_regs};" in ptx, ptx[:200]
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx
-        # every product from shared memory: per consumer, the scores of 9 units issued before the loop and in it (the
-        # next tile's), the values of 8 in it, 4 k-steps each (the copy tile is a tile of the loop); none with an A
-        # operand in registers
-        mma = rf"wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 \\{{[^}}]*\\}}, "
+        n = 64 if channels else 32
+        mma = rf"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 \\{{[^}}]*\\}}, "
         n_smem = len(re.findall(mma + r"%rd", ptx))
-        assert n_smem == 2 * (2 * 9 + 8) * 4, (cb, paged, n_smem)
-        assert not re.findall(mma + r"\\{", ptx)
+        n_regs = len(re.findall(mma + r"\\{", ptx))
+        if channels:  # per consumer and tile: the scores of all 64 rows over 9 units (queries as A), then the
+            # values of its 4 units with P as a register A operand, 4 k-steps each
+            assert (n_smem, n_regs) == (2 * 9 * 4, 2 * 4 * 4) and "m64n32k16" not in ptx, (case, n_smem, n_regs)
+        else:  # every product from shared memory: per consumer, the scores of 9 units issued before the loop and
+            # in it (the next tile's), the values of 8 in it, 4 k-steps each (the copy tile is a tile of the loop)
+            assert (n_smem, n_regs) == (2 * (2 * 9 + 8) * 4, 0), (case, n_smem, n_regs)
         # the ring's barriers: the producer waits on `empty`, the consumers on `full`
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
     print("compiled")
@@ -202,40 +207,6 @@ def test_ptxas_notes_of_serialized_wgmmas_are_read():
     """`sass_decode.ptxas_facts` reads ptxas's note that it serialized a kernel's wgmmas (the compile tests assert
     that no launch has one) and its spill bytes."""
     _compile(PTXAS_NOTES)
-
-
-COMPILE_CHANNELS = COMPILE_PREFIX + textwrap.dedent(
-    """
-    import re
-    from quantmla_hf import CacheFormat, PathFormat
-    from quantmla_hf.kernels import mla_decode_gluon_common as mc
-    from quantmla_hf.kernels import mla_decode_gluon_staged as ms
-
-    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True)):
-        kernel = sd.compile_staged(cb, rb, paged=paged, channels=True)
-        assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))  # the tensor pipe kept full
-        fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
-        need = ms.smem_bytes(fmt, False, channels=True)
-        assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, paged, kernel.metadata.shared, need)
-        ptx = kernel.asm["ptx"]
-        c_regs, p_regs = ms.CHANNEL_REGS[cb]
-        assert f"setmaxnreg.dec.sync.aligned.u32 \t{p_regs};" in ptx, ptx[:200]
-        assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx
-        # per consumer and tile: the scores of all 64 rows over 9 units from shared memory (queries as A), then the
-        # values of its 4 units with P as a register A operand, 4 k-steps each; nothing in n32
-        mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 \\{{[^}}]*\\}}, "
-        n_smem = len(re.findall(mma + r"%rd", ptx))
-        n_regs = len(re.findall(mma + r"\\{", ptx))
-        assert (n_smem, n_regs) == (2 * 9 * 4, 2 * 4 * 4), (cb, paged, n_smem, n_regs)
-        assert "m64n32k16" not in ptx
-    print("compiled")
-    """
-)
-
-
-@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
-def test_staged_kernel_compiles_for_sm90_channel_consumers():
-    _compile(COMPILE_CHANNELS)
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
