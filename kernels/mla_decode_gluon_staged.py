@@ -84,7 +84,7 @@ LAUNCH_REGS = 168  # at launch, for all 12 warps (65,536 / 384 rounded down to 8
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`)
 
 
-# --------------------------------------------------------------------------------------------- the row consumers
+# --------------------------------------------------------------------------------------------- the consumers
 @_jit
 def _consumer_tiles(i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct,
                     s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S: gl.constexpr, R: gl.constexpr,
@@ -107,6 +107,7 @@ def _consumer_tiles(i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr
     return n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi
 
 
+# --------------------------------------------------------------------------------------------- the row consumers
 @_jit
 def _row_scores(kbuf, qbuf, st, kz, GC: gl.constexpr, HM: gl.constexpr, acc_l: gl.constexpr):
     """Issue the scores `S^T: [64, HM]` of key stage `st` against the staged queries, `sum_u kbuf[u][st] @
