@@ -11,7 +11,7 @@ A program is three warpgroups (`gl.warp_specialize`, one program per SM) over 64
   on `full[stage]`; a copy program stores its one tile of model-dtype copies the same way;
 - two consumers (the default warps and a worker at `C_REGS`) wait on `full[stage]`, take the tile's scores, online
   softmax and values from shared memory, and arrive on `empty[stage]`; the producer waits on it before it rewrites
-  the stage. Two kinds, one launch (`CHANNELS`):
+  the stage. Three kinds, one launch (`CHANNELS`, `SEESAW`):
   - the row consumers (`_row_consumer`, backend `gluon_staged`), 32 rows each: the scores `S^T: [64 tokens, 32]`
     (`m64n32k16`, keys as A, their rows' queries `qbuf` staged once in the key tile's column order as B), the
     values `O^T += K^T P` with P through their own `pbuf`; each issues the next tile's scores before it waits for
@@ -20,10 +20,15 @@ A program is three warpgroups (`gl.warp_specialize`, one program per SM) over 64
     each with the outputs of half the value channels (4 content units) of all 64 rows: both compute the scores `S:
     [64 rows, 64 tokens]` (`m64n64k16`, the queries as A), the same softmax with each row reduced in its quad, and
     their units' values `O += P K_u` with P as a register operand: no P or votes through shared memory, each key
-    tile's values read once, the scores computed twice.
+    tile's values read once, the scores computed twice;
+  - the same consumers scoring alternate tiles (`SEESAW`, backend `gluon_staged_seesaw`, not in the dispatch until
+    timed): consumer 0 scores tile 2j, consumer 1 tile 2j + 1, each hands its P and references to the other through
+    one shared buffer (`pbuf`, `mbuf`; mbarriers `pready`, `pfree`), and both take their units' values of both
+    tiles from it: the scores computed once; the producer completes an odd split's last pair with a zero tile.
 
 Every token is unpacked once per 64 rows, by warps that do nothing else. Shared memory: keys 2 x 9 x 8 KB and, row
-consumers, queries 2 x 9 x 4 KB and P 2 x 4 KB (224 KB), channel consumers queries 9 x 8 KB (216 KB).
+consumers, queries 2 x 9 x 4 KB and P 2 x 4 KB (224 KB), channel consumers queries 9 x 8 KB (216 KB), and for the
+seesaw P 8 KB more (225 KB).
 """
 
 from __future__ import annotations
@@ -238,11 +243,37 @@ def _channel_values(p, kbuf, outs, st, U0: gl.constexpr, p_l: gl.constexpr):
 
 
 @_jit
-def _channel_consumer(HF: gl.constexpr, kbuf, qbuf, fbuf, qready, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
-                      rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb,
-                      s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr,
-                      C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
-                      PAGED: gl.constexpr):
+def _shared_p_values(pbuf, kbuf, outs, st, U0: gl.constexpr, kz):
+    pv = ()
+    for u in gl.static_range(len(outs)):
+        pv = pv + (warpgroup_mma(pbuf.index(kz), kbuf[U0 + u].index(st), outs[u], is_async=True),)
+    return pv
+
+
+@_jit
+def _hand_over(p, m, pbuf, mbuf, ready):
+    pbuf.index(0).store(p.to(gl.float16))
+    mbuf.store(m)
+    fence_async_shared()
+    _cta_barrier()
+    mbarrier.arrive(ready, count=1)
+
+
+@_jit
+def _tile_mask(it, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m):
+    packed = it < n_tiles
+    p_t = gl.where(packed, t_base + it * 64, c_t0) + o_bt
+    p_lo = gl.where(packed, lo, c_lo)
+    p_hi = gl.where(packed, hi, c_hi)
+    return (((p_t >= p_lo) & (p_t < p_hi))[None, :] & m_m[:, None]) & (p_t[None, :] < lim_m[:, None])
+
+
+@_jit
+def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, qready, full, empty, pbuf, mbuf, lbuf,
+                      pready, pfree, done, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
+                      lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb, s_snct, s_snrb, s_snrt,
+                      s_rccb, s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr,
+                      S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
     """Consumer `HF` (0: the default warps, 1: a worker): content channels of units `[HF * GC/2, + GC/2)` of all
     `BM` rows of the program's block over the tiles of its split, then (a copy program) its copy tile; its partial
     outputs (consumer 0: and the LSE). It stages rows `[HF * BM/2, + BM/2)` of the queries and their pre-scaling in
@@ -285,21 +316,73 @@ def _channel_consumer(HF: gl.constexpr, kbuf, qbuf, fbuf, qready, full, empty, q
         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, C_BITS)
     o_bt = gl.arange(0, BT, layout=key_l)
 
-    for it in range(n_all):
-        st = it % NST
-        kz = it >> 30  # zero at run time, unknown to the compiler
-        mbarrier.wait(full.index(st), (it // NST) & 1)
-        acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, st, kz, GC, acc_l)])
-        packed = it < n_tiles
-        p_t = gl.where(packed, t_base + it * BT, c_t0) + o_bt  # the tile's positions
-        p_lo = gl.where(packed, lo, c_lo)
-        p_hi = gl.where(packed, hi, c_hi)
-        m_valid = (((p_t >= p_lo) & (p_t < p_hi))[None, :] & m_m[:, None]) & (p_t[None, :] < lim_m[:, None])
-        m_new, l_i, p = _channel_softmax(acc, f, m_valid, m_i, l_i)
-        outs = _channel_rescale(outs, m_i, m_new)
-        m_i = m_new
-        outs = warpgroup_mma_wait(0, deps=_channel_values(p, kbuf, outs, st, HF * NV, p_l))
-        mbarrier.arrive(empty.index(st), count=1)
+    if not SEESAW:
+        for it in range(n_all):
+            st = it % NST
+            kz = it >> 30  # zero at run time, unknown to the compiler
+            mbarrier.wait(full.index(st), (it // NST) & 1)
+            acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, st, kz, GC, acc_l)])
+            packed = it < n_tiles
+            p_t = gl.where(packed, t_base + it * BT, c_t0) + o_bt  # the tile's positions
+            p_lo = gl.where(packed, lo, c_lo)
+            p_hi = gl.where(packed, hi, c_hi)
+            m_valid = (((p_t >= p_lo) & (p_t < p_hi))[None, :] & m_m[:, None]) & (p_t[None, :] < lim_m[:, None])
+            m_new, l_i, p = _channel_softmax(acc, f, m_valid, m_i, l_i)
+            outs = _channel_rescale(outs, m_i, m_new)
+            m_i = m_new
+            outs = warpgroup_mma_wait(0, deps=_channel_values(p, kbuf, outs, st, HF * NV, p_l))
+            mbarrier.arrive(empty.index(st), count=1)
+    else:
+        for j in range((n_all + 1) // 2):  # tile a = 2j (stage 0, scored by consumer 0), b = 2j + 1 (stage 1, 1)
+            kz = j >> 30
+            t_a = 2 * j
+            has_b = t_a + 1 < n_all
+            if HF == 0:
+                mbarrier.wait(full.index(0), j & 1)
+                acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, 0, kz, GC, acc_l)])
+                m_valid = _tile_mask(t_a, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m)
+                m_a, l_i, p = _channel_softmax(acc, f, m_valid, m_i, l_i)
+                mbarrier.wait(pfree, 1, pred=j > 0)  # both consumers done with P of tile 2j - 1
+                _hand_over(p, m_a, pbuf, mbuf, pready)
+                outs = _channel_rescale(outs, m_i, m_a)
+                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, 0, kz))
+                mbarrier.arrive(empty.index(0), count=1)
+                mbarrier.arrive(pfree, count=1)
+                mbarrier.wait(pready, 1)  # P of tile b
+                m_b = mbuf.load(row_l)
+                l_i = l_i * gl.exp2(m_a - gl.where(m_b == float("-inf"), 0.0, m_b))
+                outs = _channel_rescale(outs, m_a, m_b)
+                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 1, 0, kz))
+                mbarrier.arrive(empty.index(1), count=1)
+                mbarrier.arrive(pfree, count=1)
+                m_i = m_b
+            else:
+                mbarrier.wait(full.index(0), j & 1)
+                mbarrier.wait(pready, 0)  # P of tile a
+                m_a = mbuf.load(row_l)
+                l_i = l_i * gl.exp2(m_i - gl.where(m_a == float("-inf"), 0.0, m_a))
+                outs = _channel_rescale(outs, m_i, m_a)
+                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, NV, kz))
+                mbarrier.arrive(empty.index(0), count=1)
+                mbarrier.arrive(pfree, count=1)
+                mbarrier.wait(full.index(1), j & 1)  # (past an odd count: the producer's zeros)
+                acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, 1, kz, GC, acc_l)])
+                m_valid = _tile_mask(t_a + 1, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m) & has_b
+                m_b, l_i, p = _channel_softmax(acc, f, m_valid, m_a, l_i)
+                mbarrier.wait(pfree, 0)  # both consumers done with P of tile a
+                _hand_over(p, m_b, pbuf, mbuf, pready)
+                outs = _channel_rescale(outs, m_a, m_b)
+                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 1, NV, kz))
+                mbarrier.arrive(empty.index(1), count=1)
+                mbarrier.arrive(pfree, count=1)
+                m_i = m_b
+
+        # the row sums: each consumer's are those of the P it computed, against the same final references
+        lbuf.slice(HF * BM, BM).store(l_i)
+        _cta_barrier()
+        mbarrier.arrive(done, count=1)
+        mbarrier.wait(done, 0)
+        l_i = lbuf.slice(0, BM).load(row_l) + lbuf.slice(BM, BM).load(row_l)
 
     inv_l, b_lse = _finish(l_i, m_i)
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
@@ -329,7 +412,8 @@ def _stage_pair(cp, u: gl.constexpr, zz, ss, zh, kbuf, st, p_c, tn, lo, last, GC
 def _producer(kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
               lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
               s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, C_BITS: gl.constexpr,
-              R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
+              R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr,
+              SEESAW: gl.constexpr = False):
     """Every tile of the program's split (int32 positions relative to its first tile, row pointers, the next tile's
     words and metadata loaded while this one is unpacked; `PAGED`: through the page numbers, a tile ahead), or its
     copy tile, into the key ring."""
@@ -398,6 +482,15 @@ def _producer(kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(full.index(0), count=1)
+    n_all = n_tiles + (i_s >= num_splits).to(gl.int32)
+    if SEESAW and n_all % 2 == 1:  # the last pair's tile b: zeros (finite, unlike shared memory never written)
+        mbarrier.wait(empty.index(1), ((n_all // NST) + 1) & 1, pred=n_all >= NST)
+        zero = gl.zeros([BT, 64], gl.float16, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
+        for u in gl.static_range(GC + 1):
+            kbuf[u].index(1).store(zero)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(full.index(1), count=1)
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -424,7 +517,7 @@ def mla_decode_staged_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, pt_ptr, s_pt, PAGED: gl.constexpr, C_REGS: gl.constexpr,
-    P_REGS: gl.constexpr, CHANNELS: gl.constexpr = False,
+    P_REGS: gl.constexpr, CHANNELS: gl.constexpr = False, SEESAW: gl.constexpr = False,
 ):
     """One program per split, block of 64 rows and batch row (`_program_coords`; the last `ND` splits attend one
     copied tile each): the producer and two consumers of the module docstring over shared key stages, the row
@@ -443,20 +536,32 @@ def mla_decode_staged_kernel(
         qready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         full, empty = _ring_barriers(NST)
         mbarrier.init(qready, count=2)
+        if SEESAW:  # P and its references handed over, the row sums summed at the end
+            pbuf = gl.allocate_shared_memory(gl.float16, [1, BM, BT], k_sl)
+            mbuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
+            lbuf = gl.allocate_shared_memory(gl.float32, [2 * BM], v_sl)
+            pready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            pfree = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(pready, count=1)
+            mbarrier.init(pfree, count=2)
+            mbarrier.init(done, count=2)
+        else:  # (unused)
+            pbuf, mbuf, lbuf, pready, pfree, done = qbuf[0], fbuf, fbuf, qready, qready, qready
         fence_async_shared()
         gl.warp_specialize([
-            (_channel_consumer, (0, kbuf, qbuf, fbuf, qready, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
-                                 rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale,
-                                 s_qb, s_qrb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC,
-                                 C_BITS, R_BITS, S, R, BM, PAGED)),
-            (_channel_consumer, (1, kbuf, qbuf, fbuf, qready, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
-                                 rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale,
-                                 s_qb, s_qrb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC,
-                                 C_BITS, R_BITS, S, R, BM, PAGED)),
+            (_channel_consumer, (0, SEESAW, kbuf, qbuf, fbuf, qready, full, empty, pbuf, mbuf, lbuf, pready, pfree,
+                                 done, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
+                                 lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb, s_snct,
+                                 s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
+            (_channel_consumer, (1, SEESAW, kbuf, qbuf, fbuf, qready, full, empty, pbuf, mbuf, lbuf, pready, pfree,
+                                 done, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
+                                 lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb, s_snct,
+                                 s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
             (_producer, (kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr,
                          rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
                          s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S,
-                         R, BM, PAGED)),
+                         R, BM, PAGED, SEESAW)),
         ], [4, 4], [C_REGS, P_REGS])
     else:
         p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HM, element_bitwidth=16, rank=2)
@@ -485,15 +590,17 @@ def mla_decode_staged_kernel(
 
 
 # --------------------------------------------------------------------------------------------- host side
-def smem_bytes(fmt: CacheFormat, q_split: bool, channels: bool = False) -> int:
+def smem_bytes(fmt: CacheFormat, q_split: bool, channels: bool = False, seesaw: bool = False) -> int:
     """Shared memory of one program: the key ring `[STAGES, GC + 1, 64, 64]` fp16 and its barriers, plus 1 KB of
     compiler scratch; the row consumers' queries `[GC + 1, 32, 64]` fp16, P `[64, 32]` fp16 and votes, each, or
     (`channels`) the channel consumers' queries `[GC + 1, 64, 64]` fp16, their pre-scaling `[64]` fp32 and a
-    barrier."""
+    barrier, and (`seesaw`) the handed-over P `[64, 64]` fp16, its references `[64]` and row sums `[2, 64]` fp32 and
+    three barriers."""
     gc = fmt.content.n_groups
     ring = STAGES * (gc + 1) * BLOCK_T * GROUP * 2 + 2 * STAGES * 8 + 1024
-    if channels:
-        return ring + (gc + 1) * BLOCK_M * GROUP * 2 + BLOCK_M * 4 + 8
+    if channels or seesaw:
+        hand = BLOCK_M * BLOCK_T * 2 + 3 * BLOCK_M * 4 + 3 * 8 if seesaw else 0
+        return ring + (gc + 1) * BLOCK_M * GROUP * 2 + BLOCK_M * 4 + 8 + hand
     return ring + 2 * ((gc + 1) * (BLOCK_M // 2) * GROUP * 2 + BLOCK_T * (BLOCK_M // 2) * 2 + 16)
 
 
@@ -503,14 +610,15 @@ def staged_handles(fmt: CacheFormat) -> bool:
     return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits in (2, 4)
 
 
-def launch_staged(*args, page_table=None, channels: bool = False):
+def launch_staged(*args, page_table=None, channels: bool = False, seesaw: bool = False):
     """Launch `mla_decode_staged_kernel` with `launch_flat`'s arguments (after its `block_m`): `B * cdiv(M, 64) * (NS
-    + copy_programs(fmt))` programs of three warpgroups, with the row consumers or (`channels`) the channel
-    consumers. bf16/fp16 queries only (no low parts are staged)."""
+    + copy_programs(fmt))` programs of three warpgroups, with the row consumers, (`channels`) the channel consumers
+    or (`seesaw`) the channel consumers scoring alternate tiles. bf16/fp16 queries only (no low parts are staged)."""
     q, qr = args[0], args[1]
     if q.dtype == torch.float32 or qr.dtype == torch.float32:
         raise ValueError("the staged Gluon decode kernel takes bf16/fp16 queries: use backend='gluon_wide' for fp32")
+    channels = channels or seesaw
     c_regs, p_regs = (CHANNEL_REGS if channels else REGS)[args[4].content.bits]
-    launch_flat(mla_decode_staged_kernel, "staged Gluon decode kernel", functools.partial(smem_bytes,
-                channels=channels), "gluon_wide", BLOCK_M, *args, page_table=page_table, C_REGS=c_regs, P_REGS=p_regs,
-                CHANNELS=channels, num_warps=4, maxnreg=LAUNCH_REGS)
+    launch_flat(mla_decode_staged_kernel, "staged Gluon decode kernel", functools.partial(
+                smem_bytes, channels=channels, seesaw=seesaw), "gluon_wide", BLOCK_M, *args, page_table=page_table,
+                C_REGS=c_regs, P_REGS=p_regs, CHANNELS=channels, SEESAW=seesaw, num_warps=4, maxnreg=LAUNCH_REGS)

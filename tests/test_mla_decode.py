@@ -32,7 +32,8 @@ def _available() -> list[str]:
         if b not in found:
             found.append(b)
     if found[-1].startswith("gluon"):  # sm_90: every Gluon kernel, whichever the table picks, and the portable one
-        found = ["torch", "gluon_regs", "gluon_wide", "gluon_staged", "gluon_staged_channels", "triton"]
+        found = ["torch", "gluon_regs", "gluon_wide", "gluon_staged", "gluon_staged_channels", "gluon_staged_seesaw",
+                 "triton"]
     return found
 
 

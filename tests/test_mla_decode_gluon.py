@@ -152,13 +152,15 @@ COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
     from quantmla_hf.kernels import mla_decode_gluon_staged as ms
 
-    for cb, rb, paged, channels in ((2, 4, False, False), (4, 4, False, False), (2, 4, True, False),
-                                    (2, 4, False, True), (4, 4, False, True), (2, 4, True, True)):
-        kernel = sd.compile_staged(cb, rb, paged=paged, channels=channels)
-        case = (cb, rb, paged, channels)
+    for cb, rb, paged, channels, seesaw in ((2, 4, False, False, False), (4, 4, False, False, False),
+                                            (2, 4, True, False, False), (2, 4, False, True, False),
+                                            (4, 4, False, True, False), (2, 4, True, True, False),
+                                            (4, 4, False, True, True), (2, 4, True, True, True)):
+        kernel = sd.compile_staged(cb, rb, paged=paged, channels=channels, seesaw=seesaw)
+        case = (cb, rb, paged, channels, seesaw)
         assert not sd.wgmma_serialized(kernel), (case, sd.ptxas_facts(kernel))  # the tensor pipe kept full
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
-        need = ms.smem_bytes(fmt, False, channels=channels)
+        need = ms.smem_bytes(fmt, False, channels=channels, seesaw=seesaw)
         assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (case, kernel.metadata.shared, need)
         ptx = kernel.asm["ptx"]
         # the consumers take their registers from the producer (and the default warps theirs)
@@ -169,7 +171,10 @@ COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
         mma = rf"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 \\{{[^}}]*\\}}, "
         n_smem = len(re.findall(mma + r"%rd", ptx))
         n_regs = len(re.findall(mma + r"\\{", ptx))
-        if channels:  # per consumer and tile: the scores of all 64 rows over 9 units (queries as A), then the
+        if seesaw:  # per pair of tiles, each consumer: the scores of its tile (9 units), then the values of its 4
+            # units of both tiles with the handed-over P from shared memory, 4 k-steps each
+            assert (n_smem, n_regs) == (2 * (9 + 2 * 4) * 4, 0) and "m64n32k16" not in ptx, (case, n_smem, n_regs)
+        elif channels:  # per consumer and tile: the scores of all 64 rows over 9 units (queries as A), then the
             # values of its 4 units with P as a register A operand, 4 k-steps each
             assert (n_smem, n_regs) == (2 * 9 * 4, 2 * 4 * 4) and "m64n32k16" not in ptx, (case, n_smem, n_regs)
         else:  # every product from shared memory: per consumer, the scores of 9 units issued before the loop and
@@ -234,6 +239,9 @@ def test_staged_shared_memory_and_formats():
     # one barrier
     assert ms.smem_bytes(c2r4, False, channels=True) == 2 * 9 * 8192 + 32 + 1024 + 9 * 8192 + 64 * 4 + 8
     assert ms.smem_bytes(c2r4, False, channels=True) <= mc.SMEM_LIMIT
+    # the seesaw: also the handed-over P (64 x 64 fp16), its references and both row sums (3 x 64 fp32), 3 barriers
+    seesaw = ms.smem_bytes(c2r4, False, seesaw=True)
+    assert seesaw == ms.smem_bytes(c2r4, False, channels=True) + 8192 + 3 * 256 + 24 and seesaw <= mc.SMEM_LIMIT
     assert ms.staged_handles(c2r4) and ms.staged_handles(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64)))
     for c, r, dc in ((4, 8, 512), (8, 8, 512), (4, 4, 256)):  # 8-bit keys, 4 content groups: not this kernel's
         assert not ms.staged_handles(CacheFormat(PathFormat(dc, c, 64), PathFormat(64, r, 64)))
@@ -461,17 +469,22 @@ def test_sass_script_reads_the_staged_kernels_loops():
     assert consumers == [("52", "0"), ("52", "0")], out.stdout  # scores 9 x 4, values 4 x 4
     assert f"consumer worker {ms.CHANNEL_REGS[4][0]}, producer {ms.CHANNEL_REGS[4][1]}" in out.stdout, out.stdout
     assert "ptxas: wgmmas not serialized" in out.stdout, out.stdout
+    out = _sass_script("C4R4", "--staged", "--seesaw")
+    assert out.returncode == 0, out.stderr[-3000:]
+    consumers = re.findall(r"^consumer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
+    assert consumers == [("68", "0"), ("68", "0")], out.stdout  # a pair of tiles: scores 9 x 4, values 2 x 4 x 4
+    assert "ptxas: wgmmas not serialized" in out.stdout, out.stdout
     bad = _sass_script("C8R8", "--staged", timeout=300)
     assert bad.returncode == 2 and "takes C4R4 and C2R4" in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
-@pytest.mark.parametrize("which", ["regs", "wide", "staged", "staged_channels"])
+@pytest.mark.parametrize("which", ["regs", "wide", "staged", "staged_channels", "staged_seesaw"])
 def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     """`launch_gluon` and `launch_staged` (through `launch_flat`) give their kernel every parameter of its signature,
     by name, once, and launch `flat_grid` programs: the kernel is replaced by a binder of its own signature, since it
     cannot launch without a GPU."""
-    module = {"regs": mr, "wide": mw, "staged": ms, "staged_channels": ms}[which]
+    module = {"regs": mr, "wide": mw, "staged": ms, "staged_channels": ms, "staged_seesaw": ms}[which]
     staged = which.startswith("staged")
     owner, name = (ms, "mla_decode_staged_kernel") if staged else (mr, "mla_decode_gluon_kernel")
     kernel = getattr(owner, name)
@@ -496,7 +509,7 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
 
     def launcher(*args, **kwargs):
         if staged:
-            ms.launch_staged(*args, channels=which == "staged_channels", **kwargs)
+            ms.launch_staged(*args, channels=which == "staged_channels", seesaw=which == "staged_seesaw", **kwargs)
         else:
             mr.launch_gluon(*args, wide_program=which == "wide", **kwargs)
 
@@ -507,10 +520,11 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     assert seen["grid"] == mc.flat_grid(NS, fmt, M, module.BLOCK_M, B)
     assert seen["bound"].arguments["BM"] == module.BLOCK_M and seen["options"]["num_warps"] == 4
     if staged:  # three warpgroups: the launch's registers for all 12 warps, the partitions' as set
-        regs = ms.CHANNEL_REGS if which == "staged_channels" else ms.REGS
+        regs = ms.REGS if which == "staged" else ms.CHANNEL_REGS
         assert seen["options"]["maxnreg"] == ms.LAUNCH_REGS and 12 * 32 * ms.LAUNCH_REGS <= 65536
         assert (seen["bound"].arguments["C_REGS"], seen["bound"].arguments["P_REGS"]) == regs[4]
-        assert seen["bound"].arguments["CHANNELS"] == (which == "staged_channels")
+        assert seen["bound"].arguments["CHANNELS"] == (which != "staged")
+        assert seen["bound"].arguments["SEESAW"] == (which == "staged_seesaw")
         assert sum(regs[4]) + regs[4][0] - 8 <= 65536 // 128
     else:
         assert seen["bound"].arguments["WIDE"] == (which == "wide")

@@ -12,6 +12,7 @@ Backends (the kernels, each beside its reference in `kernels/`; timings and why 
     "gluon_wide"  mla_decode_gluon_wide.py   sm_90, two warpgroups, 32 rows per program (many heads)
     "gluon_staged" mla_decode_gluon_staged.py sm_90, a producer warpgroup stages the keys for two consumers, 64 rows
     "gluon_staged_channels"                   the same with consumers that split the value channels (by name only)
+    "gluon_staged_seesaw"                     those consumers scoring alternate tiles, P handed over (by name only)
     "triton"      mla_decode_triton.py       any CUDA GPU (and the Triton interpreter on CPU), every dtype
     "torch"       mla_decode_ref.py          the reference, for formats no kernel takes
 
@@ -46,13 +47,15 @@ from ..kernels.mla_decode_gluon_common import score_rounding as gluon_score_roun
 from ..kernels.mla_decode_ref import mla_decode_static_ref
 
 LOG2E = 1.4426950408889634
-BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "gluon_staged_channels", "triton", "torch")
-PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "gluon_staged_channels", "triton")
+BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "gluon_staged_channels", "gluon_staged_seesaw", "triton",
+            "torch")
+PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "gluon_staged_channels", "gluon_staged_seesaw", "triton")
 GLUON_KERNELS = {  # backend: (rows per program, programs per SM the splits fill)
     "gluon_regs": (regs.BLOCK_M, regs.FILL_PER_SM),
     "gluon_wide": (wide.BLOCK_M, wide.FILL_PER_SM),
     "gluon_staged": (staged.BLOCK_M, staged.FILL_PER_SM),
     "gluon_staged_channels": (staged.BLOCK_M, staged.FILL_PER_SM),
+    "gluon_staged_seesaw": (staged.BLOCK_M, staged.FILL_PER_SM),
 }
 
 
@@ -114,7 +117,8 @@ def gluon_handles(backend: str, fmt: CacheFormat) -> bool:
 def gluon_launch(backend: str):
     """The host launch of Gluon kernel `backend` (`launch_flat`'s arguments after its `block_m`)."""
     if backend.startswith("gluon_staged"):
-        return functools.partial(staged.launch_staged, channels=backend == "gluon_staged_channels")
+        return functools.partial(staged.launch_staged, channels=backend == "gluon_staged_channels",
+                                 seesaw=backend == "gluon_staged_seesaw")
     return functools.partial(regs.launch_gluon, wide_program=backend == "gluon_wide")
 
 
