@@ -348,6 +348,7 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
                 outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, 0, kz))
                 mbarrier.arrive(empty.index(0), count=1)
                 mbarrier.arrive(pfree, count=1)
+                mbarrier.wait(full.index(1), j & 1)
                 mbarrier.wait(pready, 1)  # P of tile b
                 m_b = mbuf.load(row_l)
                 l_i = l_i * gl.exp2(m_a - gl.where(m_b == float("-inf"), 0.0, m_b))
