@@ -244,6 +244,8 @@ def _channel_values(p, kbuf, outs, st, U0: gl.constexpr, p_l: gl.constexpr):
 
 @_jit
 def _shared_p_values(pbuf, kbuf, outs, st, U0: gl.constexpr, kz):
+    """`outs[u] + P @ kbuf[U0 + u][st]` with the handed-over P `pbuf: [1, BM, 64]` fp16 as A from shared memory,
+    issued without waiting (the seesaw)."""
     pv = ()
     for u in gl.static_range(len(outs)):
         pv = pv + (warpgroup_mma(pbuf.index(kz), kbuf[U0 + u].index(st), outs[u], is_async=True),)
@@ -252,6 +254,8 @@ def _shared_p_values(pbuf, kbuf, outs, st, U0: gl.constexpr, kz):
 
 @_jit
 def _hand_over(p, m, pbuf, mbuf, ready):
+    """P `[BM, 64]` (as fp16) and its references `m: [BM]` to both consumers (the seesaw): stored, made visible to
+    their `wgmma`s and loads, and announced on `ready`."""
     pbuf.index(0).store(p.to(gl.float16))
     mbuf.store(m)
     fence_async_shared()
@@ -261,6 +265,9 @@ def _hand_over(p, m, pbuf, mbuf, ready):
 
 @_jit
 def _tile_mask(it, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m):
+    """The visible scores `[BM, 64]` of the split's tile `it` (`_consumer_tiles`): a packed tile at `t_base + 64 it`
+    valid in `[lo, hi)` or (`it == n_tiles`) the copy tile at `c_t0` valid in `[c_lo, c_hi)`; rows `m_m`, each seeing
+    positions below `lim_m`. `o_bt`: the tile's 64 columns."""
     packed = it < n_tiles
     p_t = gl.where(packed, t_base + it * 64, c_t0) + o_bt
     p_lo = gl.where(packed, lo, c_lo)
@@ -279,7 +286,11 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
     outputs (consumer 0: and the LSE). It stages rows `[HF * BM/2, + BM/2)` of the queries and their pre-scaling in
     `fbuf`, for both. Each tile's products are waited before the next are issued: the two consumers' products and
     softmax steps interleave on the multiprocessor (issuing the next tile's scores before waiting for the values
-    needs more than the 216 registers a consumer can have, and ptxas then serializes every wgmma)."""
+    needs more than the 216 registers a consumer can have, and ptxas then serializes every wgmma).
+
+    `SEESAW`: per pair of tiles, consumer 0 scores tile 2j and consumer 1 tile 2j + 1; each hands its P and
+    references over through `pbuf`/`mbuf` (`pready`; written once both have taken the previous P, `pfree`), both
+    take their units' values of both tiles from there, and their row sums are added at the end (`lbuf`, `done`)."""
     BT: gl.constexpr = 64
     NST: gl.constexpr = 2  # STAGES
     HM: gl.constexpr = BM // 2
@@ -322,11 +333,7 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
             kz = it >> 30  # zero at run time, unknown to the compiler
             mbarrier.wait(full.index(st), (it // NST) & 1)
             acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, st, kz, GC, acc_l)])
-            packed = it < n_tiles
-            p_t = gl.where(packed, t_base + it * BT, c_t0) + o_bt  # the tile's positions
-            p_lo = gl.where(packed, lo, c_lo)
-            p_hi = gl.where(packed, hi, c_hi)
-            m_valid = (((p_t >= p_lo) & (p_t < p_hi))[None, :] & m_m[:, None]) & (p_t[None, :] < lim_m[:, None])
+            m_valid = _tile_mask(it, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m)
             m_new, l_i, p = _channel_softmax(acc, f, m_valid, m_i, l_i)
             outs = _channel_rescale(outs, m_i, m_new)
             m_i = m_new
