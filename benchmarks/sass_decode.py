@@ -169,11 +169,11 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
 
 
 def compile_staged(content_bits: int, rope_bits: int, paged: bool = False, channels: bool = False,
-                   seesaw: bool = False):
+                   seesaw: int = 0):
     """The staged kernel (`kernels/mla_decode_gluon_staged.py`: a producer and two consumers, 64 rows; `channels`:
-    the channel consumers; `seesaw`: scoring alternate tiles) compiled for sm_90 at DeepSeek widths with its
-    registers."""
-    channels = channels or seesaw
+    the channel consumers; `seesaw` 1-3: scoring alternate tiles, `SEESAW_LEVELS`) compiled for sm_90 at DeepSeek
+    widths with its registers."""
+    channels = channels or seesaw > 0
     c_regs, p_regs = (ms.CHANNEL_REGS if channels else ms.REGS)[content_bits]
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=ms.BLOCK_M, Q_SPLIT=False, PAGED=paged,
                  C_REGS=c_regs, P_REGS=p_regs, CHANNELS=channels, SEESAW=seesaw)
@@ -305,7 +305,9 @@ def main():
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
     ap.add_argument("--staged", action="store_true", help="the staged kernel (C4R4, C2R4; bf16 queries)")
     ap.add_argument("--channels", action="store_true", help="--staged: its channel consumers")
-    ap.add_argument("--seesaw", action="store_true", help="--staged: its channel consumers scoring alternate tiles")
+    ap.add_argument("--seesaw", type=int, nargs="?", const=1, default=0, choices=(1, 2, 3),
+                    help="--staged: its channel consumers scoring alternate tiles (2, 3: consumer 1, both, issuing "
+                         "their next scores early)")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     a = ap.parse_args()
     if a.dump:
@@ -366,7 +368,7 @@ def main_staged(a):
     cb, rb = FORMATS[a.format]
     kernel = compile_staged(cb, rb, paged=a.paged, channels=a.channels, seesaw=a.seesaw)
     sass = disassemble(kernel.asm["cubin"], "-sass")
-    kind = "seesaw" if a.seesaw else ("channel" if a.channels else "row")
+    kind = f"seesaw {a.seesaw}" if a.seesaw else ("channel" if a.channels else "row")
     c_regs, p_regs = (ms.CHANNEL_REGS if a.channels or a.seesaw else ms.REGS)[cb]
     print(f"triton {triton.__version__} | {a.format} staged, {kind} consumers | "
           f"{ms.BLOCK_M} rows | "

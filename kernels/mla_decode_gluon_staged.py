@@ -87,6 +87,9 @@ REGS = {2: (216, 80), 4: (208, 96)}
 CHANNEL_REGS = {2: (216, 80), 4: (208, 88)}
 LAUNCH_REGS = 168  # at launch, for all 12 warps (65,536 / 384 rounded down to 8)
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`)
+# `SEESAW`: 0 no seesaw; 1 each consumer waits for the other's values before it scores its tile; 2 consumer 1, and
+# 3 both, issue the scores of their next tile first
+SEESAW_LEVELS = {"gluon_staged_seesaw": 1, "gluon_staged_seesaw_early1": 2, "gluon_staged_seesaw_early2": 3}
 
 
 # --------------------------------------------------------------------------------------------- the consumers
@@ -232,6 +235,21 @@ def _channel_rescale(outs, m_old, m_new):
 
 
 @_jit
+def _rescale_behind(outs, m_old, m_new, acc):
+    """`_channel_rescale` while the scores `acc` of a later tile are in flight: a moved reference first waits for
+    them (accumulator registers rewritten between a wgmma's issue and its wait would make ptxas run every wgmma
+    one at a time, C7515). `acc` stays in flight for the caller's own wait."""
+    if gl.max((m_new != m_old).to(gl.int32), axis=0) > 0:
+        warpgroup_mma_wait(0, deps=[acc])
+        scale = gl.exp2(m_old - gl.where(m_new == float("-inf"), 0.0, m_new))
+        scaled = ()
+        for u in gl.static_range(len(outs)):
+            scaled = scaled + (outs[u] * scale[:, None],)
+        outs = scaled
+    return outs
+
+
+@_jit
 def _channel_values(p, kbuf, outs, st, U0: gl.constexpr, p_l: gl.constexpr):
     """`outs[u] + P @ kbuf[U0 + u][st]` (`[BM, 64]` each, P `[BM, 64]` fp16 from registers), issued without
     waiting."""
@@ -340,13 +358,23 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
             outs = warpgroup_mma_wait(0, deps=_channel_values(p, kbuf, outs, st, HF * NV, p_l))
             mbarrier.arrive(empty.index(st), count=1)
     else:
+        # SEESAW 2, 3: consumer 1 (3: both) issues the scores of its next tile before it waits for the values of
+        # the tile the other scored, so that the tensor cores work during the other's softmax
+        EARLY0: gl.constexpr = SEESAW == 3
+        EARLY1: gl.constexpr = SEESAW >= 2
+        if HF == 0 and EARLY0:
+            mbarrier.wait(full.index(0), 0)  # (an empty split's producer arrives on it with nothing stored)
+            acc = _channel_scores(kbuf, qbuf, 0, 0, GC, acc_l)
         for j in range((n_all + 1) // 2):  # tile a = 2j (stage 0, scored by consumer 0), b = 2j + 1 (stage 1, 1)
             kz = j >> 30
             t_a = 2 * j
             has_b = t_a + 1 < n_all
             if HF == 0:
-                mbarrier.wait(full.index(0), j & 1)
-                acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, 0, kz, GC, acc_l)])
+                if EARLY0:
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                else:
+                    mbarrier.wait(full.index(0), j & 1)
+                    acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, 0, kz, GC, acc_l)])
                 m_valid = _tile_mask(t_a, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m)
                 m_a, l_i, p = _channel_softmax(acc, f, m_valid, m_i, l_i)
                 mbarrier.wait(pfree, 1, pred=j > 0)  # both consumers done with P of tile 2j - 1
@@ -355,26 +383,42 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
                 outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, 0, kz))
                 mbarrier.arrive(empty.index(0), count=1)
                 mbarrier.arrive(pfree, count=1)
+                if EARLY0:  # the next pair's tile a (after the last pair: stage 0 still holds this one, unread)
+                    mbarrier.wait(full.index(0), (j + 1) & 1, pred=t_a + 2 < n_all)
+                    acc = _channel_scores(kbuf, qbuf, 0, kz, GC, acc_l)
                 mbarrier.wait(full.index(1), j & 1)
                 mbarrier.wait(pready, 1)  # P of tile b
                 m_b = mbuf.load(row_l)
                 l_i = l_i * gl.exp2(m_a - gl.where(m_b == float("-inf"), 0.0, m_b))
-                outs = _channel_rescale(outs, m_a, m_b)
+                if EARLY0:
+                    outs = _rescale_behind(outs, m_a, m_b, acc)
+                else:
+                    outs = _channel_rescale(outs, m_a, m_b)
                 outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 1, 0, kz))
                 mbarrier.arrive(empty.index(1), count=1)
                 mbarrier.arrive(pfree, count=1)
                 m_i = m_b
             else:
+                if EARLY1:
+                    mbarrier.wait(full.index(1), j & 1)  # (past an odd count: the producer's zeros)
+                    acc = _channel_scores(kbuf, qbuf, 1, kz, GC, acc_l)
                 mbarrier.wait(full.index(0), j & 1)
                 mbarrier.wait(pready, 0)  # P of tile a
                 m_a = mbuf.load(row_l)
                 l_i = l_i * gl.exp2(m_i - gl.where(m_a == float("-inf"), 0.0, m_a))
-                outs = _channel_rescale(outs, m_i, m_a)
-                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, NV, kz))
+                if EARLY1:
+                    outs = _rescale_behind(outs, m_i, m_a, acc)
+                    pv = _shared_p_values(pbuf, kbuf, outs, 0, NV, kz)
+                    acc = warpgroup_mma_wait(len(pv), deps=[acc])
+                    outs = warpgroup_mma_wait(0, deps=pv)
+                else:
+                    outs = _channel_rescale(outs, m_i, m_a)
+                    outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, NV, kz))
                 mbarrier.arrive(empty.index(0), count=1)
                 mbarrier.arrive(pfree, count=1)
-                mbarrier.wait(full.index(1), j & 1)  # (past an odd count: the producer's zeros)
-                acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, 1, kz, GC, acc_l)])
+                if not EARLY1:
+                    mbarrier.wait(full.index(1), j & 1)  # (past an odd count: the producer's zeros)
+                    acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, 1, kz, GC, acc_l)])
                 m_valid = _tile_mask(t_a + 1, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m) & has_b
                 m_b, l_i, p = _channel_softmax(acc, f, m_valid, m_a, l_i)
                 mbarrier.wait(pfree, 0)  # both consumers done with P of tile a
@@ -384,6 +428,8 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
                 mbarrier.arrive(empty.index(1), count=1)
                 mbarrier.arrive(pfree, count=1)
                 m_i = m_b
+        if HF == 0 and EARLY0:
+            acc = warpgroup_mma_wait(0, deps=[acc])
 
         # the row sums: each consumer's are those of the P it computed, against the same final references
         lbuf.slice(HF * BM, BM).store(l_i)
@@ -421,7 +467,7 @@ def _producer(kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
               lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
               s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, C_BITS: gl.constexpr,
               R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr,
-              SEESAW: gl.constexpr = False):
+              SEESAW: gl.constexpr = 0):
     """Every tile of the program's split (int32 positions relative to its first tile, row pointers, the next tile's
     words and metadata loaded while this one is unpacked; `PAGED`: through the page numbers, a tile ahead), or its
     copy tile, into the key ring."""
@@ -525,7 +571,7 @@ def mla_decode_staged_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, pt_ptr, s_pt, PAGED: gl.constexpr, C_REGS: gl.constexpr,
-    P_REGS: gl.constexpr, CHANNELS: gl.constexpr = False, SEESAW: gl.constexpr = False,
+    P_REGS: gl.constexpr, CHANNELS: gl.constexpr = False, SEESAW: gl.constexpr = 0,
 ):
     """One program per split, block of 64 rows and batch row (`_program_coords`; the last `ND` splits attend one
     copied tile each): the producer and two consumers of the module docstring over shared key stages, the row
@@ -618,15 +664,16 @@ def staged_handles(fmt: CacheFormat) -> bool:
     return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits in (2, 4)
 
 
-def launch_staged(*args, page_table=None, channels: bool = False, seesaw: bool = False):
+def launch_staged(*args, page_table=None, channels: bool = False, seesaw: int = 0):
     """Launch `mla_decode_staged_kernel` with `launch_flat`'s arguments (after its `block_m`): `B * cdiv(M, 64) * (NS
     + copy_programs(fmt))` programs of three warpgroups, with the row consumers, (`channels`) the channel consumers
-    or (`seesaw`) the channel consumers scoring alternate tiles. bf16/fp16 queries only (no low parts are staged)."""
+    or (`seesaw` 1-3, `SEESAW_LEVELS`) the channel consumers scoring alternate tiles. bf16/fp16 queries only (no low
+    parts are staged)."""
     q, qr = args[0], args[1]
     if q.dtype == torch.float32 or qr.dtype == torch.float32:
         raise ValueError("the staged Gluon decode kernel takes bf16/fp16 queries: use backend='gluon_wide' for fp32")
-    channels = channels or seesaw
+    channels = channels or seesaw > 0
     c_regs, p_regs = (CHANNEL_REGS if channels else REGS)[args[4].content.bits]
     launch_flat(mla_decode_staged_kernel, "staged Gluon decode kernel", functools.partial(
-                smem_bytes, channels=channels, seesaw=seesaw), "gluon_wide", BLOCK_M, *args, page_table=page_table,
+                smem_bytes, channels=channels, seesaw=seesaw > 0), "gluon_wide", BLOCK_M, *args, page_table=page_table,
                 C_REGS=c_regs, P_REGS=p_regs, CHANNELS=channels, SEESAW=seesaw, num_warps=4, maxnreg=LAUNCH_REGS)

@@ -65,10 +65,11 @@ def test_fp32_queries_leave_the_staged_kernel(gpu):
     assert md.select_paged_backend(f, 128, 8, 8, 64, torch.bfloat16, "cuda", torch.float32) == "gluon_wide"
 
 
-@pytest.mark.parametrize("backend", ["gluon_staged_channels", "gluon_staged_seesaw"])
+@pytest.mark.parametrize("backend", md.BY_NAME)
 def test_the_channel_consumers_run_by_name_only(gpu, backend):
-    """`gluon_staged_channels` and `gluon_staged_seesaw` (the staged kernel with consumers that split the value
-    channels) take what `gluon_staged` takes, with its program shape, when named; the dispatch does not pick them."""
+    """`gluon_staged_channels` and the `gluon_staged_seesaw` levels (the staged kernel with consumers that split the
+    value channels) take what `gluon_staged` takes, with its program shape, when named; the dispatch does not pick
+    them."""
     gpu(9, 0)
     assert all(md.select_backend(f, rows, batch, dtype, "cuda") != backend for f, rows, batch, dtype, _ in CASES)
     assert backend in md.BACKENDS and backend in md.PAGED_BACKENDS
@@ -202,7 +203,8 @@ def test_paged_gluon_refused_where_it_does_not_apply():
                                                      (fmt(4, 4), "gluon_wide", 4), (fmt(8, 8), "gluon_wide", 4),
                                                      (fmt(2, 4), "gluon_staged", 2),
                                                      (fmt(4, 4), "gluon_staged_channels", 2),
-                                                     (fmt(2, 4), "gluon_staged_seesaw", 2)])
+                                                     (fmt(2, 4), "gluon_staged_seesaw", 2),
+                                                     (fmt(4, 4), "gluon_staged_seesaw_early2", 2)])
 def test_paged_reads_stay_in_the_request_pages(f, backend, head_blocks):
     """The paged Gluon launch (`paged_reads`, the host's statement of its split and page arithmetic): for requests of
     every length around page, split and sink/recent edges and the split plans of 1-64 requests, every page-table

@@ -152,15 +152,15 @@ COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
     from quantmla_hf.kernels import mla_decode_gluon_staged as ms
 
-    for cb, rb, paged, channels, seesaw in ((2, 4, False, False, False), (4, 4, False, False, False),
-                                            (2, 4, True, False, False), (2, 4, False, True, False),
-                                            (4, 4, False, True, False), (2, 4, True, True, False),
-                                            (4, 4, False, True, True), (2, 4, True, True, True)):
+    for cb, rb, paged, channels, seesaw in ((2, 4, False, False, 0), (4, 4, False, False, 0), (2, 4, True, False, 0),
+                                            (2, 4, False, True, 0), (4, 4, False, True, 0), (2, 4, True, True, 0),
+                                            (4, 4, False, True, 1), (2, 4, True, True, 1), (4, 4, False, True, 2),
+                                            (4, 4, False, True, 3), (2, 4, True, True, 3)):
         kernel = sd.compile_staged(cb, rb, paged=paged, channels=channels, seesaw=seesaw)
         case = (cb, rb, paged, channels, seesaw)
         assert not sd.wgmma_serialized(kernel), (case, sd.ptxas_facts(kernel))  # the tensor pipe kept full
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
-        need = ms.smem_bytes(fmt, False, channels=channels, seesaw=seesaw)
+        need = ms.smem_bytes(fmt, False, channels=channels, seesaw=seesaw > 0)
         assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (case, kernel.metadata.shared, need)
         ptx = kernel.asm["ptx"]
         # the consumers take their registers from the producer (and the default warps theirs)
@@ -172,8 +172,10 @@ COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
         n_smem = len(re.findall(mma + r"%rd", ptx))
         n_regs = len(re.findall(mma + r"\\{", ptx))
         if seesaw:  # per pair of tiles, each consumer: the scores of its tile (9 units), then the values of its 4
-            # units of both tiles with the handed-over P from shared memory, 4 k-steps each
-            assert (n_smem, n_regs) == (2 * (9 + 2 * 4) * 4, 0) and "m64n32k16" not in ptx, (case, n_smem, n_regs)
+            # units of both tiles with the handed-over P from shared memory, 4 k-steps each (level 3: consumer 0's
+            # scores also issued once before the loop)
+            n_scores = 2 + (seesaw == 3)
+            assert (n_smem, n_regs) == ((n_scores * 9 + 4 * 4) * 4, 0) and "m64n32k16" not in ptx, (case, n_smem)
         elif channels:  # per consumer and tile: the scores of all 64 rows over 9 units (queries as A), then the
             # values of its 4 units with P as a register A operand, 4 k-steps each
             assert (n_smem, n_regs) == (2 * 9 * 4, 2 * 4 * 4) and "m64n32k16" not in ptx, (case, n_smem, n_regs)
@@ -469,8 +471,9 @@ def test_sass_script_reads_the_staged_kernels_loops():
     assert consumers == [("52", "0"), ("52", "0")], out.stdout  # scores 9 x 4, values 4 x 4
     assert f"consumer worker {ms.CHANNEL_REGS[4][0]}, producer {ms.CHANNEL_REGS[4][1]}" in out.stdout, out.stdout
     assert "ptxas: wgmmas not serialized" in out.stdout, out.stdout
-    out = _sass_script("C4R4", "--staged", "--seesaw")
+    out = _sass_script("C4R4", "--staged", "--seesaw", "3")
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "seesaw 3 consumers" in out.stdout, out.stdout
     consumers = re.findall(r"^consumer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
     assert consumers == [("68", "0"), ("68", "0")], out.stdout  # a pair of tiles: scores 9 x 4, values 2 x 4 x 4
     assert "ptxas: wgmmas not serialized" in out.stdout, out.stdout
@@ -479,12 +482,14 @@ def test_sass_script_reads_the_staged_kernels_loops():
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
-@pytest.mark.parametrize("which", ["regs", "wide", "staged", "staged_channels", "staged_seesaw"])
+@pytest.mark.parametrize("which", ["regs", "wide", "staged", "staged_channels", "staged_seesaw",
+                                   "staged_seesaw_early2"])
 def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     """`launch_gluon` and `launch_staged` (through `launch_flat`) give their kernel every parameter of its signature,
     by name, once, and launch `flat_grid` programs: the kernel is replaced by a binder of its own signature, since it
     cannot launch without a GPU."""
-    module = {"regs": mr, "wide": mw, "staged": ms, "staged_channels": ms, "staged_seesaw": ms}[which]
+    module = mr if which == "regs" else (mw if which == "wide" else ms)
+    level = ms.SEESAW_LEVELS.get(f"gluon_{which}", 0)
     staged = which.startswith("staged")
     owner, name = (ms, "mla_decode_staged_kernel") if staged else (mr, "mla_decode_gluon_kernel")
     kernel = getattr(owner, name)
@@ -509,7 +514,7 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
 
     def launcher(*args, **kwargs):
         if staged:
-            ms.launch_staged(*args, channels=which == "staged_channels", seesaw=which == "staged_seesaw", **kwargs)
+            ms.launch_staged(*args, channels=which == "staged_channels", seesaw=level, **kwargs)
         else:
             mr.launch_gluon(*args, wide_program=which == "wide", **kwargs)
 
@@ -524,7 +529,7 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
         assert seen["options"]["maxnreg"] == ms.LAUNCH_REGS and 12 * 32 * ms.LAUNCH_REGS <= 65536
         assert (seen["bound"].arguments["C_REGS"], seen["bound"].arguments["P_REGS"]) == regs[4]
         assert seen["bound"].arguments["CHANNELS"] == (which != "staged")
-        assert seen["bound"].arguments["SEESAW"] == (which == "staged_seesaw")
+        assert seen["bound"].arguments["SEESAW"] == level
         assert sum(regs[4]) + regs[4][0] - 8 <= 65536 // 128
     else:
         assert seen["bound"].arguments["WIDE"] == (which == "wide")
