@@ -655,6 +655,13 @@ def check_paged(out_lines, cases=None, page_size=64):
     return all_ok
 
 
+def _against(got, want):
+    """`(o, lse)` of a decode against another's on the same inputs: the output's relative distance and the largest
+    LSE difference."""
+    (o, lse), (o_w, lse_w) = got, want
+    return ((o.float() - o_w.float()).norm() / o_w.float().norm()).item(), (lse - lse_w).abs().max().item()
+
+
 def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False, backend="default",
                 flashmla=None, also=()):
     """Per point: the default dispatch (or the named `backend`) for each format (`new-FMT`), the baseline tree's
@@ -665,7 +672,8 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
     ratio new / old with its interval and a verdict. `flashmla` (the `flash_mla_cuda` module): FlashMLA on the first
     format's history as a BF16 page pool (`flashmla-bf16`), each format's ratio to it with its interval, and each
     format's output against FlashMLA's on its own history. `also`: backends timed beside the default on the same
-    cache (`BACKEND-FMT`, and with `paged` their paged launch, `paged-BACKEND-FMT`), where they take the case."""
+    cache (`BACKEND-FMT`, and with `paged` their paged launch, `paged-BACKEND-FMT`), where they take the case, each
+    output against the default's on the same inputs."""
     out = []
     for H, B, N in points:
         q_lat, q_rot, lp = _queries(B, H)
@@ -687,6 +695,10 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
                     print(out_lines[-1], flush=True)
                     continue
                 keep.append((fn, args))
+                rel, lse_err = _against(fn(*args), decode_fn(backend, N)(*args))
+                out_lines.append(f"repeat H={H:3d} B={B:2d} N={N:6d} {extra}-{name} against {backend}: "
+                                 f"out_rel={rel:.2e} lse_abs={lse_err:.2e}")
+                print(out_lines[-1], flush=True)
             if paged:  # the default paged kernel, and the other ones that take the case
                 choice = select_paged_backend(fmt, H, B, B, 64, sc.dtype, DEVICE)
                 others = {"gluon_staged": ("gluon_wide",), "gluon_wide": ("gluon_regs", "triton"),

@@ -59,6 +59,16 @@ def test_repeated_rounds_give_intervals_ratios_and_a_verdict(bench_decode):
         bench_decode.summarize_rounds({"ours": [0.2, 0.2], "bf16": [0.5]})
 
 
+def test_a_named_backends_output_is_held_against_the_defaults(bench_decode):
+    """`--repeat --also-backends`: each named backend's output and LSE against the default's on the same inputs."""
+    o, lse = torch.randn(2, 16, 512, dtype=torch.bfloat16), torch.randn(2, 16)
+    assert bench_decode._against((o, lse), (o.clone(), lse.clone())) == (0.0, 0.0)
+    moved = o.float() + 1e-2 * o.float().norm() / o.numel() ** 0.5
+    rel, lse_err = bench_decode._against((moved, lse + 0.25), (o, lse))
+    assert rel == pytest.approx((moved - o.float()).norm().item() / o.float().norm().item(), rel=1e-5)
+    assert lse_err == pytest.approx(0.25)
+
+
 def test_placements_pool_the_allocations_and_pair_them(bench_decode):
     """`--placements`' summary: a format's mean over all its allocations' rounds, its allocation means, and the ratio
     to the first format's taken allocation against allocation, with an interval over the allocations."""
