@@ -25,6 +25,8 @@ A program is three warpgroups (`gl.warp_specialize`, one program per SM) over 64
     timed): consumer 0 scores tile 2j, consumer 1 tile 2j + 1, each hands its P and references to the other through
     one shared buffer (`pbuf`, `mbuf`; mbarriers `pready`, `pfree`), and both take their units' values of both
     tiles from it: the scores computed once; the producer completes an odd split's last pair with a zero tile.
+    `SEESAW` 2 and 3 (`gluon_staged_seesaw_early1`, `_early2`, by name): consumer 1, or both, issue the scores of
+    their next tile before they wait for the values of the tile the other scored.
 
 Every token is unpacked once per 64 rows, by warps that do nothing else. Shared memory: keys 2 x 9 x 8 KB and, row
 consumers, queries 2 x 9 x 4 KB and P 2 x 4 KB (224 KB), channel consumers queries 9 x 8 KB (216 KB), and for the
