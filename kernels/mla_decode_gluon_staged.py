@@ -223,16 +223,22 @@ def _channel_softmax(acc, f, m_valid, m_i, l_i):
 
 
 @_jit
-def _channel_rescale(outs, m_old, m_new):
+def _moved(outs, m_old, m_new):
     """The value accumulators `outs` (`[BM, 64]` each) moved from references `m_old` to `m_new` (`[BM]`): times
-    `2**(m_old - m_new)` per row (0 from -inf), only when some row's reference moved (with lazy references, in a
-    row's first tiles and rarely after)."""
+    `2**(m_old - m_new)` per row (0 from -inf)."""
+    scale = gl.exp2(m_old - gl.where(m_new == float("-inf"), 0.0, m_new))
+    scaled = ()
+    for u in gl.static_range(len(outs)):
+        scaled = scaled + (outs[u] * scale[:, None],)
+    return scaled
+
+
+@_jit
+def _channel_rescale(outs, m_old, m_new):
+    """`outs` moved from references `m_old` to `m_new` (`_moved`), only when some row's reference moved (with lazy
+    references, in a row's first tiles and rarely after)."""
     if gl.max((m_new != m_old).to(gl.int32), axis=0) > 0:
-        scale = gl.exp2(m_old - gl.where(m_new == float("-inf"), 0.0, m_new))
-        scaled = ()
-        for u in gl.static_range(len(outs)):
-            scaled = scaled + (outs[u] * scale[:, None],)
-        outs = scaled
+        outs = _moved(outs, m_old, m_new)
     return outs
 
 
@@ -243,11 +249,7 @@ def _rescale_behind(outs, m_old, m_new, acc):
     one at a time, C7515). `acc` stays in flight for the caller's own wait."""
     if gl.max((m_new != m_old).to(gl.int32), axis=0) > 0:
         warpgroup_mma_wait(0, deps=[acc])
-        scale = gl.exp2(m_old - gl.where(m_new == float("-inf"), 0.0, m_new))
-        scaled = ()
-        for u in gl.static_range(len(outs)):
-            scaled = scaled + (outs[u] * scale[:, None],)
-        outs = scaled
+        outs = _moved(outs, m_old, m_new)
     return outs
 
 
