@@ -686,6 +686,7 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             for tag, fn in makers:
                 keep.append((fn, args))  # a graph reads the tensors it was captured with
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
+            want = decode_fn(backend, N)(*args) if also else None  # what each `also` backend is held against
             for extra in also:
                 fn = decode_fn(extra, N)
                 try:  # (`graphed` runs it once before capturing: a backend that does not take the case raises)
@@ -695,7 +696,7 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
                     print(out_lines[-1], flush=True)
                     continue
                 keep.append((fn, args))
-                rel, lse_err = _against(fn(*args), decode_fn(backend, N)(*args))
+                rel, lse_err = _against(fn(*args), want)
                 out_lines.append(f"repeat H={H:3d} B={B:2d} N={N:6d} {extra}-{name} against {backend}: "
                                  f"out_rel={rel:.2e} lse_abs={lse_err:.2e}")
                 print(out_lines[-1], flush=True)

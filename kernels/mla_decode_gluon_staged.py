@@ -286,6 +286,21 @@ def _hand_over(p, m, pbuf, mbuf, ready):
 
 
 @_jit
+def _handed_refs(mbuf, m_i, l_i, row_l: gl.constexpr):
+    """The references the other consumer handed over with its P (`mbuf`, the seesaw) and this consumer's row sums
+    `l_i` moved to them from `m_i`: `(m_new, l_i)`."""
+    m_new = mbuf.load(row_l)
+    return m_new, l_i * gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+
+
+@_jit
+def _release(empty, st, pfree):
+    """This consumer is done with key stage `st` and with the handed-over P (the seesaw)."""
+    mbarrier.arrive(empty.index(st), count=1)
+    mbarrier.arrive(pfree, count=1)
+
+
+@_jit
 def _tile_mask(it, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m):
     """The visible scores `[BM, 64]` of the split's tile `it` (`_consumer_tiles`): a packed tile at `t_base + 64 it`
     valid in `[lo, hi)` or (`it == n_tiles`) the copy tile at `c_t0` valid in `[c_lo, c_hi)`; rows `m_m`, each seeing
@@ -385,22 +400,19 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
                 _hand_over(p, m_a, pbuf, mbuf, pready)
                 outs = _channel_rescale(outs, m_i, m_a)
                 outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, 0, kz))
-                mbarrier.arrive(empty.index(0), count=1)
-                mbarrier.arrive(pfree, count=1)
+                _release(empty, 0, pfree)
                 if EARLY0:  # the next pair's tile a (after the last pair: stage 0 still holds this one, unread)
                     mbarrier.wait(full.index(0), (j + 1) & 1, pred=t_a + 2 < n_all)
                     acc = _channel_scores(kbuf, qbuf, 0, kz, GC, acc_l)
                 mbarrier.wait(full.index(1), j & 1)
                 mbarrier.wait(pready, 1)  # P of tile b
-                m_b = mbuf.load(row_l)
-                l_i = l_i * gl.exp2(m_a - gl.where(m_b == float("-inf"), 0.0, m_b))
+                m_b, l_i = _handed_refs(mbuf, m_a, l_i, row_l)
                 if EARLY0:
                     outs = _rescale_behind(outs, m_a, m_b, acc)
                 else:
                     outs = _channel_rescale(outs, m_a, m_b)
                 outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 1, 0, kz))
-                mbarrier.arrive(empty.index(1), count=1)
-                mbarrier.arrive(pfree, count=1)
+                _release(empty, 1, pfree)
                 m_i = m_b
             else:
                 if EARLY1:
@@ -408,8 +420,7 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
                     acc = _channel_scores(kbuf, qbuf, 1, kz, GC, acc_l)
                 mbarrier.wait(full.index(0), j & 1)
                 mbarrier.wait(pready, 0)  # P of tile a
-                m_a = mbuf.load(row_l)
-                l_i = l_i * gl.exp2(m_i - gl.where(m_a == float("-inf"), 0.0, m_a))
+                m_a, l_i = _handed_refs(mbuf, m_i, l_i, row_l)
                 if EARLY1:
                     outs = _rescale_behind(outs, m_i, m_a, acc)
                     pv = _shared_p_values(pbuf, kbuf, outs, 0, NV, kz)
@@ -418,8 +429,7 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
                 else:
                     outs = _channel_rescale(outs, m_i, m_a)
                     outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, NV, kz))
-                mbarrier.arrive(empty.index(0), count=1)
-                mbarrier.arrive(pfree, count=1)
+                _release(empty, 0, pfree)
                 if not EARLY1:
                     mbarrier.wait(full.index(1), j & 1)  # (past an odd count: the producer's zeros)
                     acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, 1, kz, GC, acc_l)])
@@ -429,8 +439,7 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
                 _hand_over(p, m_b, pbuf, mbuf, pready)
                 outs = _channel_rescale(outs, m_a, m_b)
                 outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 1, NV, kz))
-                mbarrier.arrive(empty.index(1), count=1)
-                mbarrier.arrive(pfree, count=1)
+                _release(empty, 1, pfree)
                 m_i = m_b
         if HF == 0 and EARLY0:
             acc = warpgroup_mma_wait(0, deps=[acc])
