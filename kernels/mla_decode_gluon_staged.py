@@ -386,6 +386,8 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
             acc = _channel_scores(kbuf, qbuf, 0, 0, GC, acc_l)
         for j in range((n_all + 1) // 2):  # tile a = 2j (stage 0, scored by consumer 0), b = 2j + 1 (stage 1, 1)
             kz = j >> 30
+            s_a = kz  # the stages as run-time values: their descriptors made where used, not held (spilled)
+            s_b = kz + 1
             t_a = 2 * j
             has_b = t_a + 1 < n_all
             if HF == 0:
@@ -393,17 +395,17 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
                     acc = warpgroup_mma_wait(0, deps=[acc])
                 else:
                     mbarrier.wait(full.index(0), j & 1)
-                    acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, 0, kz, GC, acc_l)])
+                    acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, s_a, kz, GC, acc_l)])
                 m_valid = _tile_mask(t_a, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m)
                 m_a, l_i, p = _channel_softmax(acc, f, m_valid, m_i, l_i)
                 mbarrier.wait(pfree, 1, pred=j > 0)  # both consumers done with P of tile 2j - 1
                 _hand_over(p, m_a, pbuf, mbuf, pready)
                 outs = _channel_rescale(outs, m_i, m_a)
-                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, 0, kz))
+                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, s_a, 0, kz))
                 _release(empty, 0, pfree)
                 if EARLY0:  # the next pair's tile a (after the last pair: stage 0 still holds this one, unread)
                     mbarrier.wait(full.index(0), (j + 1) & 1, pred=t_a + 2 < n_all)
-                    acc = _channel_scores(kbuf, qbuf, 0, kz, GC, acc_l)
+                    acc = _channel_scores(kbuf, qbuf, s_a, kz, GC, acc_l)
                 mbarrier.wait(full.index(1), j & 1)
                 mbarrier.wait(pready, 1)  # P of tile b
                 m_b, l_i = _handed_refs(mbuf, m_a, l_i, row_l)
@@ -411,34 +413,34 @@ def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, 
                     outs = _rescale_behind(outs, m_a, m_b, acc)
                 else:
                     outs = _channel_rescale(outs, m_a, m_b)
-                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 1, 0, kz))
+                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, s_b, 0, kz))
                 _release(empty, 1, pfree)
                 m_i = m_b
             else:
                 if EARLY1:
                     mbarrier.wait(full.index(1), j & 1)  # (past an odd count: the producer's zeros)
-                    acc = _channel_scores(kbuf, qbuf, 1, kz, GC, acc_l)
+                    acc = _channel_scores(kbuf, qbuf, s_b, kz, GC, acc_l)
                 mbarrier.wait(full.index(0), j & 1)
                 mbarrier.wait(pready, 0)  # P of tile a
                 m_a, l_i = _handed_refs(mbuf, m_i, l_i, row_l)
                 if EARLY1:
                     outs = _rescale_behind(outs, m_i, m_a, acc)
-                    pv = _shared_p_values(pbuf, kbuf, outs, 0, NV, kz)
+                    pv = _shared_p_values(pbuf, kbuf, outs, s_a, NV, kz)
                     acc = warpgroup_mma_wait(len(pv), deps=[acc])
                     outs = warpgroup_mma_wait(0, deps=pv)
                 else:
                     outs = _channel_rescale(outs, m_i, m_a)
-                    outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 0, NV, kz))
+                    outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, s_a, NV, kz))
                 _release(empty, 0, pfree)
                 if not EARLY1:
                     mbarrier.wait(full.index(1), j & 1)  # (past an odd count: the producer's zeros)
-                    acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, 1, kz, GC, acc_l)])
+                    acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, s_b, kz, GC, acc_l)])
                 m_valid = _tile_mask(t_a + 1, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m) & has_b
                 m_b, l_i, p = _channel_softmax(acc, f, m_valid, m_a, l_i)
                 mbarrier.wait(pfree, 0)  # both consumers done with P of tile a
                 _hand_over(p, m_b, pbuf, mbuf, pready)
                 outs = _channel_rescale(outs, m_a, m_b)
-                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, 1, NV, kz))
+                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, s_b, NV, kz))
                 _release(empty, 1, pfree)
                 m_i = m_b
         if HF == 0 and EARLY0:
