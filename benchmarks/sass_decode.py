@@ -4,8 +4,8 @@ opcode, plus the registers and spills of the kernel (the compile facts of docs/K
 kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C4R8,
 C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too). `--staged`: the staged kernel
 (`kernels/mla_decode_gluon_staged.py`, C4R4, C2R4; `--channels`, `--seesaw`: its other consumers): each warpgroup's
-registers and the main loop of the producer and of each consumer, with its `wgmma`s, unpacking multiplies and
-local-memory (spill) instructions. Each also prints what ptxas said (`ptxas_facts`): whether it serialized the wgmmas
+registers and the main loop of the producer and of each consumer, with its `wgmma`s, unpacking multiplies,
+local-memory (spill) instructions and the shared memory it moves (`shared_bytes`). Each also prints what ptxas said (`ptxas_facts`): whether it serialized the wgmmas
 (each waiting for the one before, which a kernel short of registers gets without failing) and the spill bytes.
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide|--staged]
@@ -265,6 +265,29 @@ def opcode_counts(instructions: list[str]) -> collections.Counter:
     return collections.Counter(".".join(op.split(".")[:2]) for op in ops)
 
 
+HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32\w*\s+R\d+,\s+(R\d+|gdesc)")  # M, N, K, A operand
+SHARED_ACCESS = re.compile(r"\b(STS|LDS)(?:\.U?(8|16|32|64|128))?\b")  # a shared store/load and its width in bits
+
+
+def shared_bytes(instructions: list[str]) -> dict:
+    """The shared-memory bytes a loop moves, per pass: `wgmma` operands (each HGMMA counted once, as the
+    warpgroup's: fp16 A `M x K` when it is read from shared memory (`gdesc` first) and B `N x K`, which always is) and
+    stores and loads of one warp (`STS`/`LDS` of 32 lanes at their width, 32 bits where none is written), so that
+    a warpgroup's total is `wgmma + 4 * (stores + loads)`. A multiprocessor moves 128 bytes of shared memory a
+    cycle, which bounds a tile's time from below by the sum over its warpgroups divided by 128."""
+    out = dict(wgmma=0, stores=0, loads=0)
+    for t in instructions:
+        m = HGMMA.search(t)
+        if m:
+            rows, cols, depth = (int(g) for g in m.groups()[:3])
+            out["wgmma"] += 2 * depth * (cols + (rows if m.group(4) == "gdesc" else 0))
+            continue
+        m = SHARED_ACCESS.search(re.sub(r"^@!?U?P\w+\s+", "", t))
+        if m:
+            out["stores" if m.group(1) == "STS" else "loads"] += 32 * int(m.group(2) or 32) // 8
+    return out
+
+
 def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCHES, quant_pack_launches=
          QUANT_PACK_LAUNCHES, combine_launches=COMBINE_LAUNCHES, staged_launches=STAGED_LAUNCHES) -> None:
     """Write the SASS of every Gluon launch in `launches` and `staged_launches`, every portable launch in
@@ -386,6 +409,11 @@ def main_staged(a):
         print(f"{name} loop: {len(loop)} SASS instructions per warp and 64-token tile ({mma} HGMMA, "
               f"{counts[UNPACK_MUL]} unpacking multiplies, {spills} local-memory)")
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16)))
+        moved = shared_bytes(loop)
+        total = moved["wgmma"] + 4 * (moved["stores"] + moved["loads"])
+        print(f"  shared memory per warpgroup and pass: {total / 1024:.1f} KiB (wgmma operands "
+              f"{moved['wgmma'] / 1024:.1f}, stores {4 * moved['stores'] / 1024:.1f}, loads "
+              f"{4 * moved['loads'] / 1024:.1f})")
 
 
 if __name__ == "__main__":

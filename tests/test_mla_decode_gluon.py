@@ -416,6 +416,20 @@ def test_sass_script_counts_the_packed_loop():
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_shared_bytes_counts_wgmma_operands_and_warp_accesses():
+    """`sass_decode.shared_bytes`: a wgmma reads B (`N x K` fp16) from shared memory, and A (`M x K`) too where its
+    first source is a descriptor, not registers; a warp's store or load moves 32 lanes at its width."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import sass_decode as sd
+
+    loop = ["HGMMA.64x64x16.F32 R24, gdesc[UR4].tnspA.tnspB, R24",  # A and B from shared: 2 * 16 * (64 + 64)
+            "HGMMA.64x32x16.F32 R24, R120, gdesc[UR8], R24, gsb0",  # A from registers: 2 * 16 * 32
+            "@!P0 STS.128 [R10+UR31+0x400], R4", "STS [R3], R2", "LDS.64 R4, [R7]", "LDSM.16.M88.4 R4, [R7]",
+            "STL [R1+0x10], R9", "LDG.E.128 R44, desc[UR24][R2.64]"]
+    assert sd.shared_bytes(loop) == dict(wgmma=4096 + 1024, stores=32 * 16 + 32 * 4, loads=32 * 8)
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_sass_dump_writes_comparable_sass(tmp_path):
     """`sass_decode.py --dump` (how two trees' kernels are compared without a GPU) writes one file per launch with
     the instruction addresses removed, so that the same code compiled twice gives identical files."""
