@@ -13,7 +13,7 @@ fetched separately and never committed) and the stock transformers step (`--stoc
         ratio new / baseline (`--baseline-path`: the kernels of an older tree, e.g. `git archive REV | tar -x -C DIR`,
         imported side by side in the same process and run through that tree's dispatch, or both trees through one
         backend with `--repeat-backend NAME`, e.g. `triton` for the portable kernel; `--also-backends A,B`: those
-        backends beside the default on the same cache, e.g. `gluon_staged_channels,gluon_staged_seesaw`; `--paged`:
+        backends beside the default on the same cache, e.g. `gluon_wide,gluon_regs`; `--paged`:
         the paged kernels, the default choice and the others that take the case, on the same cache laid out in pages
         of 64)
     python benchmarks/bench_decode.py --repeat ROUNDS --placements K --points H:B:N,... --formats C4R4,C2R4

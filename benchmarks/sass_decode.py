@@ -3,13 +3,12 @@ sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp
 opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "The Gluon register
 kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C4R8,
 C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too). `--staged`: the staged kernel
-(`kernels/mla_decode_gluon_staged.py`, C4R4, C2R4; `--channels`, `--seesaw`: its other consumers): each warpgroup's
+(`kernels/mla_decode_gluon_staged.py`, C4R4, C2R4): each warpgroup's
 registers and the main loop of the producer and of each consumer, with its `wgmma`s, unpacking multiplies,
 local-memory (spill) instructions and the shared memory it moves (`shared_bytes`). Each also prints what ptxas said (`ptxas_facts`): whether it serialized the wgmmas
 (each waiting for the one before, which a kernel short of registers gets without failing) and the spill bytes.
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide|--staged]
-    python benchmarks/sass_decode.py C4R4 --staged --channels|--seesaw [--paged]
     python benchmarks/sass_decode.py --dump DIR
 
 `--paged`: the paged launch (`PAGED`: page pools read through a page table) of any of them. `--dump DIR`: the whole
@@ -64,9 +63,8 @@ DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (4, 8), (8, 8)
                   for q, p in ((False, False), (False, True), (True, False))]
                  + [(c, r, 4, False, p, False) for c, r in ((4, 4), (8, 8)) for p in (False, True)]
                  + [(2, 2, 8, False, False, False)])
-# (content bits, RoPE bits, paged, channel consumers, seesaw): the staged kernel's launches
-STAGED_LAUNCHES = [(c, 4, p, ch, ch and see) for c in (4, 2) for p in (False, True) for ch in (False, True)
-                   for see in ((False, True) if ch else (False,))]
+# (content bits, RoPE bits, paged): the staged kernel's launches
+STAGED_LAUNCHES = [(c, 4, p) for c in (4, 2) for p in (False, True)]
 
 
 # (content bits, RoPE bits, RoPE width, query rows, fp32 model, page size): the portable kernel's launches, every
@@ -168,15 +166,12 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
     return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=True)
 
 
-def compile_staged(content_bits: int, rope_bits: int, paged: bool = False, channels: bool = False,
-                   seesaw: int = 0):
-    """The staged kernel (`kernels/mla_decode_gluon_staged.py`: a producer and two consumers, 64 rows; `channels`:
-    the channel consumers; `seesaw` 1-3: scoring alternate tiles, `SEESAW_LEVELS`) compiled for sm_90 at DeepSeek
-    widths with its registers."""
-    channels = channels or seesaw > 0
-    c_regs, p_regs = (ms.CHANNEL_REGS if channels else ms.REGS)[content_bits]
+def compile_staged(content_bits: int, rope_bits: int, paged: bool = False):
+    """The staged kernel (`kernels/mla_decode_gluon_staged.py`: a producer and two consumers, 64 rows) compiled for
+    sm_90 at DeepSeek widths with its registers."""
+    c_regs, p_regs = ms.REGS[content_bits]
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=ms.BLOCK_M, Q_SPLIT=False, PAGED=paged,
-                 C_REGS=c_regs, P_REGS=p_regs, CHANNELS=channels, SEESAW=seesaw)
+                 C_REGS=c_regs, P_REGS=p_regs)
     index = "*i32" if paged else "*i64"
     return _compile(ms.mla_decode_staged_kernel, const, False, {"num_warps": 4, "maxnreg": ms.LAUNCH_REGS},
                     dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
@@ -303,8 +298,8 @@ def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCH
     jobs = ([(gluon, a, "C{}R{}_{}groups_{}_{}_{}.sass".format(
         *a[:3], "fp32" if a[3] else "bf16", "paged" if a[4] else "contiguous", "wide" if a[5] else "regs"))
              for a in launches]
-            + [(compile_staged, a, "C{}R{}_8groups_bf16_{}_staged{}.sass".format(
-                *a[:2], "paged" if a[2] else "contiguous", "_seesaw" if a[4] else ("_channels" if a[3] else "")))
+            + [(compile_staged, a, "C{}R{}_8groups_bf16_{}_staged.sass".format(
+                *a[:2], "paged" if a[2] else "contiguous"))
                for a in staged_launches]
             + [(compile_portable, a, "portable_C{}R{}_rope{}_{}rows_{}_page{}.sass".format(
                 *a[:4], "fp32" if a[4] else "bf16", a[5])) for a in portable_launches]
@@ -327,10 +322,6 @@ def main():
     ap.add_argument("--paged", action="store_true", help="the paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
     ap.add_argument("--staged", action="store_true", help="the staged kernel (C4R4, C2R4; bf16 queries)")
-    ap.add_argument("--channels", action="store_true", help="--staged: its channel consumers")
-    ap.add_argument("--seesaw", type=int, nargs="?", const=1, default=0, choices=(1, 2, 3),
-                    help="--staged: its channel consumers scoring alternate tiles (2, 3: consumer 1, both, issuing "
-                         "their next scores early)")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     a = ap.parse_args()
     if a.dump:
@@ -389,12 +380,10 @@ def main_loops(sass: str, min_len: int = 100) -> list[list[str]]:
 
 def main_staged(a):
     cb, rb = FORMATS[a.format]
-    kernel = compile_staged(cb, rb, paged=a.paged, channels=a.channels, seesaw=a.seesaw)
+    kernel = compile_staged(cb, rb, paged=a.paged)
     sass = disassemble(kernel.asm["cubin"], "-sass")
-    kind = f"seesaw {a.seesaw}" if a.seesaw else ("channel" if a.channels else "row")
-    c_regs, p_regs = (ms.CHANNEL_REGS if a.channels or a.seesaw else ms.REGS)[cb]
-    print(f"triton {triton.__version__} | {a.format} staged, {kind} consumers | "
-          f"{ms.BLOCK_M} rows | "
+    c_regs, p_regs = ms.REGS[cb]
+    print(f"triton {triton.__version__} | {a.format} staged | {ms.BLOCK_M} rows | "
           f"{'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
     print(f"registers: launch {ms.LAUNCH_REGS}, consumer worker {c_regs}, producer {p_regs}; setmaxnreg "
           + " ".join(f"{k} {n}" for k, n in SETMAXNREG.findall(kernel.asm["ptx"])))

@@ -9,33 +9,18 @@ A program is three warpgroups (`gl.warp_specialize`, one program per SM) over 64
   ahead, unpacks the 8 content units and the RoPE unit (`half_asm`, keys `(code - z) * s` rounded once to fp16) and
   stores them to a two-stage ring of key tiles, `kbuf[u]: [2, 64, 64]` fp16 (`_v_view` column order), then arrives
   on `full[stage]`; a copy program stores its one tile of model-dtype copies the same way;
-- two consumers (the default warps and a worker at `C_REGS`) wait on `full[stage]`, take the tile's scores, online
-  softmax and values from shared memory, and arrive on `empty[stage]`; the producer waits on it before it rewrites
-  the stage. Three kinds, one launch (`CHANNELS`, `SEESAW`):
-  - the row consumers (`_row_consumer`, backend `gluon_staged`), 32 rows each: the scores `S^T: [64 tokens, 32]`
-    (`m64n32k16`, keys as A, their rows' queries `qbuf` staged once in the key tile's column order as B), the
-    values `O^T += K^T P` with P through their own `pbuf`; each issues the next tile's scores before it waits for
-    this tile's values (software pipelining);
-  - the channel consumers (`_channel_consumer`, backend `gluon_staged_channels`, not in the dispatch until timed),
-    each with the outputs of half the value channels (4 content units) of all 64 rows: both compute the scores `S:
-    [64 rows, 64 tokens]` (`m64n64k16`, the queries as A), the same softmax with each row reduced in its quad, and
-    their units' values `O += P K_u` with P as a register operand: no P or votes through shared memory, each key
-    tile's values read once, the scores computed twice;
-  - the same consumers scoring alternate tiles (`SEESAW`, backend `gluon_staged_seesaw`, not in the dispatch until
-    timed): consumer 0 scores tile 2j, consumer 1 tile 2j + 1, each hands its P and references to the other through
-    one shared buffer (`pbuf`, `mbuf`; mbarriers `pready`, `pfree`), and both take their units' values of both
-    tiles from it: the scores computed once; the producer completes an odd split's last pair with a zero tile.
-    `SEESAW` 2 and 3 (`gluon_staged_seesaw_early1`, `_early2`, by name): consumer 1, or both, issue the scores of
-    their next tile before they wait for the values of the tile the other scored.
+- two consumers (`_row_consumer`, the default warps and a worker at `C_REGS`), 32 rows each, wait on
+  `full[stage]`, take the tile's scores `S^T: [64 tokens, 32]` (`m64n32k16`, keys as A, their rows' queries `qbuf`
+  staged once in the key tile's column order as B), online softmax and values `O^T += K^T P` (P through their own
+  `pbuf`) from shared memory, and arrive on `empty[stage]`; the producer waits on it before it rewrites the stage.
+  Each issues the next tile's scores before it waits for this tile's values (software pipelining).
 
-Every token is unpacked once per 64 rows, by warps that do nothing else. Shared memory: keys 2 x 9 x 8 KB and, row
-consumers, queries 2 x 9 x 4 KB and P 2 x 4 KB (224 KB), channel consumers queries 9 x 8 KB (216 KB), and for the
-seesaw P 8 KB more (225 KB).
+Every token is unpacked once per 64 rows, by warps that do nothing else. Shared memory: keys 2 x 9 x 8 KB, queries
+2 x 9 x 4 KB and P 2 x 4 KB (224 KB).
 """
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -84,14 +69,8 @@ STAGES = 2  # key tiles in the ring
 # Registers per thread of (the consumer worker, the producer), per content width; the default consumer gets what
 # the register file has left for it (8 fewer than the worker).
 REGS = {2: (216, 80), 4: (208, 96)}
-# The channel consumers' (the default consumer: as many as the worker at 4 bits, 8 fewer at 2). Below 208 a
-# channel consumer's wgmmas are serialized (ptxas C7512), so the 4-bit producer gets 88, not 96.
-CHANNEL_REGS = {2: (216, 80), 4: (208, 88)}
 LAUNCH_REGS = 168  # at launch, for all 12 warps (65,536 / 384 rounded down to 8)
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`)
-# `SEESAW`: 0 no seesaw; 1 each consumer waits for the other's values before it scores its tile; 2 consumer 1, and
-# 3 both, issue the scores of their next tile first
-SEESAW_LEVELS = {"gluon_staged_seesaw": 1, "gluon_staged_seesaw_early1": 2, "gluon_staged_seesaw_early2": 3}
 
 
 # --------------------------------------------------------------------------------------------- the consumers
@@ -196,273 +175,6 @@ def _row_consumer(HF: gl.constexpr, kbuf, qbuf, pbuf, vbuf, full, empty, q_ptr, 
     gl.store(lse_ptr + o_row, b_lse, mask=m_m)
 
 
-# --------------------------------------------------------------------------------------------- the channel consumers
-@_jit
-def _channel_scores(kbuf, qbuf, st, kz, GC: gl.constexpr, acc_l: gl.constexpr):
-    """Issue the scores `S: [64, 64]` (query rows x tokens) of key stage `st`, `sum_u qbuf[u] @ kbuf[u][st]^T` (both
-    operands in shared memory), without waiting. `kz`: a run-time zero (the queries' descriptors are made where they
-    are used instead of being held in registers across the loop)."""
-    acc = gl.zeros([64, 64], gl.float32, acc_l)
-    for u in gl.static_range(GC + 1):
-        acc = warpgroup_mma(qbuf[u].index(kz), kbuf[u].index(st).permute((1, 0)), acc, use_acc=u > 0, is_async=True)
-    return acc
-
-
-@_jit
-def _channel_softmax(acc, f, m_valid, m_i, l_i):
-    """One online-softmax step over a tile's scores `acc: [BM, 64]` (query rows on axis 0, pre-scaling `f: [BM]`),
-    rows reduced within their quads. Lazy references: a row's reference `m_i` moves to the tile's maximum only where
-    that passes it by more than 8 (true for a row's first finite scores), so P stays below 256. Returns `(m_new,
-    l_new, p)`: the references, the row sums (moved with the references) and `p = 2**(s - m_new)`."""
-    b_s = gl.where(m_valid, acc * f[:, None], float("-inf"))
-    m_t = gl.max(b_s, axis=1)
-    m_new = gl.where(m_t > m_i + 8.0, m_t, m_i)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(b_s - m_use[:, None])
-    return m_new, l_i * gl.exp2(m_i - m_use) + gl.sum(p, axis=1), p
-
-
-@_jit
-def _moved(outs, m_old, m_new):
-    """The value accumulators `outs` (`[BM, 64]` each) moved from references `m_old` to `m_new` (`[BM]`): times
-    `2**(m_old - m_new)` per row (0 from -inf)."""
-    scale = gl.exp2(m_old - gl.where(m_new == float("-inf"), 0.0, m_new))
-    scaled = ()
-    for u in gl.static_range(len(outs)):
-        scaled = scaled + (outs[u] * scale[:, None],)
-    return scaled
-
-
-@_jit
-def _channel_rescale(outs, m_old, m_new):
-    """`outs` moved from references `m_old` to `m_new` (`_moved`), only when some row's reference moved (with lazy
-    references, in a row's first tiles and rarely after)."""
-    if gl.max((m_new != m_old).to(gl.int32), axis=0) > 0:
-        outs = _moved(outs, m_old, m_new)
-    return outs
-
-
-@_jit
-def _rescale_behind(outs, m_old, m_new, acc):
-    """`_channel_rescale` while the scores `acc` of a later tile are in flight: a moved reference first waits for
-    them (accumulator registers rewritten between a wgmma's issue and its wait would make ptxas run every wgmma
-    one at a time, C7515). `acc` stays in flight for the caller's own wait."""
-    if gl.max((m_new != m_old).to(gl.int32), axis=0) > 0:
-        warpgroup_mma_wait(0, deps=[acc])
-        outs = _moved(outs, m_old, m_new)
-    return outs
-
-
-@_jit
-def _channel_values(p, kbuf, outs, st, U0: gl.constexpr, p_l: gl.constexpr):
-    """`outs[u] + P @ kbuf[U0 + u][st]` (`[BM, 64]` each, P `[BM, 64]` fp16 from registers), issued without
-    waiting."""
-    pa = gl.convert_layout(p.to(gl.float16), p_l)
-    pv = ()
-    for u in gl.static_range(len(outs)):
-        pv = pv + (warpgroup_mma(pa, kbuf[U0 + u].index(st), outs[u], is_async=True),)
-    return pv
-
-
-@_jit
-def _shared_p_values(pbuf, kbuf, outs, st, U0: gl.constexpr, kz):
-    """`outs[u] + P @ kbuf[U0 + u][st]` with the handed-over P `pbuf: [1, BM, 64]` fp16 as A from shared memory,
-    issued without waiting (the seesaw)."""
-    pv = ()
-    for u in gl.static_range(len(outs)):
-        pv = pv + (warpgroup_mma(pbuf.index(kz), kbuf[U0 + u].index(st), outs[u], is_async=True),)
-    return pv
-
-
-@_jit
-def _hand_over(p, m, pbuf, mbuf, ready):
-    """P `[BM, 64]` (as fp16) and its references `m: [BM]` to both consumers (the seesaw): stored, made visible to
-    their `wgmma`s and loads, and announced on `ready`."""
-    pbuf.index(0).store(p.to(gl.float16))
-    mbuf.store(m)
-    fence_async_shared()
-    _cta_barrier()
-    mbarrier.arrive(ready, count=1)
-
-
-@_jit
-def _handed_refs(mbuf, m_i, l_i, row_l: gl.constexpr):
-    """The references the other consumer handed over with its P (`mbuf`, the seesaw) and this consumer's row sums
-    `l_i` moved to them from `m_i`: `(m_new, l_i)`."""
-    m_new = mbuf.load(row_l)
-    return m_new, l_i * gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
-
-
-@_jit
-def _release(empty, st, pfree):
-    """This consumer is done with key stage `st` and with the handed-over P (the seesaw)."""
-    mbarrier.arrive(empty.index(st), count=1)
-    mbarrier.arrive(pfree, count=1)
-
-
-@_jit
-def _tile_mask(it, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m):
-    """The visible scores `[BM, 64]` of the split's tile `it` (`_consumer_tiles`): a packed tile at `t_base + 64 it`
-    valid in `[lo, hi)` or (`it == n_tiles`) the copy tile at `c_t0` valid in `[c_lo, c_hi)`; rows `m_m`, each seeing
-    positions below `lim_m`. `o_bt`: the tile's 64 columns."""
-    packed = it < n_tiles
-    p_t = gl.where(packed, t_base + it * 64, c_t0) + o_bt
-    p_lo = gl.where(packed, lo, c_lo)
-    p_hi = gl.where(packed, hi, c_hi)
-    return (((p_t >= p_lo) & (p_t < p_hi))[None, :] & m_m[:, None]) & (p_t[None, :] < lim_m[:, None])
-
-
-@_jit
-def _channel_consumer(HF: gl.constexpr, SEESAW: gl.constexpr, kbuf, qbuf, fbuf, qready, full, empty, pbuf, mbuf, lbuf,
-                      pready, pfree, done, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
-                      lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb, s_snct, s_snrb, s_snrt,
-                      s_rccb, s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr,
-                      S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
-    """Consumer `HF` (0: the default warps, 1: a worker): content channels of units `[HF * GC/2, + GC/2)` of all
-    `BM` rows of the program's block over the tiles of its split, then (a copy program) its copy tile; its partial
-    outputs (consumer 0: and the LSE). It stages rows `[HF * BM/2, + BM/2)` of the queries and their pre-scaling in
-    `fbuf`, for both. Each tile's products are waited before the next are issued: the two consumers' products and
-    softmax steps interleave on the multiprocessor (issuing the next tile's scores before waiting for the values
-    needs more than the 216 registers a consumer can have, and ptxas then serializes every wgmma).
-
-    `SEESAW`: per pair of tiles, consumer 0 scores tile 2j and consumer 1 tile 2j + 1; each hands its P and
-    references over through `pbuf`/`mbuf` (`pready`; written once both have taken the previous P, `pfree`), both
-    take their units' values of both tiles from there, and their row sums are added at the end (`lbuf`, `done`)."""
-    BT: gl.constexpr = 64
-    NST: gl.constexpr = 2  # STAGES
-    HM: gl.constexpr = BM // 2
-    NV: gl.constexpr = GC // 2  # value units per consumer
-    D_C: gl.constexpr = GC * 64
-    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    key_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-
-    i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
-    row0 = i_hb * BM
-    f_h = _stage_queries(qbuf, qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, row0 + HF * HM, M, D_C, GC, HM,
-                         False, C_BITS, R_BITS, q_l, True, HF * HM)  # this consumer's half of the rows
-    fbuf.slice(HF * HM, HM).store(f_h)
-    fence_async_shared()
-    _cta_barrier()
-    mbarrier.arrive(qready, count=1)
-    mbarrier.wait(qready, 0)  # both halves of the queries staged
-    f = fbuf.load(row_l) * qk_scale  # scores in base 2, pre-multiplied by scaling * log2(e)
-
-    o_m = row0 + gl.arange(0, BM, layout=row_l)
-    m_m = o_m < M
-    lim_m = (length - Tq + (o_m % Tq) + 1).to(gl.int32)  # query t of Tq sees positions < length - Tq + t + 1
-    m_i = gl.full([BM], float("-inf"), gl.float32, row_l)
-    l_i = gl.zeros([BM], gl.float32, row_l)
-    outs = ()  # the value accumulators `o_u: [BM, 64]` of this consumer's content units
-    for u in gl.static_range(NV):
-        outs = outs + (gl.zeros([BM, 64], gl.float32, acc_l),)
-    n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi = _consumer_tiles(
-        i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb,
-        s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, C_BITS)
-    o_bt = gl.arange(0, BT, layout=key_l)
-
-    if not SEESAW:
-        for it in range(n_all):
-            st = it % NST
-            kz = it >> 30  # zero at run time, unknown to the compiler
-            mbarrier.wait(full.index(st), (it // NST) & 1)
-            acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, st, kz, GC, acc_l)])
-            m_valid = _tile_mask(it, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m)
-            m_new, l_i, p = _channel_softmax(acc, f, m_valid, m_i, l_i)
-            outs = _channel_rescale(outs, m_i, m_new)
-            m_i = m_new
-            outs = warpgroup_mma_wait(0, deps=_channel_values(p, kbuf, outs, st, HF * NV, p_l))
-            mbarrier.arrive(empty.index(st), count=1)
-    else:
-        # SEESAW 2, 3: consumer 1 (3: both) issues the scores of its next tile before it waits for the values of
-        # the tile the other scored, so that the tensor cores work during the other's softmax
-        EARLY0: gl.constexpr = SEESAW == 3
-        EARLY1: gl.constexpr = SEESAW >= 2
-        if HF == 0 and EARLY0:
-            mbarrier.wait(full.index(0), 0)  # (an empty split's producer arrives on it with nothing stored)
-            acc = _channel_scores(kbuf, qbuf, 0, 0, GC, acc_l)
-        for j in range((n_all + 1) // 2):  # tile a = 2j (stage 0, scored by consumer 0), b = 2j + 1 (stage 1, 1)
-            kz = j >> 30
-            s_a = kz  # the stages as run-time values: their descriptors made where used, not held (spilled)
-            s_b = kz + 1
-            t_a = 2 * j
-            has_b = t_a + 1 < n_all
-            if HF == 0:
-                if EARLY0:
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                else:
-                    mbarrier.wait(full.index(0), j & 1)
-                    acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, s_a, kz, GC, acc_l)])
-                m_valid = _tile_mask(t_a, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m)
-                m_a, l_i, p = _channel_softmax(acc, f, m_valid, m_i, l_i)
-                mbarrier.wait(pfree, 1, pred=j > 0)  # both consumers done with P of tile 2j - 1
-                _hand_over(p, m_a, pbuf, mbuf, pready)
-                outs = _channel_rescale(outs, m_i, m_a)
-                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, s_a, 0, kz))
-                _release(empty, 0, pfree)
-                if EARLY0:  # the next pair's tile a (after the last pair: stage 0 still holds this one, unread)
-                    mbarrier.wait(full.index(0), (j + 1) & 1, pred=t_a + 2 < n_all)
-                    acc = _channel_scores(kbuf, qbuf, s_a, kz, GC, acc_l)
-                mbarrier.wait(full.index(1), j & 1)
-                mbarrier.wait(pready, 1)  # P of tile b
-                m_b, l_i = _handed_refs(mbuf, m_a, l_i, row_l)
-                if EARLY0:
-                    outs = _rescale_behind(outs, m_a, m_b, acc)
-                else:
-                    outs = _channel_rescale(outs, m_a, m_b)
-                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, s_b, 0, kz))
-                _release(empty, 1, pfree)
-                m_i = m_b
-            else:
-                if EARLY1:
-                    mbarrier.wait(full.index(1), j & 1)  # (past an odd count: the producer's zeros)
-                    acc = _channel_scores(kbuf, qbuf, s_b, kz, GC, acc_l)
-                mbarrier.wait(full.index(0), j & 1)
-                mbarrier.wait(pready, 0)  # P of tile a
-                m_a, l_i = _handed_refs(mbuf, m_i, l_i, row_l)
-                if EARLY1:
-                    outs = _rescale_behind(outs, m_i, m_a, acc)
-                    pv = _shared_p_values(pbuf, kbuf, outs, s_a, NV, kz)
-                    acc = warpgroup_mma_wait(len(pv), deps=[acc])
-                    outs = warpgroup_mma_wait(0, deps=pv)
-                else:
-                    outs = _channel_rescale(outs, m_i, m_a)
-                    outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, s_a, NV, kz))
-                _release(empty, 0, pfree)
-                if not EARLY1:
-                    mbarrier.wait(full.index(1), j & 1)  # (past an odd count: the producer's zeros)
-                    acc = warpgroup_mma_wait(0, deps=[_channel_scores(kbuf, qbuf, s_b, kz, GC, acc_l)])
-                m_valid = _tile_mask(t_a + 1, n_tiles, t_base, c_t0, lo, hi, c_lo, c_hi, o_bt, m_m, lim_m) & has_b
-                m_b, l_i, p = _channel_softmax(acc, f, m_valid, m_a, l_i)
-                mbarrier.wait(pfree, 0)  # both consumers done with P of tile a
-                _hand_over(p, m_b, pbuf, mbuf, pready)
-                outs = _channel_rescale(outs, m_a, m_b)
-                outs = warpgroup_mma_wait(0, deps=_shared_p_values(pbuf, kbuf, outs, s_b, NV, kz))
-                _release(empty, 1, pfree)
-                m_i = m_b
-        if HF == 0 and EARLY0:
-            acc = warpgroup_mma_wait(0, deps=[acc])
-
-        # the row sums: each consumer's are those of the P it computed, against the same final references
-        lbuf.slice(HF * BM, BM).store(l_i)
-        _cta_barrier()
-        mbarrier.arrive(done, count=1)
-        mbarrier.wait(done, 0)
-        l_i = lbuf.slice(0, BM).load(row_l) + lbuf.slice(BM, BM).load(row_l)
-
-    inv_l, b_lse = _finish(l_i, m_i)
-    o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
-    o_c = gl.arange(0, 64, layout=key_l)
-    for u in gl.static_range(NV):  # column c of unit u's accumulator is channel `_kbuf_channel(u, c)`
-        gl.store(o_ptr + (o_row[:, None] * D_C + _kbuf_channel(HF * NV + u, o_c, C_BITS, GC)[None, :]),
-                 outs[u] * inv_l[:, None], mask=m_m[:, None])
-    if HF == 0:
-        gl.store(lse_ptr + o_row, b_lse, mask=m_m)
-
-
 # --------------------------------------------------------------------------------------------- the producer
 @_jit
 def _stage_pair(cp, u: gl.constexpr, zz, ss, zh, kbuf, st, p_c, tn, lo, last, GC: gl.constexpr,
@@ -481,8 +193,7 @@ def _stage_pair(cp, u: gl.constexpr, zz, ss, zh, kbuf, st, p_c, tn, lo, last, GC
 def _producer(kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
               lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
               s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, C_BITS: gl.constexpr,
-              R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr,
-              SEESAW: gl.constexpr = 0):
+              R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
     """Every tile of the program's split (int32 positions relative to its first tile, row pointers, the next tile's
     words and metadata loaded while this one is unpacked; `PAGED`: through the page numbers, a tile ahead), or its
     copy tile, into the key ring."""
@@ -551,15 +262,6 @@ def _producer(kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(full.index(0), count=1)
-    n_all = n_tiles + (i_s >= num_splits).to(gl.int32)
-    if SEESAW and n_all % 2 == 1:  # the last pair's tile b: zeros (finite, unlike shared memory never written)
-        mbarrier.wait(empty.index(1), ((n_all // NST) + 1) & 1, pred=n_all >= NST)
-        zero = gl.zeros([BT, 64], gl.float16, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
-        for u in gl.static_range(GC + 1):
-            kbuf[u].index(1).store(zero)
-        fence_async_shared()
-        _cta_barrier()
-        mbarrier.arrive(full.index(1), count=1)
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -586,90 +288,50 @@ def mla_decode_staged_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, pt_ptr, s_pt, PAGED: gl.constexpr, C_REGS: gl.constexpr,
-    P_REGS: gl.constexpr, CHANNELS: gl.constexpr = False, SEESAW: gl.constexpr = 0,
+    P_REGS: gl.constexpr,
 ):
     """One program per split, block of 64 rows and batch row (`_program_coords`; the last `ND` splits attend one
-    copied tile each): the producer and two consumers of the module docstring over shared key stages, the row
-    consumers or (`CHANNELS`) the channel consumers. `PAGED`: as in `mla_decode_gluon_regs.mla_decode_gluon_kernel`.
-    `C_REGS`, `P_REGS`: the consumer worker's and the producer's registers."""
+    copied tile each): the producer and two consumers of the module docstring over shared key stages. `PAGED`: as
+    in `mla_decode_gluon_regs.mla_decode_gluon_kernel`. `C_REGS`, `P_REGS`: the consumer worker's and the producer's
+    registers."""
     BT: gl.constexpr = 64
     NST: gl.constexpr = 2  # STAGES
     HM: gl.constexpr = BM // 2
     k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     v_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kbuf = _unit_buffers(GC + 1, BT, k_sl, NST)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HM, element_bitwidth=16, rank=2)
+    qbuf0 = _unit_buffers(GC + 1, HM, k_sl)
+    qbuf1 = _unit_buffers(GC + 1, HM, k_sl)
+    pbuf0 = gl.allocate_shared_memory(gl.float16, [1, BT, HM], p_sl)
+    pbuf1 = gl.allocate_shared_memory(gl.float16, [1, BT, HM], p_sl)
+    vbuf0 = gl.allocate_shared_memory(gl.int32, [4], v_sl)
+    vbuf1 = gl.allocate_shared_memory(gl.int32, [4], v_sl)
+    full, empty = _ring_barriers(NST)
+    fence_async_shared()
     # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
-    if CHANNELS:
-        qbuf = _unit_buffers(GC + 1, BM, k_sl)
-        fbuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
-        qready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        full, empty = _ring_barriers(NST)
-        mbarrier.init(qready, count=2)
-        if SEESAW:  # P and its references handed over, the row sums summed at the end
-            pbuf = gl.allocate_shared_memory(gl.float16, [1, BM, BT], k_sl)
-            mbuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
-            lbuf = gl.allocate_shared_memory(gl.float32, [2 * BM], v_sl)
-            pready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            pfree = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(pready, count=1)
-            mbarrier.init(pfree, count=2)
-            mbarrier.init(done, count=2)
-        else:  # (unused)
-            pbuf, mbuf, lbuf, pready, pfree, done = qbuf[0], fbuf, fbuf, qready, qready, qready
-        fence_async_shared()
-        gl.warp_specialize([
-            (_channel_consumer, (0, SEESAW, kbuf, qbuf, fbuf, qready, full, empty, pbuf, mbuf, lbuf, pready, pfree,
-                                 done, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
-                                 lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb, s_snct,
-                                 s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
-            (_channel_consumer, (1, SEESAW, kbuf, qbuf, fbuf, qready, full, empty, pbuf, mbuf, lbuf, pready, pfree,
-                                 done, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
-                                 lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb, s_qrb, s_sncb, s_snct,
-                                 s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
-            (_producer, (kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr,
-                         rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
-                         s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S,
-                         R, BM, PAGED, SEESAW)),
-        ], [4, 4], [C_REGS, P_REGS])
-    else:
-        p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HM, element_bitwidth=16, rank=2)
-        qbuf0 = _unit_buffers(GC + 1, HM, k_sl)
-        qbuf1 = _unit_buffers(GC + 1, HM, k_sl)
-        pbuf0 = gl.allocate_shared_memory(gl.float16, [1, BT, HM], p_sl)
-        pbuf1 = gl.allocate_shared_memory(gl.float16, [1, BT, HM], p_sl)
-        vbuf0 = gl.allocate_shared_memory(gl.int32, [4], v_sl)
-        vbuf1 = gl.allocate_shared_memory(gl.int32, [4], v_sl)
-        full, empty = _ring_barriers(NST)
-        fence_async_shared()
-        gl.warp_specialize([
-            (_row_consumer, (0, kbuf, qbuf0, pbuf0, vbuf0, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
-                             rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb,
-                             s_qrb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS,
-                             S, R, BM, PAGED)),
-            (_row_consumer, (1, kbuf, qbuf1, pbuf1, vbuf1, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
-                             rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb,
-                             s_qrb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS,
-                             S, R, BM, PAGED)),
-            (_producer, (kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr,
-                         rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
-                         s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S,
-                         R, BM, PAGED)),
-        ], [4, 4], [C_REGS, P_REGS])
+    gl.warp_specialize([
+        (_row_consumer, (0, kbuf, qbuf0, pbuf0, vbuf0, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
+                         rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb,
+                         s_qrb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS,
+                         S, R, BM, PAGED)),
+        (_row_consumer, (1, kbuf, qbuf1, pbuf1, vbuf1, full, empty, q_ptr, qr_ptr, snc_ptr, snr_ptr, rcc_ptr,
+                         rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, qk_scale, s_qb,
+                         s_qrb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS,
+                         S, R, BM, PAGED)),
+        (_producer, (kbuf, full, empty, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr,
+                     rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
+                     s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S,
+                     R, BM, PAGED)),
+    ], [4, 4], [C_REGS, P_REGS])
 
 
 # --------------------------------------------------------------------------------------------- host side
-def smem_bytes(fmt: CacheFormat, q_split: bool, channels: bool = False, seesaw: bool = False) -> int:
+def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
     """Shared memory of one program: the key ring `[STAGES, GC + 1, 64, 64]` fp16 and its barriers, plus 1 KB of
-    compiler scratch; the row consumers' queries `[GC + 1, 32, 64]` fp16, P `[64, 32]` fp16 and votes, each, or
-    (`channels`) the channel consumers' queries `[GC + 1, 64, 64]` fp16, their pre-scaling `[64]` fp32 and a
-    barrier, and (`seesaw`) the handed-over P `[64, 64]` fp16, its references `[64]` and row sums `[2, 64]` fp32 and
-    three barriers."""
+    compiler scratch, and each consumer's queries `[GC + 1, 32, 64]` fp16, P `[64, 32]` fp16 and votes."""
     gc = fmt.content.n_groups
     ring = STAGES * (gc + 1) * BLOCK_T * GROUP * 2 + 2 * STAGES * 8 + 1024
-    if channels or seesaw:
-        hand = BLOCK_M * BLOCK_T * 2 + 3 * BLOCK_M * 4 + 3 * 8 if seesaw else 0
-        return ring + (gc + 1) * BLOCK_M * GROUP * 2 + BLOCK_M * 4 + 8 + hand
     return ring + 2 * ((gc + 1) * (BLOCK_M // 2) * GROUP * 2 + BLOCK_T * (BLOCK_M // 2) * 2 + 16)
 
 
@@ -679,16 +341,12 @@ def staged_handles(fmt: CacheFormat) -> bool:
     return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits in (2, 4)
 
 
-def launch_staged(*args, page_table=None, channels: bool = False, seesaw: int = 0):
+def launch_staged(*args, page_table=None):
     """Launch `mla_decode_staged_kernel` with `launch_flat`'s arguments (after its `block_m`): `B * cdiv(M, 64) * (NS
-    + copy_programs(fmt))` programs of three warpgroups, with the row consumers, (`channels`) the channel consumers
-    or (`seesaw` 1-3, `SEESAW_LEVELS`) the channel consumers scoring alternate tiles. bf16/fp16 queries only (no low
-    parts are staged)."""
+    + copy_programs(fmt))` programs of three warpgroups. bf16/fp16 queries only (no low parts are staged)."""
     q, qr = args[0], args[1]
     if q.dtype == torch.float32 or qr.dtype == torch.float32:
         raise ValueError("the staged Gluon decode kernel takes bf16/fp16 queries: use backend='gluon_wide' for fp32")
-    channels = channels or seesaw > 0
-    c_regs, p_regs = (CHANNEL_REGS if channels else REGS)[args[4].content.bits]
-    launch_flat(mla_decode_staged_kernel, "staged Gluon decode kernel", functools.partial(
-                smem_bytes, channels=channels, seesaw=seesaw > 0), "gluon_wide", BLOCK_M, *args, page_table=page_table,
-                C_REGS=c_regs, P_REGS=p_regs, CHANNELS=channels, SEESAW=seesaw, num_warps=4, maxnreg=LAUNCH_REGS)
+    c_regs, p_regs = REGS[args[4].content.bits]
+    launch_flat(mla_decode_staged_kernel, "staged Gluon decode kernel", smem_bytes, "gluon_wide", BLOCK_M, *args,
+                page_table=page_table, C_REGS=c_regs, P_REGS=p_regs, num_warps=4, maxnreg=LAUNCH_REGS)

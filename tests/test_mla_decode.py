@@ -15,8 +15,8 @@ from quantmla_hf.kernels.mla_decode_combine import combine
 from quantmla_hf.kernels.mla_decode_gluon_common import score_rounding as gluon_score_rounding
 from quantmla_hf.kernels.mla_decode_ref import combine_ref, mla_decode_ref
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref
-from quantmla_hf.ops.backends import (BACKENDS, BY_NAME, gluon_handles, mla_decode_static, score_rounding,
-                                      select_backend, split_plan)
+from quantmla_hf.ops.backends import (BACKENDS, gluon_handles, mla_decode_static, score_rounding, select_backend,
+                                      split_plan)
 
 OUT_RATIO = 2e-3
 LSE_ABS = 1e-4
@@ -32,7 +32,7 @@ def _available() -> list[str]:
         if b not in found:
             found.append(b)
     if found[-1].startswith("gluon"):  # sm_90: every Gluon kernel, whichever the table picks, and the portable one
-        found = ["torch", "gluon_regs", "gluon_wide", "gluon_staged", *BY_NAME, "triton"]
+        found = ["torch", "gluon_regs", "gluon_wide", "gluon_staged", "triton"]
     return found
 
 

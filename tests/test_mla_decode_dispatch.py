@@ -65,19 +65,6 @@ def test_fp32_queries_leave_the_staged_kernel(gpu):
     assert md.select_paged_backend(f, 128, 8, 8, 64, torch.bfloat16, "cuda", torch.float32) == "gluon_wide"
 
 
-@pytest.mark.parametrize("backend", md.BY_NAME)
-def test_the_channel_consumers_run_by_name_only(gpu, backend):
-    """`gluon_staged_channels` and the `gluon_staged_seesaw` levels (the staged kernel with consumers that split the
-    value channels) take what `gluon_staged` takes, with its program shape, when named; the dispatch does not pick
-    them."""
-    gpu(9, 0)
-    assert all(md.select_backend(f, rows, batch, dtype, "cuda") != backend for f, rows, batch, dtype, _ in CASES)
-    assert backend in md.BACKENDS and backend in md.PAGED_BACKENDS
-    assert md.gluon_handles(backend, fmt(2, 4)) and md.gluon_handles(backend, fmt(4, 4))
-    assert not md.gluon_handles(backend, fmt(4, 8))
-    assert md.GLUON_KERNELS[backend] == md.GLUON_KERNELS["gluon_staged"]
-
-
 @pytest.mark.parametrize("f, rows, batch, dtype, want", CASES)
 def test_other_gpus_and_cpu(gpu, monkeypatch, f, rows, batch, dtype, want):
     gpu(8, 0)  # A100: the portable kernel wherever a kernel takes the format
@@ -201,10 +188,7 @@ def test_paged_gluon_refused_where_it_does_not_apply():
 
 @pytest.mark.parametrize("f, backend, head_blocks", [(fmt(4, 4), "gluon_regs", 1), (fmt(8, 8), "gluon_regs", 1),
                                                      (fmt(4, 4), "gluon_wide", 4), (fmt(8, 8), "gluon_wide", 4),
-                                                     (fmt(2, 4), "gluon_staged", 2),
-                                                     (fmt(4, 4), "gluon_staged_channels", 2),
-                                                     (fmt(2, 4), "gluon_staged_seesaw", 2),
-                                                     (fmt(4, 4), "gluon_staged_seesaw_early2", 2)])
+                                                     (fmt(2, 4), "gluon_staged", 2)])
 def test_paged_reads_stay_in_the_request_pages(f, backend, head_blocks):
     """The paged Gluon launch (`paged_reads`, the host's statement of its split and page arithmetic): for requests of
     every length around page, split and sink/recent edges and the split plans of 1-64 requests, every page-table

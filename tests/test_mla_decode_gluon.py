@@ -152,36 +152,24 @@ COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
     from quantmla_hf.kernels import mla_decode_gluon_staged as ms
 
-    for cb, rb, paged, channels, seesaw in ((2, 4, False, False, 0), (4, 4, False, False, 0), (2, 4, True, False, 0),
-                                            (2, 4, False, True, 0), (4, 4, False, True, 0), (2, 4, True, True, 0),
-                                            (4, 4, False, True, 1), (2, 4, True, True, 1), (4, 4, False, True, 2),
-                                            (4, 4, False, True, 3), (2, 4, True, True, 3)):
-        kernel = sd.compile_staged(cb, rb, paged=paged, channels=channels, seesaw=seesaw)
-        case = (cb, rb, paged, channels, seesaw)
-        assert not sd.wgmma_serialized(kernel), (case, sd.ptxas_facts(kernel))  # the tensor pipe kept full
+    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True)):
+        kernel = sd.compile_staged(cb, rb, paged=paged)
+        assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))  # the tensor pipe kept full
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
-        need = ms.smem_bytes(fmt, False, channels=channels, seesaw=seesaw > 0)
-        assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (case, kernel.metadata.shared, need)
+        need = ms.smem_bytes(fmt, False)
+        assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, paged, kernel.metadata.shared, need)
         ptx = kernel.asm["ptx"]
         # the consumers take their registers from the producer (and the default warps theirs)
-        c_regs, p_regs = (ms.CHANNEL_REGS if channels else ms.REGS)[cb]
+        c_regs, p_regs = ms.REGS[cb]
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{p_regs};" in ptx, ptx[:200]
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx
-        n = 64 if channels else 32
-        mma = rf"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 \\{{[^}}]*\\}}, "
+        # every product from shared memory: per consumer, the scores of 9 units issued before the loop and in it (the
+        # next tile's), the values of 8 in it, 4 k-steps each (the copy tile is a tile of the loop); none with an A
+        # operand in registers
+        mma = rf"wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 \\{{[^}}]*\\}}, "
         n_smem = len(re.findall(mma + r"%rd", ptx))
-        n_regs = len(re.findall(mma + r"\\{", ptx))
-        if seesaw:  # per pair of tiles, each consumer: the scores of its tile (9 units), then the values of its 4
-            # units of both tiles with the handed-over P from shared memory, 4 k-steps each (level 3: consumer 0's
-            # scores also issued once before the loop)
-            n_scores = 2 + (seesaw == 3)
-            assert (n_smem, n_regs) == ((n_scores * 9 + 4 * 4) * 4, 0) and "m64n32k16" not in ptx, (case, n_smem)
-        elif channels:  # per consumer and tile: the scores of all 64 rows over 9 units (queries as A), then the
-            # values of its 4 units with P as a register A operand, 4 k-steps each
-            assert (n_smem, n_regs) == (2 * 9 * 4, 2 * 4 * 4) and "m64n32k16" not in ptx, (case, n_smem, n_regs)
-        else:  # every product from shared memory: per consumer, the scores of 9 units issued before the loop and
-            # in it (the next tile's), the values of 8 in it, 4 k-steps each (the copy tile is a tile of the loop)
-            assert (n_smem, n_regs) == (2 * (2 * 9 + 8) * 4, 0), (case, n_smem, n_regs)
+        assert n_smem == 2 * (2 * 9 + 8) * 4, (cb, paged, n_smem)
+        assert not re.findall(mma + r"\\{", ptx)
         # the ring's barriers: the producer waits on `empty`, the consumers on `full`
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
     print("compiled")
@@ -237,13 +225,6 @@ def test_staged_shared_memory_and_formats():
     # pairs of barriers + 1 KB scratch: under the 227 KB of one program
     assert ms.smem_bytes(c2r4, False) == 2 * 9 * 8192 + 2 * (9 * 32 * 128 + 64 * 32 * 2 + 16) + 32 + 1024
     assert ms.smem_bytes(c2r4, False) <= mc.SMEM_LIMIT
-    # the channel consumers: the ring and its barriers, queries (9 x 64 x 64 fp16) and their pre-scaling (64 fp32),
-    # one barrier
-    assert ms.smem_bytes(c2r4, False, channels=True) == 2 * 9 * 8192 + 32 + 1024 + 9 * 8192 + 64 * 4 + 8
-    assert ms.smem_bytes(c2r4, False, channels=True) <= mc.SMEM_LIMIT
-    # the seesaw: also the handed-over P (64 x 64 fp16), its references and both row sums (3 x 64 fp32), 3 barriers
-    seesaw = ms.smem_bytes(c2r4, False, seesaw=True)
-    assert seesaw == ms.smem_bytes(c2r4, False, channels=True) + 8192 + 3 * 256 + 24 and seesaw <= mc.SMEM_LIMIT
     assert ms.staged_handles(c2r4) and ms.staged_handles(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64)))
     for c, r, dc in ((4, 8, 512), (8, 8, 512), (4, 4, 256)):  # 8-bit keys, 4 content groups: not this kernel's
         assert not ms.staged_handles(CacheFormat(PathFormat(dc, c, 64), PathFormat(64, r, 64)))
@@ -469,8 +450,7 @@ def test_sass_script_counts_both_packed_loops():
 def test_sass_script_reads_the_staged_kernels_loops():
     """`benchmarks/sass_decode.py --staged` finds each consumer's main loop (per tile: the next tile's scores, 9 units
     x 4 k-steps, and the values, 8 x 4: 68 `wgmma`s, no unpacking) and the producer's (9 units x 16 pairs per
-    thread: 144 unpacking multiplies, no `wgmma`), and reports the warpgroups' registers; `--channels`, the channel
-    consumers' loops (9 x 4 score and 4 x 4 value `wgmma`s)."""
+    thread: 144 unpacking multiplies, no `wgmma`), and reports the warpgroups' registers."""
     out = _sass_script("C4R4", "--staged")
     assert out.returncode == 0, out.stderr[-3000:]
     consumers = re.findall(r"^consumer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
@@ -479,33 +459,18 @@ def test_sass_script_reads_the_staged_kernels_loops():
     assert ("0", "144") in producers, out.stdout
     assert f"consumer worker {ms.REGS[4][0]}, producer {ms.REGS[4][1]}" in out.stdout, out.stdout
     assert re.search(r"^ptxas: wgmmas not serialized, spills \d+ B stored, \d+ B loaded$", out.stdout, re.M), out.stdout
-    out = _sass_script("C4R4", "--staged", "--channels")
-    assert out.returncode == 0, out.stderr[-3000:]
-    consumers = re.findall(r"^consumer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
-    assert consumers == [("52", "0"), ("52", "0")], out.stdout  # scores 9 x 4, values 4 x 4
-    assert f"consumer worker {ms.CHANNEL_REGS[4][0]}, producer {ms.CHANNEL_REGS[4][1]}" in out.stdout, out.stdout
-    assert "ptxas: wgmmas not serialized" in out.stdout, out.stdout
-    out = _sass_script("C4R4", "--staged", "--seesaw", "3")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "seesaw 3 consumers" in out.stdout, out.stdout
-    consumers = re.findall(r"^consumer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
-    assert consumers == [("68", "0"), ("68", "0")], out.stdout  # a pair of tiles: scores 9 x 4, values 2 x 4 x 4
-    assert "ptxas: wgmmas not serialized" in out.stdout, out.stdout
     bad = _sass_script("C8R8", "--staged", timeout=300)
     assert bad.returncode == 2 and "takes C4R4 and C2R4" in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
-@pytest.mark.parametrize("which", ["regs", "wide", "staged", "staged_channels", "staged_seesaw",
-                                   "staged_seesaw_early2"])
+@pytest.mark.parametrize("which", ["regs", "wide", "staged"])
 def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     """`launch_gluon` and `launch_staged` (through `launch_flat`) give their kernel every parameter of its signature,
     by name, once, and launch `flat_grid` programs: the kernel is replaced by a binder of its own signature, since it
     cannot launch without a GPU."""
-    module = mr if which == "regs" else (mw if which == "wide" else ms)
-    level = ms.SEESAW_LEVELS.get(f"gluon_{which}", 0)
-    staged = which.startswith("staged")
-    owner, name = (ms, "mla_decode_staged_kernel") if staged else (mr, "mla_decode_gluon_kernel")
+    module = {"regs": mr, "wide": mw, "staged": ms}[which]
+    owner, name = (ms, "mla_decode_staged_kernel") if which == "staged" else (mr, "mla_decode_gluon_kernel")
     kernel = getattr(owner, name)
     params = inspect.signature(kernel.fn).parameters
     seen = {}
@@ -527,8 +492,8 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     copies = [torch.zeros(B, n, d, dtype=torch.bfloat16) for n, d in ((4, 512), (4, 64), (128, 512), (128, 64))]
 
     def launcher(*args, **kwargs):
-        if staged:
-            ms.launch_staged(*args, channels=which == "staged_channels", seesaw=level, **kwargs)
+        if which == "staged":
+            ms.launch_staged(*args, **kwargs)
         else:
             mr.launch_gluon(*args, wide_program=which == "wide", **kwargs)
 
@@ -538,13 +503,10 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     assert set(seen["bound"].arguments) == set(params), set(params) ^ set(seen["bound"].arguments)
     assert seen["grid"] == mc.flat_grid(NS, fmt, M, module.BLOCK_M, B)
     assert seen["bound"].arguments["BM"] == module.BLOCK_M and seen["options"]["num_warps"] == 4
-    if staged:  # three warpgroups: the launch's registers for all 12 warps, the partitions' as set
-        regs = ms.REGS if which == "staged" else ms.CHANNEL_REGS
+    if which == "staged":  # three warpgroups: the launch's registers for all 12 warps, the partitions' as set
         assert seen["options"]["maxnreg"] == ms.LAUNCH_REGS and 12 * 32 * ms.LAUNCH_REGS <= 65536
-        assert (seen["bound"].arguments["C_REGS"], seen["bound"].arguments["P_REGS"]) == regs[4]
-        assert seen["bound"].arguments["CHANNELS"] == (which != "staged")
-        assert seen["bound"].arguments["SEESAW"] == level
-        assert sum(regs[4]) + regs[4][0] - 8 <= 65536 // 128
+        assert (seen["bound"].arguments["C_REGS"], seen["bound"].arguments["P_REGS"]) == ms.REGS[4]
+        assert sum(ms.REGS[4]) + ms.REGS[4][0] - 8 <= 65536 // 128
     else:
         assert seen["bound"].arguments["WIDE"] == (which == "wide")
     # the paged launch: pools from their first row (batch strides 0), the page table's stride

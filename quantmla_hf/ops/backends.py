@@ -11,9 +11,6 @@ Backends (the kernels, each beside its reference in `kernels/`; timings and why 
     "gluon_regs"  mla_decode_gluon_regs.py   sm_90, 16 query rows per program, keys unpacked into wgmma registers
     "gluon_wide"  mla_decode_gluon_wide.py   sm_90, two warpgroups, 32 rows per program (many heads)
     "gluon_staged" mla_decode_gluon_staged.py sm_90, a producer warpgroup stages the keys for two consumers, 64 rows
-    "gluon_staged_channels"                   the same with consumers that split the value channels (by name only)
-    "gluon_staged_seesaw"                     those consumers scoring alternate tiles, P handed over (by name only)
-    "gluon_staged_seesaw_early1", "..._early2" the same, consumer 1 (both) issuing its next scores early (by name)
     "triton"      mla_decode_triton.py       any CUDA GPU (and the Triton interpreter on CPU), every dtype
     "torch"       mla_decode_ref.py          the reference, for formats no kernel takes
 
@@ -48,14 +45,12 @@ from ..kernels.mla_decode_gluon_common import score_rounding as gluon_score_roun
 from ..kernels.mla_decode_ref import mla_decode_static_ref
 
 LOG2E = 1.4426950408889634
-BY_NAME = ("gluon_staged_channels", *staged.SEESAW_LEVELS)  # staged consumers run by name only, until timed
-BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", *BY_NAME, "triton", "torch")
-PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", *BY_NAME, "triton")
+BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "triton", "torch")
+PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "triton")
 GLUON_KERNELS = {  # backend: (rows per program, programs per SM the splits fill)
     "gluon_regs": (regs.BLOCK_M, regs.FILL_PER_SM),
     "gluon_wide": (wide.BLOCK_M, wide.FILL_PER_SM),
     "gluon_staged": (staged.BLOCK_M, staged.FILL_PER_SM),
-    **{b: (staged.BLOCK_M, staged.FILL_PER_SM) for b in BY_NAME},
 }
 
 
@@ -109,16 +104,15 @@ def gluon_handles(backend: str, fmt: CacheFormat) -> bool:
         return False
     if backend == "gluon_wide":
         return wide.wide_handles(fmt)
-    if backend.startswith("gluon_staged"):
+    if backend == "gluon_staged":
         return staged.staged_handles(fmt)
     return True
 
 
 def gluon_launch(backend: str):
     """The host launch of Gluon kernel `backend` (`launch_flat`'s arguments after its `block_m`)."""
-    if backend.startswith("gluon_staged"):
-        return functools.partial(staged.launch_staged, channels=backend == "gluon_staged_channels",
-                                 seesaw=staged.SEESAW_LEVELS.get(backend, 0))
+    if backend == "gluon_staged":
+        return staged.launch_staged
     return functools.partial(regs.launch_gluon, wide_program=backend == "gluon_wide")
 
 
