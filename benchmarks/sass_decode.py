@@ -3,10 +3,10 @@ sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp
 opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "The Gluon register
 kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C4R8,
 C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too). `--staged`: the staged kernel
-(`kernels/mla_decode_gluon_staged.py`, C4R4, C2R4): each warpgroup's
-registers and the main loop of the producer and of each consumer, with its `wgmma`s, unpacking multiplies,
-local-memory (spill) instructions and the shared memory it moves (`shared_bytes`). Each also prints what ptxas said (`ptxas_facts`): whether it serialized the wgmmas
-(each waiting for the one before, which a kernel short of registers gets without failing) and the spill bytes.
+(`kernels/mla_decode_gluon_staged.py`, C4R4, C2R4): each warpgroup's registers and the main loop of the producer and
+of each consumer, with its `wgmma`s, unpacking multiplies, local-memory (spill) instructions and the shared memory it
+moves (`shared_bytes`). Each also prints what ptxas said (`ptxas_facts`): whether it serialized the wgmmas (each
+waiting for the one before, which a kernel short of registers gets without failing) and the spill bytes.
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide|--staged]
     python benchmarks/sass_decode.py --dump DIR

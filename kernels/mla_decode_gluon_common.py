@@ -565,11 +565,10 @@ def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC
 @_jit
 def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
                    Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr,
-                   KBUF: gl.constexpr = False, AT: gl.constexpr = -1):
+                   KBUF: gl.constexpr = False):
     """Rows `row0 + [0, BM)` of `p_q: [M, D_C]` and `p_qr: [M, 64]`, divided by one per-row power of two `f` (so
     `|q| / f < 2**14`), as fp16 (high, and low for fp32 queries) in `qbuf[u]: [1, BM, 64]` in `score_channel` order
-    (`KBUF`: `_kbuf_channel` order) (units 0..GC-1 content, GC RoPE); with `AT >= 0`, in rows `[AT, AT + BM)` of
-    larger buffers. Returns `f: [BM]` (q_l rows)."""
+    (`KBUF`: `_kbuf_channel` order) (units 0..GC-1 content, GC RoPE). Returns `f: [BM]` (q_l rows)."""
     o_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
     m_m = (o_m < M)[:, None]
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
@@ -584,10 +583,7 @@ def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.cons
     for u in gl.static_range(GC + 1):
         x = xs[u] * inv_f[:, None]
         hi = x.to(gl.float16)
-        if AT >= 0:
-            qbuf[u].index(0).slice(AT, BM).store(hi)
-        else:
-            qbuf[u].index(0).store(hi)
+        qbuf[u].index(0).store(hi)
         if Q_SPLIT:
             qlo[u].index(0).store((x - hi.to(gl.float32)).to(gl.float16))
     return gl.exp2(e)

@@ -21,7 +21,6 @@ Every token is unpacked once per 64 rows, by warps that do nothing else. Shared 
 
 from __future__ import annotations
 
-
 import torch
 
 from quantmla_hf.format import CacheFormat
@@ -43,7 +42,6 @@ if HAVE_GLUON:
         _copy_tile,
         _cta_barrier,
         _finish,
-        _kbuf_channel,
         _lane_sums,
         _load_dense,
         _load_meta_rows,
@@ -96,7 +94,6 @@ def _consumer_tiles(i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr
     return n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi
 
 
-# --------------------------------------------------------------------------------------------- the row consumers
 @_jit
 def _row_scores(kbuf, qbuf, st, kz, GC: gl.constexpr, HM: gl.constexpr, acc_l: gl.constexpr):
     """Issue the scores `S^T: [64, HM]` of key stage `st` against the staged queries, `sum_u kbuf[u][st] @
