@@ -3,7 +3,7 @@ backend) on the packed cache vs BF16 baselines on a BF16 latent cache: PyTorch a
 public BF16 MLA Triton decode kernel when one is given (`--bf16-kernel FILE`: vLLM's `triton_decode_attention.py`,
 fetched separately and never committed) and the stock transformers step (`--stock`). DeepSeek-V2-Lite dims.
 
-    python benchmarks/bench_decode.py --check [--backends default,gluon_regs,gluon_wide,gluon_staged,triton]
+    python benchmarks/bench_decode.py --check [--backends default,gluon_regs,gluon_wide,gluon_split,triton]
         every backend vs the fp64 reference at real sizes (d_c 512, 16/128 heads, B 1-64, up to 128K, Tq up to 16,
         bf16/fp32 queries, bf16/fp16/fp32 models, B x N x 576 > 2^31), and capacity invariance (bitwise)
     python benchmarks/bench_decode.py --bench [--graph] [--points H:B:N,...] [--formats C4R4,...] --out DIR
@@ -702,7 +702,7 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
                 print(out_lines[-1], flush=True)
             if paged:  # the default paged kernel, and the other ones that take the case
                 choice = select_paged_backend(fmt, H, B, B, 64, sc.dtype, DEVICE)
-                others = {"gluon_staged": ("gluon_wide",), "gluon_wide": ("gluon_regs", "triton"),
+                others = {"gluon_split": ("gluon_wide",), "gluon_wide": ("gluon_regs", "triton"),
                           "gluon_regs": ("triton",)}.get(choice, ())
                 others = others + tuple(b for b in also if b != choice and b not in others)
                 old_paged = [("old-paged", None, baseline.paged)] if baseline and baseline.paged else []

@@ -2,17 +2,17 @@
 sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp and 64-token tile, counted by
 opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "The Gluon register
 kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C4R8,
-C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too). `--staged`: the staged kernel
-(`kernels/mla_decode_gluon_staged.py`, C4R4, C2R4): each warpgroup's registers and the main loop of the producer and
-of each consumer, with its `wgmma`s, unpacking multiplies, local-memory (spill) instructions and the shared memory it
-moves (`shared_bytes`). Each also prints what ptxas said (`ptxas_facts`): whether it serialized the wgmmas (each
+C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too). `--split`: the split kernel
+(`kernels/mla_decode_gluon_split.py`, C4R4, C2R4): each warpgroup's registers and the main loop of the scorer and of
+each value warpgroup, with its `wgmma`s, unpacking multiplies, local-memory (spill) instructions and the shared memory
+it moves (`shared_bytes`). Each also prints what ptxas said (`ptxas_facts`): whether it serialized the wgmmas (each
 waiting for the one before, which a kernel short of registers gets without failing) and the spill bytes.
 
-    python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide|--staged]
+    python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide|--split]
     python benchmarks/sass_decode.py --dump DIR
 
 `--paged`: the paged launch (`PAGED`: page pools read through a page table) of any of them. `--dump DIR`: the whole
-SASS (addresses removed) of every Gluon launch in `DUMP_LAUNCHES` and `STAGED_LAUNCHES` and every portable Triton
+SASS (addresses removed) of every Gluon launch in `DUMP_LAUNCHES` and `SPLIT_LAUNCHES` and every portable Triton
 launch in `PORTABLE_LAUNCHES`, one file each, so that two trees' kernels can be compared with `diff -r` (a change
 whose SASS is identical needs no timing). It prints each launch's ptxas facts beside its instruction count.
 
@@ -41,7 +41,7 @@ from triton.experimental import gluon
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_combine as combine
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
-from quantmla_hf.kernels import mla_decode_gluon_staged as ms
+from quantmla_hf.kernels import mla_decode_gluon_split as ms
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 from quantmla_hf.kernels import mla_decode_triton as portable
 from quantmla_hf.kernels import quant_pack
@@ -63,8 +63,8 @@ DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (4, 8), (8, 8)
                   for q, p in ((False, False), (False, True), (True, False))]
                  + [(c, r, 4, False, p, False) for c, r in ((4, 4), (8, 8)) for p in (False, True)]
                  + [(2, 2, 8, False, False, False)])
-# (content bits, RoPE bits, paged): the staged kernel's launches
-STAGED_LAUNCHES = [(c, 4, p) for c in (4, 2) for p in (False, True)]
+# (content bits, RoPE bits, paged): the split kernel's launches
+SPLIT_LAUNCHES = [(c, 4, p) for c in (4, 2) for p in (False, True)]
 
 
 # (content bits, RoPE bits, RoPE width, query rows, fp32 model, page size): the portable kernel's launches, every
@@ -166,14 +166,14 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
     return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=True)
 
 
-def compile_staged(content_bits: int, rope_bits: int, paged: bool = False):
-    """The staged kernel (`kernels/mla_decode_gluon_staged.py`: a producer and two consumers, 64 rows) compiled for
+def compile_split(content_bits: int, rope_bits: int, paged: bool = False):
+    """The split kernel (`kernels/mla_decode_gluon_split.py`: a scorer and two value warpgroups, 64 rows) compiled for
     sm_90 at DeepSeek widths with its registers."""
-    c_regs, p_regs = ms.REGS[content_bits]
+    v_regs, s_regs = ms.REGS[content_bits, paged]
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=ms.BLOCK_M, Q_SPLIT=False, PAGED=paged,
-                 C_REGS=c_regs, P_REGS=p_regs)
+                 V_REGS=v_regs, S_REGS=s_regs)
     index = "*i32" if paged else "*i64"
-    return _compile(ms.mla_decode_staged_kernel, const, False, {"num_warps": 4, "maxnreg": ms.LAUNCH_REGS},
+    return _compile(ms.mla_decode_split_kernel, const, False, {"num_warps": 4, "maxnreg": ms.LAUNCH_REGS},
                     dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
 
 
@@ -262,20 +262,26 @@ def opcode_counts(instructions: list[str]) -> collections.Counter:
 
 HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32\w*\s+R\d+,\s+(R\d+|gdesc)")  # M, N, K, A operand
 SHARED_ACCESS = re.compile(r"\b(STS|LDS)(?:\.U?(8|16|32|64|128))?\b")  # a shared store/load and its width in bits
+STMATRIX = re.compile(r"\bSTSM\.16\.M88(?:\.(\d))?\b")  # `stmatrix`: 1, 2 or 4 8x8 fp16 matrices a warp
 
 
 def shared_bytes(instructions: list[str]) -> dict:
     """The shared-memory bytes a loop moves, per pass: `wgmma` operands (each HGMMA counted once, as the
     warpgroup's: fp16 A `M x K` when it is read from shared memory (`gdesc` first) and B `N x K`, which always is) and
-    stores and loads of one warp (`STS`/`LDS` of 32 lanes at their width, 32 bits where none is written), so that
-    a warpgroup's total is `wgmma + 4 * (stores + loads)`. A multiprocessor moves 128 bytes of shared memory a
-    cycle, which bounds a tile's time from below by the sum over its warpgroups divided by 128."""
+    stores and loads of one warp (`STS`/`LDS` of 32 lanes at their width, 32 bits where none is written; `STSM`
+    128 bytes a matrix), so that a warpgroup's total is `wgmma + 4 * (stores + loads)`. A multiprocessor moves 128
+    bytes of shared memory a cycle, which bounds a tile's time from below by the sum over its warpgroups divided by
+    128."""
     out = dict(wgmma=0, stores=0, loads=0)
     for t in instructions:
         m = HGMMA.search(t)
         if m:
             rows, cols, depth = (int(g) for g in m.groups()[:3])
             out["wgmma"] += 2 * depth * (cols + (rows if m.group(4) == "gdesc" else 0))
+            continue
+        m = STMATRIX.search(t)
+        if m:
+            out["stores"] += 128 * int(m.group(1) or 1)
             continue
         m = SHARED_ACCESS.search(re.sub(r"^@!?U?P\w+\s+", "", t))
         if m:
@@ -284,8 +290,8 @@ def shared_bytes(instructions: list[str]) -> dict:
 
 
 def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCHES, quant_pack_launches=
-         QUANT_PACK_LAUNCHES, combine_launches=COMBINE_LAUNCHES, staged_launches=STAGED_LAUNCHES) -> None:
-    """Write the SASS of every Gluon launch in `launches` and `staged_launches`, every portable launch in
+         QUANT_PACK_LAUNCHES, combine_launches=COMBINE_LAUNCHES, split_launches=SPLIT_LAUNCHES) -> None:
+    """Write the SASS of every Gluon launch in `launches` and `split_launches`, every portable launch in
     `portable_launches` and the quantize-and-pack and combine launches to `out_dir` (instruction addresses
     removed)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -298,9 +304,9 @@ def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCH
     jobs = ([(gluon, a, "C{}R{}_{}groups_{}_{}_{}.sass".format(
         *a[:3], "fp32" if a[3] else "bf16", "paged" if a[4] else "contiguous", "wide" if a[5] else "regs"))
              for a in launches]
-            + [(compile_staged, a, "C{}R{}_8groups_bf16_{}_staged.sass".format(
+            + [(compile_split, a, "C{}R{}_8groups_bf16_{}_split.sass".format(
                 *a[:2], "paged" if a[2] else "contiguous"))
-               for a in staged_launches]
+               for a in split_launches]
             + [(compile_portable, a, "portable_C{}R{}_rope{}_{}rows_{}_page{}.sass".format(
                 *a[:4], "fp32" if a[4] else "bf16", a[5])) for a in portable_launches]
             + [(compile_quant_pack, a, "quant_pack_{}bit_{}wide_{}.sass".format(*a[:2], "slots" if a[2] else "start"))
@@ -321,7 +327,7 @@ def main():
     ap.add_argument("--inflight", type=int, default=None, choices=(0, 1), help="default: the kernel's (`INFLIGHT`)")
     ap.add_argument("--paged", action="store_true", help="the paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
-    ap.add_argument("--staged", action="store_true", help="the staged kernel (C4R4, C2R4; bf16 queries)")
+    ap.add_argument("--split", action="store_true", help="the split kernel (C4R4, C2R4; bf16 queries)")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     a = ap.parse_args()
     if a.dump:
@@ -330,10 +336,10 @@ def main():
     if a.wide:
         main_wide(a)
         return
-    if a.staged:
+    if a.split:
         if a.format not in ("C4R4", "C2R4") or a.fp32_queries:
-            ap.error("--staged: the staged kernel takes C4R4 and C2R4 with bf16/fp16 queries")
-        main_staged(a)
+            ap.error("--split: the split kernel takes C4R4 and C2R4 with bf16/fp16 queries")
+        main_split(a)
         return
     a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
     kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, paged=a.paged)
@@ -371,28 +377,31 @@ def main_wide(a):
 
 def main_loops(sass: str, min_len: int = 100) -> list[list[str]]:
     """The loops of at least `min_len` instructions that hold no other such loop, in address order (the short
-    loops inside them are mbarrier waits)."""
+    loops inside them are mbarrier waits). A loop ends in a conditional branch: the unconditional one back from an
+    mbarrier wait's retry code (placed after the kernel's body) is no loop."""
     ins, loops = _instructions_and_loops(sass)
-    big = [(s, e) for s, e in loops if e - s + 1 >= min_len]
+    big = [(s, e) for s, e in loops if e - s + 1 >= min_len and ins[e].startswith("@")]
     inner = [(s, e) for s, e in big if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in big)]
     return [ins[s:e + 1] for s, e in sorted(set(inner))]
 
 
-def main_staged(a):
+def main_split(a):
     cb, rb = FORMATS[a.format]
-    kernel = compile_staged(cb, rb, paged=a.paged)
+    kernel = compile_split(cb, rb, paged=a.paged)
     sass = disassemble(kernel.asm["cubin"], "-sass")
-    c_regs, p_regs = ms.REGS[cb]
-    print(f"triton {triton.__version__} | {a.format} staged | {ms.BLOCK_M} rows | "
+    v_regs, s_regs = ms.REGS[cb, a.paged]
+    print(f"triton {triton.__version__} | {a.format} split | {ms.BLOCK_M} rows | "
           f"{'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
-    print(f"registers: launch {ms.LAUNCH_REGS}, consumer worker {c_regs}, producer {p_regs}; setmaxnreg "
+    print(f"registers: launch {ms.LAUNCH_REGS}, value worker {v_regs}, scorer {s_regs}; setmaxnreg "
           + " ".join(f"{k} {n}" for k, n in SETMAXNREG.findall(kernel.asm["ptx"])))
     local = len(re.findall(r"\b(?:LDL|STL)\b", sass))
     print(f"local memory instructions in the kernel: {local}")
     print(ptxas_facts(kernel))
     for loop in main_loops(sass):
         counts = opcode_counts(loop)
-        name = "producer" if counts[UNPACK_MUL] else "consumer"
+        if not any(op.startswith("HGMMA") for op in counts):
+            continue  # the epilogue's waits
+        name = "scorer" if counts[UNPACK_MUL] else "value"
         mma = sum(n for op, n in counts.items() if op.startswith("HGMMA"))
         spills = sum(n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL"))
         print(f"{name} loop: {len(loop)} SASS instructions per warp and 64-token tile ({mma} HGMMA, "

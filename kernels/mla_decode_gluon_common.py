@@ -154,7 +154,7 @@ def _copy_rows(start, hi, sink, lp, length, o_dt, o_bt, lim_m, m_m, S: gl.conste
 @_jit
 def _copy_slots(start, hi, sink, lp, length, o_dt, S: gl.constexpr, R: gl.constexpr):
     """The slots and valid keys `(slot, m_t)` of the 64 copied tokens from `start` of a copy tile, in the layout of
-    `o_dt: [64]`: what `_copy_rows` computes first (the staged kernel's producer needs no score mask). `_copy_rows`
+    `o_dt: [64]`: what `_copy_rows` computes first (the split kernel's scorer needs no score mask). `_copy_rows`
     keeps its own copy of these lines: calling this from it reorders the register programs' SASS."""
     shift = gl.where(sink, lp, 0)
     p_min = gl.where(sink, 0, lp + S)
@@ -536,26 +536,11 @@ def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, BITS: gl
 
 
 @_jit
-def _kbuf_channel(u: gl.constexpr, c, BITS: gl.constexpr, GC: gl.constexpr):
-    """The channel held by column `c` of unit u's stored key tile (`_v_view` order: column `16 q + 8 h + i` holds
-    channel `_unit_base(u, q) + E (i // K) + 2 ((i % K) // 2) + K (i % 2) + h`, `K = 16 / bits`, `E = 2 K`; the
-    rows of `O^T` come out in it, `_store_o`)."""
-    K: gl.constexpr = 16 // BITS
-    i = c % 8
-    return _unit_base(u, c // 16, GC) + (i // K) * (2 * K) + ((i % K) // 2) * 2 + K * (i % 2) + (c // 8) % 2
-
-
-@_jit
 def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC: gl.constexpr,
-                C_BITS: gl.constexpr, R_BITS: gl.constexpr, KBUF: gl.constexpr = False):
-    """Unit u's 64 query columns of rows `o_m` (content units 0..GC-1, RoPE unit GC) in `score_channel` order (with
-    `KBUF`: in the stored key tile's, `_kbuf_channel`), fp32."""
-    if KBUF:
-        if u < GC:
-            x = gl.load(p_q + o_m[:, None] * D_C + _kbuf_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m, other=0.0)
-        else:
-            x = gl.load(p_qr + o_m[:, None] * 64 + _kbuf_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m, other=0.0)
-    elif u < GC:
+                C_BITS: gl.constexpr, R_BITS: gl.constexpr):
+    """Unit u's 64 query columns of rows `o_m` (content units 0..GC-1, RoPE unit GC) in `score_channel` order,
+    fp32."""
+    if u < GC:
         x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m, other=0.0)
     else:
         x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m, other=0.0)
@@ -564,18 +549,17 @@ def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC
 
 @_jit
 def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
-                   Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr,
-                   KBUF: gl.constexpr = False):
+                   Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr):
     """Rows `row0 + [0, BM)` of `p_q: [M, D_C]` and `p_qr: [M, 64]`, divided by one per-row power of two `f` (so
     `|q| / f < 2**14`), as fp16 (high, and low for fp32 queries) in `qbuf[u]: [1, BM, 64]` in `score_channel` order
-    (`KBUF`: `_kbuf_channel` order) (units 0..GC-1 content, GC RoPE). Returns `f: [BM]` (q_l rows)."""
+    (units 0..GC-1 content, GC RoPE). Returns `f: [BM]` (q_l rows)."""
     o_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
     m_m = (o_m < M)[:, None]
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
     amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, q_l))
     xs = ()
     for u in gl.static_range(GC + 1):
-        x = _query_unit(p_q, p_qr, o_m, m_m, o_c, u, D_C, GC, C_BITS, R_BITS, KBUF)
+        x = _query_unit(p_q, p_qr, o_m, m_m, o_c, u, D_C, GC, C_BITS, R_BITS)
         amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
         xs = xs + (x,)
     e = gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0)
@@ -666,15 +650,12 @@ def _pv(kbuf, pbuf, o, u: gl.constexpr, kz):
 
 
 @_jit
-def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf, ks=0, STAGED: gl.constexpr = False):
+def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf):
     """One online-softmax step over the tile's scores `acc: [64, BM]` (tokens on axis 0), then the values of every
     content unit (`outs[u] = o_u^T[64, BM] += kbuf[u]^T @ P`, waited). Returns `(m_i, l_p, outs)`, `l_p: [64, BM]`
     the row sums per token (reduced at the end). Lazy rescaling (`_references`): P is stored against the present
     references; a per-warp vote (`vbuf: [4]` int32, read after the barrier that publishes P) on any score passing
-    its reference by more than 8 moves the references, rescales the accumulators and stores P again.
-
-    `STAGED` (the staged kernel's consumers): the values read key stage `ks` and are issued, not waited (the third
-    result is the tuple of their accumulators), and `l_p` holds each thread's sums of its two tokens (`_lane_sums`)."""
+    its reference by more than 8 moves the references, rescales the accumulators and stores P again."""
     b_s = gl.where(m_valid, acc * f[None, :], float("-inf"))
     m_new = m_i
     m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -682,32 +663,18 @@ def _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf, ks=0, STA
     up = (b_s > (m_i + 8.0)[None, :]).to(gl.int32)
     vbuf.store(gl.max(gl.reshape(up, [4, up.shape[0] * up.shape[1] // 4]), axis=1))  # tokens 16 w.. of warp w
     pbuf.index(kz).store(p.to(gl.float16))
-    if STAGED:
-        ps = _lane_sums(p)
     fence_async_shared()
     _cta_barrier()
     if gl.max(vbuf.load(gl.BlockedLayout([4], [32], [4], [0])), axis=0) > 0:
         move, m_new, m_use, p = _references(b_s, m_i)
         alpha = gl.exp2(m_i - m_use)
-        if STAGED:
-            l_p = l_p * gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, l_p.type.layout)))[None, None, :]
-        else:
-            l_p = l_p * alpha[None, :]
+        l_p = l_p * alpha[None, :]
         outs = _rescale(outs, alpha)
         pbuf.index(kz).store(p.to(gl.float16))
-        if STAGED:
-            ps = _lane_sums(p)
         fence_async_shared()
         _cta_barrier()
-    if STAGED:
-        l_p = l_p + ps
-        pv = ()
-        for u in gl.static_range(len(outs)):
-            pv = pv + (warpgroup_mma(kbuf[u].index(ks).permute((1, 0)), pbuf.index(kz), outs[u], is_async=True),)
-    else:
-        l_p = l_p + p
-        pv = _values(kbuf, pbuf, outs, 0, kz)
-    return m_new, l_p, pv
+    l_p = l_p + p
+    return m_new, l_p, _values(kbuf, pbuf, outs, 0, kz)
 
 
 @_jit

@@ -30,8 +30,7 @@ def score_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
 
 def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
     """`[64]` int64: the channel held by column c of unit u's stored key tile (content units: row c of `kbuf[u]`'s
-    transpose, the value output's row c; the staged kernel also stores the RoPE unit, u = n_groups, and stages the
-    queries in this order): column
+    transpose, the value output's row c, in the register kernels): column
     `16 q + 8 (k % 2) + K w + 2 (k // 2) + e` of the stored tile holds element `E w + k + K e` of quad slot q's 16
     channels (`E = 32 / bits`, `K = E / 2`), so each stored 32-bit pair is one asm register and rows c and c + 8
     are adjacent channels."""
@@ -67,3 +66,16 @@ def paged_reads(length: int, split: int, num_splits: int, split_target: int, fmt
              for t0 in [0, BT] + [it * BT + 2 * BT for it in range(n_tiles)]]
     tiles = [(max(base + it * BT, lo), min(base + it * BT + BT, hi)) for it in range(n_tiles)]
     return pages, tiles
+
+
+def run_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
+    """`[4, 16]` int64: the channels thread q of a quad writes as 16 contiguous values (`[q, i]`) of unit u's output
+    row in the split kernel (`_store_unit`): its accumulator columns `2 q + e + 8 j` put in the order `(j // N, e, j %
+    N)`, `N = 16 / bits`, the channel `unit_base(u, q) + (j // N) 2N + j % N + N e` of the score order."""
+    n = 16 // bits
+    j = torch.arange(8).view(8 // n, n)  # [j // N, j % N]
+    cols = []
+    for q in range(4):
+        col = 2 * q + torch.arange(2).view(1, 2, 1) + 8 * j.view(8 // n, 1, n)  # [j // N, e, j % N]
+        cols.append(col.reshape(16))
+    return score_channel(u, bits, n_groups)[torch.stack(cols)]

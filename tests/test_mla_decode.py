@@ -32,7 +32,7 @@ def _available() -> list[str]:
         if b not in found:
             found.append(b)
     if found[-1].startswith("gluon"):  # sm_90: every Gluon kernel, whichever the table picks, and the portable one
-        found = ["torch", "gluon_regs", "gluon_wide", "gluon_staged", "triton"]
+        found = ["torch", "gluon_regs", "gluon_wide", "gluon_split", "triton"]
     return found
 
 

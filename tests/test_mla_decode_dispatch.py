@@ -33,11 +33,11 @@ CASES = [  # (format, rows, batch, dtype, H200 choice)
     (fmt(2, 4), 16, 1, torch.bfloat16, "gluon_regs"),  # the same kernel class as C4R4 at batch 1
     (fmt(4, 4), 16, 64, torch.bfloat16, "gluon_regs"),
     (fmt(8, 8), 16, 32, torch.float16, "gluon_regs"),
-    (fmt(4, 4), 128, 8, torch.bfloat16, "gluon_staged"),  # 128 heads: keys staged once per 64 rows
-    (fmt(2, 4), 128, 32, torch.bfloat16, "gluon_staged"),
-    (fmt(4, 4), 64, 8, torch.float16, "gluon_staged"),  # 64 rows: one staged program
-    (fmt(2, 4), 48, 8, torch.bfloat16, "gluon_wide"),  # fewer rows than one staged program
-    (fmt(4, 8), 128, 8, torch.bfloat16, "gluon_wide"),  # 8-bit RoPE: not the staged kernel's
+    (fmt(4, 4), 128, 8, torch.bfloat16, "gluon_split"),  # 128 heads: keys unpacked once per 64 rows
+    (fmt(2, 4), 128, 32, torch.bfloat16, "gluon_split"),
+    (fmt(4, 4), 64, 8, torch.float16, "gluon_split"),  # 64 rows: one split program
+    (fmt(2, 4), 48, 8, torch.bfloat16, "gluon_wide"),  # fewer rows than one split program
+    (fmt(4, 8), 128, 8, torch.bfloat16, "gluon_wide"),  # 8-bit RoPE: not the split kernel's
     (fmt(4, 4), 32, 4, torch.bfloat16, "gluon_wide"),  # 16 heads x 2 query tokens
     (fmt(8, 8), 128, 32, torch.bfloat16, "gluon_wide"),  # 8-bit keys at 128 heads: the two-warpgroup kernel too
     (fmt(4, 4, dc=256, dr=32), 128, 8, torch.bfloat16, "triton"),  # MiniCPM3: RoPE group of 32
@@ -56,11 +56,11 @@ def test_hopper_table(gpu, f, rows, batch, dtype, want):
     assert md.select_backend(f, rows, batch, dtype, "cuda") == want
 
 
-def test_fp32_queries_leave_the_staged_kernel(gpu):
-    """The staged kernel stages no low parts of fp32 queries: they take the two-warpgroup kernel (which does)."""
+def test_fp32_queries_leave_the_split_kernel(gpu):
+    """The split kernel stages no low parts of fp32 queries: they take the two-warpgroup kernel (which does)."""
     gpu(9, 0)
     f = fmt(4, 4)
-    assert md.select_backend(f, 128, 8, torch.bfloat16, "cuda", torch.bfloat16) == "gluon_staged"
+    assert md.select_backend(f, 128, 8, torch.bfloat16, "cuda", torch.bfloat16) == "gluon_split"
     assert md.select_backend(f, 128, 8, torch.bfloat16, "cuda", torch.float32) == "gluon_wide"
     assert md.select_paged_backend(f, 128, 8, 8, 64, torch.bfloat16, "cuda", torch.float32) == "gluon_wide"
 
@@ -89,7 +89,7 @@ def test_split_plan_and_fill_splits():
     # the Gluon kernels: their resident slots filled once (2 per SM one warpgroup, 1 two warpgroups)
     assert md.split_plan("gluon_regs", 32, 1, 32768, c4r4, 132) == (8, 8)
     assert md.split_plan("gluon_wide", 32, 4, 32768, c4r4, 132) == (1, 1)
-    assert md.split_plan("gluon_staged", 8, 2, 32768, c4r4, 132) == (8, 8)  # one resident program per SM
+    assert md.split_plan("gluon_split", 8, 2, 32768, c4r4, 132) == (8, 8)  # one resident program per SM
     assert md.split_plan("gluon_regs", 32, 1, 32768, c4r4, 132, num_splits=5) == (5, 5)
     # Gluon splits take at least MIN_SPLIT_TILES tiles: 16 splits of 256 positions at B1 4K, not 31 of 128
     assert md.split_plan("gluon_regs", 1, 1, 4096, c4r4, 132) == (264, 16)
@@ -137,7 +137,7 @@ def test_flat_grid_numbers_every_program_once_packed_splits_first():
 PAGED_CASES = [  # (format, heads, requests, query tokens, page size, H200 choice)
     (fmt(4, 4), 16, 5, 5, 64, "gluon_regs"),  # a decode step in 64-token pages
     (fmt(2, 4), 16, 32, 32, 64, "gluon_regs"),
-    (fmt(4, 4), 128, 8, 8, 64, "gluon_staged"),  # many heads: the staged kernel, as contiguous
+    (fmt(4, 4), 128, 8, 8, 64, "gluon_split"),  # many heads: the split kernel, as contiguous
     (fmt(8, 8), 128, 8, 8, 64, "gluon_wide"),  # 8-bit keys too
     (fmt(4, 8), 128, 8, 8, 64, "gluon_wide"),
     (fmt(4, 4), 16, 5, 9, 64, "triton"),  # a prefill chunk in the step
@@ -174,11 +174,11 @@ def test_paged_gluon_refused_where_it_does_not_apply():
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
                             backend="gluon_wide")
-    with pytest.raises(ValueError, match="backend='triton'"):  # C4R8: not the staged kernel's
+    with pytest.raises(ValueError, match="backend='triton'"):  # C4R8: not the split kernel's
         md.mla_decode_paged(torch.zeros(2, 128, 512), torch.zeros(2, 128, 64), pages, rope8, fmt(4, 8), *copies,
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
-                            backend="gluon_staged")
+                            backend="gluon_split")
     with pytest.raises(ValueError, match="one of"):
         md.mla_decode_paged(torch.zeros(2, 16, 512), torch.zeros(2, 16, 64), pages, rope, f, *copies,
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
@@ -188,7 +188,7 @@ def test_paged_gluon_refused_where_it_does_not_apply():
 
 @pytest.mark.parametrize("f, backend, head_blocks", [(fmt(4, 4), "gluon_regs", 1), (fmt(8, 8), "gluon_regs", 1),
                                                      (fmt(4, 4), "gluon_wide", 4), (fmt(8, 8), "gluon_wide", 4),
-                                                     (fmt(2, 4), "gluon_staged", 2)])
+                                                     (fmt(2, 4), "gluon_split", 2)])
 def test_paged_reads_stay_in_the_request_pages(f, backend, head_blocks):
     """The paged Gluon launch (`paged_reads`, the host's statement of its split and page arithmetic): for requests of
     every length around page, split and sink/recent edges and the split plans of 1-64 requests, every page-table

@@ -25,7 +25,7 @@ import triton
 from quantmla_hf import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
-from quantmla_hf.kernels import mla_decode_gluon_staged as ms
+from quantmla_hf.kernels import mla_decode_gluon_split as ms
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref, quantize_ref
 
@@ -145,32 +145,31 @@ COMPILE_WIDE = COMPILE_PREFIX + textwrap.dedent(
 )
 
 
-COMPILE_STAGED = COMPILE_PREFIX + textwrap.dedent(
+COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
     """
     import re
     from quantmla_hf import CacheFormat, PathFormat
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
-    from quantmla_hf.kernels import mla_decode_gluon_staged as ms
+    from quantmla_hf.kernels import mla_decode_gluon_split as mp
 
-    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True)):
-        kernel = sd.compile_staged(cb, rb, paged=paged)
+    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True), (4, 4, True)):
+        kernel = sd.compile_split(cb, rb, paged=paged)
         assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))  # the tensor pipe kept full
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
-        need = ms.smem_bytes(fmt, False)
+        need = mp.smem_bytes(fmt, False)
         assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, paged, kernel.metadata.shared, need)
         ptx = kernel.asm["ptx"]
-        # the consumers take their registers from the producer (and the default warps theirs)
-        c_regs, p_regs = ms.REGS[cb]
-        assert f"setmaxnreg.dec.sync.aligned.u32 \t{p_regs};" in ptx, ptx[:200]
-        assert f"setmaxnreg.inc.sync.aligned.u32 \t{c_regs};" in ptx
-        # every product from shared memory: per consumer, the scores of 9 units issued before the loop and in it (the
-        # next tile's), the values of 8 in it, 4 k-steps each (the copy tile is a tile of the loop); none with an A
-        # operand in registers
-        mma = rf"wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 \\{{[^}}]*\\}}, "
-        n_smem = len(re.findall(mma + r"%rd", ptx))
-        assert n_smem == 2 * (2 * 9 + 8) * 4, (cb, paged, n_smem)
-        assert not re.findall(mma + r"\\{", ptx)
-        # the ring's barriers: the producer waits on `empty`, the consumers on `full`
+        # the scorer gives registers back, the value worker takes them, the default warps keep the rest
+        v_regs, s_regs = mp.REGS[cb, paged]
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{s_regs};" in ptx, ptx[:200]
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{v_regs};" in ptx
+        assert f"setmaxnreg.dec.sync.aligned.u32 \t{512 - 8 - v_regs - s_regs};" in ptx
+        # the scores with the keys in registers: 9 units x 4 k-steps in the loop and as many for the copy tile; the
+        # values from shared memory: 4 units x 4 k-steps per value warpgroup
+        mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 \{{[^}}]*\}}, "
+        assert len(re.findall(mma + r"\{", ptx)) == 2 * 9 * 4, (cb, paged)
+        assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, (cb, paged)
+        assert "stmatrix.sync.aligned" in ptx  # the keys stored as their A fragments are
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
     print("compiled")
     """
@@ -184,8 +183,8 @@ PTXAS_NOTES = COMPILE_PREFIX + textwrap.dedent(
     # ptxas 13.4's -v notes on a consumer warpgroup 8 registers short, then on one with enough
     short = types.SimpleNamespace(ptxas_log=(
         "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
-        "insufficient register resources for the function 'mla_decode_staged_kernel'\\n"
-        "ptxas info    : Function properties for mla_decode_staged_kernel\\n"
+        "insufficient register resources for the function 'mla_decode_split_kernel'\\n"
+        "ptxas info    : Function properties for mla_decode_split_kernel\\n"
         "    64 bytes stack frame, 76 bytes spill stores, 100 bytes spill loads\\n"))
     assert sd.wgmma_serialized(short) == ["C7512"], sd.wgmma_serialized(short)
     assert sd.ptxas_facts(short) == "ptxas: wgmmas serialized (C7512), spills 76 B stored, 100 B loaded"
@@ -215,19 +214,19 @@ def test_wide_kernel_compiles_for_sm90_two_warpgroups():
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
-def test_staged_kernel_compiles_for_sm90_producer_and_consumers():
-    _compile(COMPILE_STAGED)
+def test_split_kernel_compiles_for_sm90_scorer_and_value_warpgroups():
+    _compile(COMPILE_SPLIT)
 
 
-def test_staged_shared_memory_and_formats():
+def test_split_shared_memory_and_formats():
     c2r4 = CacheFormat(PathFormat(512, 2, 64), PathFormat(64, 4, 64))
-    # key ring (2 stages x 9 units x 64 x 64 fp16) + per consumer queries (9 x 32 x 64), P (64 x 32), votes + two
-    # pairs of barriers + 1 KB scratch: under the 227 KB of one program
-    assert ms.smem_bytes(c2r4, False) == 2 * 9 * 8192 + 2 * (9 * 32 * 128 + 64 * 32 * 2 + 16) + 32 + 1024
+    # queries (9 units x 64 rows x 64 fp16) + content keys (2 stages x 8 units x 64 x 64 fp16) + scores (64 x 64 fp32)
+    # + P (64 x 64 fp16) + three row factors, 8 votes, 9 barriers + 1 KB scratch: under the 227 KB of one program
+    assert ms.smem_bytes(c2r4, False) == 9 * 8192 + 2 * 8 * 8192 + 64 * 64 * 6 + 3 * 256 + 32 + 72 + 1024
     assert ms.smem_bytes(c2r4, False) <= mc.SMEM_LIMIT
-    assert ms.staged_handles(c2r4) and ms.staged_handles(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64)))
+    assert ms.split_handles(c2r4) and ms.split_handles(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64)))
     for c, r, dc in ((4, 8, 512), (8, 8, 512), (4, 4, 256)):  # 8-bit keys, 4 content groups: not this kernel's
-        assert not ms.staged_handles(CacheFormat(PathFormat(dc, c, 64), PathFormat(64, r, 64)))
+        assert not ms.split_handles(CacheFormat(PathFormat(dc, c, 64), PathFormat(64, r, 64)))
 
 
 def test_wide_shared_memory():
@@ -298,7 +297,7 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
             prod = exact * scale.float().repeat_interleave(64, dim=1)  # exact in fp32 (8-bit x 11-bit)
             lo = (prod - ref).half()
             assert torch.equal(ref.double() + lo.double(), prod.double()), u
-        # the stored tile (the staged kernel stores the RoPE unit's too and stages its queries in this order)
+        # the stored tile of the register kernels' values (the split kernel stores its A fragments, `a`)
         vc = gluon_layout.value_channel(u, bits, n_groups)
         assert torch.equal(v.float(), ref[:, vc]), u
         # `_store_o`: a thread's rows c and c + 8 (c % 16 < 8) are adjacent channels, stored as one pair
@@ -311,6 +310,17 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         assert sorted(values.tolist()) == list(range(64 * n_groups))
         assert sorted(gluon_layout.score_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
         assert sorted(gluon_layout.value_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_split_kernel_writes_each_thread_a_contiguous_run(bits):
+    """The split kernel's output store (`_store_unit`): the 16 accumulator columns a thread of a quad holds, put in
+    its order, are 16 contiguous channels from `unit_base(u, q)`, and the four threads cover the unit's 64."""
+    for u in range(8):
+        run = gluon_layout.run_channel(u, bits, 8)
+        for q in range(4):
+            assert torch.equal(run[q], gluon_layout.unit_base(u, q, 8) + torch.arange(16)), (u, q)
+        assert sorted(run.flatten().tolist()) == sorted(gluon_layout.score_channel(u, bits, 8).tolist())
 
 
 def _emulate_meta_asm(z: torch.Tensor, s: torch.Tensor, bits: int):
@@ -399,15 +409,16 @@ def test_sass_script_counts_the_packed_loop():
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_shared_bytes_counts_wgmma_operands_and_warp_accesses():
     """`sass_decode.shared_bytes`: a wgmma reads B (`N x K` fp16) from shared memory, and A (`M x K`) too where its
-    first source is a descriptor, not registers; a warp's store or load moves 32 lanes at its width."""
+    first source is a descriptor, not registers; a warp's store or load moves 32 lanes at its width, its `stmatrix`
+    128 bytes a matrix."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
     import sass_decode as sd
 
     loop = ["HGMMA.64x64x16.F32 R24, gdesc[UR4].tnspA.tnspB, R24",  # A and B from shared: 2 * 16 * (64 + 64)
             "HGMMA.64x32x16.F32 R24, R120, gdesc[UR8], R24, gsb0",  # A from registers: 2 * 16 * 32
             "@!P0 STS.128 [R10+UR31+0x400], R4", "STS [R3], R2", "LDS.64 R4, [R7]", "LDSM.16.M88.4 R4, [R7]",
-            "STL [R1+0x10], R9", "LDG.E.128 R44, desc[UR24][R2.64]"]
-    assert sd.shared_bytes(loop) == dict(wgmma=4096 + 1024, stores=32 * 16 + 32 * 4, loads=32 * 8)
+            "STL [R1+0x10], R9", "LDG.E.128 R44, desc[UR24][R2.64]", "STSM.16.M88.4 [R116+0x2000], R56"]
+    assert sd.shared_bytes(loop) == dict(wgmma=4096 + 1024, stores=32 * 16 + 32 * 4 + 4 * 128, loads=32 * 8)
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
@@ -419,7 +430,7 @@ def test_sass_dump_writes_comparable_sass(tmp_path):
     launch = [(4, 4, 8, False, False, False)]  # the C4R4 register program (compiled by the test above too)
     portable = [(4, 4, 64, 16, False, 0)]  # and the portable kernel's C4R4 launch at 16 rows
     for d in ("a", "b"):
-        _compile(COMPILE_PREFIX + f"sd.dump({str(tmp_path / d)!r}, {launch!r}, {portable!r}, staged_launches=[])\n"
+        _compile(COMPILE_PREFIX + f"sd.dump({str(tmp_path / d)!r}, {launch!r}, {portable!r}, split_launches=[])\n"
                  "print('compiled')\n")
     files = sorted(os.listdir(tmp_path / "a"))
     assert files == ["C4R4_8groups_bf16_contiguous_regs.sass", "combine_512cols_1tail.sass", "combine_64cols_3tail.sass",
@@ -447,30 +458,30 @@ def test_sass_script_counts_both_packed_loops():
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
-def test_sass_script_reads_the_staged_kernels_loops():
-    """`benchmarks/sass_decode.py --staged` finds each consumer's main loop (per tile: the next tile's scores, 9 units
-    x 4 k-steps, and the values, 8 x 4: 68 `wgmma`s, no unpacking) and the producer's (9 units x 16 pairs per
-    thread: 144 unpacking multiplies, no `wgmma`), and reports the warpgroups' registers."""
-    out = _sass_script("C4R4", "--staged")
+def test_sass_script_reads_the_split_kernels_loops():
+    """`benchmarks/sass_decode.py --split` finds each value warpgroup's main loop (per tile: its 4 units x 4 k-steps
+    of values, no unpacking) and the scorer's (9 units x 4 k-steps of scores, 9 units x 16 pairs per thread: 144
+    unpacking multiplies), and reports the warpgroups' registers."""
+    out = _sass_script("C4R4", "--split")
     assert out.returncode == 0, out.stderr[-3000:]
-    consumers = re.findall(r"^consumer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
-    producers = re.findall(r"^producer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
-    assert consumers == [("68", "0"), ("68", "0")], out.stdout
-    assert ("0", "144") in producers, out.stdout
-    assert f"consumer worker {ms.REGS[4][0]}, producer {ms.REGS[4][1]}" in out.stdout, out.stdout
+    values = re.findall(r"^value loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
+    scorers = re.findall(r"^scorer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
+    assert values == [("16", "0"), ("16", "0")], out.stdout
+    assert scorers == [("36", "144")], out.stdout
+    assert f"value worker {ms.REGS[4, False][0]}, scorer {ms.REGS[4, False][1]}" in out.stdout, out.stdout
     assert re.search(r"^ptxas: wgmmas not serialized, spills \d+ B stored, \d+ B loaded$", out.stdout, re.M), out.stdout
-    bad = _sass_script("C8R8", "--staged", timeout=300)
+    bad = _sass_script("C8R8", "--split", timeout=300)
     assert bad.returncode == 2 and "takes C4R4 and C2R4" in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
-@pytest.mark.parametrize("which", ["regs", "wide", "staged"])
+@pytest.mark.parametrize("which", ["regs", "wide", "split"])
 def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
-    """`launch_gluon` and `launch_staged` (through `launch_flat`) give their kernel every parameter of its signature,
+    """`launch_gluon` and `launch_split` (through `launch_flat`) give their kernel every parameter of its signature,
     by name, once, and launch `flat_grid` programs: the kernel is replaced by a binder of its own signature, since it
     cannot launch without a GPU."""
-    module = {"regs": mr, "wide": mw, "staged": ms}[which]
-    owner, name = (ms, "mla_decode_staged_kernel") if which == "staged" else (mr, "mla_decode_gluon_kernel")
+    module = {"regs": mr, "wide": mw, "split": ms}[which]
+    owner, name = (ms, "mla_decode_split_kernel") if which == "split" else (mr, "mla_decode_gluon_kernel")
     kernel = getattr(owner, name)
     params = inspect.signature(kernel.fn).parameters
     seen = {}
@@ -492,8 +503,8 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     copies = [torch.zeros(B, n, d, dtype=torch.bfloat16) for n, d in ((4, 512), (4, 64), (128, 512), (128, 64))]
 
     def launcher(*args, **kwargs):
-        if which == "staged":
-            ms.launch_staged(*args, **kwargs)
+        if which == "split":
+            ms.launch_split(*args, **kwargs)
         else:
             mr.launch_gluon(*args, wide_program=which == "wide", **kwargs)
 
@@ -503,10 +514,10 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     assert set(seen["bound"].arguments) == set(params), set(params) ^ set(seen["bound"].arguments)
     assert seen["grid"] == mc.flat_grid(NS, fmt, M, module.BLOCK_M, B)
     assert seen["bound"].arguments["BM"] == module.BLOCK_M and seen["options"]["num_warps"] == 4
-    if which == "staged":  # three warpgroups: the launch's registers for all 12 warps, the partitions' as set
+    if which == "split":  # three warpgroups: the launch's registers for all 12 warps, the partitions' as set
         assert seen["options"]["maxnreg"] == ms.LAUNCH_REGS and 12 * 32 * ms.LAUNCH_REGS <= 65536
-        assert (seen["bound"].arguments["C_REGS"], seen["bound"].arguments["P_REGS"]) == ms.REGS[4]
-        assert sum(ms.REGS[4]) + ms.REGS[4][0] - 8 <= 65536 // 128
+        assert (seen["bound"].arguments["V_REGS"], seen["bound"].arguments["S_REGS"]) == ms.REGS[4, False]
+        assert all(2 * v + s <= 3 * ms.LAUNCH_REGS for v, s in ms.REGS.values())  # the default warps get the rest
     else:
         assert seen["bound"].arguments["WIDE"] == (which == "wide")
     # the paged launch: pools from their first row (batch strides 0), the page table's stride
@@ -517,4 +528,6 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
              torch.zeros(B, M, NS + 3, 512), torch.zeros(B, M, NS + 3), M, 1, 8, NS, 0.1, page_table=table)
     args = seen["bound"].arguments
     assert args["PAGED"] and args["pt_ptr"] is table and args["s_pt"] == 7
+    if which == "split":  # the paged launch's own register split
+        assert (args["V_REGS"], args["S_REGS"]) == ms.REGS[4, True]
     assert args["s_ccb"] == args["s_csb"] == args["s_rcb"] == args["s_rsb"] == 0

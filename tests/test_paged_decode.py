@@ -158,7 +158,7 @@ def test_bad_shapes_are_refused():
         mla_decode_paged(*args)
 
 
-@pytest.mark.parametrize("backend", ["gluon_regs", "gluon_wide", "gluon_staged"])
+@pytest.mark.parametrize("backend", ["gluon_regs", "gluon_wide", "gluon_split"])
 def test_a_gluon_backend_that_cannot_take_the_step_says_what_it_takes(backend):
     # pages of 8 tokens (and, on this machine, no sm_90): the paged Gluon kernels refuse, naming what they take
     with pytest.raises(ValueError, match=r"does not take C4R4, 3 query tokens of 2 requests in pages of 8 .*"

@@ -10,7 +10,7 @@ Backends (the kernels, each beside its reference in `kernels/`; timings and why 
 
     "gluon_regs"  mla_decode_gluon_regs.py   sm_90, 16 query rows per program, keys unpacked into wgmma registers
     "gluon_wide"  mla_decode_gluon_wide.py   sm_90, two warpgroups, 32 rows per program (many heads)
-    "gluon_staged" mla_decode_gluon_staged.py sm_90, a producer warpgroup stages the keys for two consumers, 64 rows
+    "gluon_split" mla_decode_gluon_split.py  sm_90, a scorer on register keys and two value warpgroups, 64 rows
     "triton"      mla_decode_triton.py       any CUDA GPU (and the Triton interpreter on CPU), every dtype
     "torch"       mla_decode_ref.py          the reference, for formats no kernel takes
 
@@ -35,7 +35,7 @@ import triton
 
 from ..format import CacheFormat
 from ..kernels import mla_decode_gluon_regs as regs
-from ..kernels import mla_decode_gluon_staged as staged
+from ..kernels import mla_decode_gluon_split as split
 from ..kernels import mla_decode_gluon_wide as wide
 from ..kernels import mla_decode_triton as portable
 from ..kernels.mla_decode_combine import combine
@@ -45,12 +45,12 @@ from ..kernels.mla_decode_gluon_common import score_rounding as gluon_score_roun
 from ..kernels.mla_decode_ref import mla_decode_static_ref
 
 LOG2E = 1.4426950408889634
-BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "triton", "torch")
-PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "gluon_staged", "triton")
+BACKENDS = ("gluon_regs", "gluon_wide", "gluon_split", "triton", "torch")
+PAGED_BACKENDS = ("gluon_regs", "gluon_wide", "gluon_split", "triton")
 GLUON_KERNELS = {  # backend: (rows per program, programs per SM the splits fill)
     "gluon_regs": (regs.BLOCK_M, regs.FILL_PER_SM),
     "gluon_wide": (wide.BLOCK_M, wide.FILL_PER_SM),
-    "gluon_staged": (staged.BLOCK_M, staged.FILL_PER_SM),
+    "gluon_split": (split.BLOCK_M, split.FILL_PER_SM),
 }
 
 
@@ -62,7 +62,7 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
 
     The table (timings: docs/KERNELS.md "Which kernel runs"):
 
-    - Hopper (sm_90) with 2/4/8-bit paths in groups of 64 and bf16/fp16 copies: `gluon_staged` from 64 rows where
+    - Hopper (sm_90) with 2/4/8-bit paths in groups of 64 and bf16/fp16 copies: `gluon_split` from 64 rows where
       it takes the format (C4R4, C2R4 with 8 content groups; bf16/fp16 queries), else `gluon_wide` above 16 rows
       where it takes the format (C4R4, C2R4, C4R8, C2R8, C8R8 with 8 content groups), else `gluon_regs`. Every
       batch measured picks the same kernel, so `batch` does not enter the rule.
@@ -78,8 +78,8 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
     if device.type != "cuda":
         return "torch"
     if hopper_handles(fmt, dtype, device) and regs.regs_handles(fmt):
-        if rows >= staged.BLOCK_M and staged.staged_handles(fmt) and (query_dtype or dtype) != torch.float32:
-            return "gluon_staged"
+        if rows >= split.BLOCK_M and split.split_handles(fmt) and (query_dtype or dtype) != torch.float32:
+            return "gluon_split"
         return "gluon_wide" if rows > 16 and wide.wide_handles(fmt) else "gluon_regs"
     if torch.cuda.get_device_capability(device)[0] < 8:
         return "torch"
@@ -90,7 +90,7 @@ def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: i
                          copy_dtype: torch.dtype, device, query_dtype: torch.dtype | None = None) -> str:
     """The paged decode kernel: for a decode step, one query token per request (`n_queries == n_requests`), in pages
     of 64 tokens with sink and recent copies, the Gluon kernel `select_backend` picks for these `H` rows
-    (`gluon_regs`, `gluon_wide` or `gluon_staged`, reading the pools through the page table); otherwise `triton`
+    (`gluon_regs`, `gluon_wide` or `gluon_split`, reading the pools through the page table); otherwise `triton`
     (any step, page size and format)."""
     if n_queries != n_requests or page_size != GLUON_BLOCK_T or not (fmt.sink_tokens and fmt.recent_tokens):
         return "triton"
@@ -104,15 +104,15 @@ def gluon_handles(backend: str, fmt: CacheFormat) -> bool:
         return False
     if backend == "gluon_wide":
         return wide.wide_handles(fmt)
-    if backend == "gluon_staged":
-        return staged.staged_handles(fmt)
+    if backend == "gluon_split":
+        return split.split_handles(fmt)
     return True
 
 
 def gluon_launch(backend: str):
     """The host launch of Gluon kernel `backend` (`launch_flat`'s arguments after its `block_m`)."""
-    if backend == "gluon_staged":
-        return staged.launch_staged
+    if backend == "gluon_split":
+        return split.launch_split
     return functools.partial(regs.launch_gluon, wide_program=backend == "gluon_wide")
 
 
@@ -262,7 +262,7 @@ def mla_decode_static(
         if not (hopper_handles(fmt, sink_c.dtype, q_lat.device) and handles):
             raise ValueError(f"the {backend} kernel does not take {fmt.name} with {sink_c.dtype} copies on "
                              f"{q_lat.device} (sm_90, groups of 64; wide: 8 content groups of C4R4, C2R4, "
-                             "C4R8, C2R8 or C8R8; staged: 8 content groups of C4R4 or C2R4): use backend='triton'")
+                             "C4R8, C2R8 or C8R8; split: 8 content groups of C4R4 or C2R4): use backend='triton'")
         if not planes_contiguous(fmt, content_planes, rope_planes):
             raise ValueError("the Gluon decode kernels need plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
                              "use backend='triton' for strided planes")
@@ -364,7 +364,7 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
             raise ValueError(f"the paged {backend} kernel does not take {fmt.name}, {Nq} query tokens of {n} requests "
                              f"in pages of {page_size} on {q_lat.device}: it takes decode steps (one query token per "
                              f"request) of 2/4/8-bit formats with sink and recent copies (wide: C4R4, C2R4, "
-                             f"C4R8, C2R8, C8R8; staged: C4R4, C2R4) in pages of {GLUON_BLOCK_T} tokens on sm_90; "
+                             f"C4R8, C2R8, C8R8; split: C4R4, C2R4) in pages of {GLUON_BLOCK_T} tokens on sm_90; "
                              "use backend='triton'")
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         return _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content,

@@ -1,0 +1,459 @@
+"""Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads), the work split three ways: one
+warpgroup unpacks each key tile into registers as the A operand of the score `wgmma`s (as `mla_decode_gluon_regs`
+does, here for 64 rows) and stores only the content keys to shared memory; two others each own half the latent
+channels of the 64 rows' outputs. Same function, splits, copy programs and partials as the other Gluon kernels
+(reference: `mla_decode_ref.mla_decode_static_ref`; the `PAGED` launch: `mla_decode_paged_ref`); shared pieces in
+`mla_decode_gluon_common.py`; design and timings: docs/KERNELS.md.
+
+- The scorer (`_scorer`, a worker at `S_REGS` registers) loads each tile's code words and metadata a tile ahead
+  (the steps zeroed outside the valid positions a tile later, `_valid_steps`: no load is waited for in the tile
+  that issues it), unpacks unit by unit (`half_asm`, keys `(code - z) * s` rounded once to fp16) and issues `S^T
+  += K_u Q_u^T` (`m64n64k16`: the keys from registers, the staged queries `qbuf[u]: [64 rows, 64]` from shared
+  memory). Content unit u goes to `vbuf[u][stage]: [64 tokens, 64]` as its A fragments are (`stmatrix`; columns in
+  `_score_channel` order), after `V_EMPTY + stage`, then `V_FULL + stage`; the finished scores `S^T: [64 tokens, 64
+  rows]` fp32 go to `sbuf` after `S_EMPTY`, then `S_FULL`. A copy program scores its one tile of model-dtype
+  copies the same way, into stage 0.
+- Two value warpgroups (`_values`, the default warps and a worker at `V_REGS`), half `h` each: the scores of rows
+  `[32 h, + 32)` from `sbuf` (four threads per row, 16 tokens each: a row's maximum is two shuffles), their online
+  softmax (lazy: a row's reference moves only by more than 8), those rows of `P: [64 rows, 64 tokens]` fp16
+  (`pbuf`), their rescale factors (`abuf`) and a vote per warp on whether any moved (`mvbuf`). Once both halves
+  are stored (`P_FULL`) each rescales its outputs `O_u: [64 rows, 64]` (units `4 h .. 4 h + 3`, fp32
+  accumulators) where a vote says so and issues `O_u += P V_u` (`m64n64k16`, both operands from shared memory).
+  The product runs while the next tile's scores are awaited and its softmax computed; a value warpgroup releases
+  the key stage (`V_EMPTY`) and its use of P (`P_FREE`) as soon as its product has finished, before it takes the
+  next scores, and rewrites P and the factors only after both have (`P_FREE`).
+
+Every token is unpacked once per 64 rows; only its content keys are stored. Per 64-token tile and program the
+multiprocessor's shared memory moves about 300 KB: query operands 72 KB, keys stored 64 KB, scores 16 KB stored and
+read, P 8 KB, value operands 128 KB. Shared memory: queries 9 x 8 KB, content keys 2 stages x 8 x 8 KB, scores 16
+KB, P 8 KB, row factors and votes (225 KB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla_hf.format import CacheFormat
+
+from .mla_decode_gluon_common import (BLOCK_T, GROUP, HAVE_GLUON, _constexpr_fn, _jit, _jit_dynamic, launch_flat,
+                                      words_layout)
+
+if HAVE_GLUON:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+
+    from .mla_decode_gluon_common import (
+        _a_view,
+        _batch_planes,
+        _copy_slots,
+        _copy_tile,
+        _cta_barrier,
+        _finish,
+        _load_dense,
+        _load_unit,
+        _pair_meta,
+        _program_coords,
+        _program_rows,
+        _references,
+        _row_ptrs,
+        _split_range,
+        _split_rows,
+        _split_units,
+        _stage_queries,
+        _tile_page,
+        _tile_rows,
+        _unit_buffers,
+        _unpack_unit,
+    )
+
+_const = gl.constexpr if HAVE_GLUON else int  # a module constant the kernels read
+
+BLOCK_M = 64  # query rows per program: one score accumulator `[64 tokens, 64 rows]`, two output halves
+# Registers per thread of (the value worker, the scorer), per (content width, paged launch); the default value
+# warpgroup gets what the register file has left for it. The paged 4-bit scorer (page numbers besides its words)
+# spilled in its loop at 152.
+REGS = {(2, False): (176, 152), (4, False): (176, 152), (2, True): (176, 152), (4, True): (168, 168)}
+LAUNCH_REGS = 168  # at launch, for all 12 warps (65,536 / 384 rounded down to 8)
+FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`)
+# the mbarriers (one allocation): per key stage full and empty, then the scores', P's and the end's
+V_FULL, V_EMPTY, S_FULL, S_EMPTY, P_FULL, P_FREE, E_BAR = (_const(i) for i in (0, 2, 4, 5, 6, 7, 8))
+N_BARS = _const(9)
+
+
+# --------------------------------------------------------------------------------------------- the scorer
+@_jit
+def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr, dot_a: gl.constexpr):
+    """Issue one unit's score `wgmma` on the A view of its keys `x5` against its staged queries `qu: [64, 64]`; with
+    `STORE` store the keys to `dst: [64, 64]`; then wait for the unit before (A operand `prev`), so that at most this
+    one is in flight. `FIRST`: the tile's first unit (starts the accumulator). Returns `(acc, a)`."""
+    a = _a_view(x5, dot_a)
+    acc = warpgroup_mma(a, qu.permute((1, 0)), acc, use_acc=not FIRST, is_async=True)
+    if STORE:
+        dst.store(a)  # the A fragments as they are (`stmatrix`): the tile's columns in `_score_channel` order
+    if not FIRST:
+        prev = warpgroup_mma_wait(1, deps=[prev])
+    return acc, a
+
+
+@_jit
+def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, p_c, tn, lo, last, GC: gl.constexpr,
+                C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr):
+    """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`) unpacked, scored and stored to `vbuf[u][st]`,
+    `vbuf[u + 1][st]`; `cp` replaced by the words of the tile at `tn` once both are unpacked. Returns `(acc, prev,
+    cp)`."""
+    c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
+    x5, _ = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
+    acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), u == 0, True, dot_a)
+    x5, _ = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
+    cp = _load_unit(p_c, tn, lo, last, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
+    acc, prev = _score_key(x5, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), False, True, dot_a)
+    return acc, prev, cp
+
+
+@_jit
+def _meta_rows(p_cs, p_cz, p_rs, p_rz, t0, last, shift, GC: gl.constexpr, ml: gl.constexpr):
+    """The steps and stored zero points `(s0, z0, s1, z1, sr, zr)` `[64, 4]` of the tile at int32 position `t0`
+    (content groups q and q + 4, RoPE), read as `_load_meta_rows` reads them but not yet zeroed outside the split's
+    valid positions (`_valid_steps`, a tile later: nothing waits for these loads within the tile they are issued
+    in)."""
+    o_a = gl.minimum(t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)), last) + shift
+    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
+    off = o_a[:, None] * GC + o_q[None, :]
+    off_r = o_a[:, None] + 0 * o_q[None, :]
+    return (gl.load(p_cs + off), gl.load(p_cz + off), gl.load(p_cs + off + 4), gl.load(p_cz + off + 4),
+            gl.load(p_rs + off_r), gl.load(p_rz + off_r))
+
+
+@_jit
+def _valid_steps(s0, s1, sr, t0, lo, hi, ml: gl.constexpr):
+    """The steps of the tile at `t0` zeroed outside the valid positions `[lo, hi)` (a zero step makes a token's keys
+    exactly 0 whatever its codes, `_load_group`)."""
+    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
+    valid = ((o_t >= lo) & (o_t < hi))[:, None]
+    return gl.where(valid, s0, 0.0), gl.where(valid, s1, 0.0), gl.where(valid, sr, 0.0)
+
+
+@_jit
+def _hand_over(acc, sbuf, bars, st, it):
+    """The tile's keys (stage `st`) and then its scores `acc` (after the values took the last ones) to the value
+    warpgroups."""
+    fence_async_shared()  # this warpgroup's key stores visible to the value wgmmas
+    _cta_barrier()
+    mbarrier.arrive(bars.index(V_FULL + st), count=1)
+    mbarrier.wait(bars.index(S_EMPTY), (it + 1) & 1, pred=it >= 1)
+    sbuf.store(acc)
+    _cta_barrier()
+    mbarrier.arrive(bars.index(S_FULL), count=1)
+
+
+@_jit
+def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr,
+            rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
+            s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, C_BITS: gl.constexpr,
+            R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
+    """Every tile of the program's split (row pointers, the next tile's words and metadata loaded while this one is
+    unpacked; `PAGED`: through the page numbers, a tile ahead), or its copy tile: scores and content keys to the
+    value warpgroups (module docstring)."""
+    BT: gl.constexpr = 64
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    WC_L: gl.constexpr = words_layout(C_BITS // 2)  # one content unit's words
+    WP_L: gl.constexpr = words_layout(C_BITS)  # two units'
+    WR_L: gl.constexpr = words_layout(R_BITS // 2)  # the RoPE unit's
+    XL: gl.constexpr = words_layout(16)  # the copies' 16 channels per quad slot
+    ml: gl.constexpr = gl.SliceLayout(2, WC_L)
+    RWC: gl.constexpr = GC * 2 * C_BITS  # code words per token row
+    RWR: gl.constexpr = 2 * R_BITS
+
+    i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
+    p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _batch_planes(cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, i_b, s_ccb,
+                                                       s_csb, s_rcb, s_rsb)
+    lo, hi, last, p_pt, p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, row, shift = _split_rows(
+        p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, pt_ptr, s_pt, i_b, base, lo_valid, hi, n_tiles, GC, C_BITS, R_BITS, BT,
+        PAGED)
+    pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
+    c01 = _load_unit(pw, 0, lo, last, 0, RWC, C_BITS, GC, WP_L, 2, True)
+    c23 = _load_unit(pw, 0, lo, last, 2, RWC, C_BITS, GC, WP_L, 2, True)
+    c45 = _load_unit(pw, 0, lo, last, 4, RWC, C_BITS, GC, WP_L, 2, True)
+    c67 = _load_unit(pw, 0, lo, last, 6, RWC, C_BITS, GC, WP_L, 2, True)
+    cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
+    s0, z0, s1, z1, sr, zr = _meta_rows(p_cs, p_cz, p_rs, p_rz, 0, last, shift, GC, ml)
+    page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
+    for it in range(n_tiles):
+        st = it % 2
+        kz = it >> 30  # zero at run time, unknown to the compiler: the query descriptors are made where used
+        tn = it * BT + BT
+        page_nn = _tile_page(p_pt, tn + BT, last, PAGED)
+        s0, s1, sr = _valid_steps(s0, s1, sr, it * BT, lo, hi, ml)
+        zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
+        zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
+        zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
+        row, shift = _tile_rows(page_n, tn, last, PAGED)
+        page_n = page_nn
+        s0, z0, s1, z1, sr, zr = _meta_rows(p_cs, p_cz, p_rs, p_rz, tn, last, shift, GC, ml)
+        pc = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
+        pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L)
+        # both value warpgroups have finished reading this stage's keys of two tiles ago
+        mbarrier.wait(bars.index(V_EMPTY + st), ((it // 2) + 1) & 1, pred=it >= 2)
+        acc = gl.zeros([64, BM], gl.float32, acc_l)
+        acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, pc, tn, lo, last, GC, C_BITS,
+                                     WC_L, WP_L, dot_a)
+        acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a)
+        acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a)
+        acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a)
+        x5, _ = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, WR_L)
+        cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
+        acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(kz), qbuf[GC].index(kz), False, False, dot_a)
+        acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
+        _hand_over(acc, sbuf, bars, st, it)
+
+    if i_s >= num_splits:  # a copy program: its one tile of model-dtype copies, into stage 0
+        lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr,
+                                                             rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                                                             s_rcct, s_rcrb, s_rcrt, S, R, BT)
+        o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
+        slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_dt, S, R)
+        acc = gl.zeros([64, BM], gl.float32, acc_l)
+        prev = acc
+        for u in gl.static_range(GC):
+            x5 = _load_dense(p_c, slot, m_t, s_ct, u, GC, C_BITS, XL)
+            acc, prev = _score_key(x5, acc, prev, qbuf[u].index(0), vbuf[u].index(0), u == 0, True, dot_a)
+        x5 = _load_dense(p_r, slot, m_t, s_rt, GC, GC, R_BITS, XL)
+        acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(0), qbuf[GC].index(0), False, False, dot_a)
+        acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
+        _hand_over(acc, sbuf, bars, 0, 0)
+
+
+# --------------------------------------------------------------------------------------------- the values
+@_jit
+def _value_tiles(i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct,
+                 s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S: gl.constexpr, R: gl.constexpr,
+                 C_BITS: gl.constexpr):
+    """The tiles a value warpgroup attends, as int32: `(n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi)`, the
+    split's packed tiles from `t_base` valid in `[lo, hi)` (`_split_range`), then (a copy program, `n_all = n_tiles +
+    1`) the copy tile at `c_t0` valid in `[c_lo, c_hi)` (`_copy_rows`'s mask)."""
+    BT: gl.constexpr = 64
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
+    lo_c, hi_c, sink, _, _, _, _ = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb,
+                                              s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, BT)
+    shift = gl.where(sink, lp, 0)
+    c_t0 = (lo_c + shift).to(gl.int32)
+    c_lo = gl.maximum(gl.where(sink, lp, lp + S), lo_c + shift).to(gl.int32)
+    c_hi = gl.minimum(hi_c + shift, length).to(gl.int32)
+    n_all = n_tiles + (i_s >= num_splits).to(gl.int32)  # tiles in the ring: the packed ones, then a copy tile
+    return n_tiles, n_all, base.to(gl.int32), lo_valid.to(gl.int32), hi.to(gl.int32), c_t0, c_lo, c_hi
+
+
+@_constexpr_fn
+def _run_layout(store: bool):
+    """The `m64n64k16` accumulator `[64 rows, 64]` of a unit, viewed as `[64 rows, 4 q, 16]` (`_store_unit`): thread
+    q of a quad holds 16 contiguous channels of its two rows. `store`: those 16 in consecutive registers (the store's
+    order; else the accumulator's, 4-bit keys)."""
+    regs = ([[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]] if store
+            else [[0, 0, 4], [8, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 8]])
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0],
+                                                                  [4, 0, 0]],
+                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
+
+
+@_jit
+def _store_unit(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, C_BITS: gl.constexpr, GC: gl.constexpr):
+    """Unit u's normalised output `o: [64 rows, 64]` (columns in `_score_channel` order: column `2 q + e + 8 j` is
+    channel `_unit_base(u, q) + (j // N) 2N + j % N + N e`, `N = 16 / bits`) to rows `row0 + [0, min(64,
+    n_rows))` of the partials (`n_slots` a row, this split's `i_s`): thread q's 16 channels of a row contiguous,
+    four 16-byte stores."""
+    N: gl.constexpr = 16 // C_BITS
+    x = gl.reshape(o, [64, 8 // N, N, 4, 2])  # [row, j // N, j % N, q, e]
+    x = gl.permute(x, (0, 3, 1, 4, 2))  # [row, q, j // N, e, j % N]: channel (j // N) 2N + N e + j % N
+    x = gl.reshape(x, [64, 4, 16])
+    if C_BITS == 4:
+        x = gl.convert_layout(x, _run_layout(False), assert_trivial=True)
+    x = gl.convert_layout(x, _run_layout(True))
+    sl: gl.constexpr = _run_layout(True)
+    o_r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, sl)))
+    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, sl)))
+    o_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl)))
+    off = ((row0 + o_r).to(gl.int64) * n_slots + i_s) * (GC * 64)
+    ch = 64 * (o_q + 4 * (u // 4)) + 16 * (u % 4)  # `_unit_base(u, q)`
+    ptr = o_ptr + (off[:, None] + ch[None, :])[:, :, None] + o_c[None, None, :]
+    gl.store(ptr, x, mask=(o_r < n_rows)[:, None, None])
+
+
+@_jit
+def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
+            lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+            s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr,
+            R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
+    """Value warpgroup `HF` (0: the default warps, 1: a worker): the softmax of rows `[HF * BM/2, + BM/2)` and the
+    output channels of `vbuf[HF]` of all the program's rows over the tiles of its split (then, a copy program, its
+    copy tile), its partial outputs and its rows' LSE."""
+    BT: gl.constexpr = 64
+    HM: gl.constexpr = BM // 2
+    D_C: gl.constexpr = GC * 64
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
+    s_l: gl.constexpr = gl.BlockedLayout([16, 1], [4, 8], [1, 4], [0, 1])  # [64 tokens, HM rows]
+    tok_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_l: gl.constexpr = gl.SliceLayout(0, s_l)
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
+
+    i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
+    o_m = i_hb * BM + HF * HM + gl.arange(0, HM, layout=row_l)
+    m_m = o_m < M
+    lim_m = (length - Tq + (o_m % Tq) + 1).to(gl.int32)  # query t of Tq sees positions < length - Tq + t + 1
+    f = fbuf.slice(HF * HM, HM).load(row_l)
+    n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi = _value_tiles(
+        i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb,
+        s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, C_BITS)
+    o_bt = gl.arange(0, BT, layout=tok_l)
+    m_i = gl.full([HM], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([HM], gl.float32, row_l)
+    outs = ()  # the output accumulators `O_u: [64 rows, 64]` of content units `4 HF + u` (as the loop leaves them)
+    for u in gl.static_range(4):
+        outs = outs + (warpgroup_mma_init(gl.zeros([BM, 64], gl.float32, o_l)),)
+    for it in range(n_all):
+        st = it % 2
+        # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
+        # and the factors are free
+        outs = warpgroup_mma_wait(0, deps=outs)
+        mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
+        mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
+        mbarrier.wait(bars.index(S_FULL), it & 1)
+        s = sbuf.slice(HF * HM, HM, dim=1).load(s_l)
+        _cta_barrier()
+        mbarrier.arrive(bars.index(S_EMPTY), count=1)
+        packed = it < n_tiles
+        p_t = gl.where(packed, t_base + it * BT, c_t0) + o_bt  # the tile's positions
+        p_lo = gl.where(packed, lo, c_lo)
+        p_hi = gl.where(packed, hi, c_hi)
+        m_valid = (((p_t >= p_lo) & (p_t < p_hi))[:, None] & m_m[None, :]) & (p_t[:, None] < lim_m[None, :])
+        b_s = gl.where(m_valid, s * f[None, :], float("-inf"))
+        move, m_new, m_use, p = _references(b_s, m_i)  # lazy: a row's reference moves by more than 8 or not at all
+        alpha = gl.exp2(m_i - m_use)  # 1 where it did not move
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        mbarrier.wait(bars.index(P_FREE), (it + 1) & 1, pred=it > 0)
+        pbuf.slice(HF * HM, HM, dim=0).store(gl.permute(p.to(gl.float16), (1, 0)))
+        abuf.slice(HF * HM, HM).store(alpha)
+        mvbuf.slice(4 * HF, 4).store(gl.max(gl.reshape(move.to(gl.int32), [4, HM // 4]), axis=1))  # per warp
+        fence_async_shared()  # P visible to the wgmmas
+        _cta_barrier()
+        mbarrier.arrive(bars.index(P_FULL), count=1)
+        mbarrier.wait(bars.index(P_FULL), it & 1)
+        if gl.max(mvbuf.load(gl.BlockedLayout([8], [32], [4], [0])), axis=0) > 0:  # some row's reference moved
+            a = abuf.load(orow_l)[:, None]
+            outs = (outs[0] * a, outs[1] * a, outs[2] * a, outs[3] * a)
+        mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
+        pv = ()
+        for u in gl.static_range(4):
+            pv = pv + (warpgroup_mma(pbuf, vbuf[4 * HF + u].index(st), outs[u], is_async=True),)
+        outs = pv
+    outs = warpgroup_mma_wait(0, deps=outs)
+
+    inv_l, b_lse = _finish(l_i, m_i)
+    gl.store(lse_ptr + (i_b * M + o_m) * (num_splits + ND) + i_s, b_lse, mask=m_m)
+    ibuf.slice(HF * HM, HM).store(inv_l)
+    _cta_barrier()
+    mbarrier.arrive(bars.index(E_BAR), count=1)
+    mbarrier.wait(bars.index(E_BAR), 0)
+    inv = ibuf.load(orow_l)[:, None]
+    for u in gl.static_range(4):
+        _store_unit(o_ptr, outs[u] * inv, 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM, num_splits + ND, i_s,
+                    C_BITS, GC)
+
+
+# --------------------------------------------------------------------------------------------- the kernel
+@_jit_dynamic
+def mla_decode_split_kernel(
+    q_ptr, qr_ptr,
+    cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr,
+    snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr,
+    o_ptr, lse_ptr,
+    M, Tq, split_target, num_splits, qk_scale,
+    s_qb, s_qrb, s_ccb, s_csb, s_rcb, s_rsb,
+    s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
+    GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
+    BM: gl.constexpr, Q_SPLIT: gl.constexpr, pt_ptr, s_pt, PAGED: gl.constexpr, V_REGS: gl.constexpr,
+    S_REGS: gl.constexpr,
+):
+    """One program per split, block of 64 rows and batch row (`_program_coords`; the last `ND` splits attend one
+    copy tile each): the queries and the rows' score factors (`fbuf`) staged by the default warps, then the scorer
+    and the two value warpgroups of the module docstring. `PAGED`: as in
+    `mla_decode_gluon_regs.mla_decode_gluon_kernel`. `V_REGS`, `S_REGS`: the value worker's and the scorer's
+    registers."""
+    BT: gl.constexpr = 64
+    D_C: gl.constexpr = GC * 64
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
+    k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 32, [1, 0])
+    v_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    qbuf = _unit_buffers(GC + 1, BM, k_sl)
+    vbuf = _unit_buffers(GC, BT, k_sl, 2)  # one allocation per unit: the scorer's stores are seen as disjoint
+    sbuf = gl.allocate_shared_memory(gl.float32, [BT, BM], s_sl)
+    pbuf = gl.allocate_shared_memory(gl.float16, [BM, BT], k_sl)
+    abuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
+    fbuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
+    ibuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
+    mvbuf = gl.allocate_shared_memory(gl.int32, [8], v_sl)  # per value warp: whether a row's reference moved
+    bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N_BARS):  # the scorer's one arrival, or one of each value warpgroup
+        mbarrier.init(bars.index(i), count=1 if (i < V_EMPTY or i == S_FULL) else 2)
+
+    _, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
+    f = _stage_queries(qbuf, qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, False, C_BITS,
+                       R_BITS, q_l)
+    fbuf.store(f * qk_scale)  # scores in base 2, pre-multiplied by scaling * log2(e)
+    fence_async_shared()
+    _cta_barrier()
+    # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
+    gl.warp_specialize([
+        (_values, (0, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                   s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
+        (_values, (1, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                   s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
+        (_scorer, (qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
+                   rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
+                   s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R,
+                   BM, PAGED)),
+    ], [4, 4], [V_REGS, S_REGS])
+
+
+# --------------------------------------------------------------------------------------------- host side
+def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
+    """Shared memory of one program: queries `[GC + 1, 64, 64]` fp16, two stages of content keys `[GC, 64, 64]`
+    fp16, scores `[64, 64]` fp32, P `[64, 64]` fp16, three `[64]` fp32 row factors, 8 votes and the barriers, plus
+    1 KB of compiler scratch."""
+    gc = fmt.content.n_groups
+    return ((gc + 1) * BLOCK_M * GROUP * 2 + 2 * gc * BLOCK_T * GROUP * 2 + BLOCK_T * BLOCK_M * (4 + 2)
+            + 3 * BLOCK_M * 4 + 8 * 4 + N_BARS * 8 + 1024)
+
+
+def split_handles(fmt: CacheFormat) -> bool:
+    """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups at 2 or 4 bits with 2- or
+    4-bit RoPE (keys rounded once to fp16: C4R4, C2R4)."""
+    return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits in (2, 4)
+
+
+def launch_split(*args, page_table=None):
+    """Launch `mla_decode_split_kernel` with `launch_flat`'s arguments (after its `block_m`): `B * cdiv(M, 64) * (NS
+    + copy_programs(fmt))` programs of three warpgroups. bf16/fp16 queries only (no low parts are staged)."""
+    q, qr = args[0], args[1]
+    if q.dtype == torch.float32 or qr.dtype == torch.float32:
+        raise ValueError("the split Gluon decode kernel takes bf16/fp16 queries: use backend='gluon_wide' for fp32")
+    v_regs, s_regs = REGS[args[4].content.bits, page_table is not None]
+    launch_flat(mla_decode_split_kernel, "split Gluon decode kernel", smem_bytes, "gluon_wide", BLOCK_M, *args,
+                page_table=page_table, V_REGS=v_regs, S_REGS=s_regs, num_warps=4, maxnreg=LAUNCH_REGS)
