@@ -24,8 +24,8 @@ channels of the 64 rows' outputs. Same function, splits, copy programs and parti
   next scores, and rewrites P and the factors only after both have (`P_FREE`).
 
 Every token is unpacked once per 64 rows; only its content keys are stored. Per 64-token tile and program the
-multiprocessor's shared memory moves about 300 KB: query operands 72 KB, keys stored 64 KB, scores 16 KB stored and
-read, P 8 KB, value operands 128 KB. Shared memory: queries 9 x 8 KB, content keys 2 stages x 8 x 8 KB, scores 16
+multiprocessor's shared memory moves about 316 KiB: query operands 72 KiB, keys stored 64, scores 16 stored and 16
+read, P 8 stored, value operands 128, row factors and votes. Shared memory: queries 9 x 8 KB, content keys 2 stages x 8 x 8 KB, scores 16
 KB, P 8 KB, row factors and votes (225 KB).
 """
 
