@@ -68,6 +68,7 @@ if HAVE_GLUON:
         _stage_queries,
         _tile_page,
         _tile_rows,
+        _unit_base,
         _unit_buffers,
         _unpack_unit,
     )
@@ -285,7 +286,7 @@ def _store_unit(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, C_BITS: g
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, sl)))
     o_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl)))
     off = ((row0 + o_r).to(gl.int64) * n_slots + i_s) * (GC * 64)
-    ch = 64 * (o_q + 4 * (u // 4)) + 16 * (u % 4)  # `_unit_base(u, q)`
+    ch = _unit_base(u, o_q, GC)
     ptr = o_ptr + (off[:, None] + ch[None, :])[:, :, None] + o_c[None, None, :]
     gl.store(ptr, x, mask=(o_r < n_rows)[:, None, None])
 
