@@ -10,23 +10,23 @@ channels of the 64 rows' outputs. Same function, splits, copy programs and parti
   that issues it), unpacks unit by unit (`half_asm`, keys `(code - z) * s` rounded once to fp16) and issues `S^T
   += K_u Q_u^T` (`m64n64k16`: the keys from registers, the staged queries `qbuf[u]: [64 rows, 64]` from shared
   memory). Content unit u goes to `vbuf[u][stage]: [64 tokens, 64]` as its A fragments are (`stmatrix`; columns in
-  `_score_channel` order), after `V_EMPTY + stage`, then `V_FULL + stage`; the finished scores `S^T: [64 tokens, 64
-  rows]` fp32 go to `sbuf` after `S_EMPTY`, then `S_FULL`. A copy program scores its one tile of model-dtype
-  copies the same way, into stage 0.
+  `_score_channel` order), after `V_EMPTY + stage`, then `V_FULL + stage`; the finished scores go to `sbuf: [64
+  rows, 64 tokens]` fp32 (transposed; 4-word runs, swizzled by row) after `S_EMPTY`, then `S_FULL`. A copy program
+  scores its one tile of model-dtype copies the same way, into stage 0.
 - Two value warpgroups (`_values`, the default warps and a worker at `V_REGS`), half `h` each: the scores of rows
-  `[32 h, + 32)` from `sbuf` (four threads per row, 16 tokens each: a row's maximum is two shuffles), their online
-  softmax (lazy: a row's reference moves only by more than 8), those rows of `P: [64 rows, 64 tokens]` fp16
-  (`pbuf`), their rescale factors (`abuf`) and a vote per warp on whether any moved (`mvbuf`). Once both halves
-  are stored (`P_FULL`) each rescales its outputs `O_u: [64 rows, 64]` (units `4 h .. 4 h + 3`, fp32
-  accumulators) where a vote says so and issues `O_u += P V_u` (`m64n64k16`, both operands from shared memory).
-  The product runs while the next tile's scores are awaited and its softmax computed; a value warpgroup releases
-  the key stage (`V_EMPTY`) and its use of P (`P_FREE`) as soon as its product has finished, before it takes the
-  next scores, and rewrites P and the factors only after both have (`P_FREE`).
+  `[32 h, + 32)` from `sbuf` (four threads per row, 16 contiguous tokens each: four 16-byte loads; a row's maximum
+  is two shuffles), their online softmax (lazy: a row's reference moves only by more than 8; no masks where every
+  row sees the whole tile), those rows of `P: [64 rows, 64 tokens]` fp16 (`pbuf`), their rescale factors (`abuf`)
+  and a vote per warp on whether any moved (`mvbuf`). Once both halves are stored (`P_FULL`) each rescales its
+  outputs `O_u: [64 rows, 64]` (units `4 h .. 4 h + 3`, fp32 accumulators) where a vote says so and issues `O_u +=
+  P V_u` (`m64n64k16`, both operands from shared memory). A value warpgroup waits for that product at the top of
+  its next tile, then releases the key stage (`V_EMPTY`) and its use of P (`P_FREE`) before it takes the next
+  scores, and rewrites P and the factors only after both have (`P_FREE`).
 
 Every token is unpacked once per 64 rows; only its content keys are stored. Per 64-token tile and program the
 multiprocessor's shared memory moves about 316 KiB: query operands 72 KiB, keys stored 64, scores 16 stored and 16
-read, P 8 stored, value operands 128, row factors and votes. Shared memory: queries 9 x 8 KB, content keys 2 stages x 8 x 8 KB, scores 16
-KB, P 8 KB, row factors and votes (225 KB).
+read, P 8 stored, value operands 128, row factors and votes. Shared memory: queries 9 x 8 KB, content keys 2
+stages x 8 x 8 KB, scores 16 KB, P 8 KB, row factors and votes (225 KB).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _hand_over(acc, sbuf, bars, st, it):
     _cta_barrier()
     mbarrier.arrive(bars.index(V_FULL + st), count=1)
     mbarrier.wait(bars.index(S_EMPTY), (it + 1) & 1, pred=it >= 1)
-    sbuf.store(acc)
+    sbuf.store(gl.permute(acc, (1, 0)))  # [rows, tokens]: each row's tokens contiguous for the values' loads
     _cta_barrier()
     mbarrier.arrive(bars.index(S_FULL), count=1)
 
@@ -303,7 +303,8 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
     HM: gl.constexpr = BM // 2
     D_C: gl.constexpr = GC * 64
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
-    s_l: gl.constexpr = gl.BlockedLayout([16, 1], [4, 8], [1, 4], [0, 1])  # [64 tokens, HM rows]
+    sr_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [HM rows, 64 tokens] as loaded
+    s_l: gl.constexpr = gl.BlockedLayout([16, 1], [4, 8], [1, 4], [0, 1])  # its transpose, [64 tokens, HM rows]
     tok_l: gl.constexpr = gl.SliceLayout(1, s_l)
     row_l: gl.constexpr = gl.SliceLayout(0, s_l)
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
@@ -313,6 +314,7 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
     o_m = i_hb * BM + HF * HM + gl.arange(0, HM, layout=row_l)
     m_m = o_m < M
     lim_m = (length - Tq + (o_m % Tq) + 1).to(gl.int32)  # query t of Tq sees positions < length - Tq + t + 1
+    lim_all = (length - Tq + 1).to(gl.int32)  # positions every query sees
     f = fbuf.slice(HF * HM, HM).load(row_l)
     n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi = _value_tiles(
         i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb,
@@ -331,15 +333,19 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
         mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
         mbarrier.wait(bars.index(S_FULL), it & 1)
-        s = sbuf.slice(HF * HM, HM, dim=1).load(s_l)
+        s = gl.permute(sbuf.slice(HF * HM, HM, dim=0).load(sr_l), (1, 0))  # [64 tokens, HM rows]
         _cta_barrier()
         mbarrier.arrive(bars.index(S_EMPTY), count=1)
         packed = it < n_tiles
-        p_t = gl.where(packed, t_base + it * BT, c_t0) + o_bt  # the tile's positions
+        t0 = gl.where(packed, t_base + it * BT, c_t0)  # the tile's first position
         p_lo = gl.where(packed, lo, c_lo)
         p_hi = gl.where(packed, hi, c_hi)
-        m_valid = (((p_t >= p_lo) & (p_t < p_hi))[:, None] & m_m[None, :]) & (p_t[:, None] < lim_m[None, :])
-        b_s = gl.where(m_valid, s * f[None, :], float("-inf"))
+        if (t0 >= p_lo) & (t0 + BT <= gl.minimum(p_hi, lim_all)):  # every position visible to every row
+            b_s = s * f[None, :]  # (rows past M: zero queries, finite scores, never stored)
+        else:
+            p_t = t0 + o_bt
+            m_valid = (((p_t >= p_lo) & (p_t < p_hi))[:, None] & m_m[None, :]) & (p_t[:, None] < lim_m[None, :])
+            b_s = gl.where(m_valid, s * f[None, :], float("-inf"))
         move, m_new, m_use, p = _references(b_s, m_i)  # lazy: a row's reference moves by more than 8 or not at all
         alpha = gl.exp2(m_i - m_use)  # 1 where it did not move
         l_i = l_i * alpha + gl.sum(p, axis=0)
@@ -397,12 +403,12 @@ def mla_decode_split_kernel(
     D_C: gl.constexpr = GC * 64
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
     k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 32, [1, 0])
+    s_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
     v_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     qbuf = _unit_buffers(GC + 1, BM, k_sl)
     vbuf = _unit_buffers(GC, BT, k_sl, 2)  # one allocation per unit: the scorer's stores are seen as disjoint
-    sbuf = gl.allocate_shared_memory(gl.float32, [BT, BM], s_sl)
+    sbuf = gl.allocate_shared_memory(gl.float32, [BM, BT], s_sl)
     pbuf = gl.allocate_shared_memory(gl.float16, [BM, BT], k_sl)
     abuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
     fbuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
