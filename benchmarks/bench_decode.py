@@ -76,7 +76,7 @@ from quantmla_hf.kernels.mla_decode_ref import history_ref, mla_decode_ref
 D_C, D_R, D_NOPE, D_V, HIDDEN = 512, 64, 128, 128, 2048
 SCALING = (D_NOPE + D_R) ** -0.5
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CONFIGS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C8R8": (8, 8), "C16R16": (16, 16)}
+CONFIGS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C2R8": (2, 8), "C8R8": (8, 8), "C16R16": (16, 16)}
 POINTS = [(16, 1, 4096), (16, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 8, 131072), (128, 8, 32768),
           (128, 32, 32768)]
 BASELINE_PACKAGE = "quantmla_baseline"

@@ -3,10 +3,10 @@ sm_90 on any machine (no GPU needed): the SASS of its packed-tile loop, per warp
 opcode, plus the registers and spills of the kernel (the compile facts of docs/KERNELS.md "The Gluon register
 kernel"). `--wide` does the same for its two-warpgroup form (`kernels/mla_decode_gluon_wide.py`, C4R4, C2R4, C4R8,
 C8R8): one packed loop per warpgroup (the leader's unpacks the RoPE unit too). `--split`: the split kernel
-(`kernels/mla_decode_gluon_split.py`, C4R4, C2R4): each warpgroup's registers and the main loop of the scorer and of
-each value warpgroup, with its `wgmma`s, unpacking multiplies, local-memory (spill) instructions and the shared memory
-it moves (`shared_bytes`). Each also prints what ptxas said (`ptxas_facts`): whether it serialized the wgmmas (each
-waiting for the one before, which a kernel short of registers gets without failing) and the spill bytes.
+(`kernels/mla_decode_gluon_split.py`, C4R4, C2R4, C4R8): each warpgroup's registers and the main loop of the scorer
+and of each value warpgroup, with its `wgmma`s, unpacking multiplies, local-memory (spill) instructions and the
+shared memory it moves (`shared_bytes`). Each also prints what ptxas said (`ptxas_facts`): whether it serialized the
+wgmmas (each waiting for the one before, which a kernel short of registers gets without failing) and the spill bytes.
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide|--split]
     python benchmarks/sass_decode.py --dump DIR
@@ -169,7 +169,7 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
 def compile_split(content_bits: int, rope_bits: int, paged: bool = False):
     """The split kernel (`kernels/mla_decode_gluon_split.py`: a scorer and two value warpgroups, 64 rows) compiled for
     sm_90 at DeepSeek widths with its registers."""
-    v_regs, s_regs = ms.REGS[content_bits, paged]
+    v_regs, s_regs = ms.registers(CacheFormat(PathFormat(512, content_bits, 64), PathFormat(64, rope_bits, 64)), paged)
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=ms.BLOCK_M, Q_SPLIT=False, PAGED=paged,
                  V_REGS=v_regs, S_REGS=s_regs)
     index = "*i32" if paged else "*i64"
@@ -327,7 +327,7 @@ def main():
     ap.add_argument("--inflight", type=int, default=None, choices=(0, 1), help="default: the kernel's (`INFLIGHT`)")
     ap.add_argument("--paged", action="store_true", help="the paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
-    ap.add_argument("--split", action="store_true", help="the split kernel (C4R4, C2R4; bf16 queries)")
+    ap.add_argument("--split", action="store_true", help="the split kernel (C4R4, C2R4, C4R8; bf16 queries)")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     a = ap.parse_args()
     if a.dump:
@@ -337,8 +337,8 @@ def main():
         main_wide(a)
         return
     if a.split:
-        if a.format not in ("C4R4", "C2R4") or a.fp32_queries:
-            ap.error("--split: the split kernel takes C4R4 and C2R4 with bf16/fp16 queries")
+        if a.format not in ("C4R4", "C2R4", "C4R8") or a.fp32_queries:
+            ap.error("--split: the split kernel takes C4R4, C2R4 and C4R8 with bf16/fp16 queries")
         main_split(a)
         return
     a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
@@ -389,7 +389,7 @@ def main_split(a):
     cb, rb = FORMATS[a.format]
     kernel = compile_split(cb, rb, paged=a.paged)
     sass = disassemble(kernel.asm["cubin"], "-sass")
-    v_regs, s_regs = ms.REGS[cb, a.paged]
+    v_regs, s_regs = ms.registers(CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64)), a.paged)
     print(f"triton {triton.__version__} | {a.format} split | {ms.BLOCK_M} rows | "
           f"{'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
     print(f"registers: launch {ms.LAUNCH_REGS}, value worker {v_regs}, scorer {s_regs}; setmaxnreg "

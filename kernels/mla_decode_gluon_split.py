@@ -1,32 +1,34 @@
-"""Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads), the work split three ways: one
-warpgroup unpacks each key tile into registers as the A operand of the score `wgmma`s (as `mla_decode_gluon_regs`
-does, here for 64 rows) and stores only the content keys to shared memory; two others each own half the latent
-channels of the 64 rows' outputs. Same function, splits, copy programs and partials as the other Gluon kernels
-(reference: `mla_decode_ref.mla_decode_static_ref`; the `PAGED` launch: `mla_decode_paged_ref`); shared pieces in
-`mla_decode_gluon_common.py`; design and timings: docs/KERNELS.md.
+"""Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads) of C4R4, C2R4, C4R8 and C2R8, the work
+split three ways: one warpgroup unpacks each key tile into registers as the A operand of the score `wgmma`s (as
+`mla_decode_gluon_regs` does, here for 64 rows) and stores only the content keys to shared memory; two others each own
+half the latent channels of the 64 rows' outputs. Same function, splits, copy programs and partials as the other Gluon
+kernels (reference: `mla_decode_ref.mla_decode_static_ref`; the `PAGED` launch: `mla_decode_paged_ref`); shared pieces
+in `mla_decode_gluon_common.py`; design and timings: docs/KERNELS.md.
 
-- The scorer (`_scorer`, a worker at `S_REGS` registers) loads each tile's code words and metadata a tile ahead
-  (the steps zeroed outside the valid positions a tile later, `_valid_steps`: no load is waited for in the tile
-  that issues it), unpacks unit by unit (`half_asm`, keys `(code - z) * s` rounded once to fp16) and issues `S^T
-  += K_u Q_u^T` (`m64n64k16`: the keys from registers, the staged queries `qbuf[u]: [64 rows, 64]` from shared
-  memory). Content unit u goes to `vbuf[u][stage]: [64 tokens, 64]` as its A fragments are (`stmatrix`; columns in
-  `_score_channel` order), after `V_EMPTY + stage`, then `V_FULL + stage`; the finished scores go to `sbuf: [64
-  rows, 64 tokens]` fp32 (transposed; 4-word runs, swizzled by row) after `S_EMPTY`, then `S_FULL`. A copy program
-  scores its one tile of model-dtype copies the same way, into stage 0.
-- Two value warpgroups (`_values`, the default warps and a worker at `V_REGS`), half `h` each: the scores of rows
-  `[32 h, + 32)` from `sbuf` (four threads per row, 16 contiguous tokens each: four 16-byte loads; a row's maximum
-  is two shuffles), their online softmax (lazy: a row's reference moves only by more than 8; no masks where every
-  row sees the whole tile), those rows of `P: [64 rows, 64 tokens]` fp16 (`pbuf`), their rescale factors (`abuf`)
-  and a vote per warp on whether any moved (`mvbuf`). Once both halves are stored (`P_FULL`) each rescales its
-  outputs `O_u: [64 rows, 64]` (units `4 h .. 4 h + 3`, fp32 accumulators) where a vote says so and issues `O_u +=
-  P V_u` (`m64n64k16`, both operands from shared memory). A value warpgroup waits for that product at the top of
-  its next tile, then releases the key stage (`V_EMPTY`) and its use of P (`P_FREE`) before it takes the next
-  scores, and rewrites P and the factors only after both have (`P_FREE`).
+- The scorer (`_scorer`, a worker at `S_REGS` registers) loads each tile's code words and metadata a tile ahead (the
+  steps zeroed outside the valid positions a tile later, `_valid_steps`: no load is waited for in the tile that issues
+  it), unpacks unit by unit (`half_asm`, keys `(code - z) * s` rounded once to fp16) and issues `S^T += K_u Q_u^T`
+  (`m64n64k16`: the keys from registers, the staged queries `qbuf[u]: [64 rows, 64]` from shared memory). 8-bit RoPE
+  (C4R8, C2R8) is scored as the register kernels score it: its integer codes `code - z` (exact in fp16) in an
+  accumulator of their own, added times its tokens' steps once both are done. Content unit u goes to `vbuf[u][stage]:
+  [64 tokens, 64]` as its A fragments are (`stmatrix`; columns in `_score_channel` order), after `V_EMPTY + stage`,
+  then `V_FULL + stage`; the finished scores go to `sbuf: [64 rows, 64 tokens]` fp32 (transposed; 4-word runs,
+  swizzled by row) after `S_EMPTY`, then `S_FULL`. A copy program scores its one tile of model-dtype copies the same
+  way, into stage 0.
+- Two value warpgroups (`_values`, the default warps and a worker at `V_REGS`), half `h` each: the scores of rows `[32
+  h, + 32)` from `sbuf` (four threads per row, 16 contiguous tokens each: four 16-byte loads; a row's maximum is two
+  shuffles), their online softmax (lazy: a row's reference moves only by more than 8; no masks where every row sees
+  the whole tile), those rows of `P: [64 rows, 64 tokens]` fp16 (`pbuf`), their rescale factors (`abuf`) and a vote
+  per warp on whether any moved (`mvbuf`). Once both halves are stored (`P_FULL`) each rescales its outputs `O_u: [64
+  rows, 64]` (units `4 h .. 4 h + 3`, fp32 accumulators) where a vote says so and issues `O_u += P V_u` (`m64n64k16`,
+  both operands from shared memory). A value warpgroup waits for that product at the top of its next tile, then
+  releases the key stage (`V_EMPTY`) and its use of P (`P_FREE`) before it takes the next scores, and rewrites P and
+  the factors only after both have (`P_FREE`).
 
 Every token is unpacked once per 64 rows; only its content keys are stored. Per 64-token tile and program the
 multiprocessor's shared memory moves about 316 KiB: query operands 72 KiB, keys stored 64, scores 16 stored and 16
-read, P 8 stored, value operands 128, row factors and votes. Shared memory: queries 9 x 8 KB, content keys 2
-stages x 8 x 8 KB, scores 16 KB, P 8 KB, row factors and votes (225 KB).
+read, P 8 stored, value operands 128, row factors and votes. Shared memory: queries 9 x 8 KB, content keys 2 stages x
+8 x 8 KB, scores 16 KB, P 8 KB, row factors and votes (225 KB).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ if HAVE_GLUON:
         _program_rows,
         _references,
         _row_ptrs,
+        _row_steps,
         _split_range,
         _split_rows,
         _split_units,
@@ -70,16 +73,23 @@ if HAVE_GLUON:
         _tile_rows,
         _unit_base,
         _unit_buffers,
+        _unpack_codes8,
         _unpack_unit,
     )
 
 _const = gl.constexpr if HAVE_GLUON else int  # a module constant the kernels read
 
 BLOCK_M = 64  # query rows per program: one score accumulator `[64 tokens, 64 rows]`, two output halves
-# Registers per thread of (the value worker, the scorer), per (content width, paged launch); the default value
-# warpgroup gets what the register file has left for it. The paged 4-bit scorer (page numbers besides its words)
-# spilled in its loop at 152.
-REGS = {(2, False): (176, 152), (4, False): (176, 152), (2, True): (176, 152), (4, True): (168, 168)}
+# Registers per thread of (the value worker, the scorer), per (content width, RoPE width, paged launch); the default
+# value warpgroup gets what the register file has left for it. The 4-bit scorer spilled in its loop at 152 when paged
+# (page numbers besides its words) and with 8-bit RoPE (twice its words, the steps of its rows).
+REGS = {(2, 4, False): (176, 152), (4, 4, False): (176, 152), (2, 4, True): (176, 152), (4, 4, True): (168, 168),
+        (2, 8, False): (176, 152), (4, 8, False): (168, 168), (2, 8, True): (176, 152), (4, 8, True): (168, 168)}
+
+
+def registers(fmt: CacheFormat, paged: bool) -> tuple[int, int]:
+    """`(value worker, scorer)` registers of the launch for `fmt` (`REGS`; 2-bit RoPE as 4-bit)."""
+    return REGS[fmt.content.bits, 8 if fmt.rope.bits == 8 else 4, paged]
 LAUNCH_REGS = 168  # at launch, for all 12 warps (65,536 / 384 rounded down to 8)
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`)
 # the mbarriers (one allocation): per key stage full and empty, then the scores', P's and the end's
@@ -104,10 +114,12 @@ def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr,
 
 @_jit
 def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, p_c, tn, lo, last, GC: gl.constexpr,
-                C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr):
+                C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr, s_row,
+                R_INT: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`) unpacked, scored and stored to `vbuf[u][st]`,
-    `vbuf[u + 1][st]`; `cp` replaced by the words of the tile at `tn` once both are unpacked. Returns `(acc, prev,
-    cp)`."""
+    `vbuf[u + 1][st]`; `cp` replaced by the words of the tile at `tn` once both are unpacked. Unit 0 starts the
+    accumulator, or with `R_INT` adds to the RoPE unit's integer-code scores once they are done and scaled by their
+    tokens' steps `s_row: [64]`. Returns `(acc, prev, cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5, _ = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
     acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), u == 0, True, dot_a)
@@ -172,6 +184,7 @@ def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_p
     ml: gl.constexpr = gl.SliceLayout(2, WC_L)
     RWC: gl.constexpr = GC * 2 * C_BITS  # code words per token row
     RWR: gl.constexpr = 2 * R_BITS
+    R_INT: gl.constexpr = R_BITS == 8  # 8-bit RoPE: its integer codes scored exactly, times the steps after
 
     i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
     base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
@@ -197,6 +210,7 @@ def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_p
         zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
         zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
         zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
+        s_row = _row_steps(sr, acc_l, C_BITS, R_BITS)
         row, shift = _tile_rows(page_n, tn, last, PAGED)
         page_n = page_nn
         s0, z0, s1, z1, sr, zr = _meta_rows(p_cs, p_cz, p_rs, p_rz, tn, last, shift, GC, ml)
@@ -205,18 +219,27 @@ def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_p
         # both value warpgroups have finished reading this stage's keys of two tiles ago
         mbarrier.wait(bars.index(V_EMPTY + st), ((it // 2) + 1) & 1, pred=it >= 2)
         acc = gl.zeros([64, BM], gl.float32, acc_l)
-        acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, pc, tn, lo, last, GC, C_BITS,
-                                     WC_L, WP_L, dot_a)
+        prev = acc
+        acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a, s_row, R_INT)
         acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a)
+                                     C_BITS, WC_L, WP_L, dot_a, s_row, R_INT)
         acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a)
+                                     C_BITS, WC_L, WP_L, dot_a, s_row, R_INT)
         acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a)
-        x5, _ = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, WR_L)
-        cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
-        acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(kz), qbuf[GC].index(kz), False, False, dot_a)
-        acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
+                                     C_BITS, WC_L, WP_L, dot_a, s_row, R_INT)
+        if R_INT:  # the RoPE unit's integer codes in an accumulator of their own, times their steps when added
+            x5 = _unpack_codes8(cr, zzr, WR_L)
+            cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
+            acc_r = warpgroup_mma(_a_view(x5, dot_a), qbuf[GC].index(kz).permute((1, 0)), acc, use_acc=False,
+                                  is_async=True)
+            acc, prev, acc_r = warpgroup_mma_wait(0, deps=[acc, prev, acc_r])
+            acc = acc + acc_r * s_row[:, None]
+        else:
+            x5, _ = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, WR_L)
+            cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
+            acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(kz), qbuf[GC].index(kz), False, False, dot_a)
+            acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
         _hand_over(acc, sbuf, bars, st, it)
 
     if i_s >= num_splits:  # a copy program: its one tile of model-dtype copies, into stage 0
@@ -450,9 +473,9 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
 
 
 def split_handles(fmt: CacheFormat) -> bool:
-    """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups at 2 or 4 bits with 2- or
-    4-bit RoPE (keys rounded once to fp16: C4R4, C2R4)."""
-    return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits in (2, 4)
+    """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups at 2 or 4 bits (keys rounded
+    once to fp16) with 2-, 4- or 8-bit RoPE (C4R4, C2R4, C4R8, C2R8)."""
+    return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits in (2, 4, 8)
 
 
 def launch_split(*args, page_table=None):
@@ -461,6 +484,6 @@ def launch_split(*args, page_table=None):
     q, qr = args[0], args[1]
     if q.dtype == torch.float32 or qr.dtype == torch.float32:
         raise ValueError("the split Gluon decode kernel takes bf16/fp16 queries: use backend='gluon_wide' for fp32")
-    v_regs, s_regs = REGS[args[4].content.bits, page_table is not None]
+    v_regs, s_regs = registers(args[4], page_table is not None)
     launch_flat(mla_decode_split_kernel, "split Gluon decode kernel", smem_bytes, "gluon_wide", BLOCK_M, *args,
                 page_table=page_table, V_REGS=v_regs, S_REGS=s_regs, num_warps=4, maxnreg=LAUNCH_REGS)

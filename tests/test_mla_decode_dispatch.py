@@ -37,7 +37,9 @@ CASES = [  # (format, rows, batch, dtype, H200 choice)
     (fmt(2, 4), 128, 32, torch.bfloat16, "gluon_split"),
     (fmt(4, 4), 64, 8, torch.float16, "gluon_split"),  # 64 rows: one split program
     (fmt(2, 4), 48, 8, torch.bfloat16, "gluon_wide"),  # fewer rows than one split program
-    (fmt(4, 8), 128, 8, torch.bfloat16, "gluon_wide"),  # 8-bit RoPE: not the split kernel's
+    (fmt(4, 8), 128, 8, torch.bfloat16, "gluon_split"),  # 8-bit RoPE: its integer codes scored apart
+    (fmt(2, 8), 64, 8, torch.bfloat16, "gluon_split"),
+    (fmt(4, 8), 32, 8, torch.bfloat16, "gluon_wide"),  # fewer rows than one split program
     (fmt(4, 4), 32, 4, torch.bfloat16, "gluon_wide"),  # 16 heads x 2 query tokens
     (fmt(8, 8), 128, 32, torch.bfloat16, "gluon_wide"),  # 8-bit keys at 128 heads: the two-warpgroup kernel too
     (fmt(4, 4, dc=256, dr=32), 128, 8, torch.bfloat16, "triton"),  # MiniCPM3: RoPE group of 32
@@ -139,7 +141,7 @@ PAGED_CASES = [  # (format, heads, requests, query tokens, page size, H200 choic
     (fmt(2, 4), 16, 32, 32, 64, "gluon_regs"),
     (fmt(4, 4), 128, 8, 8, 64, "gluon_split"),  # many heads: the split kernel, as contiguous
     (fmt(8, 8), 128, 8, 8, 64, "gluon_wide"),  # 8-bit keys too
-    (fmt(4, 8), 128, 8, 8, 64, "gluon_wide"),
+    (fmt(4, 8), 128, 8, 8, 64, "gluon_split"),
     (fmt(4, 4), 16, 5, 9, 64, "triton"),  # a prefill chunk in the step
     (fmt(4, 4), 16, 5, 5, 32, "triton"),  # pages smaller than the Gluon tile
     (fmt(16, 16), 16, 5, 5, 64, "triton"),  # C16R16
@@ -161,6 +163,8 @@ def test_paged_gluon_refused_where_it_does_not_apply():
              "zero": torch.zeros(4, 64, 8, dtype=torch.int8)}
     rope = {"codes": torch.zeros(4, 64, 32, dtype=torch.uint8), "scale": torch.zeros(4, 64, 1, dtype=torch.float16),
             "zero": torch.zeros(4, 64, 1, dtype=torch.int8)}
+    pages8 = {"codes": torch.zeros(4, 64, 512, dtype=torch.uint8), "scale": torch.zeros(4, 64, 8, dtype=torch.float16),
+              "zero": torch.zeros(4, 64, 8, dtype=torch.int8)}
     rope8 = {"codes": torch.zeros(4, 64, 64, dtype=torch.uint8), "scale": torch.zeros(4, 64, 1, dtype=torch.float16),
              "zero": torch.zeros(4, 64, 1, dtype=torch.int8)}
     copies = [torch.zeros(2, n, d, dtype=torch.bfloat16) for n, d in ((4, 512), (4, 64), (128, 512), (128, 64))]
@@ -174,8 +178,8 @@ def test_paged_gluon_refused_where_it_does_not_apply():
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
                             backend="gluon_wide")
-    with pytest.raises(ValueError, match="backend='triton'"):  # C4R8: not the split kernel's
-        md.mla_decode_paged(torch.zeros(2, 128, 512), torch.zeros(2, 128, 64), pages, rope8, fmt(4, 8), *copies,
+    with pytest.raises(ValueError, match="backend='triton'"):  # C8R8: not the split kernel's
+        md.mla_decode_paged(torch.zeros(2, 128, 512), torch.zeros(2, 128, 64), pages8, rope8, fmt(8, 8), *copies,
                             torch.zeros(2, 2, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                             torch.arange(3, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32), 0.1,
                             backend="gluon_split")

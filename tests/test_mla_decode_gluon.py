@@ -152,7 +152,7 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
     from quantmla_hf.kernels import mla_decode_gluon_split as mp
 
-    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True), (4, 4, True)):
+    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True), (4, 4, True), (4, 8, False), (2, 8, True)):
         kernel = sd.compile_split(cb, rb, paged=paged)
         assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))  # the tensor pipe kept full
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
@@ -160,7 +160,7 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
         assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, paged, kernel.metadata.shared, need)
         ptx = kernel.asm["ptx"]
         # the scorer gives registers back, the value worker takes them, the default warps keep the rest
-        v_regs, s_regs = mp.REGS[cb, paged]
+        v_regs, s_regs = mp.registers(fmt, paged)
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{s_regs};" in ptx, ptx[:200]
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{v_regs};" in ptx
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{512 - 8 - v_regs - s_regs};" in ptx
@@ -224,9 +224,12 @@ def test_split_shared_memory_and_formats():
     # + P (64 x 64 fp16) + three row factors, 8 votes, 9 barriers + 1 KB scratch: under the 227 KB of one program
     assert ms.smem_bytes(c2r4, False) == 9 * 8192 + 2 * 8 * 8192 + 64 * 64 * 6 + 3 * 256 + 32 + 72 + 1024
     assert ms.smem_bytes(c2r4, False) <= mc.SMEM_LIMIT
-    assert ms.split_handles(c2r4) and ms.split_handles(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64)))
-    for c, r, dc in ((4, 8, 512), (8, 8, 512), (4, 4, 256)):  # 8-bit keys, 4 content groups: not this kernel's
+    for c, r in ((2, 4), (4, 4), (4, 8), (2, 8)):  # 8-bit RoPE: its integer codes scored apart
+        f = CacheFormat(PathFormat(512, c, 64), PathFormat(64, r, 64))
+        assert ms.split_handles(f) and ms.registers(f, False) == ms.REGS[c, r, False]
+    for c, r, dc in ((8, 8, 512), (8, 4, 512), (4, 4, 256)):  # 8-bit content keys, 4 content groups: not this kernel's
         assert not ms.split_handles(CacheFormat(PathFormat(dc, c, 64), PathFormat(64, r, 64)))
+    assert ms.registers(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 2, 64)), True) == ms.REGS[4, 4, True]
 
 
 def test_wide_shared_memory():
@@ -468,10 +471,10 @@ def test_sass_script_reads_the_split_kernels_loops():
     scorers = re.findall(r"^scorer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
     assert values == [("16", "0"), ("16", "0")], out.stdout
     assert scorers == [("36", "144")], out.stdout
-    assert f"value worker {ms.REGS[4, False][0]}, scorer {ms.REGS[4, False][1]}" in out.stdout, out.stdout
+    assert f"value worker {ms.REGS[4, 4, False][0]}, scorer {ms.REGS[4, 4, False][1]}" in out.stdout, out.stdout
     assert re.search(r"^ptxas: wgmmas not serialized, spills \d+ B stored, \d+ B loaded$", out.stdout, re.M), out.stdout
     bad = _sass_script("C8R8", "--split", timeout=300)
-    assert bad.returncode == 2 and "takes C4R4 and C2R4" in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode == 2 and "takes C4R4, C2R4 and C4R8" in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
@@ -516,7 +519,7 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     assert seen["bound"].arguments["BM"] == module.BLOCK_M and seen["options"]["num_warps"] == 4
     if which == "split":  # three warpgroups: the launch's registers for all 12 warps, the partitions' as set
         assert seen["options"]["maxnreg"] == ms.LAUNCH_REGS and 12 * 32 * ms.LAUNCH_REGS <= 65536
-        assert (seen["bound"].arguments["V_REGS"], seen["bound"].arguments["S_REGS"]) == ms.REGS[4, False]
+        assert (seen["bound"].arguments["V_REGS"], seen["bound"].arguments["S_REGS"]) == ms.REGS[4, 4, False]
         assert all(2 * v + s <= 3 * ms.LAUNCH_REGS for v, s in ms.REGS.values())  # the default warps get the rest
     else:
         assert seen["bound"].arguments["WIDE"] == (which == "wide")
@@ -529,5 +532,5 @@ def test_launchers_pass_exactly_the_kernels_parameters(monkeypatch, which):
     args = seen["bound"].arguments
     assert args["PAGED"] and args["pt_ptr"] is table and args["s_pt"] == 7
     if which == "split":  # the paged launch's own register split
-        assert (args["V_REGS"], args["S_REGS"]) == ms.REGS[4, True]
+        assert (args["V_REGS"], args["S_REGS"]) == ms.REGS[4, 4, True]
     assert args["s_ccb"] == args["s_csb"] == args["s_rcb"] == args["s_rsb"] == 0

@@ -63,8 +63,8 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
     The table (timings: docs/KERNELS.md "Which kernel runs"):
 
     - Hopper (sm_90) with 2/4/8-bit paths in groups of 64 and bf16/fp16 copies: `gluon_split` from 64 rows where
-      it takes the format (C4R4, C2R4 with 8 content groups; bf16/fp16 queries), else `gluon_wide` above 16 rows
-      where it takes the format (C4R4, C2R4, C4R8, C2R8, C8R8 with 8 content groups), else `gluon_regs`. Every
+      it takes the format (C4R4, C2R4, C4R8, C2R8 with 8 content groups; bf16/fp16 queries), else `gluon_wide`
+      above 16 rows where it takes the format (those and C8R8), else `gluon_regs`. Every
       batch measured picks the same kernel, so `batch` does not enter the rule.
     - Any other CUDA GPU, 16-bit paths, fp32 models, and the Triton interpreter on CPU: `triton`, where the format
       has power-of-two widths (`mla_decode_triton.triton_handles`).
@@ -262,7 +262,7 @@ def mla_decode_static(
         if not (hopper_handles(fmt, sink_c.dtype, q_lat.device) and handles):
             raise ValueError(f"the {backend} kernel does not take {fmt.name} with {sink_c.dtype} copies on "
                              f"{q_lat.device} (sm_90, groups of 64; wide: 8 content groups of C4R4, C2R4, "
-                             "C4R8, C2R8 or C8R8; split: 8 content groups of C4R4 or C2R4): use backend='triton'")
+                             "C4R8, C2R8 or C8R8; split: those of them below 8-bit content): use backend='triton'")
         if not planes_contiguous(fmt, content_planes, rope_planes):
             raise ValueError("the Gluon decode kernels need plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
                              "use backend='triton' for strided planes")
