@@ -114,12 +114,10 @@ def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr,
 
 @_jit
 def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, p_c, tn, lo, last, GC: gl.constexpr,
-                C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr, s_row,
-                R_INT: gl.constexpr):
+                C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`) unpacked, scored and stored to `vbuf[u][st]`,
-    `vbuf[u + 1][st]`; `cp` replaced by the words of the tile at `tn` once both are unpacked. Unit 0 starts the
-    accumulator, or with `R_INT` adds to the RoPE unit's integer-code scores once they are done and scaled by their
-    tokens' steps `s_row: [64]`. Returns `(acc, prev, cp)`."""
+    `vbuf[u + 1][st]`; `cp` replaced by the words of the tile at `tn` once both are unpacked. Returns `(acc, prev,
+    cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5, _ = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
     acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), u == 0, True, dot_a)
@@ -219,15 +217,14 @@ def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_p
         # both value warpgroups have finished reading this stage's keys of two tiles ago
         mbarrier.wait(bars.index(V_EMPTY + st), ((it // 2) + 1) & 1, pred=it >= 2)
         acc = gl.zeros([64, BM], gl.float32, acc_l)
-        prev = acc
-        acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a, s_row, R_INT)
+        acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, pc, tn, lo, last, GC, C_BITS,
+                                     WC_L, WP_L, dot_a)
         acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a, s_row, R_INT)
+                                     C_BITS, WC_L, WP_L, dot_a)
         acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a, s_row, R_INT)
+                                     C_BITS, WC_L, WP_L, dot_a)
         acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a, s_row, R_INT)
+                                     C_BITS, WC_L, WP_L, dot_a)
         if R_INT:  # the RoPE unit's integer codes in an accumulator of their own, times their steps when added
             x5 = _unpack_codes8(cr, zzr, WR_L)
             cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
