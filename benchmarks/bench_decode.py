@@ -225,9 +225,11 @@ class CheckCase:
 
 def check_cases(cases=None) -> list[tuple]:
     """`(format, H, B, N, Tq, query kind, copies dtype)` of `run_check`: each case with bf16 queries, the first four
-    with fp32, the second with 1e6-scaled bf16 (one query token), and (default cases only) fp16 and fp32 models."""
-    models = [] if cases else [(f, 16, 3, 1000, 1, "model", dt) for f in ("C4R4", "C16R16")
-                               for dt in (torch.float16, torch.float32)]
+    with fp32, the second with 1e6-scaled bf16 (one query token), and (default cases only) fp16 and fp32 models
+    (C16R16 also at 128 heads in fp16: the split kernel's fp16 planes)."""
+    models = [] if cases else ([(f, 16, 3, 1000, 1, "model", dt) for f in ("C4R4", "C16R16")
+                                for dt in (torch.float16, torch.float32)]
+                               + [("C16R16", 128, 2, 1000, 1, "model", torch.float16)])  # fp16 planes, split kernel
     cases = cases or CHECK_CASES
     return ([c + ("bf16", torch.bfloat16) for c in cases] + [c + ("fp32", torch.bfloat16) for c in cases[:4]]
             + [cases[min(1, len(cases) - 1)][:4] + (1, "bf16x1e6", torch.bfloat16)] + models)

@@ -47,10 +47,11 @@ from quantmla_hf.kernels import mla_decode_triton as portable
 from quantmla_hf.kernels import quant_pack
 from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN
 
-FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C8R8": (8, 8)}
+FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C8R8": (8, 8), "C16R16": (16, 16)}
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+[^;]*;", re.M)  # one SASS instruction line
 SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);")  # a partition's registers (PTX)
 UNPACK_MUL = "HMUL2"  # the unpacking's `mul.f16x2`, one per pair of elements (the copies' loops have none)
+COPY_ASYNC = "LDGSTS.E"  # a 16-byte `cp.async` (the 16-bit scorer's key copies)
 # ptxas's notes (`-v`) on a kernel whose wgmmas it runs one at a time (C7510-C7515: registers short, accumulators
 # touched between wgmmas, ...), and on its spills
 WGMMA_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized")
@@ -64,7 +65,7 @@ DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (4, 8), (8, 8)
                  + [(c, r, 4, False, p, False) for c, r in ((4, 4), (8, 8)) for p in (False, True)]
                  + [(2, 2, 8, False, False, False)])
 # (content bits, RoPE bits, paged): the split kernel's launches
-SPLIT_LAUNCHES = [(c, r, p) for c in (4, 2) for r in (4, 8) for p in (False, True)]
+SPLIT_LAUNCHES = [(c, r, p) for c in (4, 2) for r in (4, 8) for p in (False, True)] + [(16, 16, False)]
 
 
 # (content bits, RoPE bits, RoPE width, query rows, fp32 model, page size): the portable kernel's launches, every
@@ -173,8 +174,10 @@ def compile_split(content_bits: int, rope_bits: int, paged: bool = False):
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=ms.BLOCK_M, Q_SPLIT=False, PAGED=paged,
                  V_REGS=v_regs, S_REGS=s_regs)
     index = "*i32" if paged else "*i64"
-    return _compile(ms.mla_decode_split_kernel, const, False, {"num_warps": 4, "maxnreg": ms.LAUNCH_REGS},
-                    dict(lp_ptr=index, len_ptr=index, pt_ptr=index))
+    ptrs = dict(lp_ptr=index, len_ptr=index, pt_ptr=index)
+    if content_bits == 16:  # bf16 planes (C16R16); the steps' and zero points' pointers are the planes'
+        ptrs.update({n: "*bf16" for n in ("cc_ptr", "cs_ptr", "cz_ptr", "rc_ptr", "rs_ptr", "rz_ptr")})
+    return _compile(ms.mla_decode_split_kernel, const, False, {"num_warps": 4, "maxnreg": ms.LAUNCH_REGS}, ptrs)
 
 
 def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide, groups=8):
@@ -327,7 +330,8 @@ def main():
     ap.add_argument("--inflight", type=int, default=None, choices=(0, 1), help="default: the kernel's (`INFLIGHT`)")
     ap.add_argument("--paged", action="store_true", help="the paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
-    ap.add_argument("--split", action="store_true", help="the split kernel (C4R4, C2R4, C4R8; bf16 queries)")
+    ap.add_argument("--split", action="store_true",
+                    help="the split kernel (C4R4, C2R4, C4R8, C16R16; bf16 queries)")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     a = ap.parse_args()
     if a.dump:
@@ -337,10 +341,13 @@ def main():
         main_wide(a)
         return
     if a.split:
-        if a.format not in ("C4R4", "C2R4", "C4R8") or a.fp32_queries:
-            ap.error("--split: the split kernel takes C4R4, C2R4 and C4R8 with bf16/fp16 queries")
+        if a.format not in ("C4R4", "C2R4", "C4R8", "C16R16") or a.fp32_queries or (a.paged and a.format == "C16R16"):
+            ap.error("--split: the split kernel takes C4R4, C2R4, C4R8 and (contiguous) C16R16 with bf16/fp16 "
+                     "queries")
         main_split(a)
         return
+    if a.format == "C16R16":
+        ap.error("C16R16: only the split kernel (--split) takes 16-bit planes")
     a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
     kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, paged=a.paged)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
@@ -401,11 +408,11 @@ def main_split(a):
         counts = opcode_counts(loop)
         if not any(op.startswith("HGMMA") for op in counts):
             continue  # the epilogue's waits
-        name = "scorer" if counts[UNPACK_MUL] else "value"
+        name = "scorer" if counts[UNPACK_MUL] or counts[COPY_ASYNC] else "value"  # (16-bit keys: copied)
         mma = sum(n for op, n in counts.items() if op.startswith("HGMMA"))
         spills = sum(n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL"))
         print(f"{name} loop: {len(loop)} SASS instructions per warp and 64-token tile ({mma} HGMMA, "
-              f"{counts[UNPACK_MUL]} unpacking multiplies, {spills} local-memory)")
+              f"{counts[UNPACK_MUL]} unpacking multiplies, {counts[COPY_ASYNC]} key copies, {spills} local-memory)")
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16)))
         moved = shared_bytes(loop)
         total = moved["wgmma"] + 4 * (moved["stores"] + moved["loads"])

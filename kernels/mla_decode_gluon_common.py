@@ -942,16 +942,21 @@ def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, q
     if smem_need > SMEM_LIMIT:
         raise ValueError(f"the {what} needs {smem_need} bytes of shared memory for {fmt.name}, more than {SMEM_LIMIT}: "
                          f"use backend={fallback!r}")
-    cw, rw = cp["codes"].view(torch.int32), rp["codes"].view(torch.int32)
+    if fmt.content.quantized:
+        cw, cs, cz = cp["codes"].view(torch.int32), cp["scale"], cp["zero"]
+        rw, rs, rz = rp["codes"].view(torch.int32), rp["scale"], rp["zero"]
+    else:  # 16-bit planes (values, no steps: their pointers stand in for the steps' and zero points', never read)
+        cw = cs = cz = cp["values"]
+        rw = rs = rz = rp["values"]
     paged = page_table is not None
     batch = 0 if paged else 1
     kernel[flat_grid(NS, fmt, M, block_m, q.shape[0])](
-        q, qr, cw, cp["scale"], cp["zero"], rw, rp["scale"], rp["zero"], sink_c, sink_r, recent_c, recent_r, lp, length,
+        q, qr, cw, cs, cz, rw, rs, rz, sink_c, sink_r, recent_c, recent_r, lp, length,
         o_part, lse_part, M, Tq, split_target, NS, qk_scale, q.stride(0), qr.stride(0),
-        *(batch * t.stride(0) for t in (cw, cp["scale"], rw, rp["scale"])),
+        *(batch * t.stride(0) for t in (cw, cs, rw, rs)),
         *(t.stride(i) for t in (sink_c, sink_r, recent_c, recent_r) for i in (0, 1)),
-        GC=fmt.content.n_groups, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits, S=fmt.sink_tokens,
-        R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q_split, pt_ptr=page_table if paged else lp,
+        GC=fmt.content.n_groups or fmt.content.dim // GROUP, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits,
+        S=fmt.sink_tokens, R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q_split, pt_ptr=page_table if paged else lp,
         s_pt=page_table.stride(0) if paged else 0, PAGED=paged, **meta,
     )
 
@@ -968,18 +973,25 @@ def score_rounding(fmt: CacheFormat) -> tuple[bool, bool]:
 
 def hopper_handles(fmt: CacheFormat, copy_dtype: torch.dtype, device) -> bool:
     """Whether the Gluon kernels can run this case: Gluon available, a CUDA device of compute capability 9.0
-    (wgmma), both paths packed at 2/4/8 bits in groups of 64 (RoPE: one group), bf16/fp16 copies. (Queries may be
-    bf16, fp16 or fp32; the plane rows must also be contiguous: `planes_contiguous`.)"""
+    (wgmma), both paths packed at 2/4/8 bits in groups of 64 (RoPE: one group) or both 16-bit planes, bf16/fp16
+    copies. (Queries may be bf16, fp16 or fp32; the plane rows must also be contiguous: `planes_contiguous`; each
+    kernel names the formats it takes.)"""
     c, r, device = fmt.content, fmt.rope, torch.device(device)
-    return (HAVE_GLUON and all(p.quantized and p.bits in (2, 4, 8) and p.group == GROUP for p in (c, r))
-            and r.n_groups == 1 and copy_dtype in (torch.bfloat16, torch.float16) and device.type == "cuda"
+    packed = all(p.quantized and p.bits in (2, 4, 8) and p.group == GROUP for p in (c, r)) and r.n_groups == 1
+    return (HAVE_GLUON and (packed or not (c.quantized or r.quantized))
+            and copy_dtype in (torch.bfloat16, torch.float16) and device.type == "cuda"
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def planes_contiguous(fmt: CacheFormat, content_planes: dict, rope_planes: dict) -> bool:
     """Plane rows laid out as docs/CACHE_FORMAT.md says with nothing between tokens (what the word view and the
-    compile-time token strides assume)."""
+    compile-time token strides assume); 16-bit `values` rows start on 16 bytes (the `cp.async` copies)."""
     for f, planes in ((fmt.content, content_planes), (fmt.rope, rope_planes)):
+        if not f.quantized:
+            v = planes["values"]
+            if v.stride(2) != 1 or v.stride(1) != f.dim or v.data_ptr() % 16 or v.stride(0) % 8 or f.dim % 8:
+                return False
+            continue
         codes, scale, zero = planes["codes"], planes["scale"], planes["zero"]
         if (codes.stride(2) != 1 or codes.stride(1) != f.code_bytes or codes.storage_offset() % 4
                 or codes.data_ptr() % 16 or codes.stride(0) % 4 or scale.stride() != zero.stride()

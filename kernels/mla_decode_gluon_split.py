@@ -1,9 +1,9 @@
-"""Hopper (sm_90) packed MLA decode in Gluon for many query rows (128 heads) of C4R4, C2R4, C4R8 and C2R8, the work
+"""Hopper (sm_90) MLA decode in Gluon for many query rows (128 heads) of C4R4, C2R4, C4R8, C2R8 and C16R16, the work
 split three ways: one warpgroup unpacks each key tile into registers as the A operand of the score `wgmma`s (as
-`mla_decode_gluon_regs` does, here for 64 rows) and stores only the content keys to shared memory; two others each own
-half the latent channels of the 64 rows' outputs. Same function, splits, copy programs and partials as the other Gluon
-kernels (reference: `mla_decode_ref.mla_decode_static_ref`; the `PAGED` launch: `mla_decode_paged_ref`); shared pieces
-in `mla_decode_gluon_common.py`; design and timings: docs/KERNELS.md.
+`mla_decode_gluon_regs` does, here for 64 rows) and stores only the content keys to shared memory (16-bit planes:
+copies them there); two others each own half the latent channels of the 64 rows' outputs. Same function, splits,
+copy programs and partials as the other Gluon kernels (reference: `mla_decode_ref.mla_decode_static_ref`; the `PAGED`
+launch: `mla_decode_paged_ref`); shared pieces in `mla_decode_gluon_common.py`; design and timings: docs/KERNELS.md.
 
 - The scorer (`_scorer`, a worker at `S_REGS` registers) loads each tile's code words and metadata a tile ahead (the
   steps zeroed outside the valid positions a tile later, `_valid_steps`: no load is waited for in the tile that issues
@@ -15,15 +15,20 @@ in `mla_decode_gluon_common.py`; design and timings: docs/KERNELS.md.
   then `V_FULL + stage`; the finished scores go to `sbuf: [64 rows, 64 tokens]` fp32 (transposed; 4-word runs,
   swizzled by row) after `S_EMPTY`, then `S_FULL`. A copy program scores its one tile of model-dtype copies the same
   way, into stage 0.
+- 16-bit planes (C16R16, contiguous; `_dense_scorer`): nothing to unpack, so the scorer copies each tile's content
+  keys `[64 tokens, 512]` with `cp.async` straight into the value stage (channels in order; the next tile's as soon
+  as the values release its stage, after this tile's scores are handed over) and scores them from there (`S^T += K_u
+  Q_u^T`, both operands in shared memory); only the RoPE unit's keys are loaded into registers, a tile ahead. The
+  queries, keys and P are the planes' 16-bit type (bf16 or fp16), the outputs leave in channel order.
 - Two value warpgroups (`_values`, the default warps and a worker at `V_REGS`), half `h` each: the scores of rows `[32
   h, + 32)` from `sbuf` (four threads per row, 16 contiguous tokens each: four 16-byte loads; a row's maximum is two
-  shuffles), their online softmax (lazy: a row's reference moves only by more than 8; no masks where every row sees
-  the whole tile), those rows of `P: [64 rows, 64 tokens]` fp16 (`pbuf`), their rescale factors (`abuf`) and a vote
-  per warp on whether any moved (`mvbuf`). Once both halves are stored (`P_FULL`) each rescales its outputs `O_u: [64
-  rows, 64]` (units `4 h .. 4 h + 3`, fp32 accumulators) where a vote says so and issues `O_u += P V_u` (`m64n64k16`,
-  both operands from shared memory). A value warpgroup waits for that product at the top of its next tile, then
-  releases the key stage (`V_EMPTY`) and its use of P (`P_FREE`) before it takes the next scores, and rewrites P and
-  the factors only after both have (`P_FREE`).
+  shuffles), their online softmax (lazy: a row's reference moves only by more than 8; no masks where every row sees the
+  whole tile), those rows of `P: [64 rows, 64 tokens]` fp16 (bf16 beside bf16 planes; `pbuf`), their rescale factors
+  (`abuf`) and a vote per warp on whether any moved (`mvbuf`). Once both halves are stored (`P_FULL`) each rescales its
+  outputs `O_u: [64 rows, 64]` (units `4 h .. 4 h + 3`, fp32 accumulators) where a vote says so and issues `O_u += P
+  V_u` (`m64n64k16`, both operands from shared memory). A value warpgroup waits for that product at the top of its next
+  tile, then releases the key stage (`V_EMPTY`) and its use of P (`P_FREE`) before it takes the next scores, and
+  rewrites P and the factors only after both have (`P_FREE`).
 
 Every token is unpacked once per 64 rows; only its content keys are stored. Per 64-token tile and program the
 multiprocessor's shared memory moves about 316 KiB: query operands 72 KiB, keys stored 64, scores 16 stored and 16
@@ -42,6 +47,7 @@ from .mla_decode_gluon_common import (BLOCK_T, GROUP, HAVE_GLUON, _constexpr_fn,
 
 if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -49,6 +55,9 @@ if HAVE_GLUON:
         warpgroup_mma_init,
         warpgroup_mma_wait,
     )
+
+    # a `cp.async` of global memory into shared memory: `async_load` from Triton 3.7 on, before it the older name
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     from .mla_decode_gluon_common import (
         _a_view,
@@ -65,6 +74,7 @@ if HAVE_GLUON:
         _references,
         _row_ptrs,
         _row_steps,
+        _score_channel,
         _split_range,
         _split_rows,
         _split_units,
@@ -72,7 +82,6 @@ if HAVE_GLUON:
         _tile_page,
         _tile_rows,
         _unit_base,
-        _unit_buffers,
         _unpack_codes8,
         _unpack_unit,
     )
@@ -84,12 +93,13 @@ BLOCK_M = 64  # query rows per program: one score accumulator `[64 tokens, 64 ro
 # value warpgroup gets what the register file has left for it. The 4-bit scorer spilled in its loop at 152 when paged
 # (page numbers besides its words) and with 8-bit RoPE (twice its words, the steps of its rows).
 REGS = {(2, 4, False): (176, 152), (4, 4, False): (176, 152), (2, 4, True): (176, 152), (4, 4, True): (168, 168),
-        (2, 8, False): (176, 152), (4, 8, False): (168, 168), (2, 8, True): (176, 152), (4, 8, True): (168, 168)}
+        (2, 8, False): (176, 152), (4, 8, False): (168, 168), (2, 8, True): (176, 152), (4, 8, True): (168, 168),
+        (16, 16, False): (176, 152)}
 
 
 def registers(fmt: CacheFormat, paged: bool) -> tuple[int, int]:
     """`(value worker, scorer)` registers of the launch for `fmt` (`REGS`; 2-bit RoPE as 4-bit)."""
-    return REGS[fmt.content.bits, 8 if fmt.rope.bits == 8 else 4, paged]
+    return REGS[fmt.content.bits, fmt.rope.bits if fmt.rope.bits in (8, 16) else 4, paged]
 LAUNCH_REGS = 168  # at launch, for all 12 warps (65,536 / 384 rounded down to 8)
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`)
 # the mbarriers (one allocation): per key stage full and empty, then the scores', P's and the end's
@@ -168,6 +178,24 @@ def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_p
             rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
             s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, C_BITS: gl.constexpr,
             R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
+    """The scorer warpgroup: `_dense_scorer` for 16-bit planes, else `_packed_scorer`."""
+    if C_BITS == 16:
+        _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M,
+                      split_target, num_splits, s_ccb, s_rcb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
+                      s_rcrt, GC, S, R, BM)
+    else:
+        _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
+                       rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb,
+                       s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS,
+                       S, R, BM, PAGED)
+
+
+@_jit
+def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr,
+                   rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct,
+                   s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr,
+                   C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
+                   PAGED: gl.constexpr):
     """Every tile of the program's split (row pointers, the next tile's words and metadata loaded while this one is
     unpacked; `PAGED`: through the page numbers, a tile ahead), or its copy tile: scores and content keys to the
     value warpgroups (module docstring)."""
@@ -256,6 +284,102 @@ def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_p
         _hand_over(acc, sbuf, bars, 0, 0)
 
 
+# --------------------------------------------------------------------------------------------- the 16-bit scorer
+@_jit
+def _dense_keys(vbuf, st, p_c, rows, valid, stride, GC: gl.constexpr, ld_l: gl.constexpr):
+    """Copy a tile's content keys, rows `rows: [64]` (stride `stride` elements) of `p_c`, into `vbuf[u][st]: [64
+    tokens, 64]` for every unit u (channels `64 u + [0, 64)`, in order), 16 bytes a `cp.async`, zeros where not
+    `valid`; one commit group."""
+    o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))
+    off = (rows * stride)[:, None] + o_c[None, :]
+    m = valid[:, None] & (o_c >= 0)[None, :]
+    for u in gl.static_range(GC):
+        _async_load(vbuf[u].index(st), p_c + off + u * 64, mask=m)
+    async_copy.commit_group()
+
+
+@_jit
+def _dense_rope(p_r, rows, valid, stride, xl: gl.constexpr):
+    """A tile's RoPE keys, rows `rows: [64]` of `p_r` (zeros where not `valid`), as `[64, 4, 8, 2, 1]`: thread q's
+    channels `16 q + [0, 16)`, the order `_a_view` reads (the RoPE queries are staged in `_score_channel` order)."""
+    sl: gl.constexpr = gl.SliceLayout(2, xl)
+    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
+    o_e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
+    off = ((rows * stride)[:, None] + 16 * o_q[None, :])[:, :, None] + o_e[None, None, :]
+    x = gl.load(p_r + off, mask=valid[:, None, None], other=0.0)
+    return gl.reshape(x, [64, 4, 8, 2, 1])
+
+
+@_jit
+def _dense_scores(vbuf, st, xr, qbuf, kz, GC: gl.constexpr, BM: gl.constexpr, acc_l: gl.constexpr,
+                  dot_a: gl.constexpr):
+    """`S^T: [64 tokens, BM rows]` of a 16-bit tile once its content keys are in `vbuf[.][st]` (copies waited for and
+    published here): the content units' `wgmma`s with both operands in shared memory, the RoPE unit's with its keys
+    `xr` from registers (waited)."""
+    async_copy.wait_group(0)
+    fence_async_shared()  # the copies (generic proxy) visible to the wgmmas (async proxy) of every scorer warp
+    _cta_barrier()
+    acc = gl.zeros([64, BM], gl.float32, acc_l)
+    for u in gl.static_range(GC):
+        acc = warpgroup_mma(vbuf[u].index(st), qbuf[u].index(kz).permute((1, 0)), acc, use_acc=u > 0, is_async=True)
+    a = _a_view(xr, dot_a)
+    acc = warpgroup_mma(a, qbuf[GC].index(kz).permute((1, 0)), acc, is_async=True)
+    acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+    return acc
+
+
+@_jit
+def _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M,
+                  split_target, num_splits, s_ccb, s_rcb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
+                  s_rcrt, GC: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr):
+    """The scorer of 16-bit planes (C16R16, contiguous): each tile's content keys copied by `cp.async` straight into
+    the value stage (`_dense_keys`: the next tile's once the values have released its stage, right after this
+    tile's scores are handed over), its RoPE keys loaded into registers a tile ahead; no unpacking and no key
+    stores. A copy program copies its one tile of model-dtype copies into stage 0 the same way."""
+    BT: gl.constexpr = 64
+    D_C: gl.constexpr = GC * 64
+    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64 tokens, 64]: 16-byte runs
+    XL: gl.constexpr = words_layout(16)  # the RoPE unit's 16 channels per quad slot
+    t_c: gl.constexpr = gl.SliceLayout(1, ld_l)
+    t_r: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, XL))
+
+    i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, False)
+    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, 16)
+    first = gl.where(n_tiles > 0, base, 0)  # the planes from the split's first tile, int32 rows relative to it
+    p_cc = cc_ptr + i_b.to(gl.int64) * s_ccb + first * D_C
+    p_rc = rc_ptr + i_b.to(gl.int64) * s_rcb + first * 64
+    lo = (lo_valid - base).to(gl.int32)
+    hi = (hi - base).to(gl.int32)
+    o_c = gl.arange(0, BT, layout=t_c)
+    o_r = gl.arange(0, BT, layout=t_r)
+    if n_tiles > 0:
+        _dense_keys(vbuf, 0, p_cc, o_c, (o_c >= lo) & (o_c < hi), D_C, GC, ld_l)
+    xr = _dense_rope(p_rc, o_r, (o_r >= lo) & (o_r < hi), 64, XL)
+    for it in range(n_tiles):
+        st = it % 2
+        kz = it >> 30  # zero at run time, unknown to the compiler: the query descriptors are made where used
+        tn = it * BT + BT
+        acc = _dense_scores(vbuf, st, xr, qbuf, kz, GC, BM, acc_l, dot_a)
+        xr = _dense_rope(p_rc, tn + o_r, ((tn + o_r) >= lo) & ((tn + o_r) < hi), 64, XL)
+        _hand_over(acc, sbuf, bars, st, it)
+        if it + 1 < n_tiles:  # the next tile into the other stage, once both value warpgroups are done with it
+            mbarrier.wait(bars.index(V_EMPTY + 1 - st), (((it + 1) // 2) + 1) & 1, pred=it >= 1)
+            _dense_keys(vbuf, 1 - st, p_cc, tn + o_c, ((tn + o_c) >= lo) & ((tn + o_c) < hi), D_C, GC, ld_l)
+
+    if i_s >= num_splits:  # a copy program: its one tile of model-dtype copies, into stage 0
+        lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr,
+                                                             rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                                                             s_rcct, s_rcrb, s_rcrt, S, R, BT)
+        slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_c.to(gl.int64), S, R)
+        _dense_keys(vbuf, 0, p_c, slot, m_t, s_ct, GC, ld_l)
+        slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_r.to(gl.int64), S, R)
+        acc = _dense_scores(vbuf, 0, _dense_rope(p_r, slot, m_t, s_rt, XL), qbuf, 0, GC, BM, acc_l, dot_a)
+        _hand_over(acc, sbuf, bars, 0, 0)
+
+
 # --------------------------------------------------------------------------------------------- the values
 @_jit
 def _value_tiles(i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct,
@@ -309,6 +433,16 @@ def _store_unit(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, C_BITS: g
     ch = _unit_base(u, o_q, GC)
     ptr = o_ptr + (off[:, None] + ch[None, :])[:, :, None] + o_c[None, None, :]
     gl.store(ptr, x, mask=(o_r < n_rows)[:, None, None])
+
+
+@_jit
+def _store_unit_in_order(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, GC: gl.constexpr, o_l: gl.constexpr):
+    """Unit u's normalised output `o: [64 rows, 64]` whose column c is channel `64 u + c` (16-bit keys) to rows
+    `row0 + [0, min(64, n_rows))` of the partials, from the accumulator's own layout (8-byte stores)."""
+    o_r = gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
+    o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, o_l))
+    off = ((row0 + o_r).to(gl.int64) * n_slots + i_s) * (GC * 64) + u * 64
+    gl.store(o_ptr + off[:, None] + o_c[None, :], o, mask=(o_r < n_rows)[:, None])
 
 
 @_jit
@@ -371,7 +505,7 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         l_i = l_i * alpha + gl.sum(p, axis=0)
         m_i = m_new
         mbarrier.wait(bars.index(P_FREE), (it + 1) & 1, pred=it > 0)
-        pbuf.slice(HF * HM, HM, dim=0).store(gl.permute(p.to(gl.float16), (1, 0)))
+        pbuf.slice(HF * HM, HM, dim=0).store(gl.permute(p.to(pbuf.dtype), (1, 0)))
         abuf.slice(HF * HM, HM).store(alpha)
         mvbuf.slice(4 * HF, 4).store(gl.max(gl.reshape(move.to(gl.int32), [4, HM // 4]), axis=1))  # per warp
         fence_async_shared()  # P visible to the wgmmas
@@ -396,8 +530,48 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
     mbarrier.wait(bars.index(E_BAR), 0)
     inv = ibuf.load(orow_l)[:, None]
     for u in gl.static_range(4):
-        _store_unit(o_ptr, outs[u] * inv, 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM, num_splits + ND, i_s,
-                    C_BITS, GC)
+        if C_BITS == 16:  # the stage's columns in channel order
+            _store_unit_in_order(o_ptr, outs[u] * inv, 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM,
+                                 num_splits + ND, i_s, GC, o_l)
+        else:
+            _store_unit(o_ptr, outs[u] * inv, 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM, num_splits + ND, i_s,
+                        C_BITS, GC)
+
+
+@_jit
+def _key_buffers(N: gl.constexpr, ROWS: gl.constexpr, DEPTH: gl.constexpr, KD: gl.constexpr, sl: gl.constexpr):
+    """A tuple of `N` separately allocated shared buffers `[DEPTH, ROWS, 64]` of the 16-bit type `KD`, one per unit."""
+    bufs = ()
+    for u in gl.static_range(N):
+        bufs = bufs + (gl.allocate_shared_memory(KD, [DEPTH, ROWS, 64], sl),)
+    return bufs
+
+
+@_jit
+def _stage_queries_in_order(qbuf, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
+                            q_l: gl.constexpr):
+    """The queries of 16-bit planes: rows `row0 + [0, BM)` of `p_q: [M, D_C]` in channel order (unit u: channels `64
+    u + [0, 64)`, read from shared memory against the copied keys) and of `p_qr: [M, 64]` in `_score_channel` order
+    (the RoPE keys are register operands), divided by one per-row power of two `f` (so `|q| / f < 2**14`), in the
+    keys' type. Returns `f: [BM]` (q_l rows)."""
+    o_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
+    m_m = (o_m < M)[:, None]
+    o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
+    amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, q_l))
+    xs = ()
+    for u in gl.static_range(GC + 1):
+        if u < GC:
+            x = gl.load(p_q + o_m[:, None] * D_C + (64 * u + o_c)[None, :], mask=m_m, other=0.0)
+        else:
+            x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(GC, o_c, 16, GC)[None, :], mask=m_m, other=0.0)
+        x = x.to(gl.float32)
+        amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
+        xs = xs + (x,)
+    e = gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0)
+    inv_f = gl.exp2(-e)
+    for u in gl.static_range(GC + 1):
+        qbuf[u].index(0).store((xs[u] * inv_f[:, None]).to(qbuf[u].dtype))
+    return gl.exp2(e)
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -426,10 +600,11 @@ def mla_decode_split_kernel(
     s_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
     v_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    qbuf = _unit_buffers(GC + 1, BM, k_sl)
-    vbuf = _unit_buffers(GC, BT, k_sl, 2)  # one allocation per unit: the scorer's stores are seen as disjoint
+    KD: gl.constexpr = cc_ptr.dtype.element_ty if C_BITS == 16 else gl.float16  # the operands' 16-bit type
+    qbuf = _key_buffers(GC + 1, BM, 1, KD, k_sl)
+    vbuf = _key_buffers(GC, BT, 2, KD, k_sl)  # one allocation per unit: the scorer's stores are seen as disjoint
     sbuf = gl.allocate_shared_memory(gl.float32, [BM, BT], s_sl)
-    pbuf = gl.allocate_shared_memory(gl.float16, [BM, BT], k_sl)
+    pbuf = gl.allocate_shared_memory(KD, [BM, BT], k_sl)
     abuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
     fbuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
     ibuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
@@ -439,8 +614,11 @@ def mla_decode_split_kernel(
         mbarrier.init(bars.index(i), count=1 if (i < V_EMPTY or i == S_FULL) else 2)
 
     _, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
-    f = _stage_queries(qbuf, qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, False, C_BITS,
-                       R_BITS, q_l)
+    if C_BITS == 16:
+        f = _stage_queries_in_order(qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, q_l)
+    else:
+        f = _stage_queries(qbuf, qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, False,
+                           C_BITS, R_BITS, q_l)
     fbuf.store(f * qk_scale)  # scores in base 2, pre-multiplied by scaling * log2(e)
     fence_async_shared()
     _cta_barrier()
@@ -464,23 +642,37 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
     """Shared memory of one program: queries `[GC + 1, 64, 64]` fp16, two stages of content keys `[GC, 64, 64]`
     fp16, scores `[64, 64]` fp32, P `[64, 64]` fp16, three `[64]` fp32 row factors, 8 votes and the barriers, plus
     1 KB of compiler scratch."""
-    gc = fmt.content.n_groups
+    gc = fmt.content.dim // GROUP  # content units (of 16-bit planes too)
     return ((gc + 1) * BLOCK_M * GROUP * 2 + 2 * gc * BLOCK_T * GROUP * 2 + BLOCK_T * BLOCK_M * (4 + 2)
             + 3 * BLOCK_M * 4 + 8 * 4 + N_BARS * 8 + 1024)
 
 
 def split_handles(fmt: CacheFormat) -> bool:
     """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups at 2 or 4 bits (keys rounded
-    once to fp16) with 2-, 4- or 8-bit RoPE (C4R4, C2R4, C4R8, C2R8)."""
+    once to fp16) with 2-, 4- or 8-bit RoPE (C4R4, C2R4, C4R8, C2R8), or both paths at 16 bits at DeepSeek's widths
+    (C16R16: 512 content channels, 64 RoPE)."""
+    if dense(fmt):
+        return fmt.content.dim == 8 * GROUP and fmt.rope.dim == GROUP
     return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits in (2, 4, 8)
+
+
+def dense(fmt: CacheFormat) -> bool:
+    """Whether both paths are 16-bit planes (`_dense_scorer`)."""
+    return not fmt.content.quantized and not fmt.rope.quantized
 
 
 def launch_split(*args, page_table=None):
     """Launch `mla_decode_split_kernel` with `launch_flat`'s arguments (after its `block_m`): `B * cdiv(M, 64) * (NS
     + copy_programs(fmt))` programs of three warpgroups. bf16/fp16 queries only (no low parts are staged)."""
-    q, qr = args[0], args[1]
+    q, qr, fmt = args[0], args[1], args[4]
     if q.dtype == torch.float32 or qr.dtype == torch.float32:
         raise ValueError("the split Gluon decode kernel takes bf16/fp16 queries: use backend='gluon_wide' for fp32")
+    if dense(fmt) and page_table is not None:
+        raise ValueError("the split Gluon decode kernel reads 16-bit planes contiguous, not as page pools: use "
+                         "backend='triton'")
+    if dense(fmt) and len({args[2]["values"].dtype, args[3]["values"].dtype, *(t.dtype for t in args[5:9])}) > 1:
+        raise ValueError("the split Gluon decode kernel copies 16-bit planes and the sink/recent copies into one "
+                         "buffer: they must share one dtype (the model's); use backend='triton'")
     v_regs, s_regs = registers(args[4], page_table is not None)
     launch_flat(mla_decode_split_kernel, "split Gluon decode kernel", smem_bytes, "gluon_wide", BLOCK_M, *args,
                 page_table=page_table, V_REGS=v_regs, S_REGS=s_regs, num_warps=4, maxnreg=LAUNCH_REGS)

@@ -44,7 +44,10 @@ CASES = [  # (format, rows, batch, dtype, H200 choice)
     (fmt(8, 8), 128, 32, torch.bfloat16, "gluon_wide"),  # 8-bit keys at 128 heads: the two-warpgroup kernel too
     (fmt(4, 4, dc=256, dr=32), 128, 8, torch.bfloat16, "triton"),  # MiniCPM3: RoPE group of 32
     (fmt(4, 4, dc=256), 128, 8, torch.bfloat16, "gluon_regs"),  # 4 content groups: not the wide kernel's
-    (fmt(16, 16), 128, 32, torch.bfloat16, "triton"),  # C16R16
+    (fmt(16, 16), 128, 32, torch.bfloat16, "gluon_split"),  # C16R16 at 128 heads: keys copied, not unpacked
+    (fmt(16, 16), 64, 8, torch.float16, "gluon_split"),
+    (fmt(16, 16), 16, 32, torch.bfloat16, "triton"),  # C16R16 below one split program's 64 rows
+    (fmt(16, 16, dc=256), 128, 8, torch.bfloat16, "triton"),  # 16-bit planes at other widths
     (fmt(4, 4), 16, 8, torch.float32, "triton"),  # fp32 model: the exact fp32 path
     (fmt(4, 4, dc=192), 16, 8, torch.bfloat16, "torch"),  # three content groups: no kernel
     (fmt(4, 4, dc=256, dr=32, group=32), 16, 8, torch.bfloat16, "triton"),  # groups of 32: not the Gluon kernels'
@@ -145,6 +148,7 @@ PAGED_CASES = [  # (format, heads, requests, query tokens, page size, H200 choic
     (fmt(4, 4), 16, 5, 9, 64, "triton"),  # a prefill chunk in the step
     (fmt(4, 4), 16, 5, 5, 32, "triton"),  # pages smaller than the Gluon tile
     (fmt(16, 16), 16, 5, 5, 64, "triton"),  # C16R16
+    (fmt(16, 16), 128, 8, 8, 64, "triton"),  # C16R16 pages: no sink/recent copies for the split kernel's programs
     (CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64), 0, 0), 16, 5, 5, 64, "triton"),  # no copies
 ]
 

@@ -171,6 +171,21 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
         assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, (cb, paged)
         assert "stmatrix.sync.aligned" in ptx  # the keys stored as their A fragments are
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
+    # 16-bit planes (C16R16): the content keys copied into the value stages (cp.async, 16 bytes), scored from there;
+    # only the RoPE unit's keys are register operands; nothing unpacked, no keys stored from registers
+    fmt = CacheFormat(PathFormat(512, 16, 64), PathFormat(64, 16, 64))
+    kernel = sd.compile_split(16, 16)
+    assert not sd.wgmma_serialized(kernel), sd.ptxas_facts(kernel)
+    assert kernel.metadata.shared <= mp.smem_bytes(fmt, False) <= mc.SMEM_LIMIT
+    ptx = kernel.asm["ptx"]
+    v_regs, s_regs = mp.registers(fmt, False)
+    for n in (s_regs, v_regs):
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{n};" in ptx
+    mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 \{{[^}}]*\}}, "
+    assert len(re.findall(mma + r"\{", ptx)) == 2 * 4  # the RoPE unit, in the loop and the copy tile
+    assert len(re.findall(mma + r"%rd", ptx)) == 2 * 8 * 4 + 2 * 4 * 4  # content scores (both), values
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    assert "stmatrix" not in ptx and "mul.f16x2" not in ptx
     print("compiled")
     """
 )
@@ -230,6 +245,12 @@ def test_split_shared_memory_and_formats():
     for c, r, dc in ((8, 8, 512), (8, 4, 512), (4, 4, 256)):  # 8-bit content keys, 4 content groups: not this kernel's
         assert not ms.split_handles(CacheFormat(PathFormat(dc, c, 64), PathFormat(64, r, 64)))
     assert ms.registers(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 2, 64)), True) == ms.REGS[4, 4, True]
+    # 16-bit planes at DeepSeek's widths (copied into the value stages: the same shared memory), none at others
+    c16 = CacheFormat(PathFormat(512, 16, 64), PathFormat(64, 16, 64))
+    assert ms.split_handles(c16) and ms.dense(c16) and ms.registers(c16, False) == ms.REGS[16, 16, False]
+    assert ms.smem_bytes(c16, False) == ms.smem_bytes(c2r4, False)
+    assert not ms.split_handles(CacheFormat(PathFormat(256, 16, 64), PathFormat(64, 16, 64)))
+    assert not ms.dense(CacheFormat(PathFormat(512, 16, 64), PathFormat(64, 4, 64)))
 
 
 def test_wide_shared_memory():
@@ -464,7 +485,8 @@ def test_sass_script_counts_both_packed_loops():
 def test_sass_script_reads_the_split_kernels_loops():
     """`benchmarks/sass_decode.py --split` finds each value warpgroup's main loop (per tile: its 4 units x 4 k-steps
     of values, no unpacking) and the scorer's (9 units x 4 k-steps of scores, 9 units x 16 pairs per thread: 144
-    unpacking multiplies), and reports the warpgroups' registers."""
+    unpacking multiplies; 16-bit keys: none, 8 units x 4 copies of 16 bytes per thread), and reports the
+    warpgroups' registers."""
     out = _sass_script("C4R4", "--split")
     assert out.returncode == 0, out.stderr[-3000:]
     values = re.findall(r"^value loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
@@ -473,8 +495,12 @@ def test_sass_script_reads_the_split_kernels_loops():
     assert scorers == [("36", "144")], out.stdout
     assert f"value worker {ms.REGS[4, 4, False][0]}, scorer {ms.REGS[4, 4, False][1]}" in out.stdout, out.stdout
     assert re.search(r"^ptxas: wgmmas not serialized, spills \d+ B stored, \d+ B loaded$", out.stdout, re.M), out.stdout
+    dense = _sass_script("C16R16", "--split")  # 16-bit keys: copied into the value stages (32 cp.async a thread)
+    assert dense.returncode == 0, dense.stderr[-3000:]
+    assert re.findall(r"^scorer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking multiplies, (\d+) key copies", dense.stdout,
+                      re.M) == [("36", "0", "32")], dense.stdout
     bad = _sass_script("C8R8", "--split", timeout=300)
-    assert bad.returncode == 2 and "takes C4R4, C2R4 and C4R8" in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode == 2 and "takes C4R4, C2R4, C4R8 and (contiguous) C16R16" in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)

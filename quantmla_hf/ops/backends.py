@@ -62,12 +62,12 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
 
     The table (timings: docs/KERNELS.md "Which kernel runs"):
 
-    - Hopper (sm_90) with 2/4/8-bit paths in groups of 64 and bf16/fp16 copies: `gluon_split` from 64 rows where
-      it takes the format (C4R4, C2R4, C4R8, C2R8 with 8 content groups; bf16/fp16 queries), else `gluon_wide`
-      above 16 rows where it takes the format (those and C8R8), else `gluon_regs`. Every
-      batch measured picks the same kernel, so `batch` does not enter the rule.
-    - Any other CUDA GPU, 16-bit paths, fp32 models, and the Triton interpreter on CPU: `triton`, where the format
-      has power-of-two widths (`mla_decode_triton.triton_handles`).
+    - Hopper (sm_90) with bf16/fp16 copies: `gluon_split` from 64 rows where it takes the format (C4R4, C2R4, C4R8,
+      C2R8 with 8 content groups, and C16R16 at 512 + 64 channels; bf16/fp16 queries); else, with 2/4/8-bit paths
+      in groups of 64, `gluon_wide` above 16 rows where it takes the format (C4R4, C2R4, C4R8, C2R8, C8R8), else
+      `gluon_regs`. Every batch measured picks the same kernel, so `batch` does not enter the rule.
+    - Any other CUDA GPU, 16-bit paths below 64 rows, fp32 models, and the Triton interpreter on CPU: `triton`,
+      where the format has power-of-two widths (`mla_decode_triton.triton_handles`).
     - Everything else (CPU without the interpreter, other widths): `torch`.
     """
     device = torch.device(device)
@@ -77,10 +77,11 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
         return "triton"
     if device.type != "cuda":
         return "torch"
-    if hopper_handles(fmt, dtype, device) and regs.regs_handles(fmt):
+    if hopper_handles(fmt, dtype, device):
         if rows >= split.BLOCK_M and split.split_handles(fmt) and (query_dtype or dtype) != torch.float32:
             return "gluon_split"
-        return "gluon_wide" if rows > 16 and wide.wide_handles(fmt) else "gluon_regs"
+        if regs.regs_handles(fmt):
+            return "gluon_wide" if rows > 16 and wide.wide_handles(fmt) else "gluon_regs"
     if torch.cuda.get_device_capability(device)[0] < 8:
         return "torch"
     return "triton"
@@ -92,7 +93,8 @@ def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: i
     of 64 tokens with sink and recent copies, the Gluon kernel `select_backend` picks for these `H` rows
     (`gluon_regs`, `gluon_wide` or `gluon_split`, reading the pools through the page table); otherwise `triton`
     (any step, page size and format)."""
-    if n_queries != n_requests or page_size != GLUON_BLOCK_T or not (fmt.sink_tokens and fmt.recent_tokens):
+    if (n_queries != n_requests or page_size != GLUON_BLOCK_T or not (fmt.sink_tokens and fmt.recent_tokens)
+            or split.dense(fmt)):  # (a paged 16-bit cache keeps no copies)
         return "triton"
     choice = select_backend(fmt, H, n_requests, copy_dtype, device, query_dtype)
     return choice if choice.startswith("gluon") else "triton"
@@ -100,12 +102,12 @@ def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: i
 
 def gluon_handles(backend: str, fmt: CacheFormat) -> bool:
     """Whether Gluon kernel `backend` takes the format (besides `hopper_handles`)."""
+    if backend == "gluon_split":
+        return split.split_handles(fmt)
     if not regs.regs_handles(fmt):
         return False
     if backend == "gluon_wide":
         return wide.wide_handles(fmt)
-    if backend == "gluon_split":
-        return split.split_handles(fmt)
     return True
 
 
@@ -262,7 +264,8 @@ def mla_decode_static(
         if not (hopper_handles(fmt, sink_c.dtype, q_lat.device) and handles):
             raise ValueError(f"the {backend} kernel does not take {fmt.name} with {sink_c.dtype} copies on "
                              f"{q_lat.device} (sm_90, groups of 64; wide: 8 content groups of C4R4, C2R4, "
-                             "C4R8, C2R8 or C8R8; split: those of them below 8-bit content): use backend='triton'")
+                             "C4R8, C2R8 or C8R8; split: those of them below 8-bit content, and C16R16): use "
+                             "backend='triton'")
         if not planes_contiguous(fmt, content_planes, rope_planes):
             raise ValueError("the Gluon decode kernels need plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
                              "use backend='triton' for strided planes")
