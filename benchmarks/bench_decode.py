@@ -225,11 +225,15 @@ class CheckCase:
 
 def check_cases(cases=None) -> list[tuple]:
     """`(format, H, B, N, Tq, query kind, copies dtype)` of `run_check`: each case with bf16 queries, the first four
-    with fp32, the second with 1e6-scaled bf16 (one query token), and (default cases only) fp16 and fp32 models
-    (C16R16 also at 128 heads in fp16: the split kernel's fp16 planes)."""
-    models = [] if cases else ([(f, 16, 3, 1000, 1, "model", dt) for f in ("C4R4", "C16R16")
-                                for dt in (torch.float16, torch.float32)]
-                               + [("C16R16", 128, 2, 1000, 1, "model", torch.float16)])  # fp16 planes, split kernel
+    with fp32, the second with 1e6-scaled bf16 (one query token), and fp16 and fp32 models: for the default cases
+    C4R4 and C16R16 at 16 heads and C16R16 at 128 in fp16 (the split kernel's fp16 planes), for given cases each
+    C16R16 case in fp16."""
+    if cases:  # a 16-bit case also in an fp16 model: its planes are in the model's dtype
+        models = [c[:5] + ("model", torch.float16) for c in cases if c[0] == "C16R16"]
+    else:
+        models = ([(f, 16, 3, 1000, 1, "model", dt) for f in ("C4R4", "C16R16")
+                   for dt in (torch.float16, torch.float32)]
+                  + [("C16R16", 128, 2, 1000, 1, "model", torch.float16)])  # fp16 planes on the split kernel
     cases = cases or CHECK_CASES
     return ([c + ("bf16", torch.bfloat16) for c in cases] + [c + ("fp32", torch.bfloat16) for c in cases[:4]]
             + [cases[min(1, len(cases) - 1)][:4] + (1, "bf16x1e6", torch.bfloat16)] + models)

@@ -263,14 +263,14 @@ def opcode_counts(instructions: list[str]) -> collections.Counter:
     return collections.Counter(".".join(op.split(".")[:2]) for op in ops)
 
 
-HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32\w*\s+R\d+,\s+(R\d+|gdesc)")  # M, N, K, A operand
+HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32(?:\.BF16)?\s+R\d+,\s+(R\d+|gdesc)")  # M, N, K, A operand
 SHARED_ACCESS = re.compile(r"\b(STS|LDS)(?:\.U?(8|16|32|64|128))?\b")  # a shared store/load and its width in bits
 STMATRIX = re.compile(r"\bSTSM\.16\.M88(?:\.(\d))?\b")  # `stmatrix`: 1, 2 or 4 8x8 fp16 matrices a warp
 
 
 def shared_bytes(instructions: list[str]) -> dict:
     """The shared-memory bytes a loop moves, per pass: `wgmma` operands (each HGMMA counted once, as the
-    warpgroup's: fp16 A `M x K` when it is read from shared memory (`gdesc` first) and B `N x K`, which always is) and
+    warpgroup's: 16-bit A `M x K` when it is read from shared memory (`gdesc` first) and B `N x K`, which always is) and
     stores and loads of one warp (`STS`/`LDS` of 32 lanes at their width, 32 bits where none is written; `STSM`
     128 bytes a matrix), so that a warpgroup's total is `wgmma + 4 * (stores + loads)`. A multiprocessor moves 128
     bytes of shared memory a cycle, which bounds a tile's time from below by the sum over its warpgroups divided by

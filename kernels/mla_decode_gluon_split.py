@@ -17,9 +17,10 @@ launch: `mla_decode_paged_ref`); shared pieces in `mla_decode_gluon_common.py`; 
   way, into stage 0.
 - 16-bit planes (C16R16, contiguous; `_dense_scorer`): nothing to unpack, so the scorer copies each tile's content
   keys `[64 tokens, 512]` with `cp.async` straight into the value stage (channels in order; the next tile's as soon
-  as the values release its stage, after this tile's scores are handed over) and scores them from there (`S^T += K_u
-  Q_u^T`, both operands in shared memory); only the RoPE unit's keys are loaded into registers, a tile ahead. The
-  queries, keys and P are the planes' 16-bit type (bf16 or fp16), the outputs leave in channel order.
+  as the values release its stage, after this tile's scores are handed over) and scores them from there unit by unit
+  as each lands (`S^T += K_u Q_u^T`, both operands in shared memory, one copy group per unit); only the RoPE unit's
+  keys are loaded into registers, a tile ahead, and scored first. The queries, keys and P are the planes' 16-bit type
+  (bf16 or fp16), the outputs leave in channel order.
 - Two value warpgroups (`_values`, the default warps and a worker at `V_REGS`), half `h` each: the scores of rows `[32
   h, + 32)` from `sbuf` (four threads per row, 16 contiguous tokens each: four 16-byte loads; a row's maximum is two
   shuffles), their online softmax (lazy: a row's reference moves only by more than 8; no masks where every row sees the
@@ -289,13 +290,13 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
 def _dense_keys(vbuf, st, p_c, rows, valid, stride, GC: gl.constexpr, ld_l: gl.constexpr):
     """Copy a tile's content keys, rows `rows: [64]` (stride `stride` elements) of `p_c`, into `vbuf[u][st]: [64
     tokens, 64]` for every unit u (channels `64 u + [0, 64)`, in order), 16 bytes a `cp.async`, zeros where not
-    `valid`; one commit group."""
+    `valid`; one commit group per unit."""
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_l))
     off = (rows * stride)[:, None] + o_c[None, :]
     m = valid[:, None] & (o_c >= 0)[None, :]
     for u in gl.static_range(GC):
         _async_load(vbuf[u].index(st), p_c + off + u * 64, mask=m)
-    async_copy.commit_group()
+        async_copy.commit_group()  # one group per unit: its scores start as soon as it lands
 
 
 @_jit
@@ -313,17 +314,18 @@ def _dense_rope(p_r, rows, valid, stride, xl: gl.constexpr):
 @_jit
 def _dense_scores(vbuf, st, xr, qbuf, kz, GC: gl.constexpr, BM: gl.constexpr, acc_l: gl.constexpr,
                   dot_a: gl.constexpr):
-    """`S^T: [64 tokens, BM rows]` of a 16-bit tile once its content keys are in `vbuf[.][st]` (copies waited for and
-    published here): the content units' `wgmma`s with both operands in shared memory, the RoPE unit's with its keys
-    `xr` from registers (waited)."""
-    async_copy.wait_group(0)
-    fence_async_shared()  # the copies (generic proxy) visible to the wgmmas (async proxy) of every scorer warp
-    _cta_barrier()
-    acc = gl.zeros([64, BM], gl.float32, acc_l)
-    for u in gl.static_range(GC):
-        acc = warpgroup_mma(vbuf[u].index(st), qbuf[u].index(kz).permute((1, 0)), acc, use_acc=u > 0, is_async=True)
+    """`S^T: [64 tokens, BM rows]` of a 16-bit tile whose content keys are being copied into `vbuf[.][st]` (one copy
+    group per unit, `_dense_keys`): the RoPE unit's `wgmma`s first, its keys `xr` from registers, then each content
+    unit's, both operands in shared memory, as soon as that unit's copies have landed (waited for and published here
+    unit by unit); waited."""
     a = _a_view(xr, dot_a)
-    acc = warpgroup_mma(a, qbuf[GC].index(kz).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a, qbuf[GC].index(kz).permute((1, 0)), gl.zeros([64, BM], gl.float32, acc_l), use_acc=False,
+                        is_async=True)
+    for u in gl.static_range(GC):
+        async_copy.wait_group(GC - 1 - u)  # this unit's copies (the tile's only outstanding groups)
+        fence_async_shared()  # the copies (generic proxy) visible to the wgmmas (async proxy) of every scorer warp
+        _cta_barrier()
+        acc = warpgroup_mma(vbuf[u].index(st), qbuf[u].index(kz).permute((1, 0)), acc, is_async=True)
     acc, a = warpgroup_mma_wait(0, deps=[acc, a])
     return acc
 
