@@ -539,8 +539,11 @@ def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, BITS: gl
 def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC: gl.constexpr,
                 C_BITS: gl.constexpr, R_BITS: gl.constexpr):
     """Unit u's 64 query columns of rows `o_m` (content units 0..GC-1, RoPE unit GC) in `score_channel` order,
-    fp32."""
-    if u < GC:
+    fp32; 16-bit content in channel order (unit u: channels `64 u + [0, 64)`: the split kernel copies those keys as
+    they are)."""
+    if u < GC and C_BITS == 16:
+        x = gl.load(p_q + o_m[:, None] * D_C + (64 * u + o_c)[None, :], mask=m_m, other=0.0)
+    elif u < GC:
         x = gl.load(p_q + o_m[:, None] * D_C + _score_channel(u, o_c, C_BITS, GC)[None, :], mask=m_m, other=0.0)
     else:
         x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(u, o_c, R_BITS, GC)[None, :], mask=m_m, other=0.0)
@@ -551,8 +554,9 @@ def _query_unit(p_q, p_qr, o_m, m_m, o_c, u: gl.constexpr, D_C: gl.constexpr, GC
 def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
                    Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, q_l: gl.constexpr):
     """Rows `row0 + [0, BM)` of `p_q: [M, D_C]` and `p_qr: [M, 64]`, divided by one per-row power of two `f` (so
-    `|q| / f < 2**14`), as fp16 (high, and low for fp32 queries) in `qbuf[u]: [1, BM, 64]` in `score_channel` order
-    (units 0..GC-1 content, GC RoPE). Returns `f: [BM]` (q_l rows)."""
+    `|q| / f < 2**14`), in the buffers' 16-bit type (fp16; the planes' for 16-bit keys; high, and low for fp32
+    queries) in `qbuf[u]: [1, BM, 64]` in `_query_unit` order (units 0..GC-1 content, GC RoPE). Returns `f: [BM]`
+    (q_l rows)."""
     o_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
     m_m = (o_m < M)[:, None]
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
@@ -566,10 +570,10 @@ def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.cons
     inv_f = gl.exp2(-e)
     for u in gl.static_range(GC + 1):
         x = xs[u] * inv_f[:, None]
-        hi = x.to(gl.float16)
+        hi = x.to(qbuf[u].dtype)
         qbuf[u].index(0).store(hi)
         if Q_SPLIT:
-            qlo[u].index(0).store((x - hi.to(gl.float32)).to(gl.float16))
+            qlo[u].index(0).store((x - hi.to(gl.float32)).to(qlo[u].dtype))
     return gl.exp2(e)
 
 

@@ -75,7 +75,6 @@ if HAVE_GLUON:
         _references,
         _row_ptrs,
         _row_steps,
-        _score_channel,
         _split_range,
         _split_rows,
         _split_units,
@@ -549,33 +548,6 @@ def _key_buffers(N: gl.constexpr, ROWS: gl.constexpr, DEPTH: gl.constexpr, KD: g
     return bufs
 
 
-@_jit
-def _stage_queries_in_order(qbuf, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
-                            q_l: gl.constexpr):
-    """The queries of 16-bit planes: rows `row0 + [0, BM)` of `p_q: [M, D_C]` in channel order (unit u: channels `64
-    u + [0, 64)`, read from shared memory against the copied keys) and of `p_qr: [M, 64]` in `_score_channel` order
-    (the RoPE keys are register operands), divided by one per-row power of two `f` (so `|q| / f < 2**14`), in the
-    keys' type. Returns `f: [BM]` (q_l rows)."""
-    o_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
-    m_m = (o_m < M)[:, None]
-    o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
-    amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, q_l))
-    xs = ()
-    for u in gl.static_range(GC + 1):
-        if u < GC:
-            x = gl.load(p_q + o_m[:, None] * D_C + (64 * u + o_c)[None, :], mask=m_m, other=0.0)
-        else:
-            x = gl.load(p_qr + o_m[:, None] * 64 + _score_channel(GC, o_c, 16, GC)[None, :], mask=m_m, other=0.0)
-        x = x.to(gl.float32)
-        amax = gl.maximum(amax, gl.max(gl.abs(x), axis=1))
-        xs = xs + (x,)
-    e = gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) / 16384.0)), 0.0)
-    inv_f = gl.exp2(-e)
-    for u in gl.static_range(GC + 1):
-        qbuf[u].index(0).store((xs[u] * inv_f[:, None]).to(qbuf[u].dtype))
-    return gl.exp2(e)
-
-
 # --------------------------------------------------------------------------------------------- the kernel
 @_jit_dynamic
 def mla_decode_split_kernel(
@@ -616,11 +588,8 @@ def mla_decode_split_kernel(
         mbarrier.init(bars.index(i), count=1 if (i < V_EMPTY or i == S_FULL) else 2)
 
     _, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
-    if C_BITS == 16:
-        f = _stage_queries_in_order(qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, q_l)
-    else:
-        f = _stage_queries(qbuf, qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, False,
-                           C_BITS, R_BITS, q_l)
+    f = _stage_queries(qbuf, qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, False, C_BITS,
+                       R_BITS, q_l)
     fbuf.store(f * qk_scale)  # scores in base 2, pre-multiplied by scaling * log2(e)
     fence_async_shared()
     _cta_barrier()
