@@ -587,8 +587,10 @@ def paged_fn(args, page_size=64, num_splits=None, backend=None, decode=None):
     """The same cache laid out in pages (`quantmla_hf/ops/backends.py`'s `mla_decode_paged`, or `decode`, another
     tree's): each batch row one request of N positions in consecutive pages of `page_size`, one query token each; a
     callable returning `(o [B, H, d_c], lse)` (`num_splits`: the kernel's split target, default its own rule;
-    `backend`: default `select_paged_backend`)."""
+    `backend`: default `select_paged_backend`). A 16-bit cache in pages keeps no copies, as the paged cache's."""
     q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, scaling = args
+    if not fmt.content.quantized:
+        sc, sr, rc, rr = (t[:, :0] for t in (sc, sr, rc, rr))
     B, H = q_lat.shape[:2]
     if N % page_size:
         raise ValueError(f"--paged needs N divisible by the page size {page_size}, got {N}")
@@ -610,18 +612,21 @@ def paged_fn(args, page_size=64, num_splits=None, backend=None, decode=None):
 
 PAGED_CHECK_CASES = [("C4R4", 16, 5, 32768), ("C2R4", 16, 4, 9000), ("C8R8", 16, 3, 9000), ("C4R4", 128, 3, 20000),
                      ("C2R4", 128, 4, 9000), ("C4R4", 16, 6, 400), ("C16R16", 16, 3, 9000), ("C4R8", 16, 5, 32768),
-                     ("C4R8", 128, 3, 9000)]  # (format, heads, requests, longest length)
+                     ("C4R8", 128, 3, 9000), ("C16R16", 128, 3, 20000)]  # (format, heads, requests, longest length)
 
 
 def check_paged(out_lines, cases=None, page_size=64):
     """The paged backends against the fp64 paged reference (`mla_decode_paged_ref`): one query token for each of B
     requests of unequal lengths (the longest N, a page edge past it, half, four pages and three tokens, shorter
     than sink + recent, one token), each request's pages drawn at random from the pool and the copy rows
-    shuffled. A backend that does not take a case says so and is skipped."""
+    shuffled (a 16-bit cache keeps no copies, as the paged cache's). A backend that does not take a case says so and
+    is skipped."""
     all_ok = True
     for name, H, B, N in cases or PAGED_CHECK_CASES:
         per = -(-N // page_size)
         fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, per * page_size, seed=B + N)
+        if not fmt.content.quantized:
+            sc, sr, rc, rr = (t[:, :0] for t in (sc, sr, rc, rr))
         pool = {k: {n: v.reshape(-1, page_size, v.shape[-1]) for n, v in planes.items()} for k, planes in
                 (("c", cp), ("r", rp))}
         g = torch.Generator().manual_seed(N)

@@ -65,7 +65,7 @@ DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (4, 8), (8, 8)
                  + [(c, r, 4, False, p, False) for c, r in ((4, 4), (8, 8)) for p in (False, True)]
                  + [(2, 2, 8, False, False, False)])
 # (content bits, RoPE bits, paged): the split kernel's launches
-SPLIT_LAUNCHES = [(c, r, p) for c in (4, 2) for r in (4, 8) for p in (False, True)] + [(16, 16, False)]
+SPLIT_LAUNCHES = [(c, r, p) for c in (4, 2) for r in (4, 8) for p in (False, True)] + [(16, 16, False), (16, 16, True)]
 
 
 # (content bits, RoPE bits, RoPE width, query rows, fp32 model, page size): the portable kernel's launches, every
@@ -171,8 +171,9 @@ def compile_split(content_bits: int, rope_bits: int, paged: bool = False):
     """The split kernel (`kernels/mla_decode_gluon_split.py`: a scorer and two value warpgroups, 64 rows) compiled for
     sm_90 at DeepSeek widths with its registers."""
     v_regs, s_regs = ms.registers(CacheFormat(PathFormat(512, content_bits, 64), PathFormat(64, rope_bits, 64)), paged)
-    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=ms.BLOCK_M, Q_SPLIT=False, PAGED=paged,
-                 V_REGS=v_regs, S_REGS=s_regs)
+    copies = (0, 0) if content_bits == 16 and paged else (4, 128)  # the paged 16-bit cache keeps no copies
+    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=copies[0], R=copies[1], BM=ms.BLOCK_M, Q_SPLIT=False,
+                 PAGED=paged, V_REGS=v_regs, S_REGS=s_regs)
     index = "*i32" if paged else "*i64"
     ptrs = dict(lp_ptr=index, len_ptr=index, pt_ptr=index)
     if content_bits == 16:  # bf16 planes (C16R16); the steps' and zero points' pointers are the planes'
@@ -341,9 +342,8 @@ def main():
         main_wide(a)
         return
     if a.split:
-        if a.format not in ("C4R4", "C2R4", "C4R8", "C16R16") or a.fp32_queries or (a.paged and a.format == "C16R16"):
-            ap.error("--split: the split kernel takes C4R4, C2R4, C4R8 and (contiguous) C16R16 with bf16/fp16 "
-                     "queries")
+        if a.format not in ("C4R4", "C2R4", "C4R8", "C16R16") or a.fp32_queries:
+            ap.error("--split: the split kernel takes C4R4, C2R4, C4R8 and C16R16 with bf16/fp16 queries")
         main_split(a)
         return
     if a.format == "C16R16":

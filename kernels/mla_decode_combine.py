@@ -33,7 +33,10 @@ def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.conste
     p_lse = lse_part_ptr + i_bm * NSP
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D_C
-    m = tl.load(p_lse + n_packed)
+    if N_TAIL > 0:
+        m = tl.load(p_lse + n_packed)
+    else:  # no copy slots (a paged 16-bit cache)
+        m = tl.full((), float("-inf"), tl.float32)
     for j in tl.static_range(1, N_TAIL):
         m = tl.maximum(m, tl.load(p_lse + n_packed + j))
     for s0 in range(0, n_packed, BLOCK_S):

@@ -73,6 +73,8 @@ def _program_coords(num_splits, M, BM: gl.constexpr, ND: gl.constexpr):
     copy programs in the same order (programs start in id order: the packed ones in the first wave)."""
     pid = gl.program_id(0)
     n_hb = (M + BM - 1) // BM
+    if ND == 0:  # no copy programs (a 16-bit cache in pages keeps no copies)
+        return (pid % num_splits).to(gl.int64), (pid // num_splits) % n_hb, (pid // num_splits // n_hb).to(gl.int64)
     n_long = gl.num_programs(0) // (num_splits + ND) * num_splits
     is_long = pid < n_long
     pc = pid - n_long

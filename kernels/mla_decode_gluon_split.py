@@ -15,10 +15,10 @@ launch: `mla_decode_paged_ref`); shared pieces in `mla_decode_gluon_common.py`; 
   then `V_FULL + stage`; the finished scores go to `sbuf: [64 rows, 64 tokens]` fp32 (transposed; 4-word runs,
   swizzled by row) after `S_EMPTY`, then `S_FULL`. A copy program scores its one tile of model-dtype copies the same
   way, into stage 0.
-- 16-bit planes (C16R16, contiguous; `_dense_scorer`): nothing to unpack, so the scorer copies each tile's content
-  keys `[64 tokens, 512]` with `cp.async` straight into the value stage (channels in order; the next tile's as soon
-  as the values release its stage, after this tile's scores are handed over) and scores them from there unit by unit
-  as each lands (`S^T += K_u Q_u^T`, both operands in shared memory, one copy group per unit); only the RoPE unit's
+- 16-bit planes (C16R16, planes or page pools; `_dense_scorer`): nothing to unpack, so the scorer copies each tile's
+  content keys `[64 tokens, 512]` with `cp.async` straight into the value stage (channels in order; the next tile's as
+  soon as the values release its stage, after this tile's scores are handed over) and scores them from there unit by
+  unit as each lands (`S^T += K_u Q_u^T`, both operands in shared memory, one copy group per unit); only the RoPE unit's
   keys are loaded into registers, a tile ahead, and scored first. The queries, keys and P are the planes' 16-bit type
   (bf16 or fp16), the outputs leave in channel order.
 - Two value warpgroups (`_values`, the default warps and a worker at `V_REGS`), half `h` each: the scores of rows `[32
@@ -94,7 +94,7 @@ BLOCK_M = 64  # query rows per program: one score accumulator `[64 tokens, 64 ro
 # (page numbers besides its words) and with 8-bit RoPE (twice its words, the steps of its rows).
 REGS = {(2, 4, False): (176, 152), (4, 4, False): (176, 152), (2, 4, True): (176, 152), (4, 4, True): (168, 168),
         (2, 8, False): (176, 152), (4, 8, False): (168, 168), (2, 8, True): (176, 152), (4, 8, True): (168, 168),
-        (16, 16, False): (176, 152)}
+        (16, 16, False): (176, 152), (16, 16, True): (176, 152)}
 
 
 def registers(fmt: CacheFormat, paged: bool) -> tuple[int, int]:
@@ -182,7 +182,7 @@ def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_p
     if C_BITS == 16:
         _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M,
                       split_target, num_splits, s_ccb, s_rcb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                      s_rcrt, GC, S, R, BM)
+                      s_rcrt, pt_ptr, s_pt, GC, S, R, BM, PAGED)
     else:
         _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
                        rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb,
@@ -332,11 +332,14 @@ def _dense_scores(vbuf, st, xr, qbuf, kz, GC: gl.constexpr, BM: gl.constexpr, ac
 @_jit
 def _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M,
                   split_target, num_splits, s_ccb, s_rcb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
-                  s_rcrt, GC: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr):
-    """The scorer of 16-bit planes (C16R16, contiguous): each tile's content keys copied by `cp.async` straight into
-    the value stage (`_dense_keys`: the next tile's once the values have released its stage, right after this
-    tile's scores are handed over), its RoPE keys loaded into registers a tile ahead; no unpacking and no key
-    stores. A copy program copies its one tile of model-dtype copies into stage 0 the same way."""
+                  s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
+                  PAGED: gl.constexpr):
+    """The scorer of 16-bit planes (C16R16): each tile's content keys copied by `cp.async` straight into the value
+    stage (`_dense_keys`: the next tile's once the values have released its stage, right after this tile's scores
+    are handed over), its RoPE keys loaded into registers a tile ahead; no unpacking and no key stores. A copy program
+    copies its one tile of model-dtype copies into stage 0 the same way. `PAGED`: the planes are page pools read
+    through the request's page numbers (`_tile_page`, a tile ahead; the paged 16-bit cache keeps no copies: S = R =
+    0)."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
@@ -347,28 +350,40 @@ def _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_
     t_c: gl.constexpr = gl.SliceLayout(1, ld_l)
     t_r: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, XL))
 
-    i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, False)
+    i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
     base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, 16)
-    first = gl.where(n_tiles > 0, base, 0)  # the planes from the split's first tile, int32 rows relative to it
-    p_cc = cc_ptr + i_b.to(gl.int64) * s_ccb + first * D_C
-    p_rc = rc_ptr + i_b.to(gl.int64) * s_rcb + first * 64
+    first = gl.where(n_tiles > 0, base, 0)  # int32 positions relative to the split's first tile
+    if PAGED:  # the pools from their first row, through the request's page numbers from the split's first tile on
+        p_pt = pt_ptr + i_b * s_pt + first // BT
+        p_cc = cc_ptr
+        p_rc = rc_ptr
+    else:  # the planes from the split's first tile on
+        p_pt = pt_ptr
+        p_cc = cc_ptr + i_b.to(gl.int64) * s_ccb + first * D_C
+        p_rc = rc_ptr + i_b.to(gl.int64) * s_rcb + first * 64
     lo = (lo_valid - base).to(gl.int32)
     hi = (hi - base).to(gl.int32)
+    last = gl.maximum(hi - 1, 0)
     o_c = gl.arange(0, BT, layout=t_c)
     o_r = gl.arange(0, BT, layout=t_r)
+    row, _ = _tile_rows(_tile_page(p_pt, 0, last, PAGED), 0, last, PAGED)  # the plane row of a tile's first token
+    page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
     if n_tiles > 0:
-        _dense_keys(vbuf, 0, p_cc, o_c, (o_c >= lo) & (o_c < hi), D_C, GC, ld_l)
-    xr = _dense_rope(p_rc, o_r, (o_r >= lo) & (o_r < hi), 64, XL)
+        _dense_keys(vbuf, 0, p_cc, row + o_c, (o_c >= lo) & (o_c < hi), D_C, GC, ld_l)
+    xr = _dense_rope(p_rc, row + o_r, (o_r >= lo) & (o_r < hi), 64, XL)
     for it in range(n_tiles):
         st = it % 2
         kz = it >> 30  # zero at run time, unknown to the compiler: the query descriptors are made where used
         tn = it * BT + BT
+        page_nn = _tile_page(p_pt, tn + BT, last, PAGED)
+        row, _ = _tile_rows(page_n, tn, last, PAGED)
+        page_n = page_nn
         acc = _dense_scores(vbuf, st, xr, qbuf, kz, GC, BM, acc_l, dot_a)
-        xr = _dense_rope(p_rc, tn + o_r, ((tn + o_r) >= lo) & ((tn + o_r) < hi), 64, XL)
+        xr = _dense_rope(p_rc, row + o_r, ((tn + o_r) >= lo) & ((tn + o_r) < hi), 64, XL)
         _hand_over(acc, sbuf, bars, st, it)
         if it + 1 < n_tiles:  # the next tile into the other stage, once both value warpgroups are done with it
             mbarrier.wait(bars.index(V_EMPTY + 1 - st), (((it + 1) // 2) + 1) & 1, pred=it >= 1)
-            _dense_keys(vbuf, 1 - st, p_cc, tn + o_c, ((tn + o_c) >= lo) & ((tn + o_c) < hi), D_C, GC, ld_l)
+            _dense_keys(vbuf, 1 - st, p_cc, row + o_c, ((tn + o_c) >= lo) & ((tn + o_c) < hi), D_C, GC, ld_l)
 
     if i_s >= num_splits:  # a copy program: its one tile of model-dtype copies, into stage 0
         lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr,
@@ -638,10 +653,8 @@ def launch_split(*args, page_table=None):
     q, qr, fmt = args[0], args[1], args[4]
     if q.dtype == torch.float32 or qr.dtype == torch.float32:
         raise ValueError("the split Gluon decode kernel takes bf16/fp16 queries: use backend='gluon_wide' for fp32")
-    if dense(fmt) and page_table is not None:
-        raise ValueError("the split Gluon decode kernel reads 16-bit planes contiguous, not as page pools: use "
-                         "backend='triton'")
-    if dense(fmt) and len({args[2]["values"].dtype, args[3]["values"].dtype, *(t.dtype for t in args[5:9])}) > 1:
+    copies = args[5:9] if fmt.sink_tokens or fmt.recent_tokens else ()  # (the paged 16-bit cache keeps none)
+    if dense(fmt) and len({args[2]["values"].dtype, args[3]["values"].dtype, *(t.dtype for t in copies)}) > 1:
         raise ValueError("the split Gluon decode kernel copies 16-bit planes and the sink/recent copies into one "
                          "buffer: they must share one dtype (the model's); use backend='triton'")
     v_regs, s_regs = registers(args[4], page_table is not None)

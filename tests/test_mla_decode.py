@@ -267,10 +267,10 @@ def test_reads_a_real_cache_layer():
     assert_close("vs read_history", scores.softmax(-1) @ c[:, None], out, 1e-5)
 
 
-@pytest.mark.parametrize("n_tail", [1, 3])
+@pytest.mark.parametrize("n_tail", [0, 1, 3])
 def test_combine_matches_its_reference_and_ignores_trailing_empty_splits(n_tail):
-    """Tail slots (the copies) merged after the packed splits; trailing empty packed splits add exact zeros, so a
-    wider grid gives the same bits; a row with every split empty gives zeros and -inf."""
+    """Tail slots (the copies; none for a paged 16-bit cache) merged after the packed splits; trailing empty packed
+    splits add exact zeros, so a wider grid gives the same bits; a row with every split empty gives zeros and -inf."""
     if "triton" not in AVAILABLE:
         pytest.skip("needs the Triton kernels")
     g = torch.Generator().manual_seed(n_tail)

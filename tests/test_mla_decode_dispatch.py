@@ -148,7 +148,8 @@ PAGED_CASES = [  # (format, heads, requests, query tokens, page size, H200 choic
     (fmt(4, 4), 16, 5, 9, 64, "triton"),  # a prefill chunk in the step
     (fmt(4, 4), 16, 5, 5, 32, "triton"),  # pages smaller than the Gluon tile
     (fmt(16, 16), 16, 5, 5, 64, "triton"),  # C16R16
-    (fmt(16, 16), 128, 8, 8, 64, "triton"),  # C16R16 pages: no sink/recent copies for the split kernel's programs
+    (fmt(16, 16), 128, 8, 8, 64, "gluon_split"),  # C16R16 pages at 128 heads: the split kernel, no copy programs
+    (CacheFormat(PathFormat(512, 16, 64), PathFormat(64, 16, 64), 0, 0), 128, 8, 8, 64, "gluon_split"),
     (CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 4, 64), 0, 0), 16, 5, 5, 64, "triton"),  # no copies
 ]
 

@@ -173,19 +173,21 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
     # 16-bit planes (C16R16): the content keys copied into the value stages (cp.async, 16 bytes), scored from there;
     # only the RoPE unit's keys are register operands; nothing unpacked, no keys stored from registers
+    # (paged: page pools, no copies, S = R = 0)
     fmt = CacheFormat(PathFormat(512, 16, 64), PathFormat(64, 16, 64))
-    kernel = sd.compile_split(16, 16)
-    assert not sd.wgmma_serialized(kernel), sd.ptxas_facts(kernel)
-    assert kernel.metadata.shared <= mp.smem_bytes(fmt, False) <= mc.SMEM_LIMIT
-    ptx = kernel.asm["ptx"]
-    v_regs, s_regs = mp.registers(fmt, False)
-    for n in (s_regs, v_regs):
-        assert f"setmaxnreg.inc.sync.aligned.u32 \t{n};" in ptx
-    mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 \{{[^}}]*\}}, "
-    assert len(re.findall(mma + r"\{", ptx)) == 2 * 4  # the RoPE unit, in the loop and the copy tile
-    assert len(re.findall(mma + r"%rd", ptx)) == 2 * 8 * 4 + 2 * 4 * 4  # content scores (both), values
-    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
-    assert "stmatrix" not in ptx and "mul.f16x2" not in ptx
+    for paged in (False, True):
+        kernel = sd.compile_split(16, 16, paged=paged)
+        assert not sd.wgmma_serialized(kernel), (paged, sd.ptxas_facts(kernel))
+        assert kernel.metadata.shared <= mp.smem_bytes(fmt, False) <= mc.SMEM_LIMIT
+        ptx = kernel.asm["ptx"]
+        v_regs, s_regs = mp.registers(fmt, paged)
+        for n in (s_regs, v_regs):
+            assert f"setmaxnreg.inc.sync.aligned.u32 \t{n};" in ptx
+        mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 \{{[^}}]*\}}, "
+        assert len(re.findall(mma + r"\{", ptx)) == 2 * 4  # the RoPE unit, in the loop and the copy tile
+        assert len(re.findall(mma + r"%rd", ptx)) == 2 * 8 * 4 + 2 * 4 * 4  # content scores (both), values
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+        assert "stmatrix" not in ptx and "mul.f16x2" not in ptx
     print("compiled")
     """
 )
@@ -248,6 +250,7 @@ def test_split_shared_memory_and_formats():
     # 16-bit planes at DeepSeek's widths (copied into the value stages: the same shared memory), none at others
     c16 = CacheFormat(PathFormat(512, 16, 64), PathFormat(64, 16, 64))
     assert ms.split_handles(c16) and ms.dense(c16) and ms.registers(c16, False) == ms.REGS[16, 16, False]
+    assert ms.registers(c16, True) == ms.REGS[16, 16, True]
     assert ms.smem_bytes(c16, False) == ms.smem_bytes(c2r4, False)
     assert not ms.split_handles(CacheFormat(PathFormat(256, 16, 64), PathFormat(64, 16, 64)))
     assert not ms.dense(CacheFormat(PathFormat(512, 16, 64), PathFormat(64, 4, 64)))
@@ -500,7 +503,7 @@ def test_sass_script_reads_the_split_kernels_loops():
     assert re.findall(r"^scorer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking multiplies, (\d+) key copies", dense.stdout,
                       re.M) == [("36", "0", "32")], dense.stdout
     bad = _sass_script("C8R8", "--split", timeout=300)
-    assert bad.returncode == 2 and "takes C4R4, C2R4, C4R8 and (contiguous) C16R16" in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode == 2 and "takes C4R4, C2R4, C4R8 and C16R16" in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)

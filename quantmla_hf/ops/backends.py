@@ -90,11 +90,11 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
 def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: int, page_size: int,
                          copy_dtype: torch.dtype, device, query_dtype: torch.dtype | None = None) -> str:
     """The paged decode kernel: for a decode step, one query token per request (`n_queries == n_requests`), in pages
-    of 64 tokens with sink and recent copies, the Gluon kernel `select_backend` picks for these `H` rows
-    (`gluon_regs`, `gluon_wide` or `gluon_split`, reading the pools through the page table); otherwise `triton`
-    (any step, page size and format)."""
-    if (n_queries != n_requests or page_size != GLUON_BLOCK_T or not (fmt.sink_tokens and fmt.recent_tokens)
-            or split.dense(fmt)):  # (a paged 16-bit cache keeps no copies)
+    of 64 tokens with sink and recent copies (a 16-bit cache keeps none and needs none), the Gluon kernel
+    `select_backend` picks for these `H` rows (`gluon_regs`, `gluon_wide` or `gluon_split`, reading the pools through
+    the page table); otherwise `triton` (any step, page size and format)."""
+    if (n_queries != n_requests or page_size != GLUON_BLOCK_T
+            or not (split.dense(fmt) or (fmt.sink_tokens and fmt.recent_tokens))):
         return "triton"
     choice = select_backend(fmt, H, n_requests, copy_dtype, device, query_dtype)
     return choice if choice.startswith("gluon") else "triton"
@@ -299,10 +299,19 @@ def _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_
     if not planes_contiguous(fmt, content, rope):
         raise ValueError("the paged Gluon kernel needs contiguous page planes [P, 64, width]: use backend='triton'")
     for planes, path in ((content, fmt.content), (rope, fmt.rope)):
-        words = planes["codes"].shape[0] * planes["codes"].shape[1] * path.code_bytes // 4
+        if path.quantized:
+            words = planes["codes"].shape[0] * planes["codes"].shape[1] * path.code_bytes // 4
+        else:  # 16-bit pools, addressed in elements
+            words = planes["values"].shape[0] * planes["values"].shape[1] * path.dim
         if words >= 2**31:
             raise ValueError(f"the paged Gluon kernel addresses pool rows with int32 offsets; {words} code words "
                              "are more: use backend='triton'")
+    if split.dense(fmt):  # 16-bit pools: as many copies as the step passes (the paged 16-bit cache keeps none)
+        fmt = dataclasses.replace(fmt, sink_tokens=sink_content.shape[1], recent_tokens=recent_content.shape[1])
+        if not sink_content.numel():  # (never read: the queries stand in for an empty copy's storage)
+            sink_content, sink_rope = q_lat, q_rot
+        if not recent_content.numel():
+            recent_content, recent_rope = q_lat, q_rot
     sms = num_sms(q_lat.device.index or 0)
     target, NS = split_plan(backend, n, -(-H // GLUON_KERNELS[backend][0]), longest, fmt, sms, num_splits)
     NSP = NS + copy_programs(fmt)
