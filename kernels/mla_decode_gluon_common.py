@@ -526,15 +526,17 @@ def _tile_rows(page, tn, last, PAGED: gl.constexpr):
 
 
 @_jit
-def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, BITS: gl.constexpr, xl: gl.constexpr):
-    """Model-dtype copies `[64, 4, 16]` of unit u (rows `o_slot: [64]`, valid `m_t`; thread q's 16 channels from
-    `_unit_base(u, q)`) -> fp16 `[64, 4, BITS / 2, 2, E / 2]`, the unpacked keys' order (`_unpack_unit`)."""
+def _load_dense(p, o_slot, m_t, s_t, u: gl.constexpr, GC: gl.constexpr, BITS: gl.constexpr, xl: gl.constexpr,
+                KD: gl.constexpr = gl.float16):
+    """Model-dtype copies `[64, 4, 16]` of unit u (rows `o_slot: [64]` of stride `s_t`, valid `m_t`; thread q's 16
+    channels from `_unit_base(u, q)`) -> `KD` (fp16, or the 16-bit planes' own type) `[64, 4, BITS / 2, 2, E / 2]`,
+    the unpacked keys' order (`_unpack_unit`)."""
     sl: gl.constexpr = gl.SliceLayout(2, xl)
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
     o_e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
     off = ((o_slot * s_t)[:, None] + _unit_base(u, o_q, GC)[None, :])[:, :, None] + o_e[None, None, :]
     x = gl.load(p + off, mask=m_t[:, None, None], other=0.0)
-    return gl.reshape(x.to(gl.float16), [64, 4, BITS // 2, 2, 16 // BITS])
+    return gl.reshape(x.to(KD), [64, 4, BITS // 2, 2, 16 // BITS])
 
 
 @_jit
@@ -891,11 +893,13 @@ def _alloc_tiles(GC: gl.constexpr, BT: gl.constexpr, BM: gl.constexpr, Q_SPLIT: 
 
 
 @_jit
-def _unit_buffers(N: gl.constexpr, ROWS: gl.constexpr, sl: gl.constexpr, DEPTH: gl.constexpr = 1):
-    """A tuple of `N` separately allocated shared buffers `[DEPTH, ROWS, 64]` fp16, one per unit."""
+def _unit_buffers(N: gl.constexpr, ROWS: gl.constexpr, sl: gl.constexpr, DEPTH: gl.constexpr = 1,
+                  KD: gl.constexpr = gl.float16):
+    """A tuple of `N` separately allocated shared buffers `[DEPTH, ROWS, 64]` of the 16-bit type `KD`, one per
+    unit."""
     bufs = ()
     for u in gl.static_range(N):
-        bufs = bufs + (gl.allocate_shared_memory(gl.float16, [DEPTH, ROWS, 64], sl),)
+        bufs = bufs + (gl.allocate_shared_memory(KD, [DEPTH, ROWS, 64], sl),)
     return bufs
 
 
@@ -961,7 +965,7 @@ def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, q
         o_part, lse_part, M, Tq, split_target, NS, qk_scale, q.stride(0), qr.stride(0),
         *(batch * t.stride(0) for t in (cw, cs, rw, rs)),
         *(t.stride(i) for t in (sink_c, sink_r, recent_c, recent_r) for i in (0, 1)),
-        GC=fmt.content.n_groups or fmt.content.dim // GROUP, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits,
+        GC=fmt.content.dim // GROUP, C_BITS=fmt.content.bits, R_BITS=fmt.rope.bits,
         S=fmt.sink_tokens, R=fmt.recent_tokens, BM=block_m, Q_SPLIT=q_split, pt_ptr=page_table if paged else lp,
         s_pt=page_table.stride(0) if paged else 0, PAGED=paged, **meta,
     )

@@ -84,6 +84,7 @@ if HAVE_GLUON:
         _unit_base,
         _unpack_codes8,
         _unpack_unit,
+        _unit_buffers,
     )
 
 _const = gl.constexpr if HAVE_GLUON else int  # a module constant the kernels read
@@ -299,18 +300,6 @@ def _dense_keys(vbuf, st, p_c, rows, valid, stride, GC: gl.constexpr, ld_l: gl.c
 
 
 @_jit
-def _dense_rope(p_r, rows, valid, stride, xl: gl.constexpr):
-    """A tile's RoPE keys, rows `rows: [64]` of `p_r` (zeros where not `valid`), as `[64, 4, 8, 2, 1]`: thread q's
-    channels `16 q + [0, 16)`, the order `_a_view` reads (the RoPE queries are staged in `_score_channel` order)."""
-    sl: gl.constexpr = gl.SliceLayout(2, xl)
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
-    o_e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
-    off = ((rows * stride)[:, None] + 16 * o_q[None, :])[:, :, None] + o_e[None, None, :]
-    x = gl.load(p_r + off, mask=valid[:, None, None], other=0.0)
-    return gl.reshape(x, [64, 4, 8, 2, 1])
-
-
-@_jit
 def _dense_scores(vbuf, st, xr, qbuf, kz, GC: gl.constexpr, BM: gl.constexpr, acc_l: gl.constexpr,
                   dot_a: gl.constexpr):
     """`S^T: [64 tokens, BM rows]` of a 16-bit tile whose content keys are being copied into `vbuf[.][st]` (one copy
@@ -347,6 +336,7 @@ def _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64 tokens, 64]: 16-byte runs
     XL: gl.constexpr = words_layout(16)  # the RoPE unit's 16 channels per quad slot
+    KD: gl.constexpr = cc_ptr.dtype.element_ty  # the planes' 16-bit type
     t_c: gl.constexpr = gl.SliceLayout(1, ld_l)
     t_r: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, XL))
 
@@ -370,7 +360,7 @@ def _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_
     page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
     if n_tiles > 0:
         _dense_keys(vbuf, 0, p_cc, row + o_c, (o_c >= lo) & (o_c < hi), D_C, GC, ld_l)
-    xr = _dense_rope(p_rc, row + o_r, (o_r >= lo) & (o_r < hi), 64, XL)
+    xr = _load_dense(p_rc, row + o_r, (o_r >= lo) & (o_r < hi), 64, GC, GC, 16, XL, KD)
     for it in range(n_tiles):
         st = it % 2
         kz = it >> 30  # zero at run time, unknown to the compiler: the query descriptors are made where used
@@ -379,7 +369,7 @@ def _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_
         row, _ = _tile_rows(page_n, tn, last, PAGED)
         page_n = page_nn
         acc = _dense_scores(vbuf, st, xr, qbuf, kz, GC, BM, acc_l, dot_a)
-        xr = _dense_rope(p_rc, row + o_r, ((tn + o_r) >= lo) & ((tn + o_r) < hi), 64, XL)
+        xr = _load_dense(p_rc, row + o_r, ((tn + o_r) >= lo) & ((tn + o_r) < hi), 64, GC, GC, 16, XL, KD)
         _hand_over(acc, sbuf, bars, st, it)
         if it + 1 < n_tiles:  # the next tile into the other stage, once both value warpgroups are done with it
             mbarrier.wait(bars.index(V_EMPTY + 1 - st), (((it + 1) // 2) + 1) & 1, pred=it >= 1)
@@ -392,7 +382,8 @@ def _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_
         slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_c.to(gl.int64), S, R)
         _dense_keys(vbuf, 0, p_c, slot, m_t, s_ct, GC, ld_l)
         slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_r.to(gl.int64), S, R)
-        acc = _dense_scores(vbuf, 0, _dense_rope(p_r, slot, m_t, s_rt, XL), qbuf, 0, GC, BM, acc_l, dot_a)
+        acc = _dense_scores(vbuf, 0, _load_dense(p_r, slot, m_t, s_rt, GC, GC, 16, XL, KD), qbuf, 0, GC, BM, acc_l,
+                             dot_a)
         _hand_over(acc, sbuf, bars, 0, 0)
 
 
@@ -554,15 +545,6 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
                         C_BITS, GC)
 
 
-@_jit
-def _key_buffers(N: gl.constexpr, ROWS: gl.constexpr, DEPTH: gl.constexpr, KD: gl.constexpr, sl: gl.constexpr):
-    """A tuple of `N` separately allocated shared buffers `[DEPTH, ROWS, 64]` of the 16-bit type `KD`, one per unit."""
-    bufs = ()
-    for u in gl.static_range(N):
-        bufs = bufs + (gl.allocate_shared_memory(KD, [DEPTH, ROWS, 64], sl),)
-    return bufs
-
-
 # --------------------------------------------------------------------------------------------- the kernel
 @_jit_dynamic
 def mla_decode_split_kernel(
@@ -590,8 +572,8 @@ def mla_decode_split_kernel(
     v_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     KD: gl.constexpr = cc_ptr.dtype.element_ty if C_BITS == 16 else gl.float16  # the operands' 16-bit type
-    qbuf = _key_buffers(GC + 1, BM, 1, KD, k_sl)
-    vbuf = _key_buffers(GC, BT, 2, KD, k_sl)  # one allocation per unit: the scorer's stores are seen as disjoint
+    qbuf = _unit_buffers(GC + 1, BM, k_sl, 1, KD)
+    vbuf = _unit_buffers(GC, BT, k_sl, 2, KD)  # one allocation per unit: the scorer's stores are seen as disjoint
     sbuf = gl.allocate_shared_memory(gl.float32, [BM, BT], s_sl)
     pbuf = gl.allocate_shared_memory(KD, [BM, BT], k_sl)
     abuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
