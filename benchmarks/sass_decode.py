@@ -37,11 +37,9 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
 
 from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.kernels import mla_decode_combine as combine
-from quantmla_hf.kernels import mla_decode_gluon_common as mc
 from quantmla_hf.kernels import mla_decode_gluon_regs as mr
 from quantmla_hf.kernels import mla_decode_gluon_split as ms
 from quantmla_hf.kernels import mla_decode_gluon_wide as mw
@@ -180,10 +178,6 @@ def compile_split(content_bits: int, rope_bits: int, paged: bool = False):
     ptrs = dict(lp_ptr=index, len_ptr=index, pt_ptr=index)
     if content_bits == 16:  # bf16 planes (C16R16); the steps' and zero points' pointers are the planes'
         ptrs.update({n: "*bf16" for n in ("cc_ptr", "cs_ptr", "cz_ptr", "rc_ptr", "rs_ptr", "rz_ptr")})
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        ptrs["kd_desc"] = f"tensordesc<bf16[{mc.BLOCK_T},{mc.GROUP}]," + repr(layout) + ">"  # `key_descriptor`
-    else:
-        const["kd_desc"] = None
     return _compile(ms.mla_decode_split_kernel, const, False, {"num_warps": 4, "maxnreg": ms.LAUNCH_REGS}, ptrs)
 
 

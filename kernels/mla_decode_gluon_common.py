@@ -995,12 +995,11 @@ def hopper_handles(fmt: CacheFormat, copy_dtype: torch.dtype, device) -> bool:
 
 def planes_contiguous(fmt: CacheFormat, content_planes: dict, rope_planes: dict) -> bool:
     """Plane rows laid out as docs/CACHE_FORMAT.md says with nothing between tokens (what the word view and the
-    compile-time token strides assume); 16-bit `values` rows start on 16 bytes and batch rows on whole token rows
-    (the TMA and `cp.async` copies)."""
+    compile-time token strides assume); 16-bit `values` rows start on 16 bytes (the `cp.async` copies)."""
     for f, planes in ((fmt.content, content_planes), (fmt.rope, rope_planes)):
         if not f.quantized:
             v = planes["values"]
-            if v.stride(2) != 1 or v.stride(1) != f.dim or v.data_ptr() % 16 or v.stride(0) % f.dim or f.dim % 8:
+            if v.stride(2) != 1 or v.stride(1) != f.dim or v.data_ptr() % 16 or v.stride(0) % 8 or f.dim % 8:
                 return False
             continue
         codes, scale, zero = planes["codes"], planes["scale"], planes["zero"]

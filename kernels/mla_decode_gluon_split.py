@@ -52,16 +52,13 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # a `cp.async` of global memory into shared memory: `async_load` from Triton 3.7 on, before it the older name
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (the same renaming)
 
     from .mla_decode_gluon_common import (
         _a_view,
@@ -106,20 +103,12 @@ def registers(fmt: CacheFormat, paged: bool) -> tuple[int, int]:
     return REGS[fmt.content.bits, fmt.rope.bits if fmt.rope.bits in (8, 16) else 4, paged]
 LAUNCH_REGS = 168  # at launch, for all 12 warps (65,536 / 384 rounded down to 8)
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`)
-# the mbarriers (one allocation): per key stage full and empty, then the scores', P's and the end's, then per key
-# stage and content unit the landing of its 16-bit keys (`_tma_keys`)
-V_FULL, V_EMPTY, S_FULL, S_EMPTY, P_FULL, P_FREE, E_BAR, K_READY = (_const(i) for i in (0, 2, 4, 5, 6, 7, 8, 9))
-N_BARS = _const(9 + 2 * 8)
+# the mbarriers (one allocation): per key stage full and empty, then the scores', P's and the end's
+V_FULL, V_EMPTY, S_FULL, S_EMPTY, P_FULL, P_FREE, E_BAR = (_const(i) for i in (0, 2, 4, 5, 6, 7, 8))
+N_BARS = _const(9)
 
 
 # --------------------------------------------------------------------------------------------- the scorer
-@_jit
-def _key_stage(vbuf, u: gl.constexpr, st):
-    """Content unit u's keys of stage `st`: `[64 tokens, 64]`, columns `64 (u % 4) + [0, 64)` of the stage of half `u
-    // 4` (`vbuf[h]: [2 stages, 64 tokens, 256]`, the value `wgmma`s' B operand of that half)."""
-    return vbuf[u // 4].index(st).slice(64 * (u % 4), 64, dim=1)
-
-
 @_jit
 def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr, dot_a: gl.constexpr):
     """Issue one unit's score `wgmma` on the A view of its keys `x5` against its staged queries `qu: [64, 64]`; with
@@ -142,11 +131,10 @@ def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, 
     cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5, _ = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
-    acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), _key_stage(vbuf, u, st), u == 0, True, dot_a)
+    acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), u == 0, True, dot_a)
     x5, _ = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
     cp = _load_unit(p_c, tn, lo, last, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
-    acc, prev = _score_key(x5, acc, prev, qbuf[u + 1].index(kz), _key_stage(vbuf, u + 1, st), False, True,
-                            dot_a)
+    acc, prev = _score_key(x5, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), False, True, dot_a)
     return acc, prev, cp
 
 
@@ -187,13 +175,13 @@ def _hand_over(acc, sbuf, bars, st, it):
 
 
 @_jit
-def _scorer(qbuf, vbuf, sbuf, bars, kd_desc, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr,
+def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr, rcc_ptr,
             rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb,
             s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, C_BITS: gl.constexpr,
             R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
     """The scorer warpgroup: `_dense_scorer` for 16-bit planes, else `_packed_scorer`."""
     if C_BITS == 16:
-        _dense_scorer(qbuf, vbuf, sbuf, bars, kd_desc, rc_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M,
+        _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M,
                       split_target, num_splits, s_ccb, s_rcb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
                       s_rcrt, pt_ptr, s_pt, GC, S, R, BM, PAGED)
     else:
@@ -290,7 +278,7 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         prev = acc
         for u in gl.static_range(GC):
             x5 = _load_dense(p_c, slot, m_t, s_ct, u, GC, C_BITS, XL)
-            acc, prev = _score_key(x5, acc, prev, qbuf[u].index(0), _key_stage(vbuf, u, 0), u == 0, True, dot_a)
+            acc, prev = _score_key(x5, acc, prev, qbuf[u].index(0), vbuf[u].index(0), u == 0, True, dot_a)
         x5 = _load_dense(p_r, slot, m_t, s_rt, GC, GC, R_BITS, XL)
         acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(0), qbuf[GC].index(0), False, False, dot_a)
         acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
@@ -307,56 +295,31 @@ def _dense_keys(vbuf, st, p_c, rows, valid, stride, GC: gl.constexpr, ld_l: gl.c
     off = (rows * stride)[:, None] + o_c[None, :]
     m = valid[:, None] & (o_c >= 0)[None, :]
     for u in gl.static_range(GC):
-        _async_load(_key_stage(vbuf, u, st), p_c + off + u * 64, mask=m)
+        _async_load(vbuf[u].index(st), p_c + off + u * 64, mask=m)
         async_copy.commit_group()  # one group per unit: its scores start as soon as it lands
 
 
 @_jit
-def _tma_keys(desc, vbuf, bars, st, row, GC: gl.constexpr):
-    """Start the copy of a tile's content keys, rows `[row, row + 64)` of the 16-bit plane `desc` (`[rows, 64 GC]`,
-    boxes `[64, 64]`; rows past its end read as zeros), into `vbuf` stage `st`: one TMA and one mbarrier
-    (`K_READY + GC st + u`) per unit."""
-    for u in gl.static_range(GC):
-        bar = bars.index(K_READY + GC * st + u)
-        mbarrier.expect(bar, 64 * 64 * 2)
-        _tma_load(desc, [row, 64 * u], bar, _key_stage(vbuf, u, st))
-
-
-@_jit
-def _zero_outside(vbuf, st, t0, lo, hi, GC: gl.constexpr, ld_l: gl.constexpr):
-    """Zero the rows of stage `st` whose positions `t0 + [0, 64)` lie outside `[lo, hi)` (a TMA copies whole
-    tiles: those rows hold whatever the plane holds there, and a value `wgmma` must see zeros, as P is)."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld_l))
-    valid = ((o_t >= lo) & (o_t < hi))[:, None]
-    for u in gl.static_range(GC):
-        k = _key_stage(vbuf, u, st)
-        k.store(gl.where(valid, k.load(ld_l), gl.zeros([64, 64], k.dtype, ld_l)))
-
-
-@_jit
-def _dense_scores(vbuf, st, xr, qbuf, kz, bars, phase, TMA: gl.constexpr, GC: gl.constexpr, BM: gl.constexpr,
-                  acc_l: gl.constexpr, dot_a: gl.constexpr):
-    """`S^T: [64 tokens, BM rows]` of a 16-bit tile whose content keys are being copied into `vbuf[.][st]`: the RoPE
-    unit's `wgmma`s first, its keys `xr` from registers, then each content unit's, both operands in shared memory,
-    as soon as that unit's keys have landed (`TMA`: its mbarrier at `phase`, `_tma_keys`; else its `cp.async` group,
-    `_dense_keys`, waited for and published here unit by unit); waited."""
+def _dense_scores(vbuf, st, xr, qbuf, kz, GC: gl.constexpr, BM: gl.constexpr, acc_l: gl.constexpr,
+                  dot_a: gl.constexpr):
+    """`S^T: [64 tokens, BM rows]` of a 16-bit tile whose content keys are being copied into `vbuf[.][st]` (one copy
+    group per unit, `_dense_keys`): the RoPE unit's `wgmma`s first, its keys `xr` from registers, then each content
+    unit's, both operands in shared memory, as soon as that unit's copies have landed (waited for and published here
+    unit by unit); waited."""
     a = _a_view(xr, dot_a)
     acc = warpgroup_mma(a, qbuf[GC].index(kz).permute((1, 0)), gl.zeros([64, BM], gl.float32, acc_l), use_acc=False,
                         is_async=True)
     for u in gl.static_range(GC):
-        if TMA:
-            mbarrier.wait(bars.index(K_READY + GC * st + u), phase)
-        else:
-            async_copy.wait_group(GC - 1 - u)  # this unit's copies (the tile's only outstanding groups)
-            fence_async_shared()  # the copies (generic proxy) visible to the wgmmas (async proxy) of every scorer warp
-            _cta_barrier()
-        acc = warpgroup_mma(_key_stage(vbuf, u, st), qbuf[u].index(kz).permute((1, 0)), acc, is_async=True)
+        async_copy.wait_group(GC - 1 - u)  # this unit's copies (the tile's only outstanding groups)
+        fence_async_shared()  # the copies (generic proxy) visible to the wgmmas (async proxy) of every scorer warp
+        _cta_barrier()
+        acc = warpgroup_mma(vbuf[u].index(st), qbuf[u].index(kz).permute((1, 0)), acc, is_async=True)
     acc, a = warpgroup_mma_wait(0, deps=[acc, a])
     return acc
 
 
 @_jit
-def _dense_scorer(qbuf, vbuf, sbuf, bars, kd_desc, rc_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M,
+def _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M,
                   split_target, num_splits, s_ccb, s_rcb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
                   s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
                   PAGED: gl.constexpr):
@@ -373,7 +336,7 @@ def _dense_scorer(qbuf, vbuf, sbuf, bars, kd_desc, rc_ptr, snc_ptr, snr_ptr, rcc
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64 tokens, 64]: 16-byte runs
     XL: gl.constexpr = words_layout(16)  # the RoPE unit's 16 channels per quad slot
-    KD: gl.constexpr = rc_ptr.dtype.element_ty  # the planes' 16-bit type
+    KD: gl.constexpr = cc_ptr.dtype.element_ty  # the planes' 16-bit type
     t_c: gl.constexpr = gl.SliceLayout(1, ld_l)
     t_r: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, XL))
 
@@ -382,47 +345,45 @@ def _dense_scorer(qbuf, vbuf, sbuf, bars, kd_desc, rc_ptr, snc_ptr, snr_ptr, rcc
     first = gl.where(n_tiles > 0, base, 0)  # int32 positions relative to the split's first tile
     if PAGED:  # the pools from their first row, through the request's page numbers from the split's first tile on
         p_pt = pt_ptr + i_b * s_pt + first // BT
+        p_cc = cc_ptr
         p_rc = rc_ptr
-        row0 = 0  # the content plane's row of a tile's first token: its `_tile_rows` row
     else:  # the planes from the split's first tile on
         p_pt = pt_ptr
+        p_cc = cc_ptr + i_b.to(gl.int64) * s_ccb + first * D_C
         p_rc = rc_ptr + i_b.to(gl.int64) * s_rcb + first * 64
-        row0 = (i_b * (s_ccb // D_C) + first).to(gl.int32)  # plus its `_tile_rows` row
     lo = (lo_valid - base).to(gl.int32)
     hi = (hi - base).to(gl.int32)
     last = gl.maximum(hi - 1, 0)
+    o_c = gl.arange(0, BT, layout=t_c)
     o_r = gl.arange(0, BT, layout=t_r)
     row, _ = _tile_rows(_tile_page(p_pt, 0, last, PAGED), 0, last, PAGED)  # the plane row of a tile's first token
     page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
     if n_tiles > 0:
-        _tma_keys(kd_desc, vbuf, bars, 0, row0 + row, GC)
+        _dense_keys(vbuf, 0, p_cc, row + o_c, (o_c >= lo) & (o_c < hi), D_C, GC, ld_l)
     xr = _load_dense(p_rc, row + o_r, (o_r >= lo) & (o_r < hi), 64, GC, GC, 16, XL, KD)
     for it in range(n_tiles):
         st = it % 2
         kz = it >> 30  # zero at run time, unknown to the compiler: the query descriptors are made where used
-        t0 = it * BT
-        tn = t0 + BT
+        tn = it * BT + BT
         page_nn = _tile_page(p_pt, tn + BT, last, PAGED)
         row, _ = _tile_rows(page_n, tn, last, PAGED)
         page_n = page_nn
-        acc = _dense_scores(vbuf, st, xr, qbuf, kz, bars, (it // 2) & 1, True, GC, BM, acc_l, dot_a)
+        acc = _dense_scores(vbuf, st, xr, qbuf, kz, GC, BM, acc_l, dot_a)
         xr = _load_dense(p_rc, row + o_r, ((tn + o_r) >= lo) & ((tn + o_r) < hi), 64, GC, GC, 16, XL, KD)
-        if (t0 < lo) | (tn > hi):  # a tile with positions outside the split's valid ones: zeros there
-            _zero_outside(vbuf, st, t0, lo, hi, GC, ld_l)
         _hand_over(acc, sbuf, bars, st, it)
         if it + 1 < n_tiles:  # the next tile into the other stage, once both value warpgroups are done with it
             mbarrier.wait(bars.index(V_EMPTY + 1 - st), (((it + 1) // 2) + 1) & 1, pred=it >= 1)
-            _tma_keys(kd_desc, vbuf, bars, 1 - st, row0 + row, GC)
+            _dense_keys(vbuf, 1 - st, p_cc, row + o_c, ((tn + o_c) >= lo) & ((tn + o_c) < hi), D_C, GC, ld_l)
 
     if i_s >= num_splits:  # a copy program: its one tile of model-dtype copies, into stage 0
         lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr,
                                                              rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                                                              s_rcct, s_rcrb, s_rcrt, S, R, BT)
-        slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, gl.arange(0, BT, layout=t_c).to(gl.int64), S, R)
+        slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_c.to(gl.int64), S, R)
         _dense_keys(vbuf, 0, p_c, slot, m_t, s_ct, GC, ld_l)
         slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_r.to(gl.int64), S, R)
-        acc = _dense_scores(vbuf, 0, _load_dense(p_r, slot, m_t, s_rt, GC, GC, 16, XL, KD), qbuf, 0, bars, 0, False,
-                            GC, BM, acc_l, dot_a)
+        acc = _dense_scores(vbuf, 0, _load_dense(p_r, slot, m_t, s_rt, GC, GC, 16, XL, KD), qbuf, 0, GC, BM, acc_l,
+                             dot_a)
         _hand_over(acc, sbuf, bars, 0, 0)
 
 
@@ -482,10 +443,9 @@ def _store_unit(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, C_BITS: g
 
 
 @_jit
-def _store_unit_in_order(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, GC: gl.constexpr):
+def _store_unit_in_order(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, GC: gl.constexpr, o_l: gl.constexpr):
     """Unit u's normalised output `o: [64 rows, 64]` whose column c is channel `64 u + c` (16-bit keys) to rows
     `row0 + [0, min(64, n_rows))` of the partials, from the accumulator's own layout (8-byte stores)."""
-    o_l: gl.constexpr = o.type.layout
     o_r = gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, o_l))
     off = ((row0 + o_r).to(gl.int64) * n_slots + i_s) * (GC * 64) + u * 64
@@ -508,7 +468,7 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
     s_l: gl.constexpr = gl.BlockedLayout([16, 1], [4, 8], [1, 4], [0, 1])  # its transpose, [64 tokens, HM rows]
     tok_l: gl.constexpr = gl.SliceLayout(1, s_l)
     row_l: gl.constexpr = gl.SliceLayout(0, s_l)
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
 
     i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
@@ -523,13 +483,14 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
     o_bt = gl.arange(0, BT, layout=tok_l)
     m_i = gl.full([HM], float("-inf"), gl.float32, row_l)
     l_i = gl.zeros([HM], gl.float32, row_l)
-    # the output accumulator `[64 rows, 256]`: content units `4 HF + [0, 4)` side by side (as the loop leaves it)
-    outs = warpgroup_mma_init(gl.zeros([BM, 256], gl.float32, o_l))
+    outs = ()  # the output accumulators `O_u: [64 rows, 64]` of content units `4 HF + u` (as the loop leaves them)
+    for u in gl.static_range(4):
+        outs = outs + (warpgroup_mma_init(gl.zeros([BM, 64], gl.float32, o_l)),)
     for it in range(n_all):
         st = it % 2
         # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
         # and the factors are free
-        outs = warpgroup_mma_wait(0, deps=[outs])
+        outs = warpgroup_mma_wait(0, deps=outs)
         mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
         mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
         mbarrier.wait(bars.index(S_FULL), it & 1)
@@ -559,10 +520,14 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         mbarrier.arrive(bars.index(P_FULL), count=1)
         mbarrier.wait(bars.index(P_FULL), it & 1)
         if gl.max(mvbuf.load(gl.BlockedLayout([8], [32], [4], [0])), axis=0) > 0:  # some row's reference moved
-            outs = outs * abuf.load(orow_l)[:, None]
+            a = abuf.load(orow_l)[:, None]
+            outs = (outs[0] * a, outs[1] * a, outs[2] * a, outs[3] * a)
         mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
-        outs = warpgroup_mma(pbuf, vbuf[HF].index(st), outs, is_async=True)  # m64n256k16: P read once a k-step
-    outs = warpgroup_mma_wait(0, deps=[outs])
+        pv = ()
+        for u in gl.static_range(4):
+            pv = pv + (warpgroup_mma(pbuf, vbuf[4 * HF + u].index(st), outs[u], is_async=True),)
+        outs = pv
+    outs = warpgroup_mma_wait(0, deps=outs)
 
     inv_l, b_lse = _finish(l_i, m_i)
     gl.store(lse_ptr + (i_b * M + o_m) * (num_splits + ND) + i_s, b_lse, mask=m_m)
@@ -570,18 +535,14 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
     _cta_barrier()
     mbarrier.arrive(bars.index(E_BAR), count=1)
     mbarrier.wait(bars.index(E_BAR), 0)
-    outs = outs * ibuf.load(orow_l)[:, None]
-    # the four units' columns: register bits of the accumulator, so splitting them moves nothing
-    x = gl.permute(gl.reshape(outs, [BM, 2, 2, 64]), (0, 3, 1, 2))  # [rows, 64, u // 2, u % 2]
-    x0, x1 = gl.split(x)
-    units = gl.split(x0) + gl.split(x1)  # units 0, 2, 1, 3
-    for v in gl.static_range(4):  # unit `4 HF + 2 (v % 2) + v // 2`
+    inv = ibuf.load(orow_l)[:, None]
+    for u in gl.static_range(4):
         if C_BITS == 16:  # the stage's columns in channel order
-            _store_unit_in_order(o_ptr, units[v], 4 * HF + 2 * (v % 2) + v // 2, i_b * M + i_hb * BM, M - i_hb * BM,
-                                 num_splits + ND, i_s, GC)
+            _store_unit_in_order(o_ptr, outs[u] * inv, 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM,
+                                 num_splits + ND, i_s, GC, o_l)
         else:
-            _store_unit(o_ptr, units[v], 4 * HF + 2 * (v % 2) + v // 2, i_b * M + i_hb * BM, M - i_hb * BM,
-                        num_splits + ND, i_s, C_BITS, GC)
+            _store_unit(o_ptr, outs[u] * inv, 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM, num_splits + ND, i_s,
+                        C_BITS, GC)
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -596,7 +557,7 @@ def mla_decode_split_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, pt_ptr, s_pt, PAGED: gl.constexpr, V_REGS: gl.constexpr,
-    S_REGS: gl.constexpr, kd_desc,
+    S_REGS: gl.constexpr,
 ):
     """One program per split, block of 64 rows and batch row (`_program_coords`; the last `ND` splits attend one
     copy tile each): the queries and the rows' score factors (`fbuf`) staged by the default warps, then the scorer
@@ -612,8 +573,7 @@ def mla_decode_split_kernel(
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     KD: gl.constexpr = cc_ptr.dtype.element_ty if C_BITS == 16 else gl.float16  # the operands' 16-bit type
     qbuf = _unit_buffers(GC + 1, BM, k_sl, 1, KD)
-    # the content keys: per half of the channels, two stages of `[64 tokens, 256]` (units side by side, `_key_stage`)
-    vbuf = (gl.allocate_shared_memory(KD, [2, BT, 256], k_sl), gl.allocate_shared_memory(KD, [2, BT, 256], k_sl))
+    vbuf = _unit_buffers(GC, BT, k_sl, 2, KD)  # one allocation per unit: the scorer's stores are seen as disjoint
     sbuf = gl.allocate_shared_memory(gl.float32, [BM, BT], s_sl)
     pbuf = gl.allocate_shared_memory(KD, [BM, BT], k_sl)
     abuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
@@ -621,8 +581,8 @@ def mla_decode_split_kernel(
     ibuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
     mvbuf = gl.allocate_shared_memory(gl.int32, [8], v_sl)  # per value warp: whether a row's reference moved
     bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(N_BARS):  # the scorer's one arrival (or its keys' expectation), or each value warpgroup's
-        mbarrier.init(bars.index(i), count=1 if (i < V_EMPTY or i == S_FULL or i >= K_READY) else 2)
+    for i in gl.static_range(N_BARS):  # the scorer's one arrival, or one of each value warpgroup
+        mbarrier.init(bars.index(i), count=1 if (i < V_EMPTY or i == S_FULL) else 2)
 
     _, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
     f = _stage_queries(qbuf, qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, False, C_BITS,
@@ -638,7 +598,7 @@ def mla_decode_split_kernel(
         (_values, (1, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
                    len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                    s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
-        (_scorer, (qbuf, vbuf, sbuf, bars, kd_desc, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
+        (_scorer, (qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
                    rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
                    s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R,
                    BM, PAGED)),
@@ -680,19 +640,5 @@ def launch_split(*args, page_table=None):
         raise ValueError("the split Gluon decode kernel copies 16-bit planes and the sink/recent copies into one "
                          "buffer: they must share one dtype (the model's); use backend='triton'")
     v_regs, s_regs = registers(args[4], page_table is not None)
-    desc = key_descriptor(args[2]["values"]) if dense(fmt) else None
     launch_flat(mla_decode_split_kernel, "split Gluon decode kernel", smem_bytes, "gluon_wide", BLOCK_M, *args,
-                page_table=page_table, V_REGS=v_regs, S_REGS=s_regs, kd_desc=desc, num_warps=4, maxnreg=LAUNCH_REGS)
-
-
-def key_descriptor(values: torch.Tensor):
-    """The TMA descriptor `_tma_keys` copies 16-bit content keys through: the plane `values: [B, capacity, d_c]` (or
-    the page pool `[P, 64, d_c]`) as rows `[rows, d_c]` (batch row b from row `b * stride(0) / d_c`), boxes `[64
-    tokens, 64 channels]` in the keys' shared layout; rows past the last one read as zeros."""
-    d = values.shape[-1]
-    rows = (values.shape[0] - 1) * (values.stride(0) // d) + values.shape[1]
-    if values.stride(0) % d or rows >= 2**31:
-        raise ValueError(f"the split Gluon decode kernel copies 16-bit planes by rows of {d}: planes of stride "
-                         f"{values.stride()} and {rows} rows do not fit; use backend='triton'")
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    return TensorDescriptor(values, [rows, d], [d, 1], [BLOCK_T, GROUP], layout)
+                page_table=page_table, V_REGS=v_regs, S_REGS=s_regs, num_warps=4, maxnreg=LAUNCH_REGS)
