@@ -342,8 +342,8 @@ def main():
         main_wide(a)
         return
     if a.split:
-        if a.format not in ("C4R4", "C2R4", "C4R8", "C16R16") or a.fp32_queries:
-            ap.error("--split: the split kernel takes C4R4, C2R4, C4R8 and C16R16 with bf16/fp16 queries")
+        if a.fp32_queries:
+            ap.error("--split: the split kernel takes bf16/fp16 queries")
         main_split(a)
         return
     if a.format == "C16R16":

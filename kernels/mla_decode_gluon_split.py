@@ -1,5 +1,5 @@
-"""Hopper (sm_90) MLA decode in Gluon for many query rows (128 heads) of C4R4, C2R4, C4R8, C2R8 and C16R16, the work
-split three ways: one warpgroup unpacks each key tile into registers as the A operand of the score `wgmma`s (as
+"""Hopper (sm_90) MLA decode in Gluon for many query rows (128 heads) of C4R4, C2R4, C4R8, C2R8, C8R8 and C16R16, the
+work split three ways: one warpgroup unpacks each key tile into registers as the A operand of the score `wgmma`s (as
 `mla_decode_gluon_regs` does, here for 64 rows) and stores only the content keys to shared memory (16-bit planes:
 copies them there); two others each own half the latent channels of the 64 rows' outputs. Same function, splits,
 copy programs and partials as the other Gluon kernels (reference: `mla_decode_ref.mla_decode_static_ref`; the `PAGED`
@@ -15,6 +15,10 @@ launch: `mla_decode_paged_ref`); shared pieces in `mla_decode_gluon_common.py`; 
   then `V_FULL + stage`; the finished scores go to `sbuf: [64 rows, 64 tokens]` fp32 (transposed; 4-word runs,
   swizzled by row) after `S_EMPTY`, then `S_FULL`. A copy program scores its one tile of model-dtype copies the same
   way, into stage 0.
+- 8-bit content (C8R8; the dispatch takes it in pages, `paged_only`): each unit unpacked into its keys' high fp16
+  parts and their remainders, both scored (`_score_key_split`: the scores exact to the fp32 accumulation), units 0-3
+  and 4-7 in two accumulator chains summed in fp32 with the RoPE unit's integer-code scores, the high parts stored
+  for the values; two pairs of units' words in flight, each loaded half a tile ahead.
 - 16-bit planes (C16R16, planes or page pools; `_dense_scorer`): nothing to unpack, so the scorer copies each tile's
   content keys `[64 tokens, 512]` with `cp.async` straight into the value stage (channels in order; the next tile's as
   soon as the values release its stage, after this tile's scores are handed over) and scores them from there unit by
@@ -74,7 +78,6 @@ if HAVE_GLUON:
         _program_rows,
         _references,
         _row_ptrs,
-        _row_steps,
         _split_range,
         _split_rows,
         _split_units,
@@ -95,7 +98,7 @@ BLOCK_M = 64  # query rows per program: one score accumulator `[64 tokens, 64 ro
 # (page numbers besides its words) and with 8-bit RoPE (twice its words, the steps of its rows).
 REGS = {(2, 4, False): (176, 152), (4, 4, False): (176, 152), (2, 4, True): (176, 152), (4, 4, True): (168, 168),
         (2, 8, False): (176, 152), (4, 8, False): (168, 168), (2, 8, True): (176, 152), (4, 8, True): (168, 168),
-        (16, 16, False): (176, 152), (16, 16, True): (176, 152)}
+        (8, 8, False): (160, 184), (8, 8, True): (160, 184), (16, 16, False): (176, 152), (16, 16, True): (176, 152)}
 
 
 def registers(fmt: CacheFormat, paged: bool) -> tuple[int, int]:
@@ -124,17 +127,45 @@ def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr,
 
 
 @_jit
+def _score_key_split(x5, xlo, acc, prev, qu, dst, FIRST: gl.constexpr, START: gl.constexpr, dot_a: gl.constexpr):
+    """`_score_key` of an 8-bit unit: `wgmma`s on its keys' high fp16 parts `x5` and on their remainders `xlo` (the
+    score exact to the fp32 accumulation), the high parts stored to `dst` for the values; then wait for the unit
+    before (its two A operands `prev`). `START`: the unit starts the accumulator `acc` (a chain of its own). Returns
+    `(acc, (a, a_lo))`."""
+    a = _a_view(x5, dot_a)
+    a_lo = _a_view(xlo, dot_a)
+    acc = warpgroup_mma(a, qu.permute((1, 0)), acc, use_acc=not START, is_async=True)
+    acc = warpgroup_mma(a_lo, qu.permute((1, 0)), acc, is_async=True)
+    dst.store(a)
+    if not FIRST:
+        p_hi, p_lo = prev
+        prev = warpgroup_mma_wait(2, deps=[p_hi, p_lo])
+    return acc, (a, a_lo)
+
+
+@_jit
+def _score_unit(x5, xlo, u: gl.constexpr, acc, prev, qu, dst, C_BITS: gl.constexpr, dot_a: gl.constexpr):
+    """Content unit u's unpacked keys (`_unpack_unit`) scored and stored to `dst`. Returns `(acc, prev)`."""
+    if C_BITS == 8:
+        acc, prev = _score_key_split(x5, xlo, acc, prev, qu, dst, u == 0, u % 4 == 0, dot_a)
+    else:
+        acc, prev = _score_key(x5, acc, prev, qu, dst, u == 0, True, dot_a)
+    return acc, prev
+
+
+@_jit
 def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, p_c, tn, lo, last, GC: gl.constexpr,
-                C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr):
+                C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr,
+                LU: gl.constexpr = -1):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`) unpacked, scored and stored to `vbuf[u][st]`,
-    `vbuf[u + 1][st]`; `cp` replaced by the words of the tile at `tn` once both are unpacked. Returns `(acc, prev,
-    cp)`."""
+    `vbuf[u + 1][st]`; `cp` replaced by the words of units `LU, LU + 1` (default u, u + 1) of the tile at `tn` (row
+    pointers `p_c`) once both are unpacked. Returns `(acc, prev, cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
-    x5, _ = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
-    acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), u == 0, True, dot_a)
-    x5, _ = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
-    cp = _load_unit(p_c, tn, lo, last, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
-    acc, prev = _score_key(x5, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), False, True, dot_a)
+    x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
+    acc, prev = _score_unit(x5, xlo, u, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), C_BITS, dot_a)
+    x5, xlo = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
+    cp = _load_unit(p_c, tn, lo, last, u if LU < 0 else LU, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
+    acc, prev = _score_unit(x5, xlo, u + 1, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), C_BITS, dot_a)
     return acc, prev, cp
 
 
@@ -150,6 +181,13 @@ def _meta_rows(p_cs, p_cz, p_rs, p_rz, t0, last, shift, GC: gl.constexpr, ml: gl
     off_r = o_a[:, None] + 0 * o_q[None, :]
     return (gl.load(p_cs + off), gl.load(p_cz + off), gl.load(p_cs + off + 4), gl.load(p_cz + off + 4),
             gl.load(p_rs + off_r), gl.load(p_rz + off_r))
+
+
+@_jit
+def _rope_steps(sr, acc_l: gl.constexpr):
+    """The RoPE group's steps `[64, 4]` fp16 (the same for every q) -> `[64]` fp32 in the rows of the score
+    accumulator `[64 tokens, BM]` (8-bit RoPE: its integer codes' scores times these)."""
+    return gl.convert_layout(gl.max(sr, axis=1).to(gl.float32), gl.SliceLayout(1, acc_l))
 
 
 @_jit
@@ -223,8 +261,11 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
     pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
     c01 = _load_unit(pw, 0, lo, last, 0, RWC, C_BITS, GC, WP_L, 2, True)
     c23 = _load_unit(pw, 0, lo, last, 2, RWC, C_BITS, GC, WP_L, 2, True)
-    c45 = _load_unit(pw, 0, lo, last, 4, RWC, C_BITS, GC, WP_L, 2, True)
-    c67 = _load_unit(pw, 0, lo, last, 6, RWC, C_BITS, GC, WP_L, 2, True)
+    if C_BITS == 8:  # 8-bit words: two pairs in flight, each loaded half a tile ahead (registers for the chains)
+        p_here = pw  # the row pointers of the tile being scored
+    else:  # every pair's words a tile ahead
+        c45 = _load_unit(pw, 0, lo, last, 4, RWC, C_BITS, GC, WP_L, 2, True)
+        c67 = _load_unit(pw, 0, lo, last, 6, RWC, C_BITS, GC, WP_L, 2, True)
     cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
     s0, z0, s1, z1, sr, zr = _meta_rows(p_cs, p_cz, p_rs, p_rz, 0, last, shift, GC, ml)
     page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
@@ -237,7 +278,8 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
         zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
         zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
-        s_row = _row_steps(sr, acc_l, C_BITS, R_BITS)
+        if R_INT:
+            s_row = _rope_steps(sr, acc_l)
         row, shift = _tile_rows(page_n, tn, last, PAGED)
         page_n = page_nn
         s0, z0, s1, z1, sr, zr = _meta_rows(p_cs, p_cz, p_rs, p_rz, tn, last, shift, GC, ml)
@@ -246,20 +288,38 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         # both value warpgroups have finished reading this stage's keys of two tiles ago
         mbarrier.wait(bars.index(V_EMPTY + st), ((it // 2) + 1) & 1, pred=it >= 2)
         acc = gl.zeros([64, BM], gl.float32, acc_l)
-        acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, pc, tn, lo, last, GC, C_BITS,
-                                     WC_L, WP_L, dot_a)
-        acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a)
-        acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a)
-        acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                     C_BITS, WC_L, WP_L, dot_a)
+        if C_BITS == 8:  # units 0-3 in one accumulator chain, 4-7 in another, summed in fp32 at the end
+            t_here = it * BT
+            acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, p_here, t_here, lo, last,
+                                         GC, C_BITS, WC_L, WP_L, dot_a, 4)
+            acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, p_here, t_here, lo,
+                                         last, GC, C_BITS, WC_L, WP_L, dot_a, 6)
+            acc_a = acc
+            acc, prev, c01 = _score_pair(c01, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                         C_BITS, WC_L, WP_L, dot_a, 0)
+            acc, prev, c23 = _score_pair(c23, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                         C_BITS, WC_L, WP_L, dot_a, 2)
+            p_here = pc
+        else:
+            acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                         C_BITS, WC_L, WP_L, dot_a)
+            acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                         C_BITS, WC_L, WP_L, dot_a)
+            acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                         C_BITS, WC_L, WP_L, dot_a)
+            acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                         C_BITS, WC_L, WP_L, dot_a)
         if R_INT:  # the RoPE unit's integer codes in an accumulator of their own, times their steps when added
             x5 = _unpack_codes8(cr, zzr, WR_L)
             cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
             acc_r = warpgroup_mma(_a_view(x5, dot_a), qbuf[GC].index(kz).permute((1, 0)), acc, use_acc=False,
                                   is_async=True)
-            acc, prev, acc_r = warpgroup_mma_wait(0, deps=[acc, prev, acc_r])
+            if C_BITS == 8:
+                p_hi, p_lo = prev
+                acc, acc_a, p_hi, p_lo, acc_r = warpgroup_mma_wait(0, deps=[acc, acc_a, p_hi, p_lo, acc_r])
+                acc = acc + acc_a
+            else:
+                acc, prev, acc_r = warpgroup_mma_wait(0, deps=[acc, prev, acc_r])
             acc = acc + acc_r * s_row[:, None]
         else:
             x5, _ = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, WR_L)
@@ -617,11 +677,19 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
 
 def split_handles(fmt: CacheFormat) -> bool:
     """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups at 2 or 4 bits (keys rounded
-    once to fp16) with 2-, 4- or 8-bit RoPE (C4R4, C2R4, C4R8, C2R8), or both paths at 16 bits at DeepSeek's widths
-    (C16R16: 512 content channels, 64 RoPE)."""
+    once to fp16) with 2-, 4- or 8-bit RoPE (C4R4, C2R4, C4R8, C2R8), at 8 bits with 8-bit RoPE (C8R8: high parts and
+    remainders, `_score_key_split`), or both paths at 16 bits at DeepSeek's widths (C16R16: 512 content channels, 64
+    RoPE)."""
     if dense(fmt):
         return fmt.content.dim == 8 * GROUP and fmt.rope.dim == GROUP
-    return fmt.content.n_groups == 8 and fmt.content.bits in (2, 4) and fmt.rope.bits in (2, 4, 8)
+    c, r = fmt.content.bits, fmt.rope.bits
+    return fmt.content.n_groups == 8 and ((c in (2, 4) and r in (2, 4, 8)) or (c == 8 and r == 8))
+
+
+def paged_only(fmt: CacheFormat) -> bool:
+    """Whether the dispatch takes this kernel for the format only in pages: 8-bit content (C8R8), whose contiguous
+    launch is slower than `gluon_wide`'s and whose paged one faster (docs/KERNELS.md, "Which kernel runs")."""
+    return fmt.content.quantized and fmt.content.bits == 8
 
 
 def dense(fmt: CacheFormat) -> bool:

@@ -171,6 +171,19 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
         assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, (cb, paged)
         assert "stmatrix.sync.aligned" in ptx  # the keys stored as their A fragments are
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
+    # 8-bit content (C8R8): each content unit scored on its keys' high parts and remainders (2 x 8 units x 4 k-steps,
+    # two accumulator chains), the RoPE unit on its integer codes (4), the copy tile's 9 units as the other formats'
+    c8r8 = CacheFormat(PathFormat(512, 8, 64), PathFormat(64, 8, 64))
+    for paged in (False, True):
+        kernel = sd.compile_split(8, 8, paged=paged)
+        assert not sd.wgmma_serialized(kernel), (paged, sd.ptxas_facts(kernel))
+        assert kernel.metadata.shared <= mp.smem_bytes(c8r8, False) <= mc.SMEM_LIMIT
+        ptx = kernel.asm["ptx"]
+        v_regs, s_regs = mp.registers(c8r8, paged)
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{s_regs};" in ptx and f"\t{v_regs};" in ptx
+        mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 \{{[^}}]*\}}, "
+        assert len(re.findall(mma + r"\{", ptx)) == 2 * 8 * 4 + 4 + 9 * 4, paged
+        assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, paged
     # 16-bit planes (C16R16): the content keys copied into the value stages (cp.async, 16 bytes), scored from there;
     # only the RoPE unit's keys are register operands; nothing unpacked, no keys stored from registers
     # (paged: page pools, no copies, S = R = 0)
@@ -244,7 +257,10 @@ def test_split_shared_memory_and_formats():
     for c, r in ((2, 4), (4, 4), (4, 8), (2, 8)):  # 8-bit RoPE: its integer codes scored apart
         f = CacheFormat(PathFormat(512, c, 64), PathFormat(64, r, 64))
         assert ms.split_handles(f) and ms.registers(f, False) == ms.REGS[c, r, False]
-    for c, r, dc in ((8, 8, 512), (8, 4, 512), (4, 4, 256)):  # 8-bit content keys, 4 content groups: not this kernel's
+    c8r8 = CacheFormat(PathFormat(512, 8, 64), PathFormat(64, 8, 64))  # 8-bit keys: taken, in pages by the dispatch
+    assert ms.split_handles(c8r8) and ms.paged_only(c8r8) and not ms.paged_only(c2r4)
+    assert ms.registers(c8r8, True) == ms.REGS[8, 8, True]
+    for c, r, dc in ((8, 4, 512), (4, 4, 256)):  # 8-bit content with 4-bit RoPE, 4 content groups: not this kernel's
         assert not ms.split_handles(CacheFormat(PathFormat(dc, c, 64), PathFormat(64, r, 64)))
     assert ms.registers(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 2, 64)), True) == ms.REGS[4, 4, True]
     # 16-bit planes at DeepSeek's widths (copied into the value stages: the same shared memory), none at others
@@ -502,8 +518,8 @@ def test_sass_script_reads_the_split_kernels_loops():
     assert dense.returncode == 0, dense.stderr[-3000:]
     assert re.findall(r"^scorer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking multiplies, (\d+) key copies", dense.stdout,
                       re.M) == [("36", "0", "32")], dense.stdout
-    bad = _sass_script("C8R8", "--split", timeout=300)
-    assert bad.returncode == 2 and "takes C4R4, C2R4, C4R8 and C16R16" in bad.stderr, bad.stderr[-2000:]
+    bad = _sass_script("C4R4", "--split", "--fp32-queries")
+    assert bad.returncode == 2 and "takes bf16/fp16 queries" in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)

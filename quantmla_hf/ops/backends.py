@@ -55,17 +55,17 @@ GLUON_KERNELS = {  # backend: (rows per program, programs per SM the splits fill
 
 
 def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, device,
-                   query_dtype: torch.dtype | None = None) -> str:
+                   query_dtype: torch.dtype | None = None, paged: bool = False) -> str:
     """The decode kernel for this format, `rows = H * Tq` query rows per batch row, `batch` rows, model dtype
-    `dtype` (of the sink/recent copies and 16-bit planes), device and query dtype (default: `dtype`): one of
-    `BACKENDS`.
+    `dtype` (of the sink/recent copies and 16-bit planes), device and query dtype (default: `dtype`), for the
+    contiguous planes or (`paged`) page pools: one of `BACKENDS`.
 
     The table (timings: docs/KERNELS.md "Which kernel runs"):
 
     - Hopper (sm_90) with bf16/fp16 copies: `gluon_split` from 64 rows where it takes the format (C4R4, C2R4, C4R8,
-      C2R8 with 8 content groups, and C16R16 at 512 + 64 channels; bf16/fp16 queries); else, with 2/4/8-bit paths
-      in groups of 64, `gluon_wide` above 16 rows where it takes the format (C4R4, C2R4, C4R8, C2R8, C8R8), else
-      `gluon_regs`. Every batch measured picks the same kernel, so `batch` does not enter the rule.
+      C2R8 with 8 content groups, C8R8 in pages only, and C16R16 at 512 + 64 channels; bf16/fp16 queries); else,
+      with 2/4/8-bit paths in groups of 64, `gluon_wide` above 16 rows where it takes the format (C4R4, C2R4, C4R8,
+      C2R8, C8R8), else `gluon_regs`. Every batch measured picks the same kernel, so `batch` does not enter the rule.
     - Any other CUDA GPU, 16-bit paths below 64 rows, fp32 models, and the Triton interpreter on CPU: `triton`,
       where the format has power-of-two widths (`mla_decode_triton.triton_handles`).
     - Everything else (CPU without the interpreter, other widths): `torch`.
@@ -78,7 +78,8 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
     if device.type != "cuda":
         return "torch"
     if hopper_handles(fmt, dtype, device):
-        if rows >= split.BLOCK_M and split.split_handles(fmt) and (query_dtype or dtype) != torch.float32:
+        if (rows >= split.BLOCK_M and split.split_handles(fmt) and (query_dtype or dtype) != torch.float32
+                and (paged or not split.paged_only(fmt))):
             return "gluon_split"
         if regs.regs_handles(fmt):
             return "gluon_wide" if rows > 16 and wide.wide_handles(fmt) else "gluon_regs"
@@ -96,7 +97,7 @@ def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: i
     if (n_queries != n_requests or page_size != GLUON_BLOCK_T
             or not (split.dense(fmt) or (fmt.sink_tokens and fmt.recent_tokens))):
         return "triton"
-    choice = select_backend(fmt, H, n_requests, copy_dtype, device, query_dtype)
+    choice = select_backend(fmt, H, n_requests, copy_dtype, device, query_dtype, paged=True)
     return choice if choice.startswith("gluon") else "triton"
 
 
