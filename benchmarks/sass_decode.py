@@ -65,7 +65,8 @@ DUMP_LAUNCHES = ([(c, r, 8, q, p, w) for c, r in ((4, 4), (2, 4), (4, 8), (8, 8)
                  + [(c, r, 4, False, p, False) for c, r in ((4, 4), (8, 8)) for p in (False, True)]
                  + [(2, 2, 8, False, False, False)])
 # (content bits, RoPE bits, paged): the split kernel's launches
-SPLIT_LAUNCHES = [(c, r, p) for c in (4, 2) for r in (4, 8) for p in (False, True)] + [(16, 16, False), (16, 16, True)]
+SPLIT_LAUNCHES = ([(c, r, p) for c in (4, 2) for r in (4, 8) for p in (False, True)] + [(8, 8, False), (8, 8, True)]
+                  + [(16, 16, False), (16, 16, True)])
 
 
 # (content bits, RoPE bits, RoPE width, query rows, fp32 model, page size): the portable kernel's launches, every

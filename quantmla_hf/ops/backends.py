@@ -21,8 +21,9 @@ a growing cache and a static one of any capacity give the same bits, and no laun
 The paged decode (`mla_decode_paged`, reference `mla_decode_ref.mla_decode_paged_ref`) takes requests of different
 lengths in one launch, packed without padding (`cu_seqlens_q`), each token read by indirection (its page from the
 request's `page_table` row, its slot `p % page_size`): a decode step in 64-token pages on sm_90 goes to the Gluon
-kernel the contiguous table picks, reading the pools through the page table; every other step (chunks of several
-query tokens, other page sizes, other GPUs, the interpreter) to the portable kernel with `PAGE = page_size`.
+kernel the table picks in pages (the contiguous choice but for C8R8 from 64 rows: `gluon_split`), reading the pools
+through the page table; every other step (chunks of several query tokens, other page sizes, other GPUs, the
+interpreter) to the portable kernel with `PAGE = page_size`.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def select_paged_backend(fmt: CacheFormat, H: int, n_requests: int, n_queries: i
                          copy_dtype: torch.dtype, device, query_dtype: torch.dtype | None = None) -> str:
     """The paged decode kernel: for a decode step, one query token per request (`n_queries == n_requests`), in pages
     of 64 tokens with sink and recent copies (a 16-bit cache keeps none and needs none), the Gluon kernel
-    `select_backend` picks for these `H` rows (`gluon_regs`, `gluon_wide` or `gluon_split`, reading the pools through
-    the page table); otherwise `triton` (any step, page size and format)."""
+    `select_backend(..., paged=True)` picks for these `H` rows (`gluon_regs`, `gluon_wide` or `gluon_split`, reading
+    the pools through the page table); otherwise `triton` (any step, page size and format)."""
     if (n_queries != n_requests or page_size != GLUON_BLOCK_T
             or not (split.dense(fmt) or (fmt.sink_tokens and fmt.recent_tokens))):
         return "triton"
