@@ -152,51 +152,44 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
     from quantmla_hf.kernels import mla_decode_gluon_split as mp
 
-    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True), (4, 4, True), (4, 8, False), (2, 8, True)):
+    def split_ptx(cb, rb, paged):
+        # the launch's PTX, once its wgmmas are not serialized (the tensor pipe kept full), its shared memory is
+        # within its budget and its warpgroups take their registers (the scorer gives registers back, the value
+        # worker takes them, the default warps keep the rest)
         kernel = sd.compile_split(cb, rb, paged=paged)
-        assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))  # the tensor pipe kept full
+        assert not sd.wgmma_serialized(kernel), (cb, rb, paged, sd.ptxas_facts(kernel))
         fmt = CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64))
         need = mp.smem_bytes(fmt, False)
         assert kernel.metadata.shared <= need <= mc.SMEM_LIMIT, (cb, paged, kernel.metadata.shared, need)
         ptx = kernel.asm["ptx"]
-        # the scorer gives registers back, the value worker takes them, the default warps keep the rest
         v_regs, s_regs = mp.registers(fmt, paged)
-        assert f"setmaxnreg.inc.sync.aligned.u32 \t{s_regs};" in ptx, ptx[:200]
-        assert f"setmaxnreg.inc.sync.aligned.u32 \t{v_regs};" in ptx
-        assert f"setmaxnreg.dec.sync.aligned.u32 \t{512 - 8 - v_regs - s_regs};" in ptx
+        for n in (s_regs, v_regs):
+            assert f"setmaxnreg.inc.sync.aligned.u32 \t{n};" in ptx, (cb, rb, paged, n)
+        if cb != 16:
+            assert f"setmaxnreg.dec.sync.aligned.u32 \t{512 - 8 - v_regs - s_regs};" in ptx
+        return ptx
+
+    mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 \{{[^}}]*\}}, "
+    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True), (4, 4, True), (4, 8, False), (2, 8, True)):
+        ptx = split_ptx(cb, rb, paged)
         # the scores with the keys in registers: 9 units x 4 k-steps in the loop and as many for the copy tile; the
         # values from shared memory: 4 units x 4 k-steps per value warpgroup
-        mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 \{{[^}}]*\}}, "
         assert len(re.findall(mma + r"\{", ptx)) == 2 * 9 * 4, (cb, paged)
         assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, (cb, paged)
         assert "stmatrix.sync.aligned" in ptx  # the keys stored as their A fragments are
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
     # 8-bit content (C8R8): each content unit scored on its keys' high parts and remainders (2 x 8 units x 4 k-steps,
     # two accumulator chains), the RoPE unit on its integer codes (4), the copy tile's 9 units as the other formats'
-    c8r8 = CacheFormat(PathFormat(512, 8, 64), PathFormat(64, 8, 64))
     for paged in (False, True):
-        kernel = sd.compile_split(8, 8, paged=paged)
-        assert not sd.wgmma_serialized(kernel), (paged, sd.ptxas_facts(kernel))
-        assert kernel.metadata.shared <= mp.smem_bytes(c8r8, False) <= mc.SMEM_LIMIT
-        ptx = kernel.asm["ptx"]
-        v_regs, s_regs = mp.registers(c8r8, paged)
-        assert f"setmaxnreg.inc.sync.aligned.u32 \t{s_regs};" in ptx and f"\t{v_regs};" in ptx
-        mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 \{{[^}}]*\}}, "
+        ptx = split_ptx(8, 8, paged)
         assert len(re.findall(mma + r"\{", ptx)) == 2 * 8 * 4 + 4 + 9 * 4, paged
         assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, paged
     # 16-bit planes (C16R16): the content keys copied into the value stages (cp.async, 16 bytes), scored from there;
     # only the RoPE unit's keys are register operands; nothing unpacked, no keys stored from registers
     # (paged: page pools, no copies, S = R = 0)
-    fmt = CacheFormat(PathFormat(512, 16, 64), PathFormat(64, 16, 64))
+    mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 \{{[^}}]*\}}, "
     for paged in (False, True):
-        kernel = sd.compile_split(16, 16, paged=paged)
-        assert not sd.wgmma_serialized(kernel), (paged, sd.ptxas_facts(kernel))
-        assert kernel.metadata.shared <= mp.smem_bytes(fmt, False) <= mc.SMEM_LIMIT
-        ptx = kernel.asm["ptx"]
-        v_regs, s_regs = mp.registers(fmt, paged)
-        for n in (s_regs, v_regs):
-            assert f"setmaxnreg.inc.sync.aligned.u32 \t{n};" in ptx
-        mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 \{{[^}}]*\}}, "
+        ptx = split_ptx(16, 16, paged)
         assert len(re.findall(mma + r"\{", ptx)) == 2 * 4  # the RoPE unit, in the loop and the copy tile
         assert len(re.findall(mma + r"%rd", ptx)) == 2 * 8 * 4 + 2 * 4 * 4  # content scores (both), values
         assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
