@@ -384,12 +384,18 @@ def _unpack_codes8(w, zz, wl: gl.constexpr):
 
 
 @_jit
-def _row_steps(s, acc_l: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr):
+def _rope_steps(s, acc_l: gl.constexpr):
     """The RoPE group's steps `[64, 4]` fp16 (the same for every q) -> `[64]` fp32 in the rows of a score accumulator
-    `[64, BM]`, where `_packed_scores` scores the RoPE unit's integer codes (8-bit RoPE under 2/4-bit content); zeros
-    (unused) otherwise."""
+    `[64, BM]` (the factors of the RoPE unit's integer-code scores)."""
+    return gl.convert_layout(gl.max(s, axis=1).to(gl.float32), gl.SliceLayout(1, acc_l))
+
+
+@_jit
+def _row_steps(s, acc_l: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr):
+    """`_rope_steps` where `_packed_scores` scores the RoPE unit's integer codes (8-bit RoPE under 2/4-bit content);
+    zeros (unused) otherwise."""
     if R_BITS == 8 and C_BITS != 8:
-        return gl.convert_layout(gl.max(s, axis=1).to(gl.float32), gl.SliceLayout(1, acc_l))
+        return _rope_steps(s, acc_l)
     return gl.zeros([64], gl.float32, gl.SliceLayout(1, acc_l))
 
 

@@ -77,6 +77,7 @@ if HAVE_GLUON:
         _program_coords,
         _program_rows,
         _references,
+        _rope_steps,
         _row_ptrs,
         _split_range,
         _split_rows,
@@ -85,9 +86,9 @@ if HAVE_GLUON:
         _tile_page,
         _tile_rows,
         _unit_base,
+        _unit_buffers,
         _unpack_codes8,
         _unpack_unit,
-        _unit_buffers,
     )
 
 _const = gl.constexpr if HAVE_GLUON else int  # a module constant the kernels read
@@ -181,13 +182,6 @@ def _meta_rows(p_cs, p_cz, p_rs, p_rz, t0, last, shift, GC: gl.constexpr, ml: gl
     off_r = o_a[:, None] + 0 * o_q[None, :]
     return (gl.load(p_cs + off), gl.load(p_cz + off), gl.load(p_cs + off + 4), gl.load(p_cz + off + 4),
             gl.load(p_rs + off_r), gl.load(p_rz + off_r))
-
-
-@_jit
-def _rope_steps(sr, acc_l: gl.constexpr):
-    """The RoPE group's steps `[64, 4]` fp16 (the same for every q) -> `[64]` fp32 in the rows of the score
-    accumulator `[64 tokens, BM]` (8-bit RoPE: its integer codes' scores times these)."""
-    return gl.convert_layout(gl.max(sr, axis=1).to(gl.float32), gl.SliceLayout(1, acc_l))
 
 
 @_jit
