@@ -156,16 +156,15 @@ def _score_unit(x5, xlo, u: gl.constexpr, acc, prev, qu, dst, C_BITS: gl.constex
 
 @_jit
 def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, p_c, tn, lo, last, GC: gl.constexpr,
-                C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr,
-                LU: gl.constexpr = -1):
+                C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr, LU: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`) unpacked, scored and stored to `vbuf[u][st]`,
-    `vbuf[u + 1][st]`; `cp` replaced by the words of units `LU, LU + 1` (default u, u + 1) of the tile at `tn` (row
-    pointers `p_c`) once both are unpacked. Returns `(acc, prev, cp)`."""
+    `vbuf[u + 1][st]`; `cp` replaced by the words of units `LU, LU + 1` of the tile at `tn` (row pointers `p_c`) once
+    both are unpacked. Returns `(acc, prev, cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
     acc, prev = _score_unit(x5, xlo, u, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), C_BITS, dot_a)
     x5, xlo = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
-    cp = _load_unit(p_c, tn, lo, last, u if LU < 0 else LU, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
+    cp = _load_unit(p_c, tn, lo, last, LU, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
     acc, prev = _score_unit(x5, xlo, u + 1, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), C_BITS, dot_a)
     return acc, prev, cp
 
@@ -255,7 +254,8 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
     pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
     c01 = _load_unit(pw, 0, lo, last, 0, RWC, C_BITS, GC, WP_L, 2, True)
     c23 = _load_unit(pw, 0, lo, last, 2, RWC, C_BITS, GC, WP_L, 2, True)
-    if C_BITS == 8:  # 8-bit words: two pairs in flight, each loaded half a tile ahead (registers for the chains)
+    HALF: gl.constexpr = C_BITS == 8  # 8-bit words: two pairs in flight, each half a tile ahead (registers for chains)
+    if HALF:
         p_here = pw  # the row pointers of the tile being scored
     else:  # every pair's words a tile ahead
         c45 = _load_unit(pw, 0, lo, last, 4, RWC, C_BITS, GC, WP_L, 2, True)
@@ -282,33 +282,34 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         # both value warpgroups have finished reading this stage's keys of two tiles ago
         mbarrier.wait(bars.index(V_EMPTY + st), ((it // 2) + 1) & 1, pred=it >= 2)
         acc = gl.zeros([64, BM], gl.float32, acc_l)
-        if C_BITS == 8:  # units 0-3 in one accumulator chain, 4-7 in another, summed in fp32 at the end
-            t_here = it * BT
-            acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, p_here, t_here, lo, last,
-                                         GC, C_BITS, WC_L, WP_L, dot_a, 4)
-            acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, p_here, t_here, lo,
-                                         last, GC, C_BITS, WC_L, WP_L, dot_a, 6)
+        if HALF:  # units 4-7 of this tile load while 0-3 are scored (into their slots), 0-3 of the next meanwhile
+            p_a = p_here
+            t_a = it * BT
+        else:  # each pair's words of the next tile
+            p_a = pc
+            t_a = tn
+        acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a, 4 if HALF else 0)
+        acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a, 6 if HALF else 2)
+        if HALF:  # units 0-3 in one accumulator chain, 4-7 in another, summed in fp32 at the end
             acc_a = acc
-            acc, prev, c01 = _score_pair(c01, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                         C_BITS, WC_L, WP_L, dot_a, 0)
-            acc, prev, c23 = _score_pair(c23, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                         C_BITS, WC_L, WP_L, dot_a, 2)
+            c45 = c01
+            c67 = c23
+        acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a, 0 if HALF else 4)
+        acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a, 2 if HALF else 6)
+        if HALF:
+            c01 = c45
+            c23 = c67
             p_here = pc
-        else:
-            acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                         C_BITS, WC_L, WP_L, dot_a)
-            acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                         C_BITS, WC_L, WP_L, dot_a)
-            acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                         C_BITS, WC_L, WP_L, dot_a)
-            acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                         C_BITS, WC_L, WP_L, dot_a)
         if R_INT:  # the RoPE unit's integer codes in an accumulator of their own, times their steps when added
             x5 = _unpack_codes8(cr, zzr, WR_L)
             cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
             acc_r = warpgroup_mma(_a_view(x5, dot_a), qbuf[GC].index(kz).permute((1, 0)), acc, use_acc=False,
                                   is_async=True)
-            if C_BITS == 8:
+            if HALF:
                 p_hi, p_lo = prev
                 acc, acc_a, p_hi, p_lo, acc_r = warpgroup_mma_wait(0, deps=[acc, acc_a, p_hi, p_lo, acc_r])
                 acc = acc + acc_a
