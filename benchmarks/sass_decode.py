@@ -8,7 +8,8 @@ and of each value warpgroup, with its `wgmma`s, unpacking multiplies, local-memo
 shared memory it moves (`shared_bytes`). Each also prints what ptxas said (`ptxas_facts`): whether it serialized the
 wgmmas (each waiting for the one before, which a kernel short of registers gets without failing) and the spill bytes.
 
-    python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8] [--fp32-queries] [--inflight N] [--paged] [--wide|--split]
+    python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8|C16R16] [--fp32-queries] [--inflight N] [--paged]
+        [--wide|--split]
     python benchmarks/sass_decode.py --dump DIR
 
 `--paged`: the paged launch (`PAGED`: page pools read through a page table) of any of them. `--dump DIR`: the whole
@@ -333,7 +334,7 @@ def main():
     ap.add_argument("--paged", action="store_true", help="the paged launch")
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
     ap.add_argument("--split", action="store_true",
-                    help="the split kernel (C4R4, C2R4, C4R8, C16R16; bf16 queries)")
+                    help="the split kernel (C4R4, C2R4, C4R8, C8R8, C16R16; bf16 queries)")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     a = ap.parse_args()
     if a.dump:

@@ -266,7 +266,7 @@ def mla_decode_static(
         if not (hopper_handles(fmt, sink_c.dtype, q_lat.device) and handles):
             raise ValueError(f"the {backend} kernel does not take {fmt.name} with {sink_c.dtype} copies on "
                              f"{q_lat.device} (sm_90, groups of 64; wide: 8 content groups of C4R4, C2R4, "
-                             "C4R8, C2R8 or C8R8; split: those of them below 8-bit content, and C16R16): use "
+                             "C4R8, C2R8 or C8R8; split: those of them and C16R16): use "
                              "backend='triton'")
         if not planes_contiguous(fmt, content_planes, rope_planes):
             raise ValueError("the Gluon decode kernels need plane rows laid out contiguously (docs/CACHE_FORMAT.md): "
