@@ -42,14 +42,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.machinery
 import importlib.util
 import inspect
 import json
 import os
 import sys
 import time
-import types
 
 import torch
 import transformers
@@ -58,7 +56,6 @@ from transformers import AutoConfig, DynamicCache
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 from triton.testing import do_bench
 
-import quantmla_hf.format
 from quantmla_hf.ops.backends import (
     BACKENDS,
     PAGED_BACKENDS,
@@ -72,6 +69,7 @@ from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.evaluation.intervals import t_interval
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref
 from quantmla_hf.kernels.mla_decode_ref import history_ref, mla_decode_ref
+from tree_compare import load_baseline_decode, ratio_word, summarize_rounds
 
 D_C, D_R, D_NOPE, D_V, HIDDEN = 512, 64, 128, 128, 2048
 SCALING = (D_NOPE + D_R) ** -0.5
@@ -79,7 +77,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C2R8": (2, 8), "C8R8": (8, 8), "C16R16": (16, 16)}
 POINTS = [(16, 1, 4096), (16, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 8, 131072), (128, 8, 32768),
           (128, 32, 32768)]
-BASELINE_PACKAGE = "quantmla_baseline"
 
 
 def make_cache(name, B, N, S=4, R=128, dtype=torch.bfloat16, device=None, seed=0):
@@ -123,39 +120,9 @@ def decode_fn(backend, N, capacity=None):
 
 
 def load_baseline(path):
-    """The decode operation of another tree at `path`, run beside this tree's: its `kernels/` imported as the
-    package `BASELINE_PACKAGE.kernels` (their own relative imports; `quantmla_hf.format` is this tree's, the same
-    byte layout) and its `mla_decode_static` from where that tree keeps the operation: `quantmla_hf/ops/backends.py`
-    (this layout), `quantmla_hf/decode.py` (the flat package before it), or, in trees that kept the operation in
-    `kernels/`, as their `ops.py` chose it: `kernels/mla_decode_fast.py` where its `fast_supported` says so, else
-    `kernels/mla_decode.py`. Returns a `decode_fn`-like factory."""
-    root = types.ModuleType(BASELINE_PACKAGE)
-    root.__path__ = [os.path.join(path, "quantmla_hf")]
-    sys.modules[BASELINE_PACKAGE] = root
-    sys.modules[BASELINE_PACKAGE + ".format"] = quantmla_hf.format
-    folder = os.path.join(path, "kernels")
-    init = os.path.join(folder, "__init__.py")  # absent from this layout on: a namespace package
-    if os.path.exists(init):
-        spec = importlib.util.spec_from_file_location(BASELINE_PACKAGE + ".kernels", init,
-                                                      submodule_search_locations=[folder])
-    else:
-        spec = importlib.machinery.ModuleSpec(BASELINE_PACKAGE + ".kernels", None, is_package=True)
-        spec.submodule_search_locations = [folder]
-    kernels = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = kernels
-    if spec.loader is not None:
-        spec.loader.exec_module(kernels)
-    module = next((m for m, f in ((".ops.backends", "ops/backends.py"), (".decode", "decode.py"))
-                   if os.path.exists(os.path.join(path, "quantmla_hf", f))), None)
-    in_package = module is not None
-    if module == ".ops.backends":  # its package, without running the tree's quantmla_hf/ops/__init__ imports
-        ops = types.ModuleType(BASELINE_PACKAGE + ".ops")
-        ops.__path__ = [os.path.join(path, "quantmla_hf", "ops")]
-        sys.modules[ops.__name__] = ops
-    op = importlib.import_module(BASELINE_PACKAGE + (module if in_package else ".kernels.mla_decode"))
-    fast = None  # trees before the one decode module: `mla_decode_fast` took the cases its `fast_supported` named
-    if not in_package and os.path.exists(os.path.join(path, "kernels", "mla_decode_fast.py")):
-        fast = importlib.import_module(BASELINE_PACKAGE + ".kernels.mla_decode_fast")
+    """The decode operation of another tree at `path` (`tree_compare.load_baseline_decode`), run beside this tree's:
+    a `decode_fn`-like factory, with the tree's paged decode (or None) as its `paged`."""
+    decode = load_baseline_decode(path)
 
     def factory(N, capacity=None, backend=None):
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
@@ -163,15 +130,11 @@ def load_baseline(path):
         named = {"backend": backend} if backend else {}  # else the tree's own dispatch
 
         def run(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, n, scaling):
-            decode = op
-            if fast is not None and fast.fast_supported(fmt, q_lat.dtype, q_lat.device, sc.dtype):
-                decode = fast
-            return decode.mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling,
-                                            **named)
+            return decode.static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling, **named)
 
         return run
 
-    factory.paged = getattr(op, "mla_decode_paged", None)  # the tree's paged decode, where it has one
+    factory.paged = decode.paged
     return factory
 
 
@@ -564,25 +527,6 @@ def run_bench(out_lines, points, formats, bf16_kernel=None, stock=False, graph=F
     return ceiling, rows
 
 
-def summarize_rounds(times: dict, target: float | None = None) -> tuple[list[dict], str | None]:
-    """Per-round replay times `{method: [ms per round]}` (the methods timed in turns, the first the reference) ->
-    per method `{method, ms, ratio}`: the mean time with its Student-t 95% interval, and the mean of the per-round
-    ratios to the first method with its interval (an interval holding 1 is a tie); and, given `target` (ms), where
-    the first method stands: "met" (its interval below the target), "missed" (above), or a tie (it holds it)."""
-    names = list(times)
-    ref = torch.tensor(times[names[0]], dtype=torch.float64)
-    rows = []
-    for k in names:
-        ms = torch.tensor(times[k], dtype=torch.float64)
-        if ms.shape != ref.shape:
-            raise ValueError(f"every method needs one time per round: {k} has {ms.numel()}, {names[0]} {ref.numel()}")
-        rows.append(dict(method=k, ms=t_interval(ms), ratio=t_interval(ms / ref)))
-    if target is None:
-        return rows, None
-    m = rows[0]["ms"]
-    return rows, "met" if m.high < target else ("missed" if m.low > target else "tie (the interval holds it)")
-
-
 def paged_fn(args, page_size=64, num_splits=None, backend=None, decode=None):
     """The same cache laid out in pages (`quantmla_hf/ops/backends.py`'s `mla_decode_paged`, or `decode`, another
     tree's): each batch row one request of N positions in consecutive pages of `page_size`, one query token each; a
@@ -758,7 +702,7 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
         for label, name, new_tag, old_tag in pairs if baseline else ():
             new, old = (torch.tensor(times[f"{t}-{name}"], dtype=torch.float64) for t in (new_tag, old_tag))
             ratio = t_interval(new / old)
-            word = "faster" if ratio.high < 1 else ("slower" if ratio.low > 1 else "tie")
+            word = ratio_word(ratio)
             out_lines.append(f"new/old H={H:3d} B={B:2d} N={N:6d} {label:12s} x{ratio.fmt(3)}: {word}")
             print(out_lines[-1], flush=True)
             out.append(dict(method=f"new/old-{label.replace(' ', '-')}", H=H, B=B, N=N, ratio=ratio.to_dict(),
@@ -766,7 +710,7 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
         for name in formats if "flashmla-bf16" in times else ():
             ours, theirs = (torch.tensor(times[k], dtype=torch.float64) for k in (f"new-{name}", "flashmla-bf16"))
             ratio = t_interval(ours / theirs)
-            word = "faster" if ratio.high < 1 else ("slower" if ratio.low > 1 else "tie")
+            word = ratio_word(ratio)
             out_lines.append(f"vs FlashMLA H={H:3d} B={B:2d} N={N:6d} {name:6s} x{ratio.fmt(3)} of FlashMLA's time: {word}")
             print(out_lines[-1], flush=True)
             out.append(dict(method=f"new/flashmla-{name}", H=H, B=B, N=N, ratio=ratio.to_dict(), verdict=word))

@@ -41,22 +41,23 @@ import os
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessorList
 
 from quantmla_hf import QuantMLACache, QuantMLAConfig, StaticQuantMLACache, install_cache_hooks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def v2_lite(layers, tiny=False, heads=16):
+def v2_lite(layers, tiny=False, heads=16, model_type="deepseek_v2"):
     """DeepSeek-V2-Lite's attention shape (`heads` heads: 16 as V2-Lite, 128 as V2/V3) with dense MLPs and random
-    weights, `layers` layers; `tiny`: a 4-head fp32 toy for CPU runs."""
+    weights, `layers` layers, as `model_type` (`deepseek_v2`, or `deepseek_v3`: what plain `generate()`'s
+    benchmarks run); `tiny`: a 4-head fp32 toy for CPU runs."""
     dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=heads, kv_lora_rank=512,
                 qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)
     if tiny:
         dims = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, kv_lora_rank=64,
                     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, vocab_size=128)
-    cfg = AutoConfig.for_model("deepseek_v2", num_hidden_layers=layers, num_key_value_heads=dims["num_attention_heads"],
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, num_key_value_heads=dims["num_attention_heads"],
                                q_lora_rank=None, first_k_dense_replace=layers, max_position_embeddings=163840, **dims)
     torch.manual_seed(0)
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -232,6 +233,27 @@ def host_profile(state, n_steps=3, top=25):
     return buf.getvalue()
 
 
+def gpu_ms_by_kernel(prof, n_steps):
+    """GPU ms per step of a torch.profiler run over `n_steps` steps: `({family: ms}, {kernel name: ms})`."""
+    fam, kernels = {}, {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            fam[kernel_family(e.name)] = fam.get(kernel_family(e.name), 0.0) + us / 1000 / n_steps
+            kernels[e.name] = kernels.get(e.name, 0.0) + us / 1000 / n_steps
+    return fam, kernels
+
+
+def replay_ms(graph, n=20):
+    """Mean ms of `n` back-to-back replays of a captured CUDA graph."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t) / n
+
+
 @torch.no_grad()
 def profile_steps(state, n_steps=5):
     """GPU time per decode step by kernel family, and the step's wall time, from torch.profiler."""
@@ -246,12 +268,7 @@ def profile_steps(state, n_steps=5):
             n += 1
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / n_steps
-    fam, kernels = {}, {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            fam[kernel_family(e.name)] = fam.get(kernel_family(e.name), 0.0) + us / 1000 / n_steps
-            kernels[e.name] = kernels.get(e.name, 0.0) + us / 1000 / n_steps
+    fam, kernels = gpu_ms_by_kernel(prof, n_steps)
     return dict(wall_ms_per_step=1000 * wall, gpu_ms_per_step=sum(fam.values()), families=fam,
                 top_kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]))
 
@@ -357,19 +374,13 @@ def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_poin
     - at `eager_points`: greedy tokens identical to the eager static path, and sampling with one seed (top_k 50);
     - captures: one graph for the shape's first call, none on later calls (`graph_stats`); the graph's memory.
     """
-    from transformers import LogitsProcessorList
     from transformers.generation import CompileConfig
 
     from quantmla_hf import apply_quantmla
     from quantmla_hf.generation.graphs import graph_stats, graphs_of
 
-    dims = dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=heads, kv_lora_rank=512,
-                qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)
-    cfg = AutoConfig.for_model("deepseek_v3", num_hidden_layers=layers, num_key_value_heads=heads, q_lora_rank=None,
-                               first_k_dense_replace=layers, max_position_embeddings=163840, **dims)
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model = v2_lite(layers, heads=heads, model_type="deepseek_v3")
+    cfg = model.config
     apply_quantmla(model, QuantMLAConfig(content_bits=4, rope_bits=4, transform="none"))
     kw = cache_kwarg(model)
     stats = graph_stats(model)
@@ -419,12 +430,7 @@ def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_poin
             step = next(iter(graphs_of(cache).entries.values()))
             r.update(graph_MiB=step.nbytes / 2**20, cache_len=cache.max_cache_len,
                      cache_GiB=cache.nbytes() / 2**30, graphs_on_cache=len(graphs_of(cache)))
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(20):
-                step.graph.replay()
-            torch.cuda.synchronize()
-            r["replay_ms"] = 1000 * (time.perf_counter() - t) / 20
+            r["replay_ms"] = replay_ms(step.graph)
         if v == "default" and (B, N) in eager_points:
             e_clock = StepClock()
             e_toks, e_first = run(ids, new_tokens + 2, "eager-static", clock=e_clock)
@@ -442,6 +448,142 @@ def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_poin
                 json.dump(dict(points=results, graph_stats=vars(stats)), f, indent=1)
     print(json.dumps({"graph_stats": vars(stats)}), flush=True)
     return results
+
+
+FORMATS = {"C16R16": (16, 16), "C8R8": (8, 8), "C4R8": (4, 8), "C4R4": (4, 4), "C2R4": (2, 4)}
+
+
+@torch.no_grad()
+def fill_cache(cache, config, B, N, dtype, chunk=8192, seed=0):
+    """Write `N` random positions into every layer of `cache` through `cache.update` (latents `[B, 1, T, d_c]`, RoPE
+    keys `[B, 1, T, d_R]`, `chunk` positions a call): what a prefill leaves in the cache, without its compute (with
+    random weights the prefill's latents are as arbitrary, and a decode step's work does not depend on them)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    for layer in range(config.num_hidden_layers):
+        for start in range(0, N, chunk):
+            T = min(chunk, N - start)
+            latent = torch.randn(B, 1, T, config.kv_lora_rank, generator=g, device=DEVICE, dtype=dtype)
+            k_rot = torch.randn(B, 1, T, config.qk_rope_head_dim, generator=g, device=DEVICE, dtype=dtype)
+            cache.update(latent, k_rot, layer)
+
+
+def step_profile(run, n_steps):
+    """GPU ms per forward by kernel family over `run()` (`n_steps` forwards), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    fam, _ = gpu_ms_by_kernel(prof, n_steps)
+    attention = sum(v for k, v in fam.items() if k.startswith("attention:"))
+    total = sum(fam.values())
+    return dict(gpu_ms_per_step=total, attention_ms=attention, attention_share=attention / total if total else None,
+                families=dict(sorted(fam.items(), key=lambda kv: -kv[1])))
+
+
+@torch.no_grad()
+def before_after_generate(layers, heads, fmt, points, rounds, new_tokens, baseline_path, out_path=None, tiny=False):
+    """Plain `generate()`'s decode steps with this tree's decode and with the tree at `baseline_path` ("before":
+    `tree_compare.routed_decode`, its `mla_decode_static` through its own dispatch; projections, cache writes and
+    generate are this tree's), in turns in one process, on the `deepseek_v3` model of `v2_lite` (`heads` heads,
+    cache format `fmt`, transform none). Per (batch, context) of `points`:
+
+    - one `StaticQuantMLACache` filled with `N` random positions (`fill_cache`: a prefill of 32 x 32768 tokens at
+      128 heads does not fit one GPU, and what the cache holds does not change a step's work);
+    - `rounds` rounds, each variant once a round (the order alternating): captured graphs released, then greedy
+      `generate(ids, cache=cache, max_new_tokens=new_tokens)` with `ids` of `N + 1` tokens, so the last prompt token
+      is the only one not cached and every forward is a one-token step (on CUDA replayed from a CUDA graph after the
+      first); the median interval between generate's steps (`StepClock`, the capturing step left out) and 20 bare
+      replays of the captured step; the cache set back to `N` positions after each call;
+    - per variant after the rounds: GPU time per step by kernel family (`step_profile`) over an eager call
+      (`disable_compile=True`: the kernels a replay runs), hence the attention's share of the step.
+
+    Returns the rows (also written to `out_path`): per point each variant's times per round with their intervals,
+    the ratios new / before with their intervals, and the profiles."""
+    from tree_compare import load_baseline_decode, ratio_word, routed_decode, summarize_rounds
+
+    from quantmla_hf import apply_quantmla
+    from quantmla_hf.evaluation.intervals import t_interval
+    from quantmla_hf.generation.graphs import graphs_of, release_decode_graphs
+
+    if new_tokens < 4:
+        raise SystemExit(f"--new-tokens {new_tokens}: the step median needs at least 4 tokens a call (the first two "
+                         "steps, the one-token prefill and the capture, are left out)")
+    baseline = load_baseline_decode(baseline_path)
+    model = v2_lite(layers, tiny, heads, model_type="deepseek_v3")
+    content_bits, rope_bits = FORMATS[fmt]
+    advanced = {"kernel": "triton"} if tiny else {}  # tiny on CPU: the interpreted kernels, so the route matters
+    qconfig = QuantMLAConfig(content_bits=content_bits, rope_bits=rope_bits, transform="none",
+                             recent_tokens=8 if tiny else 128, advanced=advanced)
+    apply_quantmla(model, qconfig)
+    kw = cache_kwarg(model)
+    cuda = DEVICE == "cuda"
+    variants = {"new": None, "before": baseline}
+    rows = []
+    for B, N in points:
+        cache = StaticQuantMLACache(config=model.config, quantization_config=model.config.quantization_config,
+                                    max_cache_len=-(-(N + new_tokens + 64) // 256) * 256)
+        fill_cache(cache, model.config, B, N, model.dtype)
+        ids = torch.randint(0, model.config.vocab_size, (B, N + 1), generator=torch.Generator().manual_seed(1))
+        ids = ids.to(DEVICE)
+
+        def call(n, clock=None, **extra):
+            if clock is not None:
+                extra["logits_processor"] = LogitsProcessorList([clock])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, do_sample=False,
+                                 max_new_tokens=n, min_new_tokens=n, **{kw: cache}, **extra)
+            cache.set_host_length(N)
+            return out
+
+        step, replay = {v: [] for v in variants}, {v: [] for v in variants}
+        calls_before = baseline.calls
+        for r in range(rounds):
+            for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                release_decode_graphs()
+                with routed_decode(variants[v]):
+                    clock = StepClock()
+                    call(new_tokens, clock)
+                    step[v].append(clock.step_ms())
+                    captured = list(graphs_of(cache).entries.values())
+                    if cuda and captured:
+                        replay[v].append(replay_ms(captured[0].graph))
+                        cache.set_host_length(N)
+        release_decode_graphs()
+        row = dict(heads=model.config.num_attention_heads, layers=layers, B=B, N=N, format=fmt, rounds=rounds,
+                   step_ms=step, replay_ms=replay, baseline_calls=baseline.calls - calls_before)
+        for name, times in (("step", step), ("replay", replay)):
+            if all(times.values()):
+                summary, _ = summarize_rounds(times)
+                row[name] = {s["method"]: s["ms"].to_dict() for s in summary}
+                ratio = t_interval(torch.tensor(times["new"], dtype=torch.float64)
+                                   / torch.tensor(times["before"], dtype=torch.float64))
+                row[name + "_ratio"] = dict(ratio.to_dict(), verdict=ratio_word(ratio))
+        if cuda:
+            row["profile"] = {}
+            for v in variants:
+                with routed_decode(variants[v]):
+                    row["profile"][v] = step_profile(lambda: call(4, disable_compile=True), 4)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(dict(rows=rows), f, indent=1)
+        cache = None  # the next point's cache is filled without this one beside it
+        if cuda:
+            torch.cuda.empty_cache()
+    print(f"\n{'heads':>5s} {'B':>3s} {'N':>6s} {'fmt':6s} {'step ms new':>22s} {'before':>22s} "
+          f"{'new/before':>22s} {'replay new/before':>22s} {'attention ms (share) new / before':>36s}")
+    for r in rows:
+        cells = [r["step"][v] if "step" in r else None for v in variants]
+        cells = [f"{c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]" if c else "-" for c in cells]
+        ratios = [r.get(k) for k in ("step_ratio", "replay_ratio")]
+        ratios = [f"{c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]" if c else "-" for c in ratios]
+        prof = r.get("profile", {})
+        att = " / ".join(f"{p['attention_ms']:.2f} ({100 * p['attention_share']:.0f}%)" for p in prof.values())
+        print(f"{r['heads']:5d} {r['B']:3d} {r['N']:6d} {r['format']:6s} {cells[0]:>22s} {cells[1]:>22s} "
+              f"{ratios[0]:>22s} {ratios[1]:>22s} {att or '-':>36s}")
+    return rows
 
 
 def main():
@@ -470,7 +612,19 @@ def main():
                     help="points timed as (t(N + 2) - t(2)) / N over three calls (elsewhere: the step clock)")
     ap.add_argument("--default-inductor", action="store_true", help="also the inductor path at the first point")
     ap.add_argument("--default-tokens", type=int, default=64)
+    ap.add_argument("--baseline-path", default="",
+                    help="run only before_after_generate: plain generate() with this tree's decode and with the "
+                         "decode of the tree extracted at this path, in turns, at the --grid points")
+    ap.add_argument("--rounds", type=int, default=3, help="--baseline-path: rounds of each variant")
+    ap.add_argument("--format", default="C4R4", choices=sorted(FORMATS), help="--baseline-path: cache format")
+    ap.add_argument("--new-tokens", type=int, default=32, help="--baseline-path: tokens per generate call")
     a = ap.parse_args()
+    if a.baseline_path:
+        pts = [tuple(int(v) for v in p.split("x")) for p in (a.grid or "8x32768,32x32768").split(",")]
+        os.makedirs(a.out, exist_ok=True)
+        before_after_generate(a.layers, a.heads, a.format, pts, a.rounds, a.new_tokens, a.baseline_path,
+                              os.path.join(a.out, f"bench_generate_before_after{a.tag}.json"), a.tiny)
+        return
     if a.default_points:
         pts = [tuple(int(v) for v in p.split("x")) for p in a.default_points.split(",")]
         eager = [tuple(int(v) for v in p.split("x")) for p in a.default_eager.split(",") if p]

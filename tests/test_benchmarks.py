@@ -41,22 +41,30 @@ def test_rounding_effect_shows_each_paths_rounding(bench_decode):
     assert all(float(x) == 0 for r in rows[1:] for x in r[7:])
 
 
-def test_repeated_rounds_give_intervals_ratios_and_a_verdict(bench_decode):
+@pytest.fixture
+def tree_compare(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    import tree_compare
+
+    return tree_compare
+
+
+def test_repeated_rounds_give_intervals_ratios_and_a_verdict(tree_compare):
     """`--repeat`'s summary: a method's mean with its t interval, its per-round ratio to the reference, and whether
     the reference's interval lies below, above or across a target."""
     times = {"ours": [0.1990, 0.1992, 0.1989, 0.1991], "bf16": [0.4970, 0.4964, 0.4958, 0.4966]}
-    rows, verdict = bench_decode.summarize_rounds(times, target=0.20)
+    rows, verdict = tree_compare.summarize_rounds(times, target=0.20)
     assert [r["method"] for r in rows] == ["ours", "bf16"]
     assert rows[0]["ms"].value == pytest.approx(0.19905) and rows[0]["ms"].high < 0.20 and verdict == "met"
     assert rows[0]["ratio"].value == pytest.approx(1.0) and rows[0]["ratio"].high - rows[0]["ratio"].low < 1e-12
     ratios = [b / a for a, b in zip(times["ours"], times["bf16"])]
     assert rows[1]["ratio"].value == pytest.approx(sum(ratios) / 4)
     assert rows[1]["ratio"].low < rows[1]["ratio"].value < rows[1]["ratio"].high
-    assert bench_decode.summarize_rounds(times, target=0.1991)[1].startswith("tie")
-    assert bench_decode.summarize_rounds(times, target=0.19)[1] == "missed"
-    assert bench_decode.summarize_rounds(times)[1] is None
+    assert tree_compare.summarize_rounds(times, target=0.1991)[1].startswith("tie")
+    assert tree_compare.summarize_rounds(times, target=0.19)[1] == "missed"
+    assert tree_compare.summarize_rounds(times)[1] is None
     with pytest.raises(ValueError, match="one time per round"):
-        bench_decode.summarize_rounds({"ours": [0.2, 0.2], "bf16": [0.5]})
+        tree_compare.summarize_rounds({"ours": [0.2, 0.2], "bf16": [0.5]})
 
 
 def test_a_named_backends_output_is_held_against_the_defaults(bench_decode):
@@ -99,6 +107,29 @@ def test_generate_benchmark_runs_and_fits_a_largest_batch(tmp_path):
         ("dynamic-bf16", 2), ("dynamic-bf16", 3), ("C4R4", 2), ("C4R4", 3), ("C4R4-static", 2)}
     assert all(r["tok_s"] > 0 and r["ms_per_step"] > 0 for r in result["rows"])
     assert {f["method"] for f in result["max_batch"]} == {"dynamic-bf16", "C4R4"}
+
+
+def test_generate_before_after_runs_the_older_trees_decode_in_its_turns(monkeypatch):
+    """`bench_generate.py --baseline-path`: the "before" calls decode through the other tree's kernels (here this
+    tree extracted as it is, interpreted), one call per layer and one-token step, the "new" calls through this
+    tree's; the route is undone afterwards and every variant has its time in every round."""
+    monkeypatch.syspath_prepend(BENCH)
+    import bench_generate
+    import quantmla_hf.ops.decode as decode_module
+
+    own = decode_module.backends
+    rows = bench_generate.before_after_generate(layers=2, heads=4, fmt="C4R4", points=[(2, 37)], rounds=2,
+                                                new_tokens=4, baseline_path=ROOT, tiny=True)
+    (row,) = rows
+    assert decode_module.backends is own
+    assert row["baseline_calls"] == 2 * 4 * 2  # rounds x one-token forwards x layers, all in the "before" turns
+    assert [len(row["step_ms"][v]) for v in ("new", "before")] == [2, 2]
+    assert row["step_ratio"]["low"] <= row["step_ratio"]["value"] <= row["step_ratio"]["high"]
+
+
+def test_a_baseline_path_without_kernels_says_what_to_pass(tree_compare, tmp_path):
+    with pytest.raises(SystemExit, match="git archive"):
+        tree_compare.load_baseline_decode(str(tmp_path))
 
 
 def _ncu_source_page(path, rows):
