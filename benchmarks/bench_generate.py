@@ -10,11 +10,17 @@ separately, not in the step time.
     python benchmarks/bench_generate.py --out DIR [--layers 27] [--heads 16] [--steps 16] [--budget-gib 64]
         [--methods dynamic-bf16,C4R4,C4R4-compiled,C4R4-graphed] [--grid 1x4096,8x32768]
         [--skip dynamic-bf16@32x32768] [--profile] [--check-tokens 64] [--check-variants eager,static,graphed]
+    python benchmarks/bench_generate.py --out DIR --layers 27 [--heads 128] --baseline-path OLD_TREE [--format C4R4]
+        [--grid 8x32768,32x32768] [--rounds 3] [--new-tokens 32]
 
 `--default-points 1x4096,8x32768,32x32768` runs only `check_default_generate`: plain `model.generate()` (no flags:
 decode steps replayed from CUDA graphs) beside the eager static path and, with `--default-inductor`, inductor, in one
 process: ms per token, step times, replay time, first-call seconds, identical greedy/sampled tokens, captures and
 graph memory (written to `bench_generate_default.json`).
+
+`--baseline-path DIR` runs only `before_after_generate`: plain `model.generate()` with this tree's decode and with
+the decode of the tree extracted in DIR, in turns in one process, at the `--grid` points (`--format`, `--rounds`,
+`--new-tokens`; written to `bench_generate_before_after.json`).
 
 `--profile` records 5 steps of every static-cache method (`-static`, `-compiled`, `-graphed`) with torch.profiler
 and prints the GPU time per step of each kernel family (an eager `-static` step runs the kernels a captured graph
@@ -244,6 +250,18 @@ def gpu_ms_by_kernel(prof, n_steps):
     return fam, kernels
 
 
+def top_ops(prof, n_steps, k=15):
+    """The `k` operators of a torch.profiler run with the most GPU time of their own, per step: `{name: [ms, calls]}`
+    (what the kernel families' "other" rows and bookkeeping come from)."""
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            rows.append((e.key, us / 1000 / n_steps, e.count / n_steps))
+    return {name: [round(ms, 4), calls] for name, ms, calls in sorted(rows, key=lambda r: -r[1])[:k]}
+
+
 def replay_ms(graph, n=20):
     """Mean ms of `n` back-to-back replays of a captured CUDA graph."""
     torch.cuda.synchronize()
@@ -270,7 +288,7 @@ def profile_steps(state, n_steps=5):
         wall = (time.perf_counter() - t) / n_steps
     fam, kernels = gpu_ms_by_kernel(prof, n_steps)
     return dict(wall_ms_per_step=1000 * wall, gpu_ms_per_step=sum(fam.values()), families=fam,
-                top_kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]))
+                top_kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]), ops=top_ops(prof, n_steps))
 
 
 CHECK_VARIANTS = ("eager", "static", "graphed", "compiled", "compiled-exact")
@@ -479,7 +497,7 @@ def step_profile(run, n_steps):
     attention = sum(v for k, v in fam.items() if k.startswith("attention:"))
     total = sum(fam.values())
     return dict(gpu_ms_per_step=total, attention_ms=attention, attention_share=attention / total if total else None,
-                families=dict(sorted(fam.items(), key=lambda kv: -kv[1])))
+                families=dict(sorted(fam.items(), key=lambda kv: -kv[1])), ops=top_ops(prof, n_steps))
 
 
 @torch.no_grad()
