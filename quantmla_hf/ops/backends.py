@@ -376,10 +376,10 @@ def mla_decode_paged(q_lat: torch.Tensor, q_rot: torch.Tensor, content: dict[str
     if backend.startswith("gluon"):
         if choice == "triton" or not gluon_handles(backend, fmt):
             raise ValueError(f"the paged {backend} kernel does not take {fmt.name}, {Nq} query tokens of {n} requests "
-                             f"in pages of {page_size} on {q_lat.device}: it takes decode steps (one query token per "
-                             f"request) of 2/4/8-bit formats with sink and recent copies (wide: C4R4, C2R4, "
-                             f"C4R8, C2R8, C8R8; split: C4R4, C2R4) in pages of {GLUON_BLOCK_T} tokens on sm_90; "
-                             "use backend='triton'")
+                             f"in pages of {page_size} on {q_lat.device}: a paged Gluon kernel takes decode steps (one "
+                             f"query token per request) in pages of {GLUON_BLOCK_T} tokens on sm_90, of the formats "
+                             "it handles (gluon_regs: 2/4/8-bit formats with sink and recent copies; gluon_wide: "
+                             "C4R4, C2R4, C4R8, C2R8, C8R8; gluon_split: those and C16R16); use backend='triton'")
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         return _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_rope, recent_content,
                              recent_rope, page_table, rows, seq_lens, scaling, longest, num_splits)
