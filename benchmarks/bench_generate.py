@@ -251,8 +251,10 @@ def gpu_ms_by_kernel(prof, n_steps):
 
 
 def top_ops(prof, n_steps, k=15):
-    """The `k` operators of a torch.profiler run with the most GPU time of their own, per step: `{name: [ms, calls]}`
-    (what the kernel families' "other" rows and bookkeeping come from)."""
+    """The `k` entries of a torch.profiler run with the most GPU time of their own, per step: `{name: [ms, calls]}`.
+    Operators (`aten::copy_`: the GPU time of the kernels they launched) and those kernels are both entries, so a
+    kernel's time shows under its operator and under its own name: the operators say where the kernel families'
+    "other" rows and bookkeeping come from."""
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)
