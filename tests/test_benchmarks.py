@@ -111,8 +111,8 @@ def test_generate_benchmark_runs_and_fits_a_largest_batch(tmp_path):
 
 def test_generate_before_after_runs_the_older_trees_decode_in_its_turns(monkeypatch):
     """`bench_generate.py --baseline-path`: the "before" calls decode through the other tree's kernels (here this
-    tree extracted as it is, interpreted), one call per layer and one-token step, the "new" calls through this
-    tree's; the route is undone afterwards and every variant has its time in every round."""
+    tree's own files loaded a second time, interpreted), one call per layer and one-token step, the "new" calls
+    through this tree's; the route is undone afterwards and every variant has its time in every round."""
     monkeypatch.syspath_prepend(BENCH)
     import bench_generate
     import quantmla_hf.ops.decode as decode_module
