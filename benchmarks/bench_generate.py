@@ -52,6 +52,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsP
 from quantmla_hf import QuantMLACache, QuantMLAConfig, StaticQuantMLACache, install_cache_hooks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FORMATS = {"C16R16": (16, 16), "C8R8": (8, 8), "C4R8": (4, 8), "C4R4": (4, 4), "C2R4": (2, 4)}  # (content, RoPE) bits
 
 
 def v2_lite(layers, tiny=False, heads=16, model_type="deepseek_v2"):
@@ -107,7 +108,7 @@ def is_captured(method: str) -> bool:
 
 def make_cache(model, method, recent, max_len):
     base = method.split("-")[0]
-    bits = {"C16R16": (16, 16), "C4R4": (4, 4), "C2R4": (2, 4)}[base]
+    bits = FORMATS[base]
     q = QuantMLAConfig(content_bits=bits[0], rope_bits=bits[1], recent_tokens=recent, transform="none",
                        advanced={"cache_block_size": 1024})
     if is_static(method):
@@ -276,21 +277,16 @@ def replay_ms(graph, n=20):
 
 @torch.no_grad()
 def profile_steps(state, n_steps=5):
-    """GPU time per decode step by kernel family, and the step's wall time, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    """`step_profile` of `n_steps` decode steps of a `run_one` state."""
+    step = state["step"]
+    carry = dict(tok=state["tok"], mask=state["mask"], n=state["n"])
 
-    step, tok, mask, n = state["step"], state["tok"], state["mask"], state["n"]
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
+    def run():
         for _ in range(n_steps):
-            tok, mask = step(tok, mask, n)
-            n += 1
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t) / n_steps
-    fam, kernels = gpu_ms_by_kernel(prof, n_steps)
-    return dict(wall_ms_per_step=1000 * wall, gpu_ms_per_step=sum(fam.values()), families=fam,
-                top_kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]), ops=top_ops(prof, n_steps))
+            carry["tok"], carry["mask"] = step(carry["tok"], carry["mask"], carry["n"])
+            carry["n"] += 1
+
+    return step_profile(run, n_steps)
 
 
 CHECK_VARIANTS = ("eager", "static", "graphed", "compiled", "compiled-exact")
@@ -470,9 +466,6 @@ def check_default_generate(layers, new_tokens, points=DEFAULT_POINTS, eager_poin
     return results
 
 
-FORMATS = {"C16R16": (16, 16), "C8R8": (8, 8), "C4R8": (4, 8), "C4R4": (4, 4), "C2R4": (2, 4)}
-
-
 @torch.no_grad()
 def fill_cache(cache, config, B, N, dtype, chunk=8192, seed=0):
     """Write `N` random positions into every layer of `cache` through `cache.update` (latents `[B, 1, T, d_c]`, RoPE
@@ -488,18 +481,23 @@ def fill_cache(cache, config, B, N, dtype, chunk=8192, seed=0):
 
 
 def step_profile(run, n_steps):
-    """GPU ms per forward by kernel family over `run()` (`n_steps` forwards), from torch.profiler."""
+    """Per forward over `run()` (`n_steps` forwards), from torch.profiler: the wall time, the GPU time by kernel
+    family with the decode attention's part and share of it, the top kernels and the top operators (`top_ops`)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
         run()
         torch.cuda.synchronize()
-    fam, _ = gpu_ms_by_kernel(prof, n_steps)
+        wall = (time.perf_counter() - t) / n_steps
+    fam, kernels = gpu_ms_by_kernel(prof, n_steps)
     attention = sum(v for k, v in fam.items() if k.startswith("attention:"))
     total = sum(fam.values())
-    return dict(gpu_ms_per_step=total, attention_ms=attention, attention_share=attention / total if total else None,
-                families=dict(sorted(fam.items(), key=lambda kv: -kv[1])), ops=top_ops(prof, n_steps))
+    return dict(wall_ms_per_step=1000 * wall, gpu_ms_per_step=total, attention_ms=attention,
+                attention_share=attention / total if total else None,
+                families=dict(sorted(fam.items(), key=lambda kv: -kv[1])),
+                top_kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]), ops=top_ops(prof, n_steps))
 
 
 @torch.no_grad()
@@ -524,7 +522,6 @@ def before_after_generate(layers, heads, fmt, points, rounds, new_tokens, baseli
     from tree_compare import load_baseline_decode, ratio_word, routed_decode, summarize_rounds
 
     from quantmla_hf import apply_quantmla
-    from quantmla_hf.evaluation.intervals import t_interval
     from quantmla_hf.generation.graphs import graphs_of, release_decode_graphs
 
     if new_tokens < 4:
@@ -573,12 +570,10 @@ def before_after_generate(layers, heads, fmt, points, rounds, new_tokens, baseli
         row = dict(heads=model.config.num_attention_heads, layers=layers, B=B, N=N, format=fmt, rounds=rounds,
                    step_ms=step, replay_ms=replay, baseline_calls=baseline.calls - calls_before)
         for name, times in (("step", step), ("replay", replay)):
-            if all(times.values()):
-                summary, _ = summarize_rounds(times)
-                row[name] = {s["method"]: s["ms"].to_dict() for s in summary}
-                ratio = t_interval(torch.tensor(times["new"], dtype=torch.float64)
-                                   / torch.tensor(times["before"], dtype=torch.float64))
-                row[name + "_ratio"] = dict(ratio.to_dict(), verdict=ratio_word(ratio))
+            if all(times.values()):  # "before" first: each "new" round's ratio is new / before
+                before, new = summarize_rounds({"before": times["before"], "new": times["new"]})[0]
+                row[name] = {"new": new["ms"].to_dict(), "before": before["ms"].to_dict()}
+                row[name + "_ratio"] = dict(new["ratio"].to_dict(), verdict=ratio_word(new["ratio"]))
         if cuda:
             row["profile"] = {}
             for v in variants:
@@ -594,11 +589,12 @@ def before_after_generate(layers, heads, fmt, points, rounds, new_tokens, baseli
             torch.cuda.empty_cache()
     print(f"\n{'heads':>5s} {'B':>3s} {'N':>6s} {'fmt':6s} {'step ms new':>22s} {'before':>22s} "
           f"{'new/before':>22s} {'replay new/before':>22s} {'attention ms (share) new / before':>36s}")
+    def text(c):
+        return f"{c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]" if c else "-"
+
     for r in rows:
-        cells = [r["step"][v] if "step" in r else None for v in variants]
-        cells = [f"{c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]" if c else "-" for c in cells]
-        ratios = [r.get(k) for k in ("step_ratio", "replay_ratio")]
-        ratios = [f"{c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]" if c else "-" for c in ratios]
+        cells = [text(r["step"][v] if "step" in r else None) for v in variants]
+        ratios = [text(r.get(k)) for k in ("step_ratio", "replay_ratio")]
         prof = r.get("profile", {})
         att = " / ".join(f"{p['attention_ms']:.2f} ({100 * p['attention_share']:.0f}%)" for p in prof.values())
         print(f"{r['heads']:5d} {r['B']:3d} {r['N']:6d} {r['format']:6s} {cells[0]:>22s} {cells[1]:>22s} "
