@@ -27,7 +27,7 @@ fetched separately and never committed) and the stock transformers step (`--stoc
         also DeepSeek's FlashMLA (its BF16 dense decode, built from source into DIR: `flash_mla_cuda*.so`, never
         committed) on the same history as a BF16 page pool, replayed from a CUDA graph beside every format: each
         format's ratio to FlashMLA with its interval, and the outputs compared (`--bench` gets a FlashMLA row too)
-    python benchmarks/bench_decode.py --profile H:B:N:FORMAT [--backends B] [--iters 20]
+    python benchmarks/bench_decode.py --profile H:B:N:FORMAT [--backends B] [--iters 20] [--paged]
         one point run a few times for a profiler to attach (`ncu -k regex:mla_decode -s 2 -c 1 ...`)
     python benchmarks/bench_decode.py --rounding-effect [--check-cases FORMAT:H:B:N:Tq,...]
         no kernel: the LSE shift that rounding the packed score keys once to fp16 (the Gluon kernels below 8 bits,
@@ -774,9 +774,10 @@ def run_placements(out_lines, points, formats, allocations, rounds):
     return out
 
 
-def run_profile(point: str, backend: str, iters: int, flashmla_path: str = ""):
+def run_profile(point: str, backend: str, iters: int, flashmla_path: str = "", paged: bool = False):
     """`H:B:N:FORMAT` decoded `iters` times through `backend` (eager launches, synchronised at the end); backend
-    "flashmla": FlashMLA (built in `flashmla_path`) on the same history as a BF16 page pool."""
+    "flashmla": FlashMLA (built in `flashmla_path`) on the same history as a BF16 page pool; `paged`: the same
+    cache in pages through the paged launch (`paged_fn`; backend "default" is `select_paged_backend`'s)."""
     if backend == "flashmla" and not flashmla_path:
         raise SystemExit("--profile with backend flashmla needs --flashmla DIR (FlashMLA's build folder)")
     H, B, N, name = point.split(":")
@@ -790,13 +791,20 @@ def run_profile(point: str, backend: str, iters: int, flashmla_path: str = ""):
 
         def fn(*_):  # the packed cache's arguments, unused
             step()
+    elif paged:
+        step = paged_fn((q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING),
+                        backend=None if backend == "default" else backend)
+
+        def fn(*_):
+            step()
     else:
         fn = decode_fn(backend, N)
     for _ in range(iters):
         fn(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
-    torch.cuda.synchronize()
-    chosen = select_backend(fmt, H, B, sc.dtype, DEVICE) if backend == "default" else backend
-    print(f"profile {name} H={H} B={B} N={N} {backend} ({chosen}): {iters} calls")
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    chosen = select_backend(fmt, H, B, sc.dtype, DEVICE) if backend == "default" and not paged else backend
+    print(f"profile {name} H={H} B={B} N={N} {backend} ({chosen}{', paged' if paged else ''}): {iters} calls")
 
 
 def run_tiny():
@@ -847,7 +855,8 @@ def main():
                     help="--repeat/--bench: folder where FlashMLA was built (flash_mla_cuda*.so; not part of this repository)")
     ap.add_argument("--repeat", type=int, default=0, help="ROUNDS of every method in turns (CUDA-graph replays)")
     ap.add_argument("--paged", action="store_true",
-                    help="--repeat: also the paged kernels on the same cache in pages; --check: also check them")
+                    help="--repeat: also the paged kernels on the same cache in pages; --check: also check them; "
+                    "--profile: the paged launch instead")
     ap.add_argument("--baseline-path", default="", help="--repeat: root of an older tree whose kernels to compare")
     ap.add_argument("--repeat-backend", default="default",
                     help="--repeat: the backend both trees run (default: each tree's own dispatch)")
@@ -866,7 +875,7 @@ def main():
         return
     backends = [b for b in a.backends.split(",") if b]
     if a.profile:
-        run_profile(a.profile, backends[0], a.iters, a.flashmla)
+        run_profile(a.profile, backends[0], a.iters, a.flashmla, a.paged)
         return
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
     env = (f"GPU {gpu} | torch {torch.__version__} | triton {triton.__version__} | "

@@ -97,6 +97,20 @@ def test_profiling_flashmla_without_its_build_folder_says_what_to_pass(bench_dec
         bench_decode.run_profile("16:1:300:C4R4", "flashmla", 1)
 
 
+def test_profiling_a_paged_point_runs_the_paged_launch(bench_decode, monkeypatch, capsys):
+    calls = []
+    paged = bench_decode.mla_decode_paged
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["backend"])
+        return paged(*args, **kwargs)
+
+    monkeypatch.setattr(bench_decode, "mla_decode_paged", counted)
+    bench_decode.run_profile("16:1:320:C4R4", "default", 2, paged=True)
+    assert calls == [None, None]  # the paged dispatch's own choice, once per call
+    assert "(default, paged): 2 calls" in capsys.readouterr().out
+
+
 def test_generate_benchmark_runs_and_fits_a_largest_batch(tmp_path):
     cmd = [sys.executable, os.path.join(BENCH, "bench_generate.py"), "--tiny", "--out", str(tmp_path),
            "--methods", "dynamic-bf16,C4R4,C4R4-static", "--skip", "C4R4-static@3x40"]
