@@ -8,13 +8,13 @@ tile of the sink or recent copies each (`_program_coords`).
 Unit layout (one of `GC` content units, then the RoPE unit, per 64-token tile): in unit u, thread `q = lane % 4`
 of each quad owns the 16 contiguous channels `[_unit_base(u, q), + 16)` of two tokens (rows `lane / 4` and `+ 8`
 of its warp's 16), i.e. 1 (2-bit), 2 (4-bit) or 4 (8-bit) code words per token. The asm (`half_asm`) turns a word
-into its fp16 elements in word order; the same registers are then *viewed* as one A operand, a free relabelling
+into its fp16 elements in word order; the same registers are then *viewed* two ways, both free relabellings
 checked at compile time (`convert_layout(..., assert_trivial=True)`):
   - the A fragment of `m64n16k16` (row = token, column `16 kc + 8 h + 2 q + e`, holding the element `E w + k +
     (E / 2) e` of the thread's words with `(E / 2) w + k = 2 kc + h`, `E = 32 / bits`): the queries are staged in
-    that order (`_score_channel`), and the content keys are stored from it to `kbuf[u]` as they are (`stmatrix`,
-    no register moves), so the value rows of `O^T` come out in it too: a thread's two rows `16 kc + i` and `+ 8`
-    are adjacent channels, stored back as pairs (`_store_o`).
+    that order (`_score_channel`);
+  - the tile row of `kbuf[u]`, column `16 q + 8 (k % 2) + (E / 2) w + 2 (k // 2) + e` (`_v_view`): the value
+    rows of `O^T` come out in it, a thread's two rows adjacent channels, stored back as pairs (`_store_o`).
 """
 
 from __future__ import annotations
@@ -409,6 +409,16 @@ def _a_view(x5, dot_a: gl.constexpr):
 
 
 @_jit
+def _v_view(x5):
+    """`[64, 4, WU, 2, K]` unit keys (`K = E / 2`, element `E w + k + K e` at `[t, q, w, e, k]`) -> the `[64, 64]` tile
+    stored for the values, in the `kbuf` column order of the module docstring: each 32-bit pair of a store is one
+    register of the asm (no byte permutes)."""
+    K: gl.constexpr = x5.shape[4]
+    x = gl.reshape(x5, [64, 4, x5.shape[2], 2, K // 2, 2])  # [t, q, w, e, k // 2, k % 2]
+    return gl.reshape(gl.permute(x, (0, 1, 5, 2, 4, 3)), [64, 64])
+
+
+@_jit
 def _load_unit(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr,
                wl: gl.constexpr, NU: gl.constexpr = 1, ROWS: gl.constexpr = False):
     """Code words `[64, 4, NU * WU]` of units `u .. u + NU - 1` (consecutive in a thread's group) for tokens `[t0, t0
@@ -580,16 +590,19 @@ def _stage_queries(qbuf, qlo, p_q, p_qr, row0, M, D_C: gl.constexpr, GC: gl.cons
 @_jit
 def _store_o(o_ptr, o_row, m_m, o, inv_l, u: gl.constexpr, GC: gl.constexpr, D_C: gl.constexpr,
              C_BITS: gl.constexpr):
-    """`o^T[64, BM]` of unit u, normalised, to the partial output rows. Row `16 kc + 8 h + i` of `o^T` is the
-    column of the A fragments stored in `kbuf[u]`, channel `_score_channel(u, 16 kc + 8 h + i)`: the thread that
-    holds row `16 kc + i` holds row `+ 8`, the next channel, and writes both in one 8-byte store."""
+    """`o^T[64, BM]` of unit u, normalised, to the partial output rows. Row `16 q + 8 h + i` of `o^T` is channel
+    `_unit_base(u, q) + E (i // K) + 2 ((i % K) // 2) + K (i % 2) + h` (`_v_view`'s column order, `E = 32 / bits`,
+    `K = E / 2`): the thread that holds row i holds row `i + 8`, the next channel, and writes both in one 8-byte
+    store; the 8 threads of a column cover 64 contiguous bytes."""
     BM: gl.constexpr = o.shape[1]
+    K: gl.constexpr = 16 // C_BITS
     x = o * inv_l[None, :]
-    x = gl.reshape(gl.permute(gl.reshape(x, [4, 2, 8, BM]), (0, 2, 3, 1)), [32, BM, 2])  # [8 kc + i, row, h]
+    x = gl.reshape(gl.permute(gl.reshape(x, [4, 2, 8, BM]), (0, 2, 3, 1)), [32, BM, 2])  # [8 q + i, row, h]
     st_l: gl.constexpr = _pair_layout(BM)
     x = gl.convert_layout(x, st_l, assert_trivial=True)  # h the first register: one 8-byte store
     c = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, st_l)))
-    o_d = _score_channel(u, 16 * (c // 8) + c % 8, C_BITS, GC)  # h = 0; h = 1 is the next channel
+    i = c % 8
+    o_d = _unit_base(u, c // 8, GC) + (i // K) * (2 * K) + ((i % K) // 2) * 2 + K * (i % 2)
     o_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, st_l)))
     r = gl.convert_layout(o_row, gl.SliceLayout(0, gl.SliceLayout(2, st_l)), assert_trivial=True)
     m = gl.convert_layout(m_m, gl.SliceLayout(0, gl.SliceLayout(2, st_l)), assert_trivial=True)
@@ -610,7 +623,7 @@ def _pair_layout(BM: int):
 def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
                 Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
                 FIRST: gl.constexpr = 0):
-    """Issue unit u's score `wgmma`(s) on the A view of `x5`, store its content keys to `kbuf[u]` (that view), then
+    """Issue unit u's score `wgmma`(s) on the A view of `x5`, store its content keys to `kbuf[u]` (`_v_view`), then
     wait until at most `INFLIGHT` (0 or 1) units' `wgmma`s are in flight (`p1`, `p2`: the last unit's A operands,
     alive until its `wgmma`s finish). Returns `(acc, pend, p1, p2)`. `FIRST`: the warpgroup's first unit of the tile
     (starts the accumulator, waits for the previous tile's value reads). `LO` (8-bit keys): also a `wgmma` on the
@@ -630,7 +643,7 @@ def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, k
     if u < GC:
         if u == FIRST:
             _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
-        kbuf[u].index(0).store(a)  # the A fragments as they are (`stmatrix`), columns in `_score_channel` order
+        kbuf[u].index(0).store(_v_view(x5))
     if LO:
         if u > 0:
             p1, p2 = warpgroup_mma_wait(PER, deps=[p1, p2])

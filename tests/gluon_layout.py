@@ -19,14 +19,24 @@ def unit_base(u: int, q, n_groups: int):
 def score_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
     """`[64]` int64: the channel (of the content latent for u < n_groups, of the RoPE key for u = n_groups) held by
     column c of unit u's score A operand (row-major `m64n16k16` A fragments: column `16 kc + 8 h + 2 q + e` of thread
-    q holds element `E w + k + (E / 2) e` of its words, `(E / 2) w + k = 2 kc + h`); the queries are staged in it,
-    the content keys stored in it for the values (`kbuf`), and row c of a content unit's `O^T` is that channel."""
+    q holds element `E w + k + (E / 2) e` of its words, `(E / 2) w + k = 2 kc + h`); the queries are staged in it."""
     c = torch.arange(64)
     kc, h, q, e = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
     n = 16 // bits
     p = 2 * kc + h
     off = (p // n) * (2 * n) + p % n + n * e
     return unit_base(u, q, n_groups) + off
+
+
+def value_channel(u: int, bits: int, n_groups: int) -> torch.Tensor:
+    """`[64]` int64: the channel held by column c of unit u's stored key tile (content units: row c of `kbuf[u]`'s
+    transpose, the value output's row c, in the register kernels): column
+    `16 q + 8 (k % 2) + K w + 2 (k // 2) + e` of the stored tile holds element `E w + k + K e` of quad slot q's 16
+    channels (`E = 32 / bits`, `K = E / 2`), so each stored 32-bit pair is one asm register and rows c and c + 8
+    are adjacent channels."""
+    c = torch.arange(64)
+    i, h, n = c % 8, (c // 8) % 2, 16 // bits
+    return unit_base(u, c // 16, n_groups) + (i // n) * (2 * n) + ((i % n) // 2) * 2 + n * (i % 2) + h
 
 
 def program_coords(pid: int, NS: int, nd: int, n_hb: int, n_programs: int) -> tuple[int, int, int]:

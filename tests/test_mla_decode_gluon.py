@@ -4,8 +4,8 @@ shared pieces in `kernels/mla_decode_gluon_common.py`) on a machine without a GP
 Gluon kernels do not run in the Triton interpreter. Here: each kernel compiles for sm_90 (in a subprocess: the test
 session runs Triton in interpreter mode) within its shared memory, with the score `wgmma`s taking the unpacked keys
 from registers and no cp.async; the unit layout (which thread unpacks which code words, and the two register
-relabelling the kernels make of them, emulated here with the same permutes and reshapes, and the asm instruction by
-instruction) puts the dequantized keys at the channels that `score_channel` says; the SASS
+relabellings the kernels make of them, emulated here with the same permutes and reshapes, and the asm instruction by
+instruction) puts the dequantized keys at the channels that `score_channel` and `value_channel` say; the SASS
 script finds the packed loops. On the H200, `benchmarks/bench_decode.py --check` runs them against the fp64
 reference.
 """
@@ -84,10 +84,9 @@ COMPILE_REGS = COMPILE_PREFIX + textwrap.dedent(
         n_meta = len(re.findall(r"xor\\.b32 [^;]*0x64806480", ptx))
         assert n_meta == 3 * 2, (cb, n_meta)
         # the P tile goes to shared memory by one stmatrix.x4 per loop, twice (at once, and again in the voted
-        # branch where a row's reference moves); the content keys as their A fragments are, four stmatrix.x4 per
-        # unit and loop (64 bytes a thread), with no register moves between the unpacking and the store
+        # branch where a row's reference moves); the content keys by plain stores
         n_stm = len(re.findall(r"stmatrix", ptx))
-        assert n_stm == 2 * 2 + 2 * 8 * 4, (cb, n_stm)
+        assert n_stm == 2 * 2, (cb, n_stm)
         # the content keys go to eight separate buffers: no barrier between the units' stores (one buffer indexed
         # per unit took one before each store, 46 in all with Triton 3.6)
         assert ptx.count("bar.sync") <= 27, (cb, ptx.count("bar.sync"))
@@ -304,9 +303,9 @@ def _emulate_half_asm(words: torch.Tensor, zf: torch.Tensor, s: torch.Tensor, bi
 def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_groups):
     """Emulate what the threads of one 64-token tile hold: thread q of unit u loads the words of its 16 channels
     from `unit_base(u, q)`, unpacks them (the asm, emulated), and the kernel views the registers as the score A
-    operand (`_a_view`), which is also the tile stored for the values; the same permutes and reshapes here must put
-    the dequantized key of channel `score_channel(u)[c]` at column c, the units must cover every channel once, and
-    `_store_o`'s pair of rows `16 kc + i` and `+ 8` must be adjacent channels."""
+    operand (`_a_view`) and as the stored value tile (`_v_view`); the same permutes and reshapes here must put the
+    dequantized key of channel `score_channel(u)[c]` / `value_channel(u)[c]` at column c, and the units cover
+    every channel once."""
     T = 64
     g = torch.Generator().manual_seed(content_bits * 10 + rope_bits + n_groups)
     for u in range(n_groups + 1):
@@ -324,6 +323,8 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         x5 = _emulate_half_asm(w, zf[:, :, None], scale[:, grp][:, :, None], bits)  # [T, 4, WU, 2, n]
         # `_a_view`
         a = x5.permute(0, 1, 2, 4, 3).reshape(T, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(T, 64)
+        # `_v_view`
+        v = x5.reshape(T, 4, wu, 2, x5.shape[-1] // 2, 2).permute(0, 1, 5, 2, 4, 3).reshape(T, 64)
         exact = dequantize_ref(codes, torch.ones_like(scale), zero, f, torch.float32)  # code - z
         ref = (exact.half() * scale.repeat_interleave(64, dim=1)).float()  # one rounding, as the kernel
         sc = gluon_layout.score_channel(u, bits, n_groups)
@@ -332,14 +333,19 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
             prod = exact * scale.float().repeat_interleave(64, dim=1)  # exact in fp32 (8-bit x 11-bit)
             lo = (prod - ref).half()
             assert torch.equal(ref.double() + lo.double(), prod.double()), u
-        # `_store_o`: row `16 kc + i` of `O^T` (column c of the stored A fragments: channel `sc[c]`) and row `+ 8`,
-        # the two registers of one 8-byte store, are adjacent channels
-        lead = sc.reshape(4, 2, 8)
+        # the stored tile of the register kernels' values (the split kernel stores its A fragments, `a`)
+        vc = gluon_layout.value_channel(u, bits, n_groups)
+        assert torch.equal(v.float(), ref[:, vc]), u
+        # `_store_o`: a thread's rows c and c + 8 (c % 16 < 8) are adjacent channels, stored as one pair
+        lead = vc.reshape(4, 2, 8)
         assert torch.equal(lead[:, 1], lead[:, 0] + 1), u
     for bits in (2, 4):
         content = torch.cat([gluon_layout.score_channel(u, bits, n_groups) for u in range(n_groups)])
+        values = torch.cat([gluon_layout.value_channel(u, bits, n_groups) for u in range(n_groups)])
         assert sorted(content.tolist()) == list(range(64 * n_groups))
+        assert sorted(values.tolist()) == list(range(64 * n_groups))
         assert sorted(gluon_layout.score_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
+        assert sorted(gluon_layout.value_channel(n_groups, bits, n_groups).tolist()) == list(range(64))
 
 
 @pytest.mark.parametrize("bits", [2, 4])
