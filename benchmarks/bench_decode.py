@@ -784,23 +784,18 @@ def run_profile(point: str, backend: str, iters: int, flashmla_path: str = "", p
     H, B, N = int(H), int(B), int(N)
     q_lat, q_rot, lp = _queries(B, H)
     fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
+    args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
     if backend == "flashmla":
         history = flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N)
         step, _ = flashmla_fn(load_flashmla(flashmla_path), q_lat, q_rot, *history)
         del history
-
-        def fn(*_):  # the packed cache's arguments, unused
-            step()
     elif paged:
-        step = paged_fn((q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING),
-                        backend=None if backend == "default" else backend)
-
-        def fn(*_):
-            step()
+        step = paged_fn(args, backend=None if backend == "default" else backend)
     else:
-        fn = decode_fn(backend, N)
+        run = decode_fn(backend, N)
+        step = lambda: run(*args)  # noqa: E731
     for _ in range(iters):
-        fn(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+        step()
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     chosen = select_backend(fmt, H, B, sc.dtype, DEVICE) if backend == "default" and not paged else backend
