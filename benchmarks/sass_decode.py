@@ -295,6 +295,28 @@ def shared_bytes(instructions: list[str]) -> dict:
     return out
 
 
+WIDE_LOAD = re.compile(r"\bLDG\.E\.(64|128)\s+R(\d+),")  # a 64- or 128-bit global load and its first register
+
+
+def load_lead(loop: list[str]) -> list[tuple[int, int, int | None]]:
+    """Per 64- or 128-bit global load of a loop (the next tile's code words): `(index, first register, lead)`, the
+    lead being how many instructions later, going round the loop, an instruction first names one of its registers,
+    i.e. uses the loaded words (None: none does). Zeroing them before a masked load (`CS2R`) and loads do not
+    count."""
+    out = []
+    for i, t in enumerate(loop):
+        m = WIDE_LOAD.search(t)
+        if not m:
+            continue
+        r0, width = int(m.group(2)), int(m.group(1)) // 32
+        reads = re.compile(r"(?<![\w.])R(" + "|".join(str(r0 + j) for j in range(width)) + r")(?!\d)")
+        order = loop[i + 1:] + loop[:i + 1]
+        lead = next((d + 1 for d, x in enumerate(order) if reads.search(x) and not re.search(r"\b(LDG|CS2R)", x)),
+                    None)
+        out.append((i, r0, lead))
+    return out
+
+
 def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCHES, quant_pack_launches=
          QUANT_PACK_LAUNCHES, combine_launches=COMBINE_LAUNCHES, split_launches=SPLIT_LAUNCHES) -> None:
     """Write the SASS of every Gluon launch in `launches` and `split_launches`, every portable launch in
@@ -336,6 +358,8 @@ def main():
     ap.add_argument("--split", action="store_true",
                     help="the split kernel (C4R4, C2R4, C4R8, C8R8, C16R16; bf16 queries)")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
+    ap.add_argument("--loads", action="store_true",
+                    help="also each wide global load of the packed loop and its lead (`load_lead`)")
     a = ap.parse_args()
     if a.dump:
         dump(a.dump)
@@ -363,6 +387,9 @@ def main():
           f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements)")
     for op, n in counts.most_common():
         print(f"{op:28s} {n:5d}")
+    if a.loads:
+        print("wide loads (instruction: first register -> instructions until first read):")
+        print(" ".join(f"{i}: R{r} -> {lead}" for i, r, lead in load_lead(loop)))
 
 
 def main_wide(a):

@@ -458,6 +458,23 @@ def test_shared_bytes_counts_wgmma_operands_and_warp_accesses():
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_load_lead_counts_round_the_loop_to_the_first_use():
+    """`sass_decode.load_lead`: how many instructions after a wide load its words are first used, going round the
+    loop; the zeroing before a masked load and the load itself are not uses, a register of another number is not one
+    of its registers."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import sass_decode as sd
+
+    loop = ["LOP3.LUT R9, R41, 0xf000f, R20, 0xea, !PT",  # reads R41, a register of the second load
+            "CS2R R44, SRZ", "@!P4 LDG.E.128 R44, desc[UR38][R22.64]",
+            "IADD3 R140, R4, R1, RZ",  # R140 and R4: not R44..R47
+            "HMUL2 R5, R46, R7.H0_H0",  # the first use of the first load, two after it
+            "@!P4 LDG.E.64 R40, desc[UR38][R24.64]", "FADD R1, R2, R3", "SHF.R.U32.HI R8, RZ, 0x8, R12"]
+    assert sd.load_lead(loop) == [(2, 44, 2), (5, 40, 3)]
+    assert sd.load_lead(["@!P4 LDG.E.128 R44, desc[UR38][R22.64]", "FADD R1, R2, R3"]) == [(0, 44, None)]
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_sass_dump_writes_comparable_sass(tmp_path):
     """`sass_decode.py --dump` (how two trees' kernels are compared without a GPU) writes one file per launch with
     the instruction addresses removed, so that the same code compiled twice gives identical files."""
