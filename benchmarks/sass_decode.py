@@ -185,10 +185,8 @@ def compile_split(content_bits: int, rope_bits: int, paged: bool = False):
 
 def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide, groups=8):
     regs = mw.REGS[content_bits] if wide else 0
-    fmt = CacheFormat(PathFormat(groups * 64, content_bits, 64), PathFormat(64, rope_bits, 64))
     const = dict(GC=groups, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M if wide else mr.BLOCK_M,
-                 Q_SPLIT=q_split, INFLIGHT=inflight, WIDE=wide, W_REGS=regs, PAGED=paged,
-                 STAGE=0 if wide else mr.stage_words(fmt, q_split))
+                 Q_SPLIT=q_split, INFLIGHT=inflight, WIDE=wide, W_REGS=regs, PAGED=paged)
     index = "*i32" if paged else "*i64"  # the paged launch's lengths, copy rows and page numbers
     options = {"num_warps": 4, "maxnreg": min(regs, mw.MAX_REGS)} if wide else {"num_warps": 4}
     return _compile(mr.mla_decode_gluon_kernel, const, q_split, options, dict(lp_ptr=index, len_ptr=index,

@@ -26,11 +26,8 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-
     HAVE_GLUON = True
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 / 3.6
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # 3.9 / 3.6
 except ImportError:  # a Triton without Gluon (< 3.5): the portable Triton kernel serves every case
     HAVE_GLUON = False
 
@@ -422,62 +419,29 @@ def _v_view(x5):
 
 
 @_jit
-def _unit_words(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr,
-                wl: gl.constexpr, NU: gl.constexpr = 1, ROWS: gl.constexpr = False):
-    """`(pointers, mask)` `[64, 4, NU * WU]` of the code words of units `u .. u + NU - 1` (consecutive in a thread's
-    group) for tokens `[t0, t0 + 64)`: thread q's words `_unit_base(u, q) * bits / 32 + [0, NU * WU)` of each token
-    row of `ROW_WORDS` words, the mask true inside `[lo, hi)`.
+def _load_unit(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr,
+               wl: gl.constexpr, NU: gl.constexpr = 1, ROWS: gl.constexpr = False):
+    """Code words `[64, 4, NU * WU]` of units `u .. u + NU - 1` (consecutive in a thread's group) for tokens `[t0, t0
+    + 64)` (zeros outside `[lo, hi)`): thread q's words `_unit_base(u, q) * bits / 32 + [0, NU * WU)` of each token
+    row of `ROW_WORDS` words.
 
-    `ROWS`: `p_c` is the tile's `[64, 4]` row pointers (`_row_ptrs`; `lo` unused), `t0` and `hi` int32 rows, the
-    mask true up to row `hi` (rows past it are not read: their steps are zero, `_load_meta_rows`, so their keys are 0
-    whatever the registers hold)."""
+    `ROWS`: `p_c` is the tile's `[64, 4]` row pointers (`_row_ptrs`; `lo` unused), `t0` and `hi` int32 rows, rows
+    past `hi` not read (their steps are zero, `_load_meta_rows`, so their keys are 0 whatever the registers hold)."""
     WU: gl.constexpr = BITS // 2 * NU
     ml: gl.constexpr = gl.SliceLayout(2, wl)
     o_w = gl.arange(0, WU, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
     if ROWS:
         word0: gl.constexpr = _unit_base(u, 0, GC) * BITS // 32
-        p = p_c[:, :, None] + (word0 + o_w)[None, None, :]
-        m = ((t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))) <= hi)[:, None, None]
+        m = (t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))) <= hi
+        w = gl.load(p_c[:, :, None] + (word0 + o_w)[None, None, :], mask=m[:, None, None])
     else:
         o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
         word = _unit_base(u, o_q, GC) * BITS // 32
         o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)).to(gl.int64)
-        p = p_c + (o_t[:, None] * ROW_WORDS + word[None, :])[:, :, None] + o_w[None, None, :]
+        off = (o_t[:, None] * ROW_WORDS + word[None, :])[:, :, None] + o_w[None, None, :]
         m = ((o_t >= lo) & (o_t < hi))[:, None, None]
-    return p, m
-
-
-@_jit
-def _load_unit(p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr,
-               wl: gl.constexpr, NU: gl.constexpr = 1, ROWS: gl.constexpr = False):
-    """The code words `[64, 4, NU * WU]` `_unit_words` points at, loaded into registers (zeros outside the mask;
-    `ROWS`: the registers of rows past `hi` keep what they held)."""
-    p, m = _unit_words(p_c, t0, lo, hi, u, ROW_WORDS, BITS, GC, wl, NU, ROWS)
-    if ROWS:
-        w = gl.load(p, mask=m)
-    else:
-        w = gl.load(p, mask=m, other=0)
+        w = gl.load(p_c + off, mask=m, other=0)
     return w
-
-
-@_jit
-def _stage_unit(buf, p_c, t0, lo, hi, u: gl.constexpr, ROW_WORDS: gl.constexpr, BITS: gl.constexpr,
-                GC: gl.constexpr, wl: gl.constexpr, NU: gl.constexpr = 1, ROWS: gl.constexpr = False):
-    """The code words `_unit_words` points at copied asynchronously (`cp.async`, zeros outside the mask) into the
-    shared buffer `buf: [64, 4, NU * WU]` int32, as one commit group: `_staged_words` reads them back."""
-    p, m = _unit_words(p_c, t0, lo, hi, u, ROW_WORDS, BITS, GC, wl, NU, ROWS)
-    _async_load(buf, p, mask=m)
-    async_copy.commit_group()
-
-
-@_jit
-def _staged_words(buf, wl: gl.constexpr, GROUPS: gl.constexpr):
-    """The words of `buf` (`_stage_unit`) in layout `wl`, once this thread's copy into it has landed: copies are
-    issued one commit group per staged buffer, `GROUPS` buffers a tile in the same order every tile, so the group of
-    `buf` is the oldest when `GROUPS - 1` younger ones may still be in flight. Each thread reads back only the words
-    it copied, so no barrier is needed."""
-    async_copy.wait_group(GROUPS - 1)
-    return buf.load(wl)
 
 
 @_jit
@@ -806,17 +770,13 @@ def _split_units(w, WU: gl.constexpr, wl: gl.constexpr):
 def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end,
                GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
                wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
-               FIRST: gl.constexpr, ROWS: gl.constexpr, STAGE: gl.constexpr = 0):
+               FIRST: gl.constexpr, ROWS: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does,
     `cp` replaced by the words of the tile at `tn` once both are unpacked (`_load_unit`). 8-bit keys: the chain that
     starts at unit 3 starts inside the pair (2, 3), the finished one kept in `pend`. Returns `(acc, pend, p1, p2,
-    cp)`. `STAGE` (the staged buffers a tile, 0 for none): `cp` is the pair's shared buffer, read back
-    (`_staged_words`) and then refilled with the tile at `tn` (`_stage_unit`)."""
+    cp)`."""
     LO: gl.constexpr = C_BITS == 8
-    if STAGE:
-        c0, c1 = _split_units(_staged_words(cp, wp_l, STAGE), C_BITS // 2, wc_l)
-    else:
-        c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
+    c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, LO, INFLIGHT,
                                     dot_a, FIRST)
@@ -825,10 +785,7 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
             pend = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
     x5, xlo = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
-    if STAGE:
-        _stage_unit(cp, p_cc, tn, lo, end, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, ROWS)
-    else:
-        cp = _load_unit(p_cc, tn, lo, end, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, ROWS)
+    cp = _load_unit(p_cc, tn, lo, end, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, ROWS)
     acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, LO,
                                     INFLIGHT, dot_a, FIRST)
     return acc, pend, p1, p2, cp
@@ -839,8 +796,7 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
                    p_cc, p_rc, tn, lo, end, U0: gl.constexpr, NU: gl.constexpr, ROPE: gl.constexpr,
                    GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
                    R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
-                   wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ROWS: gl.constexpr,
-                   STAGE: gl.constexpr = 0):
+                   wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ROWS: gl.constexpr):
     """Scores `[64, BM]` (waited) of content units `U0 .. U0 + NU - 1` (NU = 4 or 8) and, with `ROPE`, the RoPE unit
     of one packed tile, from the words of unit pairs `c01, c23` (units U0 .. U0 + 3: a thread's 32 channels of group
     q) and `c45, c67` (units 4-7, group q + 4), `cr` (RoPE), with the fp16x2 metadata of those groups (`zz0, ss0,
@@ -849,8 +805,7 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     `ROWS` from the row pointers `p_cc`, `p_rc` up to row `end`. Returns `(acc, c01, c23, c45, c67, cr)`. 8-bit
     keys: accumulator chains 0-2, 3-5, 6-7 + RoPE (`_score_unit`), summed in fp32. 8-bit RoPE under 2- or 4-bit
     content (C4R8, C2R8): the RoPE unit scores its integer codes `code - z` (exact in fp16) in a chain of its own,
-    times its tokens' steps `s_row: [64]` fp32 (`_row_steps`) when added: one `wgmma` per k-step, exact. `STAGE`
-    (2- and 4-bit keys): `c01 .. cr` are the `STAGE` shared buffers the words are staged in (`_unit_pair`)."""
+    times its tokens' steps `s_row: [64]` fp32 (`_row_steps`) when added: one `wgmma` per k-step, exact."""
     RWR: gl.constexpr = 2 * R_BITS
     LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
     R_INT: gl.constexpr = R_BITS == 8 and not LO
@@ -860,39 +815,28 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     p1 = acc
     p2 = acc
     acc, pend, p1, p2, c01 = _unit_pair(c01, U0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo,
-                                        end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS,
-                                        STAGE)
+                                        end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS)
     if LO and U0 == 4:  # the worker's second chain starts at unit 6
         pend = acc
         acc = gl.zeros([64, BM], gl.float32, acc_l)
     acc, pend, p1, p2, c23 = _unit_pair(c23, U0 + 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
-                                        lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS,
-                                        STAGE)
+                                        lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS)
     if NU == 8:
         acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
                                             lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
-                                            ROWS, STAGE)
+                                            ROWS)
         if LO:  # the third chain starts at unit 6
             pend2 = acc
             acc = gl.zeros([64, BM], gl.float32, acc_l)
         acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
                                             lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
-                                            ROWS, STAGE)
+                                            ROWS)
     if ROPE and R_INT:
-        if STAGE:
-            x5 = _unpack_codes8(_staged_words(cr, wr_l, STAGE), zzr, wr_l)
-            _stage_unit(cr, p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
-        else:
-            x5 = _unpack_codes8(cr, zzr, wr_l)
-            cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
+        x5 = _unpack_codes8(cr, zzr, wr_l)
+        cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
         pend = acc  # the content chain; the RoPE unit's starts afresh (FIRST = GC: use_acc off)
         acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
                                         INFLIGHT, dot_a, GC)
-    elif ROPE and STAGE:
-        x5, xlo = _unpack_unit(_staged_words(cr, wr_l, STAGE), zzr, ssr, zhr, R_BITS, wr_l)
-        _stage_unit(cr, p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
-        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO,
-                                        INFLIGHT, dot_a, U0)
     elif ROPE:
         x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
         cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
@@ -917,13 +861,12 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
                  p_rc, t0, lo, hi, GC: gl.constexpr, BM: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr,
                  R_BITS: gl.constexpr, INFLIGHT: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr,
                  wr_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, ml: gl.constexpr, last, p_pt, page_n,
-                 PAGED: gl.constexpr, STAGE: gl.constexpr = 0):
+                 PAGED: gl.constexpr):
     """Scores of the packed tile at int32 position `t0` (relative to the split's first tile) from its words `c01 ..
     cr` and metadata (steps `s0, s1, sr`, zero points `z0, z1, zr`: `_load_meta_rows`), loading the next tile's (`t0
     + 64`) through row pointers up to row `last`. `PAGED`: the planes are page pools, `p_pt` the split's page
     numbers and `page_n` the next tile's (`_tile_page`); the page of the tile after it is loaded here. Returns `(acc,
-    c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, page)`, the next tile's and the page of the one after. `STAGE`:
-    the words are staged in shared buffers (`_packed_scores`)."""
+    c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, page)`, the next tile's and the page of the one after."""
     tn = t0 + 64
     page_nn = _tile_page(p_pt, tn + 64, last, PAGED)
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
@@ -936,8 +879,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
     acc, c01, c23, c45, c67, cr = _packed_scores(
         c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, s_row, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
-        lo, last, 0, GC, True, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, True,
-        STAGE)
+        lo, last, 0, GC, True, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, True)
     return acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, page_nn
 
 

@@ -14,8 +14,6 @@ keys. Shared memory (C4R4, 16 rows, bf16 queries): 86 KB, two programs per SM.
 
 from __future__ import annotations
 
-import torch
-
 from quantmla_hf.format import CacheFormat
 
 from . import mla_decode_gluon_wide as wide
@@ -23,7 +21,6 @@ from .mla_decode_gluon_common import HAVE_GLUON, _jit_dynamic, launch_flat, tile
 
 if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from .mla_decode_gluon_common import (
@@ -43,7 +40,6 @@ if HAVE_GLUON:
         _row_ptrs,
         _softmax_pv,
         _split_range,
-        _stage_unit,
         _stage_queries,
         _store_o,
         _tile_page,
@@ -68,7 +64,7 @@ def mla_decode_gluon_kernel(
     s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
     GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
     BM: gl.constexpr, Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, WIDE: gl.constexpr, W_REGS: gl.constexpr,
-    pt_ptr, s_pt, PAGED: gl.constexpr, STAGE: gl.constexpr,
+    pt_ptr, s_pt, PAGED: gl.constexpr,
 ):
     """One program per split, block of BM rows and batch row (`_program_coords`; the last `ND` splits attend one
     copied tile each): one warpgroup, or with `WIDE` two (the queries and the rows' score factors, `fbuf`, staged by
@@ -79,12 +75,7 @@ def mla_decode_gluon_kernel(
     `PAGED`: batch row b is request b of a decode step of the paged cache (one query token, `Tq = 1`): its length
     is `len_ptr[b]`, its copies are row `lp_ptr[b]` of the copy tensors, and its position p lives in row `page * 64
     + p % 64` of the page pools (batch strides 0), `page = pt_ptr[b * s_pt + p // 64]` (64-token pages, one per
-    tile: `_tile_rows`). Otherwise `len_ptr[0]` is every row's length and `lp_ptr[b]` its left padding.
-
-    `STAGE` (one warpgroup; `stage_words`): the code words go through shared buffers, one per unit pair and one for
-    the RoPE unit (`STAGE` of them), each refilled by `cp.async` with the next tile's words right after its pair is
-    unpacked, so every pair's words have a whole tile to arrive and only the pair being unpacked holds registers.
-    Otherwise each pair's next words are loaded into its registers."""
+    tile: `_tile_rows`). Otherwise `len_ptr[0]` is every row's length and `lp_ptr[b]` its left padding."""
     BT: gl.constexpr = 64
     D_C: gl.constexpr = GC * 64
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT  # programs for the copied tokens
@@ -170,34 +161,18 @@ def mla_decode_gluon_kernel(
             pw, t_w, lo_w, end_w = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L), 0, lo_l, last
         else:  # the planes from the split's first tile on, the first tile masked
             pw, t_w, lo_w, end_w = p_cc, base, lo_valid, hi
-        pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L) if PAGED else p_rc
-        if STAGE:  # tile 0's words copied into the buffers, in the order the loop reads them back
-            plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-            c01 = gl.allocate_shared_memory(gl.int32, [64, 4, C_BITS], plain3)
-            c23 = gl.allocate_shared_memory(gl.int32, [64, 4, C_BITS], plain3)
-            c45 = c01
-            c67 = c01
-            if GC == 8:
-                c45 = gl.allocate_shared_memory(gl.int32, [64, 4, C_BITS], plain3)
-                c67 = gl.allocate_shared_memory(gl.int32, [64, 4, C_BITS], plain3)
-            cr = gl.allocate_shared_memory(gl.int32, [64, 4, R_BITS // 2], plain3)
-            _stage_unit(c01, pw, t_w, lo_w, end_w, 0, RWC, C_BITS, GC, WP_L, 2, PAGED)
-            _stage_unit(c23, pw, t_w, lo_w, end_w, 2, RWC, C_BITS, GC, WP_L, 2, PAGED)
-            if GC == 8:
-                _stage_unit(c45, pw, t_w, lo_w, end_w, 4, RWC, C_BITS, GC, WP_L, 2, PAGED)
-                _stage_unit(c67, pw, t_w, lo_w, end_w, 6, RWC, C_BITS, GC, WP_L, 2, PAGED)
-            _stage_unit(cr, pr, t_w, lo_w, end_w, GC, RWR, R_BITS, GC, WR_L, 1, PAGED)
+        c01 = _load_unit(pw, t_w, lo_w, end_w, 0, RWC, C_BITS, GC, WP_L, 2, PAGED)
+        c23 = _load_unit(pw, t_w, lo_w, end_w, 2, RWC, C_BITS, GC, WP_L, 2, PAGED)
+        if GC == 8:
+            c45 = _load_unit(pw, t_w, lo_w, end_w, 4, RWC, C_BITS, GC, WP_L, 2, PAGED)
+            c67 = _load_unit(pw, t_w, lo_w, end_w, 6, RWC, C_BITS, GC, WP_L, 2, PAGED)
+            if not PAGED:
+                s1, z1 = _load_group(p_cs, p_cz, base, lo_valid, hi, 4, GC, ml)
         else:
-            c01 = _load_unit(pw, t_w, lo_w, end_w, 0, RWC, C_BITS, GC, WP_L, 2, PAGED)
-            c23 = _load_unit(pw, t_w, lo_w, end_w, 2, RWC, C_BITS, GC, WP_L, 2, PAGED)
             c45 = c01
             c67 = c01
-            if GC == 8:
-                c45 = _load_unit(pw, t_w, lo_w, end_w, 4, RWC, C_BITS, GC, WP_L, 2, PAGED)
-                c67 = _load_unit(pw, t_w, lo_w, end_w, 6, RWC, C_BITS, GC, WP_L, 2, PAGED)
-            cr = _load_unit(pr, t_w, lo_w, end_w, GC, RWR, R_BITS, GC, WR_L, 1, PAGED)
-        if GC == 8 and not PAGED:
-            s1, z1 = _load_group(p_cs, p_cz, base, lo_valid, hi, 4, GC, ml)
+        pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L) if PAGED else p_rc
+        cr = _load_unit(pr, t_w, lo_w, end_w, GC, RWR, R_BITS, GC, WR_L, 1, PAGED)
         if PAGED:
             s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, 0, lo_l, hi_l, last, shift, GC, ml)
             p_cc_s, p_rc_s, p_cs_s, p_cz_s, p_rs_s, p_rz_s = p_cc, p_rc, p_cs, p_cz, p_rs, p_rz
@@ -220,12 +195,10 @@ def mla_decode_gluon_kernel(
             acc, c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, page_n = _tile_scores(
                 c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs_s, p_cz_s, p_rs_s, p_rz_s, qbuf, qlo, kbuf, kz,
                 p_cc_s, p_rc_s, t_l, lo_l, hi_l, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, WC_L, WP_L, WR_L, acc_l,
-                dot_a, ml, last, p_pt, page_n, PAGED, STAGE)
+                dot_a, ml, last, p_pt, page_n, PAGED)
             o_t = t_l + o_bt32
             m_valid = ((o_t >= lo_l) & (o_t < hi_l))[:, None] & m_m[None, :]
             m_i, l_p, outs = _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf)
-        if STAGE:
-            async_copy.wait_group(0)  # the copies of the tile after the last one land before the program ends
 
         # The copied tile of a copy program: model-dtype sink copies or the recent ring (`_copy_tile`).
         lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr,
@@ -248,18 +221,9 @@ def mla_decode_gluon_kernel(
 # --------------------------------------------------------------------------------------------- host side
 
 
-def stage_words(fmt: CacheFormat, q_split: bool) -> int:
-    """Shared buffers the one-warpgroup program stages its code words in (the kernel's `STAGE`): one per content
-    unit pair and one for the RoPE unit at 2- and 4-bit content with 16-bit queries (two programs per multiprocessor
-    still fit), else 0 (words loaded into registers)."""
-    return fmt.content.n_groups // 2 + 1 if fmt.content.bits <= 4 and not q_split else 0
-
-
 def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
-    """Shared memory of one program (`tile_smem`) and, where the words are staged (`stage_words`), a tile of them:
-    64 tokens of content and RoPE code words."""
-    staged = 64 * (fmt.content.code_bytes + fmt.rope.code_bytes) if stage_words(fmt, q_split) else 0
-    return tile_smem(fmt, q_split, BLOCK_M) + staged
+    """Shared memory of one program (`tile_smem`)."""
+    return tile_smem(fmt, q_split, BLOCK_M)
 
 
 def regs_handles(fmt: CacheFormat) -> bool:
@@ -278,9 +242,7 @@ def launch_gluon(*args, wide_program: bool = False, page_table=None):
     if wide_program:
         launch_flat(mla_decode_gluon_kernel, "two-warpgroup Gluon decode kernel", wide.smem_bytes, "gluon_regs",
                     wide.BLOCK_M, *args, page_table=page_table, INFLIGHT=wide.INFLIGHT, WIDE=True, W_REGS=wide.REGS[c],
-                    STAGE=0, num_warps=4, maxnreg=min(wide.REGS[c], wide.MAX_REGS))
+                    num_warps=4, maxnreg=min(wide.REGS[c], wide.MAX_REGS))
     else:
-        q_split = torch.float32 in (args[0].dtype, args[1].dtype)  # as `launch_flat` decides it
         launch_flat(mla_decode_gluon_kernel, "register-operand Gluon decode kernel", smem_bytes, "triton", BLOCK_M,
-                    *args, page_table=page_table, INFLIGHT=INFLIGHT[c], WIDE=False, W_REGS=0,
-                    STAGE=stage_words(args[4], q_split), num_warps=4)
+                    *args, page_table=page_table, INFLIGHT=INFLIGHT[c], WIDE=False, W_REGS=0, num_warps=4)
