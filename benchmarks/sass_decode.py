@@ -317,6 +317,47 @@ def load_lead(loop: list[str]) -> list[tuple[int, int, int | None]]:
     return out
 
 
+def packed_loop_controls(sass: str) -> tuple[list[str], list[int]]:
+    """`packed_loop`'s instructions and, per instruction, its control bits (the high 64 bits of its encoding, on the
+    line after it in `cuobjdump -sass`, shifted right by 41: `scoreboard_waits` reads them)."""
+    ins, loops = _instructions_and_loops(sass)
+    lines = sass.splitlines()
+    highs = [int(re.search(r"/\* (0x[0-9a-f]+) \*/", lines[i + 1]).group(1), 16) >> 41
+             for i, line in enumerate(lines) if re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)]
+    start, end = max(loops, key=lambda se: _unpacks(ins[se[0]:se[1] + 1]))
+    return ins[start:end + 1], highs[start:end + 1]
+
+
+GLOBAL_LOAD = re.compile(r"\bLDG(\.[\w.]+)?\b")
+
+
+def scoreboard_waits(loop: list[str], controls: list[int]) -> list[tuple[int, list[tuple[int, str]], int]]:
+    """The instructions of a loop that wait on a scoreboard some global load of the loop set (sm_70+ control bits:
+    stall 0-3, yield 4, write scoreboard 5-7, read scoreboard 8-10, wait mask 11-16; 7 is none): per such
+    instruction `(index, loads, lead)`, the loads `(index, opcode)` whose scoreboard it waits on that are still
+    pending there (set since that scoreboard was last waited on, going round the loop: the steady state) and how many
+    instructions after the youngest of them it comes. A wait covers every operation pending on its scoreboard, so
+    an instruction that needs one load waits for every load set on the same scoreboard before it."""
+    n = len(loop)
+    pending = {j: [] for j in range(6)}
+    out = []
+    for rnd in range(2):
+        for i, (t, c) in enumerate(zip(loop, controls)):
+            wait = (c >> 11) & 63
+            if wait:
+                covered = [p for j in range(6) if wait >> j & 1 for p in pending[j]]
+                for j in range(6):
+                    if wait >> j & 1:
+                        pending[j] = []
+                loads = [(p, GLOBAL_LOAD.search(loop[p]).group(0)) for p in covered if GLOBAL_LOAD.search(loop[p])]
+                if rnd and loads:
+                    out.append((i, sorted(loads), min((i - p) % n for p, _ in loads)))
+            for field in ((c >> 5) & 7, (c >> 8) & 7):
+                if field != 7:
+                    pending[field].append(i)
+    return out
+
+
 def dump(out_dir: str, launches=DUMP_LAUNCHES, portable_launches=PORTABLE_LAUNCHES, quant_pack_launches=
          QUANT_PACK_LAUNCHES, combine_launches=COMBINE_LAUNCHES, split_launches=SPLIT_LAUNCHES) -> None:
     """Write the SASS of every Gluon launch in `launches` and `split_launches`, every portable launch in
@@ -360,6 +401,8 @@ def main():
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     ap.add_argument("--loads", action="store_true",
                     help="also each wide global load of the packed loop and its lead (`load_lead`)")
+    ap.add_argument("--waits", action="store_true",
+                    help="also the packed loop's waits on its global loads' scoreboards (`scoreboard_waits`)")
     a = ap.parse_args()
     if a.dump:
         dump(a.dump)
@@ -377,7 +420,7 @@ def main():
     a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
     kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, paged=a.paged)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
-    loop = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
+    loop, controls = packed_loop_controls(disassemble(kernel.asm["cubin"], "-sass"))
     counts = opcode_counts(loop)
     print(f"triton {triton.__version__} | {a.format} | {'fp32' if a.fp32_queries else 'bf16'} queries | "
           f"inflight {a.inflight} | {'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
@@ -390,6 +433,12 @@ def main():
     if a.loads:
         print("wide loads (instruction: first register -> instructions until first read):")
         print(" ".join(f"{i}: R{r} -> {lead}" for i, r, lead in load_lead(loop)))
+    if a.waits:
+        print("waits on global loads (instruction: loads covered; instructions since the youngest of them):")
+        for i, loads, lead in scoreboard_waits(loop, controls):
+            kinds = collections.Counter(op for _, op in loads)
+            print(f"{i} {loop[i].split()[0]}: " + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))
+                  + f"; {lead} since the youngest")
 
 
 def main_wide(a):

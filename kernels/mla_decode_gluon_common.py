@@ -484,26 +484,39 @@ def _load_group(p_s, p_z, t0, lo, hi, G0: gl.constexpr, GC: gl.constexpr, ml: gl
 
 
 @_jit
-def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.constexpr, ml: gl.constexpr):
+def _load_meta_rows(p_cs, p_cz, p_rs, p_rz, t0, lo, hi, last, shift, GC: gl.constexpr, ml: gl.constexpr,
+                    ZERO: gl.constexpr = True):
     """The tile's steps and stored zero points `(s0, z0, s1, z1, sr, zr)` (content groups q and q + 4, RoPE) as
     `_load_group` with `ROWS` reads them, the three groups' addresses computed once (as three `_load_group` calls
-    the 8-bit launches compile to other SASS)."""
+    the 8-bit launches compile to other SASS). `ZERO` off: the steps not yet zeroed outside `[lo, hi)` (`lo`, `hi`
+    unused; `_valid_steps` zeroes them a tile later, when they are used: the tile that issues the loads then does
+    not wait for them, nor for the code words loaded on the same scoreboard after them)."""
     o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
     o_a = gl.minimum(o_t, last) + shift
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    valid = ((o_t >= lo) & (o_t < hi))[:, None]
     off = o_a[:, None] * GC + o_q[None, :]
-    s0 = gl.where(valid, gl.load(p_cs + off), 0.0)
+    s0 = gl.load(p_cs + off)
     z0 = gl.load(p_cz + off)
     if GC == 8:
-        s1 = gl.where(valid, gl.load(p_cs + off + 4), 0.0)
+        s1 = gl.load(p_cs + off + 4)
         z1 = gl.load(p_cz + off + 4)
     else:
         s1 = s0
         z1 = z0
     off_r = o_a[:, None] + 0 * o_q[None, :]
-    sr = gl.where(valid, gl.load(p_rs + off_r), 0.0)
+    sr = gl.load(p_rs + off_r)
+    if ZERO:
+        s0, s1, sr = _valid_steps(s0, s1, sr, t0, lo, hi, ml)
     return s0, z0, s1, z1, sr, gl.load(p_rz + off_r)
+
+
+@_jit
+def _valid_steps(s0, s1, sr, t0, lo, hi, ml: gl.constexpr):
+    """The steps of the tile at `t0` zeroed outside the valid positions `[lo, hi)` (a zero step makes a token's keys
+    exactly 0 whatever its codes, `_load_group`)."""
+    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
+    valid = ((o_t >= lo) & (o_t < hi))[:, None]
+    return gl.where(valid, s0, 0.0), gl.where(valid, s1, 0.0), gl.where(valid, sr, 0.0)
 
 
 @_jit
@@ -865,16 +878,23 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     """Scores of the packed tile at int32 position `t0` (relative to the split's first tile) from its words `c01 ..
     cr` and metadata (steps `s0, s1, sr`, zero points `z0, z1, zr`: `_load_meta_rows`), loading the next tile's (`t0
     + 64`) through row pointers up to row `last`. `PAGED`: the planes are page pools, `p_pt` the split's page
-    numbers and `page_n` the next tile's (`_tile_page`); the page of the tile after it is loaded here. Returns `(acc,
+    numbers and `page_n` the next tile's (`_tile_page`); the page of the tile after it is loaded here, and below 8
+    bits the steps arrive unzeroed (`_load_meta_rows` without `ZERO`) and are zeroed here (`DEFER`). Returns `(acc,
     c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, page)`, the next tile's and the page of the one after."""
+    # zeroed where loaded, the steps would make the tile wait for its last code words (issued later in pages than in
+    # contiguous planes, on the same scoreboard); the contiguous and 8-bit launches keep that form (their SASS is
+    # longer with this one)
+    DEFER: gl.constexpr = PAGED and C_BITS < 8
     tn = t0 + 64
     page_nn = _tile_page(p_pt, tn + 64, last, PAGED)
+    if DEFER:
+        s0, s1, sr = _valid_steps(s0, s1, sr, t0, lo, hi, ml)
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
     zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
     zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
     s_row = _row_steps(sr, acc_l, C_BITS, R_BITS)
     row, shift = _tile_rows(page_n, tn, last, PAGED)
-    s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml)
+    s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml, not DEFER)
     p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
     p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
     acc, c01, c23, c45, c67, cr = _packed_scores(

@@ -6,15 +6,15 @@ copy programs and partials as the other Gluon kernels (reference: `mla_decode_re
 launch: `mla_decode_paged_ref`); shared pieces in `mla_decode_gluon_common.py`; design and timings: docs/KERNELS.md.
 
 - The scorer (`_scorer`, a worker at `S_REGS` registers) loads each tile's code words and metadata a tile ahead (the
-  steps zeroed outside the valid positions a tile later, `_valid_steps`: no load is waited for in the tile that issues
-  it), unpacks unit by unit (`half_asm`, keys `(code - z) * s` rounded once to fp16) and issues `S^T += K_u Q_u^T`
-  (`m64n64k16`: the keys from registers, the staged queries `qbuf[u]: [64 rows, 64]` from shared memory). 8-bit RoPE
-  (C4R8, C2R8) is scored as the register kernels score it: its integer codes `code - z` (exact in fp16) in an
-  accumulator of their own, added times its tokens' steps once both are done. Content unit u goes to `vbuf[u][stage]:
-  [64 tokens, 64]` as its A fragments are (`stmatrix`; columns in `_score_channel` order), after `V_EMPTY + stage`,
-  then `V_FULL + stage`; the finished scores go to `sbuf: [64 rows, 64 tokens]` fp32 (transposed; 4-word runs,
-  swizzled by row) after `S_EMPTY`, then `S_FULL`. A copy program scores its one tile of model-dtype copies the same
-  way, into stage 0.
+  steps zeroed outside the valid positions a tile later, `_load_meta_rows` without `ZERO`, then `_valid_steps`: no
+  load is waited for in the tile that issues it), unpacks unit by unit (`half_asm`, keys `(code - z) * s` rounded
+  once to fp16) and issues `S^T += K_u Q_u^T` (`m64n64k16`: the keys from registers, the staged queries `qbuf[u]:
+  [64 rows, 64]` from shared memory). 8-bit RoPE (C4R8, C2R8) is scored as the register kernels score it: its
+  integer codes `code - z` (exact in fp16) in an accumulator of their own, added times its tokens' steps once both
+  are done. Content unit u goes to `vbuf[u][stage]: [64 tokens, 64]` as its A fragments are (`stmatrix`; columns in
+  `_score_channel` order), after `V_EMPTY + stage`, then `V_FULL + stage`; the finished scores go to `sbuf: [64 rows,
+  64 tokens]` fp32 (transposed; 4-word runs, swizzled by row) after `S_EMPTY`, then `S_FULL`. A copy program scores
+  its one tile of model-dtype copies the same way, into stage 0.
 - 8-bit content (C8R8; the dispatch takes it in pages, `paged_only`): each unit unpacked into its keys' high fp16
   parts and their remainders, both scored (`_score_key_split`: the scores exact to the fp32 accumulation), units 0-3
   and 4-7 in two accumulator chains summed in fp32 with the RoPE unit's integer-code scores, the high parts stored
@@ -72,6 +72,7 @@ if HAVE_GLUON:
         _cta_barrier,
         _finish,
         _load_dense,
+        _load_meta_rows,
         _load_unit,
         _pair_meta,
         _program_coords,
@@ -89,6 +90,7 @@ if HAVE_GLUON:
         _unit_buffers,
         _unpack_codes8,
         _unpack_unit,
+        _valid_steps,
     )
 
 _const = gl.constexpr if HAVE_GLUON else int  # a module constant the kernels read
@@ -170,29 +172,6 @@ def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, 
 
 
 @_jit
-def _meta_rows(p_cs, p_cz, p_rs, p_rz, t0, last, shift, GC: gl.constexpr, ml: gl.constexpr):
-    """The steps and stored zero points `(s0, z0, s1, z1, sr, zr)` `[64, 4]` of the tile at int32 position `t0`
-    (content groups q and q + 4, RoPE), read as `_load_meta_rows` reads them but not yet zeroed outside the split's
-    valid positions (`_valid_steps`, a tile later: nothing waits for these loads within the tile they are issued
-    in)."""
-    o_a = gl.minimum(t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml)), last) + shift
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    off = o_a[:, None] * GC + o_q[None, :]
-    off_r = o_a[:, None] + 0 * o_q[None, :]
-    return (gl.load(p_cs + off), gl.load(p_cz + off), gl.load(p_cs + off + 4), gl.load(p_cz + off + 4),
-            gl.load(p_rs + off_r), gl.load(p_rz + off_r))
-
-
-@_jit
-def _valid_steps(s0, s1, sr, t0, lo, hi, ml: gl.constexpr):
-    """The steps of the tile at `t0` zeroed outside the valid positions `[lo, hi)` (a zero step makes a token's keys
-    exactly 0 whatever its codes, `_load_group`)."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
-    valid = ((o_t >= lo) & (o_t < hi))[:, None]
-    return gl.where(valid, s0, 0.0), gl.where(valid, s1, 0.0), gl.where(valid, sr, 0.0)
-
-
-@_jit
 def _hand_over(acc, sbuf, bars, st, it):
     """The tile's keys (stage `st`) and then its scores `acc` (after the values took the last ones) to the value
     warpgroups."""
@@ -261,7 +240,7 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         c45 = _load_unit(pw, 0, lo, last, 4, RWC, C_BITS, GC, WP_L, 2, True)
         c67 = _load_unit(pw, 0, lo, last, 6, RWC, C_BITS, GC, WP_L, 2, True)
     cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
-    s0, z0, s1, z1, sr, zr = _meta_rows(p_cs, p_cz, p_rs, p_rz, 0, last, shift, GC, ml)
+    s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, 0, 0, 0, last, shift, GC, ml, False)
     page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
     for it in range(n_tiles):
         st = it % 2
@@ -276,7 +255,7 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
             s_row = _rope_steps(sr, acc_l)
         row, shift = _tile_rows(page_n, tn, last, PAGED)
         page_n = page_nn
-        s0, z0, s1, z1, sr, zr = _meta_rows(p_cs, p_cz, p_rs, p_rz, tn, last, shift, GC, ml)
+        s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, 0, 0, last, shift, GC, ml, False)
         pc = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
         pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L)
         # both value warpgroups have finished reading this stage's keys of two tiles ago

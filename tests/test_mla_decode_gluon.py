@@ -474,6 +474,31 @@ def test_load_lead_counts_round_the_loop_to_the_first_use():
     assert sd.load_lead(["@!P4 LDG.E.128 R44, desc[UR38][R22.64]", "FADD R1, R2, R3"]) == [(0, 44, None)]
 
 
+def _control(wb=7, rb=7, wait=0, stall=1):
+    """sm_70+ control bits of one instruction (the high 64 bits of its encoding shifted right by 41)."""
+    return stall | wb << 5 | rb << 8 | wait << 11
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_scoreboard_waits_cover_every_load_pending_on_the_scoreboard():
+    """`sass_decode.scoreboard_waits`: a wait on a scoreboard covers every global load set on it since it was last
+    waited on, going round the loop (the load at the end of the loop is pending at the next pass's wait); a wait on
+    a shared load's scoreboard is not reported; the lead counts from the youngest load covered."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import sass_decode as sd
+
+    loop = ["LDG.E.U16 R5, desc[UR4][R2.64]", "@!P4 LDG.E.128 R8, desc[UR4][R3.64]", "IADD3 R1, R1, 0x1, RZ",
+            "SEL R5, R5, RZ, P0", "LDS R9, [R4]", "FADD R9, R9, R1", "LDG.E.64 R12, desc[UR4][R6.64]"]
+    controls = [_control(wb=5), _control(wb=5), _control(), _control(wait=1 << 5), _control(wb=0),
+                _control(wait=1), _control(wb=5, rb=1)]
+    assert sd.scoreboard_waits(loop, controls) == [(3, [(0, "LDG.E.U16"), (1, "LDG.E.128"), (6, "LDG.E.64")], 2)]
+    # the same loop in `cuobjdump -sass` form (each instruction's high encoding bits on the line after it)
+    sass = "\n".join(f"        /*{16 * i:04x}*/  {t} ;  /* 0x{i:016x} */\n  /* 0x{c << 41:016x} */"
+                     for i, (t, c) in enumerate(zip(loop + ["HMUL2 R1, R2, R3", "BRA 0x0"], controls + [0, 0])))
+    got_loop, got_controls = sd.packed_loop_controls(sass)
+    assert got_loop == loop + ["HMUL2 R1, R2, R3", "BRA 0x0"] and got_controls == controls + [0, 0]
+
+
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_sass_dump_writes_comparable_sass(tmp_path):
     """`sass_decode.py --dump` (how two trees' kernels are compared without a GPU) writes one file per launch with
