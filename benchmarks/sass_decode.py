@@ -223,11 +223,23 @@ def disassemble(cubin: bytes, *flags: str) -> str:
         return subprocess.run([cuobjdump(), *flags, f.name], capture_output=True, text=True, check=True).stdout
 
 
+INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")  # an instruction line of `cuobjdump -sass`
+ENCODING = re.compile(r"/\* (0x[0-9a-f]+) \*/")  # a 64-bit half of an instruction's encoding
+
+
 def _instructions_and_loops(sass: str):
-    """`(instructions, loops)`: the SASS instruction texts in address order and the loops as `(first, last)` index
-    pairs (a backward branch to an earlier address)."""
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
-           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    """`(instructions, controls, loops)`: the SASS instruction texts in address order, each one's control bits (the
+    high 64 bits of its encoding, on the line after it, shifted right by 41: `scoreboard_waits` reads them; 0 where
+    the text has no encodings) and the loops as `(first, last)` index pairs (a backward branch to an earlier
+    address)."""
+    lines = sass.splitlines()
+    ins, controls = [], []
+    for i, line in enumerate(lines):
+        m = INSTRUCTION.match(line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+            high = ENCODING.search(lines[i + 1]) if i + 1 < len(lines) else None
+            controls.append(int(high.group(1), 16) >> 41 if high else 0)
     index = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
     for i, (_, text) in enumerate(ins):
@@ -236,24 +248,24 @@ def _instructions_and_loops(sass: str):
             loops.append((index[int(m.group(1), 16)], i))
     if not loops:
         raise ValueError("no loop found in the SASS")
-    return [t for _, t in ins], loops
+    return [t for _, t in ins], controls, loops
 
 
 def _unpacks(body: list[str]) -> int:
     return sum(re.sub(r"^@!?U?P\w+\s+", "", t).startswith(UNPACK_MUL) for t in body)
 
 
-def packed_loop(sass: str) -> list[str]:
-    """The instructions of the packed-tile loop: of the loops, the one with the most unpacking multiplies
-    (`HMUL2`)."""
-    ins, loops = _instructions_and_loops(sass)
+def packed_loop(sass: str) -> tuple[list[str], list[int]]:
+    """The instructions of the packed-tile loop (of the loops, the one with the most unpacking multiplies, `HMUL2`)
+    and their control bits (`_instructions_and_loops`)."""
+    ins, controls, loops = _instructions_and_loops(sass)
     start, end = max(loops, key=lambda se: _unpacks(ins[se[0]:se[1] + 1]))
-    return ins[start:end + 1]
+    return ins[start:end + 1], controls[start:end + 1]
 
 
 def packed_loops(sass: str) -> list[list[str]]:
     """The innermost loops that unpack (one per warpgroup in the two-warpgroup kernel), in address order."""
-    ins, loops = _instructions_and_loops(sass)
+    ins, _, loops = _instructions_and_loops(sass)
     unpacking = [(s, e) for s, e in loops if _unpacks(ins[s:e + 1])]
     inner = [(s, e) for s, e in unpacking
              if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in unpacking)]
@@ -317,17 +329,6 @@ def load_lead(loop: list[str]) -> list[tuple[int, int, int | None]]:
     return out
 
 
-def packed_loop_controls(sass: str) -> tuple[list[str], list[int]]:
-    """`packed_loop`'s instructions and, per instruction, its control bits (the high 64 bits of its encoding, on the
-    line after it in `cuobjdump -sass`, shifted right by 41: `scoreboard_waits` reads them)."""
-    ins, loops = _instructions_and_loops(sass)
-    lines = sass.splitlines()
-    highs = [int(re.search(r"/\* (0x[0-9a-f]+) \*/", lines[i + 1]).group(1), 16) >> 41
-             for i, line in enumerate(lines) if re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)]
-    start, end = max(loops, key=lambda se: _unpacks(ins[se[0]:se[1] + 1]))
-    return ins[start:end + 1], highs[start:end + 1]
-
-
 GLOBAL_LOAD = re.compile(r"\bLDG(\.[\w.]+)?\b")
 
 
@@ -349,7 +350,7 @@ def scoreboard_waits(loop: list[str], controls: list[int]) -> list[tuple[int, li
                 for j in range(6):
                     if wait >> j & 1:
                         pending[j] = []
-                loads = [(p, GLOBAL_LOAD.search(loop[p]).group(0)) for p in covered if GLOBAL_LOAD.search(loop[p])]
+                loads = [(p, m.group(0)) for p in covered if (m := GLOBAL_LOAD.search(loop[p]))]
                 if rnd and loads:
                     out.append((i, sorted(loads), min((i - p) % n for p, _ in loads)))
             for field in ((c >> 5) & 7, (c >> 8) & 7):
@@ -420,7 +421,7 @@ def main():
     a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
     kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, paged=a.paged)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
-    loop, controls = packed_loop_controls(disassemble(kernel.asm["cubin"], "-sass"))
+    loop, controls = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
     counts = opcode_counts(loop)
     print(f"triton {triton.__version__} | {a.format} | {'fp32' if a.fp32_queries else 'bf16'} queries | "
           f"inflight {a.inflight} | {'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
@@ -464,7 +465,7 @@ def main_loops(sass: str, min_len: int = 100) -> list[list[str]]:
     """The loops of at least `min_len` instructions that hold no other such loop, in address order (the short
     loops inside them are mbarrier waits). A loop ends in a conditional branch: the unconditional one back from an
     mbarrier wait's retry code (placed after the kernel's body) is no loop."""
-    ins, loops = _instructions_and_loops(sass)
+    ins, _, loops = _instructions_and_loops(sass)
     big = [(s, e) for s, e in loops if e - s + 1 >= min_len and ins[e].startswith("@")]
     inner = [(s, e) for s, e in big if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in big)]
     return [ins[s:e + 1] for s, e in sorted(set(inner))]

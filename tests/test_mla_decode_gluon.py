@@ -495,7 +495,7 @@ def test_scoreboard_waits_cover_every_load_pending_on_the_scoreboard():
     # the same loop in `cuobjdump -sass` form (each instruction's high encoding bits on the line after it)
     sass = "\n".join(f"        /*{16 * i:04x}*/  {t} ;  /* 0x{i:016x} */\n  /* 0x{c << 41:016x} */"
                      for i, (t, c) in enumerate(zip(loop + ["HMUL2 R1, R2, R3", "BRA 0x0"], controls + [0, 0])))
-    got_loop, got_controls = sd.packed_loop_controls(sass)
+    got_loop, got_controls = sd.packed_loop(sass)
     assert got_loop == loop + ["HMUL2 R1, R2, R3", "BRA 0x0"] and got_controls == controls + [0, 0]
 
 
