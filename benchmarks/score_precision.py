@@ -14,6 +14,9 @@ the prefill are the exact reference's):
     int8_q64     the query per row and 64-channel group as symmetric int8 (scale max|q| / 127), the keys as their
                  exact integer codes: an int8 x int8 score product with the scales applied per group afterwards
     fp8_q_row    the query per row scaled into FP8 e4m3 (max 448) and rounded: an FP8 score product
+    fp16_keys    the keys of both paths `(code - z) * s` rounded once to fp16 for the scores, the values exact: what
+                 the Gluon kernels' scores compute below 8 bits (`score_rounding`), here for any width
+    fp16_content_keys  the content keys rounded so, the RoPE keys exact
 
 Each variant is scored with `benchmarks/accuracy.py`'s windows (teacher-forced decode, `--chunk` tokens a step), KL
 per window against the unquantized cache, and its ratio to the exact decode's KL with a paired 95% bootstrap interval
@@ -39,7 +42,7 @@ from quantmla_hf.kernels import mla_decode_ref as ref  # noqa: E402
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref  # noqa: E402
 from quantmla_hf.ops import decode as decode_op  # noqa: E402
 
-VARIANTS = ("exact", "bf16_keys", "int8_q64", "fp8_q_row")
+VARIANTS = ("exact", "bf16_keys", "int8_q64", "fp8_q_row", "fp16_keys", "fp16_content_keys")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -83,6 +86,9 @@ def decode_variant(variant: str):
             if variant == "bf16_keys":
                 pc, pr = pc.bfloat16().to(dtype), pr.bfloat16().to(dtype)
                 values = torch.where(packed[..., None], pc, c)
+            elif variant in ("fp16_keys", "fp16_content_keys"):  # dequantized in fp32 (exact), rounded once
+                pc = pc.half().to(dtype)
+                pr = pr.half().to(dtype) if variant == "fp16_keys" else pr
             else:
                 rounder = int8_per_group if variant == "int8_q64" else fp8_per_row
                 q, qr = rounder(q), rounder(qr)

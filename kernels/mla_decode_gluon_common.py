@@ -213,7 +213,7 @@ def _finish(l_i, m_i):
     return inv_l, gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
 
-def half_asm(bits: int, split: bool = False, codes: bool = False) -> str:
+def half_asm(bits: int, codes: bool = False) -> str:
     """PTX that turns one 32-bit code word into its `E = 32 / bits` fp16 elements `(code - z) * s`, in word order.
 
     Elements k and k + E/2 (bits `[bits*k, bits*(k+1))` and 16 higher) are put under the fp16 magic number `0x6400`
@@ -224,19 +224,18 @@ def half_asm(bits: int, split: bool = False, codes: bool = False) -> str:
     element is masked in place (`sub.f16x2` of `1024 + z`), the odd one a field higher (`fma.rn.f16x2` by `2**-bits`
     plus `-(1024 / 2**bits + z)`): half the shifts, both exact.
 
-    8 bits (`split`): operands: outputs `$0 .. $(2E-1)`, the word, `(1024 + z)` and `(s, s)`; every element shifted
-    to bit 0, and the remainder `lo = (code - z) * s - hi` by one `fma.rn.f16x2` in outputs `E + j` (a key of up to
-    255 steps rounded once would be too coarse for the scores).
+    8 bits: operands: outputs `$0 .. $(E-1)`, the word, `(1024 + z)` and `(s, s)`; every element shifted to bit 0
+    (`code - z` is exact in fp16 up to 255 steps, and one `mul.f16x2` rounds it once, as below 8 bits).
 
     8 bits (`codes`): operands: outputs `$0 .. $(E-1)`, the word and `(1024 + z)`; the integers `code - z` (exact in
     fp16), the step applied by the caller (`_packed_scores`: the RoPE unit's score times its token's step)."""
-    if codes and (bits != 8 or split):
-        raise ValueError("half_asm(codes=True) is the 8-bit unit without the step: bits=8, split=False")
+    if codes and bits != 8:
+        raise ValueError("half_asm(codes=True) is the 8-bit unit without the step: bits=8")
     n = 16 // bits
     e = 2 * n
-    o = 2 * e if split else e  # first input operand
+    o = e  # first input operand
     mask = (1 << bits) - 1
-    lines = ["{", ".reg .b32 x, t, h, hn;"]
+    lines = ["{", ".reg .b32 x, t, h;"]
     for k in range(n):
         if bits == 8:
             src = f"${o}"
@@ -262,10 +261,6 @@ def half_asm(bits: int, split: bool = False, codes: bool = False) -> str:
             continue
         lines.append(f"mul.f16x2 h, t, ${o + 2};")
         lines.append(f"mov.b32 {{${k}, ${k + n}}}, h;")
-        if split:
-            lines.append("neg.f16x2 hn, h;")
-            lines.append(f"fma.rn.f16x2 t, t, ${o + 2}, hn;")
-            lines.append(f"mov.b32 {{${e + k}, ${e + k + n}}}, t;")
     lines.append("}")
     return "\n".join(lines)
 
@@ -324,7 +319,7 @@ def _fp16_bits(x: float) -> int:
 if HAVE_GLUON:  # the asm of each width (plain functions cannot be called in a kernel: they read torch)
     _HALF_ASM_2 = gl.constexpr(half_asm(2))
     _HALF_ASM_4 = gl.constexpr(half_asm(4))
-    _HALF_ASM_8 = gl.constexpr(half_asm(8, split=True))
+    _HALF_ASM_8 = gl.constexpr(half_asm(8))
     _HALF_ASM_8_CODES = gl.constexpr(half_asm(8, codes=True))
     _META_ASM_2 = gl.constexpr(meta_asm(2))
     _META_ASM_4 = gl.constexpr(meta_asm(4))
@@ -344,8 +339,8 @@ def _pair_meta(s, z, BITS: gl.constexpr):
 @_jit
 def _unpack_unit(w, zz, ss, zh, BITS: gl.constexpr, wl: gl.constexpr):
     """Words `w: [64, 4, WU]` int32 (thread q's words of each token), `zz`, `ss`, `zh: [64, 4]` int32 fp16x2 pairs ->
-    `(hi, lo)`: `[64, 4, WU, 2, E / 2]` fp16 `(code - z) * s`, element `(E / 2) * e + k` of word `w` at `[t, q, w,
-    e, k]`, and at 8 bits its remainder `lo` (below 8 bits `lo` is `hi`, unused)."""
+    `[64, 4, WU, 2, E / 2]` fp16 `(code - z) * s` (rounded once), element `(E / 2) * e + k` of word `w` at `[t, q,
+    w, e, k]` (`zh` unused at 8 bits)."""
     ml: gl.constexpr = gl.SliceLayout(2, wl)
     zz, w = gl.broadcast(gl.convert_layout(zz, ml, assert_trivial=True)[:, :, None], w)
     ss, w = gl.broadcast(gl.convert_layout(ss, ml, assert_trivial=True)[:, :, None], w)
@@ -353,23 +348,20 @@ def _unpack_unit(w, zz, ss, zh, BITS: gl.constexpr, wl: gl.constexpr):
         zh, w = gl.broadcast(gl.convert_layout(zh, ml, assert_trivial=True)[:, :, None], w)
         step = gl.full(w.shape, 0x2C002C00 if BITS == 4 else 0x34003400, gl.int32, w.type.layout)  # 2**-BITS x2
     if BITS == 8:
-        y0, y1, y2, y3, l0, l1, l2, l3 = gl.inline_asm_elementwise(
-            _HALF_ASM_8, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, zz, ss], dtype=[gl.float16] * 8, is_pure=True, pack=1)
-        hi = gl.reshape(_order4(y0, y1, y2, y3), [64, 4, w.shape[2], 2, 2])
-        return hi, gl.reshape(_order4(l0, l1, l2, l3), [64, 4, w.shape[2], 2, 2])
+        y0, y1, y2, y3 = gl.inline_asm_elementwise(
+            _HALF_ASM_8, "=h,=h,=h,=h,r,r,r", [w, zz, ss], dtype=[gl.float16] * 4, is_pure=True, pack=1)
+        return gl.reshape(_order4(y0, y1, y2, y3), [64, 4, w.shape[2], 2, 2])
     elif BITS == 4:
         y0, y1, y2, y3, y4, y5, y6, y7 = gl.inline_asm_elementwise(
             _HALF_ASM_4, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, zz, ss, zh, step], dtype=[gl.float16] * 8,
             is_pure=True, pack=1)
-        x = gl.reshape(_order8(y0, y1, y2, y3, y4, y5, y6, y7), [64, 4, w.shape[2], 2, 4])
-        return x, x
+        return gl.reshape(_order8(y0, y1, y2, y3, y4, y5, y6, y7), [64, 4, w.shape[2], 2, 4])
     else:
         y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = gl.inline_asm_elementwise(
             _HALF_ASM_2, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [w, zz, ss, zh, step],
             dtype=[gl.float16] * 16, is_pure=True, pack=1)
         x = _order16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
-        x = gl.reshape(x, [64, 4, w.shape[2], 2, 8])
-        return x, x
+        return gl.reshape(x, [64, 4, w.shape[2], 2, 8])
 
 
 @_jit
@@ -392,9 +384,9 @@ def _rope_steps(s, acc_l: gl.constexpr):
 
 @_jit
 def _row_steps(s, acc_l: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr):
-    """`_rope_steps` where `_packed_scores` scores the RoPE unit's integer codes (8-bit RoPE under 2/4-bit content);
-    zeros (unused) otherwise."""
-    if R_BITS == 8 and C_BITS != 8:
+    """`_rope_steps` where `_packed_scores` scores the RoPE unit's integer codes (8-bit RoPE); zeros (unused)
+    otherwise."""
+    if R_BITS == 8:
         return _rope_steps(s, acc_l)
     return gl.zeros([64], gl.float32, gl.SliceLayout(1, acc_l))
 
@@ -633,35 +625,23 @@ def _pair_layout(BM: int):
 
 
 @_jit
-def _score_unit(x5, x5lo, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
-                Q_SPLIT: gl.constexpr, LO: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr,
-                FIRST: gl.constexpr = 0):
+def _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
+                Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr, FIRST: gl.constexpr = 0):
     """Issue unit u's score `wgmma`(s) on the A view of `x5`, store its content keys to `kbuf[u]` (`_v_view`), then
     wait until at most `INFLIGHT` (0 or 1) units' `wgmma`s are in flight (`p1`, `p2`: the last unit's A operands,
-    alive until its `wgmma`s finish). Returns `(acc, pend, p1, p2)`. `FIRST`: the warpgroup's first unit of the tile
-    (starts the accumulator, waits for the previous tile's value reads). `LO` (8-bit keys): also a `wgmma` on the
-    remainder `x5lo`, in accumulator chains of units 0-2, 3-5, 6-8 (the caller keeps finished chains in `pend`)."""
+    alive until its `wgmma`s finish). Returns `(acc, pend, p1, p2)` (`pend` passed through: a finished accumulator
+    chain the caller keeps). `FIRST`: the warpgroup's first unit of the tile (starts the accumulator, waits for the
+    previous tile's value reads)."""
     a = _a_view(x5, dot_a)
-    if LO:
-        alo = _a_view(x5lo, dot_a)
-        acc = warpgroup_mma(a, qbuf[u].index(kz).permute((1, 0)), acc, use_acc=(u % 3) > 0, is_async=True)
-        acc = warpgroup_mma(alo, qbuf[u].index(kz).permute((1, 0)), acc, is_async=True)
-        if Q_SPLIT:
-            acc = warpgroup_mma(a, qlo[u].index(kz).permute((1, 0)), acc, is_async=True)
-    else:
-        acc = warpgroup_mma(a, qbuf[u].index(kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
-        if Q_SPLIT:
-            acc = warpgroup_mma(a, qlo[u].index(kz).permute((1, 0)), acc, is_async=True)
-    PER: gl.constexpr = (2 if Q_SPLIT else 1) + (1 if LO else 0)
+    acc = warpgroup_mma(a, qbuf[u].index(kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
+    if Q_SPLIT:
+        acc = warpgroup_mma(a, qlo[u].index(kz).permute((1, 0)), acc, is_async=True)
+    PER: gl.constexpr = 2 if Q_SPLIT else 1
     if u < GC:
         if u == FIRST:
             _cta_barrier()  # every warp's value wgmmas of the previous tile have finished reading kbuf
         kbuf[u].index(0).store(_v_view(x5))
-    if LO:
-        if u > 0:
-            p1, p2 = warpgroup_mma_wait(PER, deps=[p1, p2])
-        return acc, pend, a, alo
-    elif INFLIGHT == 0:
+    if INFLIGHT == 0:
         acc, a = warpgroup_mma_wait(0, deps=[acc, a])
         return acc, pend, a, p2
     else:  # INFLIGHT == 1
@@ -753,20 +733,19 @@ def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0: gl
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     x5 = _load_dense(p_c, o_slot, m_t, s_ct, U0, GC, C_BITS, xl)
     nx = _load_dense(p_c, o_slot, m_t, s_ct, U0 + 1, GC, C_BITS, xl)
-    acc, pend, p1, p2 = _score_unit(x5, x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, False, INFLIGHT,
-                                    dot_a, U0)
+    acc, pend, p1, p2 = _score_unit(x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, INFLIGHT, dot_a, U0)
     for u in gl.static_range(U0 + 1, U0 + NU - 1):
         x5 = nx
         nx = _load_dense(p_c, o_slot, m_t, s_ct, u + 1, GC, C_BITS, xl)
-        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, False,
-                                        INFLIGHT, dot_a, U0)
+        acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
+                                        U0)
     if ROPE:
         xr = _load_dense(p_r, o_slot, m_t, s_rt, GC, GC, R_BITS, xl)
-    acc, pend, p1, p2 = _score_unit(nx, nx, acc, pend, p1, p2, qbuf, qlo, kbuf, U0 + NU - 1, kz, GC, Q_SPLIT, False,
-                                    INFLIGHT, dot_a, U0)
+    acc, pend, p1, p2 = _score_unit(nx, acc, pend, p1, p2, qbuf, qlo, kbuf, U0 + NU - 1, kz, GC, Q_SPLIT, INFLIGHT,
+                                    dot_a, U0)
     if ROPE:
-        acc, pend, p1, p2 = _score_unit(xr, xr, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
-                                        INFLIGHT, dot_a, U0)
+        acc, pend, p1, p2 = _score_unit(xr, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
+                                        U0)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc
 
@@ -785,22 +764,16 @@ def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kb
                wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
                FIRST: gl.constexpr, ROWS: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does,
-    `cp` replaced by the words of the tile at `tn` once both are unpacked (`_load_unit`). 8-bit keys: the chain that
-    starts at unit 3 starts inside the pair (2, 3), the finished one kept in `pend`. Returns `(acc, pend, p1, p2,
-    cp)`."""
-    LO: gl.constexpr = C_BITS == 8
+    `cp` replaced by the words of the tile at `tn` once both are unpacked (`_load_unit`). Returns `(acc, pend, p1,
+    p2, cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
-    x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, LO, INFLIGHT,
-                                    dot_a, FIRST)
-    if LO:
-        if u == 2:
-            pend = acc
-            acc = gl.zeros([64, BM], gl.float32, acc_l)
-    x5, xlo = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
+    x5 = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
+    acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
+                                    FIRST)
+    x5 = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
     cp = _load_unit(p_cc, tn, lo, end, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, ROWS)
-    acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, LO,
-                                    INFLIGHT, dot_a, FIRST)
+    acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
+                                    FIRST)
     return acc, pend, p1, p2, cp
 
 
@@ -816,31 +789,22 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     zh0`; `zz1, ss1, zh1`; `zzr, ssr, zhr`: `half_asm`); the content keys stored to `kbuf`. Each pair's words are
     replaced by the next tile's (at `tn`) once both units are unpacked: `_load_unit` masked to `[lo, end)`, or with
     `ROWS` from the row pointers `p_cc`, `p_rc` up to row `end`. Returns `(acc, c01, c23, c45, c67, cr)`. 8-bit
-    keys: accumulator chains 0-2, 3-5, 6-7 + RoPE (`_score_unit`), summed in fp32. 8-bit RoPE under 2- or 4-bit
-    content (C4R8, C2R8): the RoPE unit scores its integer codes `code - z` (exact in fp16) in a chain of its own,
-    times its tokens' steps `s_row: [64]` fp32 (`_row_steps`) when added: one `wgmma` per k-step, exact."""
+    RoPE (C4R8, C2R8, C8R8): the RoPE unit scores its integer codes `code - z` (exact in fp16) in a chain of its
+    own, times its tokens' steps `s_row: [64]` fp32 (`_row_steps`) when added: one `wgmma` per k-step, exact."""
     RWR: gl.constexpr = 2 * R_BITS
-    LO: gl.constexpr = C_BITS == 8  # 8-bit keys: high and low fp16 parts for the scores (RoPE at 8 bits too)
-    R_INT: gl.constexpr = R_BITS == 8 and not LO
+    R_INT: gl.constexpr = R_BITS == 8
     acc = gl.zeros([64, BM], gl.float32, acc_l)
-    pend = acc  # LO: the finished accumulator chains
-    pend2 = acc
+    pend = acc  # R_INT: the content chain
     p1 = acc
     p2 = acc
     acc, pend, p1, p2, c01 = _unit_pair(c01, U0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo,
                                         end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS)
-    if LO and U0 == 4:  # the worker's second chain starts at unit 6
-        pend = acc
-        acc = gl.zeros([64, BM], gl.float32, acc_l)
     acc, pend, p1, p2, c23 = _unit_pair(c23, U0 + 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
                                         lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS)
     if NU == 8:
         acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
                                             lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
                                             ROWS)
-        if LO:  # the third chain starts at unit 6
-            pend2 = acc
-            acc = gl.zeros([64, BM], gl.float32, acc_l)
         acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
                                             lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
                                             ROWS)
@@ -848,20 +812,14 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
         x5 = _unpack_codes8(cr, zzr, wr_l)
         cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
         pend = acc  # the content chain; the RoPE unit's starts afresh (FIRST = GC: use_acc off)
-        acc, pend, p1, p2 = _score_unit(x5, x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, False,
-                                        INFLIGHT, dot_a, GC)
+        acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
+                                        GC)
     elif ROPE:
-        x5, xlo = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
+        x5 = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
         cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
-        acc, pend, p1, p2 = _score_unit(x5, xlo, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, LO,
-                                        INFLIGHT, dot_a, U0)
-    if LO and NU == 8:
-        acc, pend, pend2, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, pend2, p1, p2])
-        acc = acc + pend + pend2
-    elif LO:
-        acc, pend, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, p1, p2])
-        acc = acc + pend
-    elif ROPE and R_INT:
+        acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
+                                        U0)
+    if ROPE and R_INT:
         acc, pend, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, p1, p2])
         acc = pend + acc * s_row[:, None]
     else:
@@ -999,12 +957,11 @@ def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, q
 
 def score_rounding(fmt: CacheFormat) -> tuple[bool, bool]:
     """Whether the scores of the Gluon kernels see the packed keys of (content, RoPE) rounded once to fp16, to
-    nearest: below 8 bits a unit's `(code - z) * s` is one fp16 per element (`half_asm`); at 8 bits the score is
-    exact to the fp32 accumulation (8-bit content: the high and low fp16 parts both enter the score `wgmma`s; 8-bit
-    RoPE under 2/4-bit content: its integer codes, times the token's step in fp32). The values always use the
-    rounded keys. `kernels.mla_decode_ref.mla_decode_static_ref(score_rounding=...)` scores the same way; the portable
+    nearest: packed content keys always (a unit's `(code - z) * s` is one fp16 per element, `half_asm`), RoPE keys
+    below 8 bits; 8-bit RoPE scores its integer codes, times the token's step in fp32 (exact to the fp32
+    accumulation). The values always use the rounded keys. `kernels.mla_decode_ref.mla_decode_static_ref(score_rounding=...)` scores the same way; the portable
     kernel's group tiling scores exactly (`q . (code - z)` per group, times `s` in fp32) and rounds only its values."""
-    return fmt.content.bits < 8, fmt.rope.bits < 8
+    return fmt.content.quantized, fmt.rope.bits < 8
 
 
 def hopper_handles(fmt: CacheFormat, copy_dtype: torch.dtype, device) -> bool:

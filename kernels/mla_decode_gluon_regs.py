@@ -5,10 +5,9 @@ to 16 query rows per program; with `WIDE` the kernel runs the two-warpgroup prog
 launched by `quantmla_hf/ops/backends.py`; shared pieces in `mla_decode_gluon_common.py`; design: docs/KERNELS.md.
 
 Each thread loads the code words it unpacks straight from global memory into registers, one tile ahead; the fp16
-keys `(code - z) * s` (one rounding) are the register A operand of the score `wgmma`s and are stored once per unit
-to shared memory for the value `wgmma`s (`O^T = V^T P`). At 8 bits the asm also returns the remainder `lo = (code -
-z) * s - hi` for a second score `wgmma` (one rounding would move the LSE by ~4.5e-3); the values use the rounded
-keys. Shared memory (C4R4, 16 rows, bf16 queries): 86 KB, two programs per SM.
+keys `(code - z) * s` (one rounding, at every width) are the register A operand of the score `wgmma`s and are stored
+once per unit to shared memory for the value `wgmma`s (`O^T = V^T P`); 8-bit RoPE is scored on its integer codes,
+exactly (`_packed_scores`). Shared memory (C4R4, 16 rows, bf16 queries): 86 KB, two programs per SM.
 """
 
 
@@ -228,8 +227,7 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
 
 def regs_handles(fmt: CacheFormat) -> bool:
     """Whether this kernel takes the format (besides `hopper_handles`): 4 or 8 content groups and either 2- or
-    4-bit content (keys rounded once to fp16) with 2-, 4- or 8-bit RoPE, or 8-bit content and RoPE (8-bit keys as
-    fp16 high and low parts for the scores)."""
+    4-bit content with 2-, 4- or 8-bit RoPE, or 8-bit content and RoPE (content keys rounded once to fp16)."""
     c, r = fmt.content.bits, fmt.rope.bits
     return fmt.content.n_groups in (4, 8) and ((c in (2, 4) and r in (2, 4, 8)) or (c == 8 and r == 8))
 

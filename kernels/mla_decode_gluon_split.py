@@ -9,16 +9,14 @@ launch: `mla_decode_paged_ref`); shared pieces in `mla_decode_gluon_common.py`; 
   steps zeroed outside the valid positions a tile later, `_load_meta_rows` without `ZERO`, then `_valid_steps`: no
   load is waited for in the tile that issues it), unpacks unit by unit (`half_asm`, keys `(code - z) * s` rounded
   once to fp16) and issues `S^T += K_u Q_u^T` (`m64n64k16`: the keys from registers, the staged queries `qbuf[u]:
-  [64 rows, 64]` from shared memory). 8-bit RoPE (C4R8, C2R8) is scored as the register kernels score it: its
+  [64 rows, 64]` from shared memory). 8-bit RoPE (C4R8, C2R8, C8R8) is scored as the register kernels score it: its
   integer codes `code - z` (exact in fp16) in an accumulator of their own, added times its tokens' steps once both
   are done. Content unit u goes to `vbuf[u][stage]: [64 tokens, 64]` as its A fragments are (`stmatrix`; columns in
   `_score_channel` order), after `V_EMPTY + stage`, then `V_FULL + stage`; the finished scores go to `sbuf: [64 rows,
   64 tokens]` fp32 (transposed; 4-word runs, swizzled by row) after `S_EMPTY`, then `S_FULL`. A copy program scores
   its one tile of model-dtype copies the same way, into stage 0.
-- 8-bit content (C8R8; the dispatch takes it in pages, `paged_only`): each unit unpacked into its keys' high fp16
-  parts and their remainders, both scored (`_score_key_split`: the scores exact to the fp32 accumulation), units 0-3
-  and 4-7 in two accumulator chains summed in fp32 with the RoPE unit's integer-code scores, the high parts stored
-  for the values; two pairs of units' words in flight, each loaded half a tile ahead.
+- 8-bit content (C8R8): unpacked and scored as 2- and 4-bit content is (keys rounded once to fp16), with two pairs
+  of units' words in flight, each loaded half a tile ahead (twice the words of a 4-bit tile).
 - 16-bit planes (C16R16, planes or page pools; `_dense_scorer`): nothing to unpack, so the scorer copies each tile's
   content keys `[64 tokens, 512]` with `cp.async` straight into the value stage (channels in order; the next tile's as
   soon as the values release its stage, after this tile's scores are handed over) and scores them from there unit by
@@ -98,10 +96,11 @@ _const = gl.constexpr if HAVE_GLUON else int  # a module constant the kernels re
 BLOCK_M = 64  # query rows per program: one score accumulator `[64 tokens, 64 rows]`, two output halves
 # Registers per thread of (the value worker, the scorer), per (content width, RoPE width, paged launch); the default
 # value warpgroup gets what the register file has left for it. The 4-bit scorer spilled in its loop at 152 when paged
-# (page numbers besides its words) and with 8-bit RoPE (twice its words, the steps of its rows).
+# (page numbers besides its words) and with 8-bit RoPE (twice its words, the steps of its rows); the 8-bit scorer,
+# whose pairs of units load half a tile ahead, does not at 152 (at 160/184 a value loop had 5 local accesses).
 REGS = {(2, 4, False): (176, 152), (4, 4, False): (176, 152), (2, 4, True): (176, 152), (4, 4, True): (168, 168),
         (2, 8, False): (176, 152), (4, 8, False): (168, 168), (2, 8, True): (176, 152), (4, 8, True): (168, 168),
-        (8, 8, False): (160, 184), (8, 8, True): (160, 184), (16, 16, False): (176, 152), (16, 16, True): (176, 152)}
+        (8, 8, False): (176, 152), (8, 8, True): (176, 152), (16, 16, False): (176, 152), (16, 16, True): (176, 152)}
 
 
 def registers(fmt: CacheFormat, paged: bool) -> tuple[int, int]:
@@ -130,44 +129,17 @@ def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr,
 
 
 @_jit
-def _score_key_split(x5, xlo, acc, prev, qu, dst, FIRST: gl.constexpr, START: gl.constexpr, dot_a: gl.constexpr):
-    """`_score_key` of an 8-bit unit: `wgmma`s on its keys' high fp16 parts `x5` and on their remainders `xlo` (the
-    score exact to the fp32 accumulation), the high parts stored to `dst` for the values; then wait for the unit
-    before (its two A operands `prev`). `START`: the unit starts the accumulator `acc` (a chain of its own). Returns
-    `(acc, (a, a_lo))`."""
-    a = _a_view(x5, dot_a)
-    a_lo = _a_view(xlo, dot_a)
-    acc = warpgroup_mma(a, qu.permute((1, 0)), acc, use_acc=not START, is_async=True)
-    acc = warpgroup_mma(a_lo, qu.permute((1, 0)), acc, is_async=True)
-    dst.store(a)
-    if not FIRST:
-        p_hi, p_lo = prev
-        prev = warpgroup_mma_wait(2, deps=[p_hi, p_lo])
-    return acc, (a, a_lo)
-
-
-@_jit
-def _score_unit(x5, xlo, u: gl.constexpr, acc, prev, qu, dst, C_BITS: gl.constexpr, dot_a: gl.constexpr):
-    """Content unit u's unpacked keys (`_unpack_unit`) scored and stored to `dst`. Returns `(acc, prev)`."""
-    if C_BITS == 8:
-        acc, prev = _score_key_split(x5, xlo, acc, prev, qu, dst, u == 0, u % 4 == 0, dot_a)
-    else:
-        acc, prev = _score_key(x5, acc, prev, qu, dst, u == 0, True, dot_a)
-    return acc, prev
-
-
-@_jit
 def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, p_c, tn, lo, last, GC: gl.constexpr,
                 C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr, LU: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`) unpacked, scored and stored to `vbuf[u][st]`,
     `vbuf[u + 1][st]`; `cp` replaced by the words of units `LU, LU + 1` of the tile at `tn` (row pointers `p_c`) once
     both are unpacked. Returns `(acc, prev, cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
-    x5, xlo = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
-    acc, prev = _score_unit(x5, xlo, u, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), C_BITS, dot_a)
-    x5, xlo = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
+    x5 = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
+    acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), u == 0, True, dot_a)
+    x5 = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
     cp = _load_unit(p_c, tn, lo, last, LU, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
-    acc, prev = _score_unit(x5, xlo, u + 1, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), C_BITS, dot_a)
+    acc, prev = _score_key(x5, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), False, True, dot_a)
     return acc, prev, cp
 
 
@@ -233,7 +205,7 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
     pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
     c01 = _load_unit(pw, 0, lo, last, 0, RWC, C_BITS, GC, WP_L, 2, True)
     c23 = _load_unit(pw, 0, lo, last, 2, RWC, C_BITS, GC, WP_L, 2, True)
-    HALF: gl.constexpr = C_BITS == 8  # 8-bit words: two pairs in flight, each half a tile ahead (registers for chains)
+    HALF: gl.constexpr = C_BITS == 8  # 8-bit words: two pairs in flight, each half a tile ahead (registers)
     if HALF:
         p_here = pw  # the row pointers of the tile being scored
     else:  # every pair's words a tile ahead
@@ -271,8 +243,7 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
                                      C_BITS, WC_L, WP_L, dot_a, 4 if HALF else 0)
         acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
                                      C_BITS, WC_L, WP_L, dot_a, 6 if HALF else 2)
-        if HALF:  # units 0-3 in one accumulator chain, 4-7 in another, summed in fp32 at the end
-            acc_a = acc
+        if HALF:  # the pairs just loaded are units 4-7 of this tile
             c45 = c01
             c67 = c23
         acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
@@ -288,15 +259,10 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
             cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
             acc_r = warpgroup_mma(_a_view(x5, dot_a), qbuf[GC].index(kz).permute((1, 0)), acc, use_acc=False,
                                   is_async=True)
-            if HALF:
-                p_hi, p_lo = prev
-                acc, acc_a, p_hi, p_lo, acc_r = warpgroup_mma_wait(0, deps=[acc, acc_a, p_hi, p_lo, acc_r])
-                acc = acc + acc_a
-            else:
-                acc, prev, acc_r = warpgroup_mma_wait(0, deps=[acc, prev, acc_r])
+            acc, prev, acc_r = warpgroup_mma_wait(0, deps=[acc, prev, acc_r])
             acc = acc + acc_r * s_row[:, None]
         else:
-            x5, _ = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, WR_L)
+            x5 = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, WR_L)
             cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
             acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(kz), qbuf[GC].index(kz), False, False, dot_a)
             acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
@@ -650,20 +616,13 @@ def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
 
 
 def split_handles(fmt: CacheFormat) -> bool:
-    """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups at 2 or 4 bits (keys rounded
-    once to fp16) with 2-, 4- or 8-bit RoPE (C4R4, C2R4, C4R8, C2R8), at 8 bits with 8-bit RoPE (C8R8: high parts and
-    remainders, `_score_key_split`), or both paths at 16 bits at DeepSeek's widths (C16R16: 512 content channels, 64
-    RoPE)."""
+    """Whether this kernel takes the format (besides `hopper_handles`): 8 content groups at 2 or 4 bits with 2-, 4- or
+    8-bit RoPE (C4R4, C2R4, C4R8, C2R8), at 8 bits with 8-bit RoPE (C8R8), the content keys rounded once to fp16, or
+    both paths at 16 bits at DeepSeek's widths (C16R16: 512 content channels, 64 RoPE)."""
     if dense(fmt):
         return fmt.content.dim == 8 * GROUP and fmt.rope.dim == GROUP
     c, r = fmt.content.bits, fmt.rope.bits
     return fmt.content.n_groups == 8 and ((c in (2, 4) and r in (2, 4, 8)) or (c == 8 and r == 8))
-
-
-def paged_only(fmt: CacheFormat) -> bool:
-    """Whether the dispatch takes this kernel for the format only in pages: 8-bit content (C8R8), whose contiguous
-    launch is slower than `gluon_wide`'s and whose paged one faster (docs/KERNELS.md, "Which kernel runs")."""
-    return fmt.content.quantized and fmt.content.bits == 8
 
 
 def dense(fmt: CacheFormat) -> bool:

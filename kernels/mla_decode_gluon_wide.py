@@ -52,7 +52,8 @@ if HAVE_GLUON:
 
 BLOCK_M = 32  # query rows per program (each token unpacked once per 32 rows)
 # Registers per thread of both warpgroups (at launch, and the worker's after setmaxnreg), per content width. 8 bits:
-# the whole register file (the launch asks ptxas for `MAX_REGS`, allocated as 256); 240 and 248 spilled.
+# the whole register file (the launch asks ptxas for `MAX_REGS`, allocated as 256), where the worker's packed loop
+# compiles to 1,060 instructions a tile against 1,107 at 240 (`benchmarks/sass_decode.py C8R8 --wide`, Triton 3.6).
 REGS = {2: 240, 4: 240, 8: 256}
 MAX_REGS = 255  # registers per thread ptxas takes at most (allocated in steps of 8)
 INFLIGHT = 1  # score units whose wgmmas may be in flight while the next is unpacked

@@ -176,12 +176,13 @@ def test_sixteen_bit_cache_of_a_sixteen_bit_model(backend, dtype):
 @pytest.mark.parametrize("cb, rb", [(4, 4), (4, 8), (8, 8)])
 def test_reference_scores_with_keys_rounded_as_the_gluon_kernels_do(cb, rb):
     """`mla_decode_ref(score_rounding=...)` scores the packed keys of the flagged paths as `fp16((code - z) * s)`
-    (what `score_rounding` says the Gluon kernels do: below 8 bits), the copies and the values exact: recomputed here
-    from the dequantized planes, for no sink or recent copies (every position packed) and left padding."""
+    (what `score_rounding` says the Gluon kernels do: packed content at every width, RoPE below 8 bits), the copies
+    and the values exact: recomputed here from the dequantized planes, for no sink or recent copies (every position
+    packed) and left padding."""
     args = random_case(2, 77, 3, 1, 128, 64, cb, rb, 0, 0, torch.float32, [0, 9], seed=cb + rb)
     q_lat, q_rot, content, rope, fmt, *_, left_padding, n, scaling = args
     rounding = gluon_score_rounding(fmt)
-    assert rounding == (cb < 8, rb < 8)
+    assert rounding == (True, rb < 8)
     assert score_rounding("gluon_regs", fmt) == rounding and score_rounding("triton", fmt) == (False, False)
 
     def keys(planes, f, rounded):

@@ -41,8 +41,8 @@ CASES = [  # (format, rows, batch, dtype, H200 choice)
     (fmt(2, 8), 64, 8, torch.bfloat16, "gluon_split"),
     (fmt(4, 8), 32, 8, torch.bfloat16, "gluon_wide"),  # fewer rows than one split program
     (fmt(4, 4), 32, 4, torch.bfloat16, "gluon_wide"),  # 16 heads x 2 query tokens
-    (fmt(8, 8), 128, 32, torch.bfloat16, "gluon_wide"),  # 8-bit keys at 128 heads: the two-warpgroup kernel (in
-    # pages the split kernel: PAGED_CASES)
+    (fmt(8, 8), 128, 32, torch.bfloat16, "gluon_split"),  # 8-bit keys at 128 heads too
+    (fmt(8, 8), 32, 8, torch.bfloat16, "gluon_wide"),  # fewer rows than one split program
     (fmt(4, 4, dc=256, dr=32), 128, 8, torch.bfloat16, "triton"),  # MiniCPM3: RoPE group of 32
     (fmt(4, 4, dc=256), 128, 8, torch.bfloat16, "gluon_regs"),  # 4 content groups: not the wide kernel's
     (fmt(16, 16), 128, 32, torch.bfloat16, "gluon_split"),  # C16R16 at 128 heads: keys copied, not unpacked
@@ -144,7 +144,7 @@ PAGED_CASES = [  # (format, heads, requests, query tokens, page size, H200 choic
     (fmt(4, 4), 16, 5, 5, 64, "gluon_regs"),  # a decode step in 64-token pages
     (fmt(2, 4), 16, 32, 32, 64, "gluon_regs"),
     (fmt(4, 4), 128, 8, 8, 64, "gluon_split"),  # many heads: the split kernel, as contiguous
-    (fmt(8, 8), 128, 8, 8, 64, "gluon_split"),  # 8-bit keys too (contiguous: the two-warpgroup kernel)
+    (fmt(8, 8), 128, 8, 8, 64, "gluon_split"),  # 8-bit keys too
     (fmt(8, 8), 64, 8, 8, 64, "gluon_split"),
     (fmt(8, 8), 32, 8, 8, 64, "gluon_wide"),  # fewer rows than one split program
     (fmt(4, 8), 128, 8, 8, 64, "gluon_split"),

@@ -70,11 +70,9 @@ COMPILE_REGS = COMPILE_PREFIX + textwrap.dedent(
         mma = r"wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 \\{[^}]*\\}, "
         per = 2 if q_split else 1
         # scores: 9 units x 4 k-steps with the A operand in registers, in the packed loop and the copy loop (the
-        # sink's or the recent ring's tile, `_copy_tile`) (8-bit keys: the packed loop also on the remainders; C4R8:
-        # the RoPE unit's integer codes, once)
-        units8 = 9 if cb == 8 else 0  # units of 8-bit codes split into high and low parts
-        codes8 = 1 if rb == 8 and cb != 8 else 0  # the RoPE unit as integer codes (no step, no remainder)
-        n_reg = 2 * 9 * 4 * per + units8 * 4
+        # sink's or the recent ring's tile, `_copy_tile`) (8-bit RoPE: the unit's integer codes)
+        codes8 = 1 if rb == 8 else 0  # the RoPE unit as integer codes (no step)
+        n_reg = 2 * 9 * 4 * per
         assert len(re.findall(mma + r"\\{", ptx)) == n_reg, (cb, len(re.findall(mma + r"\\{", ptx)))
         # values: 8 units x 4 k-steps with the A operand (the stored keys) from shared memory
         assert len(re.findall(mma + r"%rd", ptx)) == 2 * 8 * 4, (cb, len(re.findall(mma + r"%rd", ptx)))
@@ -91,11 +89,11 @@ COMPILE_REGS = COMPILE_PREFIX + textwrap.dedent(
         # per unit took one before each store, 46 in all with Triton 3.6)
         assert ptx.count("bar.sync") <= 27, (cb, ptx.count("bar.sync"))
         # one lop3 + mul.f16x2 per pair: 9 units x 2 tokens x 8 pairs per thread and tile; at 2 and 4 bits half the
-        # pairs made code - z by sub.f16x2, half by fma.rn.f16x2 (`half_asm`), at 8 bits every pair by sub.f16x2 and
-        # its remainder by fma.rn.f16x2
-        per, per8, perc = 9 * 2 * 8, units8 * 2 * 8, codes8 * 2 * 8
+        # pairs made code - z by sub.f16x2, half by fma.rn.f16x2 (`half_asm`), at 8 bits every pair by sub.f16x2 (the
+        # RoPE unit's integer codes: no mul.f16x2)
+        per, per8, perc = 9 * 2 * 8, (8 if cb == 8 else 0) * 2 * 8, codes8 * 2 * 8
         want = {"0x64006400": per, "mul.f16x2": per - perc, "sub.f16x2": per8 + perc + (per - per8 - perc) // 2,
-                "fma.rn.f16x2": per8 + (per - per8 - perc) // 2}
+                "fma.rn.f16x2": (per - per8 - perc) // 2}
         for op, n_op in want.items():
             assert len(re.findall(re.escape(op), ptx)) == n_op, (cb, op, len(re.findall(re.escape(op), ptx)))
     print("compiled")
@@ -124,10 +122,9 @@ COMPILE_WIDE = COMPILE_PREFIX + textwrap.dedent(
         mma = rf"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16 \\{{[^}}]*\\}}, "
         per = 2 if q_split else 1
         # scores, A from registers: the leader's 4 content units + RoPE and the worker's 4, 4 k-steps each, in the
-        # packed loop (twice at 8 bits: the keys' high and low parts; C4R8's RoPE unit once, on its integer codes)
-        # and the copy tile
+        # packed loop (8-bit RoPE on its integer codes) and the copy tile
         n_reg = len(re.findall(mma + r"\\{", ptx))
-        assert n_reg == 2 * 9 * 4 * per + (9 if cb == 8 else 0) * 4, (cb, rb, bm, n_reg)
+        assert n_reg == 2 * 9 * 4 * per, (cb, rb, bm, n_reg)
         # values, A (the stored keys) from shared memory: 4 units per warpgroup, 4 k-steps, packed loop and copy tile
         n_smem = len(re.findall(mma + r"%rd", ptx))
         assert n_smem == 2 * 8 * 4, (cb, bm, n_smem)
@@ -170,7 +167,8 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
         return ptx
 
     mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 \{{[^}}]*\}}, "
-    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True), (4, 4, True), (4, 8, False), (2, 8, True)):
+    for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True), (4, 4, True), (4, 8, False), (2, 8, True),
+                          (8, 8, False), (8, 8, True)):
         ptx = split_ptx(cb, rb, paged)
         # the scores with the keys in registers: 9 units x 4 k-steps in the loop and as many for the copy tile; the
         # values from shared memory: 4 units x 4 k-steps per value warpgroup
@@ -178,12 +176,6 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
         assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, (cb, paged)
         assert "stmatrix.sync.aligned" in ptx  # the keys stored as their A fragments are
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
-    # 8-bit content (C8R8): each content unit scored on its keys' high parts and remainders (2 x 8 units x 4 k-steps,
-    # two accumulator chains), the RoPE unit on its integer codes (4), the copy tile's 9 units as the other formats'
-    for paged in (False, True):
-        ptx = split_ptx(8, 8, paged)
-        assert len(re.findall(mma + r"\{", ptx)) == 2 * 8 * 4 + 4 + 9 * 4, paged
-        assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, paged
     # 16-bit planes (C16R16): the content keys copied into the value stages (cp.async, 16 bytes), scored from there;
     # only the RoPE unit's keys are register operands; nothing unpacked, no keys stored from registers
     # (paged: page pools, no copies, S = R = 0)
@@ -250,9 +242,8 @@ def test_split_shared_memory_and_formats():
     for c, r in ((2, 4), (4, 4), (4, 8), (2, 8)):  # 8-bit RoPE: its integer codes scored apart
         f = CacheFormat(PathFormat(512, c, 64), PathFormat(64, r, 64))
         assert ms.split_handles(f) and ms.registers(f, False) == ms.REGS[c, r, False]
-    c8r8 = CacheFormat(PathFormat(512, 8, 64), PathFormat(64, 8, 64))  # 8-bit keys: taken, in pages by the dispatch
-    assert ms.split_handles(c8r8) and ms.paged_only(c8r8) and not ms.paged_only(c2r4)
-    assert ms.registers(c8r8, True) == ms.REGS[8, 8, True]
+    c8r8 = CacheFormat(PathFormat(512, 8, 64), PathFormat(64, 8, 64))  # 8-bit keys: taken
+    assert ms.split_handles(c8r8) and ms.registers(c8r8, True) == ms.REGS[8, 8, True]
     for c, r, dc in ((8, 4, 512), (4, 4, 256)):  # 8-bit content with 4-bit RoPE, 4 content groups: not this kernel's
         assert not ms.split_handles(CacheFormat(PathFormat(dc, c, 64), PathFormat(64, r, 64)))
     assert ms.registers(CacheFormat(PathFormat(512, 4, 64), PathFormat(64, 2, 64)), True) == ms.REGS[4, 4, True]
@@ -329,10 +320,6 @@ def test_unit_views_hold_the_channels_the_maps_say(content_bits, rope_bits, n_gr
         ref = (exact.half() * scale.repeat_interleave(64, dim=1)).float()  # one rounding, as the kernel
         sc = gluon_layout.score_channel(u, bits, n_groups)
         assert torch.equal(a.float(), ref[:, sc]), u
-        if bits == 8:  # the remainder (fma.rn.f16x2 of code - z, s and -hi): hi + lo is the exact product here
-            prod = exact * scale.float().repeat_interleave(64, dim=1)  # exact in fp32 (8-bit x 11-bit)
-            lo = (prod - ref).half()
-            assert torch.equal(ref.double() + lo.double(), prod.double()), u
         # the stored tile of the register kernels' values (the split kernel stores its A fragments, `a`)
         vc = gluon_layout.value_channel(u, bits, n_groups)
         assert torch.equal(v.float(), ref[:, vc]), u

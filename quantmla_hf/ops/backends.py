@@ -64,7 +64,7 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
     The table (timings: docs/KERNELS.md "Which kernel runs"):
 
     - Hopper (sm_90) with bf16/fp16 copies: `gluon_split` from 64 rows where it takes the format (C4R4, C2R4, C4R8,
-      C2R8 with 8 content groups, C8R8 in pages only, and C16R16 at 512 + 64 channels; bf16/fp16 queries); else,
+      C2R8 and C8R8 with 8 content groups, and C16R16 at 512 + 64 channels; bf16/fp16 queries); else,
       with 2/4/8-bit paths in groups of 64, `gluon_wide` above 16 rows where it takes the format (C4R4, C2R4, C4R8,
       C2R8, C8R8), else `gluon_regs`. Every batch measured picks the same kernel, so `batch` does not enter the rule.
     - Any other CUDA GPU, 16-bit paths below 64 rows, fp32 models, and the Triton interpreter on CPU: `triton`,
@@ -79,8 +79,7 @@ def select_backend(fmt: CacheFormat, rows: int, batch: int, dtype: torch.dtype, 
     if device.type != "cuda":
         return "torch"
     if hopper_handles(fmt, dtype, device):
-        if (rows >= split.BLOCK_M and split.split_handles(fmt) and (query_dtype or dtype) != torch.float32
-                and (paged or not split.paged_only(fmt))):
+        if rows >= split.BLOCK_M and split.split_handles(fmt) and (query_dtype or dtype) != torch.float32:
             return "gluon_split"
         if regs.regs_handles(fmt):
             return "gluon_wide" if rows > 16 and wide.wide_handles(fmt) else "gluon_regs"
