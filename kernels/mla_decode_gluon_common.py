@@ -959,8 +959,9 @@ def score_rounding(fmt: CacheFormat) -> tuple[bool, bool]:
     """Whether the scores of the Gluon kernels see the packed keys of (content, RoPE) rounded once to fp16, to
     nearest: packed content keys always (a unit's `(code - z) * s` is one fp16 per element, `half_asm`), RoPE keys
     below 8 bits; 8-bit RoPE scores its integer codes, times the token's step in fp32 (exact to the fp32
-    accumulation). The values always use the rounded keys. `kernels.mla_decode_ref.mla_decode_static_ref(score_rounding=...)` scores the same way; the portable
-    kernel's group tiling scores exactly (`q . (code - z)` per group, times `s` in fp32) and rounds only its values."""
+    accumulation). The values always use the rounded keys. `mla_decode_ref.mla_decode_static_ref(score_rounding=...)`
+    scores the same way; the portable kernel's group tiling scores exactly (`q . (code - z)` per group, times `s` in
+    fp32) and rounds only its values."""
     return fmt.content.quantized, fmt.rope.bits < 8
 
 
