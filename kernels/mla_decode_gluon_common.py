@@ -841,7 +841,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, page)`, the next tile's and the page of the one after."""
     # zeroed where loaded, the steps would make the tile wait for its last code words (issued later in pages than in
     # contiguous planes, on the same scoreboard); the contiguous and 8-bit launches keep that form (moved, the
-    # zeroing lengthens the contiguous C4R4 and C2R4 loops and the paged C8R8 one; not timed there)
+    # zeroing made the contiguous C4R4 and C2R4 launches 1.02-1.09x slower: docs/BENCHMARKS.md)
     DEFER: gl.constexpr = PAGED and C_BITS < 8
     tn = t0 + 64
     page_nn = _tile_page(p_pt, tn + 64, last, PAGED)
