@@ -15,8 +15,8 @@ the prefill are the exact reference's):
                  exact integer codes: an int8 x int8 score product with the scales applied per group afterwards
     fp8_q_row    the query per row scaled into FP8 e4m3 (max 448) and rounded: an FP8 score product
     fp16_keys    the keys of both paths `(code - z) * s` rounded once to fp16 for the scores, the values exact: what
-                 the Gluon kernels' scores compute below 8 bits (`score_rounding`), here for any width
-    fp16_content_keys  the content keys rounded so, the RoPE keys exact
+                 the Gluon kernels' scores compute with 2- or 4-bit RoPE (`score_rounding`), here at any width
+    fp16_content_keys  the content keys rounded so, the RoPE keys exact: what they compute with 8-bit RoPE
 
 Each variant is scored with `benchmarks/accuracy.py`'s windows (teacher-forced decode, `--chunk` tokens a step), KL
 per window against the unquantized cache, and its ratio to the exact decode's KL with a paired 95% bootstrap interval

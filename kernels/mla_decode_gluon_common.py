@@ -383,7 +383,7 @@ def _rope_steps(s, acc_l: gl.constexpr):
 
 
 @_jit
-def _row_steps(s, acc_l: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr):
+def _row_steps(s, acc_l: gl.constexpr, R_BITS: gl.constexpr):
     """`_rope_steps` where `_packed_scores` scores the RoPE unit's integer codes (8-bit RoPE); zeros (unused)
     otherwise."""
     if R_BITS == 8:
@@ -625,13 +625,12 @@ def _pair_layout(BM: int):
 
 
 @_jit
-def _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr,
-                Q_SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, dot_a: gl.constexpr, FIRST: gl.constexpr = 0):
+def _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC: gl.constexpr, Q_SPLIT: gl.constexpr,
+                INFLIGHT: gl.constexpr, dot_a: gl.constexpr, FIRST: gl.constexpr = 0):
     """Issue unit u's score `wgmma`(s) on the A view of `x5`, store its content keys to `kbuf[u]` (`_v_view`), then
     wait until at most `INFLIGHT` (0 or 1) units' `wgmma`s are in flight (`p1`, `p2`: the last unit's A operands,
-    alive until its `wgmma`s finish). Returns `(acc, pend, p1, p2)` (`pend` passed through: a finished accumulator
-    chain the caller keeps). `FIRST`: the warpgroup's first unit of the tile (starts the accumulator, waits for the
-    previous tile's value reads)."""
+    alive until its `wgmma`s finish). Returns `(acc, p1, p2)`. `FIRST`: the warpgroup's first unit of the tile
+    (starts the accumulator, waits for the previous tile's value reads)."""
     a = _a_view(x5, dot_a)
     acc = warpgroup_mma(a, qbuf[u].index(kz).permute((1, 0)), acc, use_acc=u > FIRST, is_async=True)
     if Q_SPLIT:
@@ -643,11 +642,11 @@ def _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u: gl.constexpr, kz, GC:
         kbuf[u].index(0).store(_v_view(x5))
     if INFLIGHT == 0:
         acc, a = warpgroup_mma_wait(0, deps=[acc, a])
-        return acc, pend, a, p2
+        return acc, a, p2
     else:  # INFLIGHT == 1
         if u > 0:
             p1 = warpgroup_mma_wait(PER, deps=[p1])
-        return acc, pend, a, p2
+        return acc, a, p2
 
 
 @_jit
@@ -733,19 +732,16 @@ def _dense_scores(p_c, p_r, o_slot, m_t, s_ct, s_rt, qbuf, qlo, kbuf, kz, U0: gl
     acc = gl.zeros([64, BM], gl.float32, acc_l)
     x5 = _load_dense(p_c, o_slot, m_t, s_ct, U0, GC, C_BITS, xl)
     nx = _load_dense(p_c, o_slot, m_t, s_ct, U0 + 1, GC, C_BITS, xl)
-    acc, pend, p1, p2 = _score_unit(x5, acc, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, INFLIGHT, dot_a, U0)
+    acc, p1, p2 = _score_unit(x5, acc, x5, x5, qbuf, qlo, kbuf, U0, kz, GC, Q_SPLIT, INFLIGHT, dot_a, U0)
     for u in gl.static_range(U0 + 1, U0 + NU - 1):
         x5 = nx
         nx = _load_dense(p_c, o_slot, m_t, s_ct, u + 1, GC, C_BITS, xl)
-        acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
-                                        U0)
+        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, INFLIGHT, dot_a, U0)
     if ROPE:
         xr = _load_dense(p_r, o_slot, m_t, s_rt, GC, GC, R_BITS, xl)
-    acc, pend, p1, p2 = _score_unit(nx, acc, pend, p1, p2, qbuf, qlo, kbuf, U0 + NU - 1, kz, GC, Q_SPLIT, INFLIGHT,
-                                    dot_a, U0)
+    acc, p1, p2 = _score_unit(nx, acc, p1, p2, qbuf, qlo, kbuf, U0 + NU - 1, kz, GC, Q_SPLIT, INFLIGHT, dot_a, U0)
     if ROPE:
-        acc, pend, p1, p2 = _score_unit(xr, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
-                                        U0)
+        acc, p1, p2 = _score_unit(xr, acc, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a, U0)
     acc, p1, p2 = warpgroup_mma_wait(0, deps=[acc, p1, p2])
     return acc
 
@@ -759,22 +755,19 @@ def _split_units(w, WU: gl.constexpr, wl: gl.constexpr):
 
 
 @_jit
-def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end,
+def _unit_pair(cp, u: gl.constexpr, zz, ss, zh, acc, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end,
                GC: gl.constexpr, Q_SPLIT: gl.constexpr, C_BITS: gl.constexpr, INFLIGHT: gl.constexpr,
-               wc_l: gl.constexpr, wp_l: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr, BM: gl.constexpr,
-               FIRST: gl.constexpr, ROWS: gl.constexpr):
+               wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr, FIRST: gl.constexpr, ROWS: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`): unpacked, scored and stored as `_score_unit` does,
-    `cp` replaced by the words of the tile at `tn` once both are unpacked (`_load_unit`). Returns `(acc, pend, p1,
-    p2, cp)`."""
+    `cp` replaced by the words of the tile at `tn` once both are unpacked (`_load_unit`). Returns `(acc, p1, p2,
+    cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5 = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
-    acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
-                                    FIRST)
+    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, u, kz, GC, Q_SPLIT, INFLIGHT, dot_a, FIRST)
     x5 = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
     cp = _load_unit(p_cc, tn, lo, end, u, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, ROWS)
-    acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
-                                    FIRST)
-    return acc, pend, p1, p2, cp
+    acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, u + 1, kz, GC, Q_SPLIT, INFLIGHT, dot_a, FIRST)
+    return acc, p1, p2, cp
 
 
 @_jit
@@ -794,31 +787,26 @@ def _packed_scores(c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ss
     RWR: gl.constexpr = 2 * R_BITS
     R_INT: gl.constexpr = R_BITS == 8
     acc = gl.zeros([64, BM], gl.float32, acc_l)
-    pend = acc  # R_INT: the content chain
     p1 = acc
     p2 = acc
-    acc, pend, p1, p2, c01 = _unit_pair(c01, U0, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo,
-                                        end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS)
-    acc, pend, p1, p2, c23 = _unit_pair(c23, U0 + 2, zz0, ss0, zh0, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
-                                        lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, U0, ROWS)
+    acc, p1, p2, c01 = _unit_pair(c01, U0, zz0, ss0, zh0, acc, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end, GC,
+                                  Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, dot_a, U0, ROWS)
+    acc, p1, p2, c23 = _unit_pair(c23, U0 + 2, zz0, ss0, zh0, acc, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end, GC,
+                                  Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, dot_a, U0, ROWS)
     if NU == 8:
-        acc, pend, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
-                                            lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
-                                            ROWS)
-        acc, pend, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, zh1, acc, pend, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn,
-                                            lo, end, GC, Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, acc_l, dot_a, BM, 0,
-                                            ROWS)
+        acc, p1, p2, c45 = _unit_pair(c45, 4, zz1, ss1, zh1, acc, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end, GC,
+                                      Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, dot_a, 0, ROWS)
+        acc, p1, p2, c67 = _unit_pair(c67, 6, zz1, ss1, zh1, acc, p1, p2, qbuf, qlo, kbuf, kz, p_cc, tn, lo, end, GC,
+                                      Q_SPLIT, C_BITS, INFLIGHT, wc_l, wp_l, dot_a, 0, ROWS)
     if ROPE and R_INT:
         x5 = _unpack_codes8(cr, zzr, wr_l)
         cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
         pend = acc  # the content chain; the RoPE unit's starts afresh (FIRST = GC: use_acc off)
-        acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
-                                        GC)
+        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a, GC)
     elif ROPE:
         x5 = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, wr_l)
         cr = _load_unit(p_rc, tn, lo, end, GC, RWR, R_BITS, GC, wr_l, 1, ROWS)
-        acc, pend, p1, p2 = _score_unit(x5, acc, pend, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a,
-                                        U0)
+        acc, p1, p2 = _score_unit(x5, acc, p1, p2, qbuf, qlo, kbuf, GC, kz, GC, Q_SPLIT, INFLIGHT, dot_a, U0)
     if ROPE and R_INT:
         acc, pend, p1, p2 = warpgroup_mma_wait(0, deps=[acc, pend, p1, p2])
         acc = pend + acc * s_row[:, None]
@@ -850,7 +838,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     zz0, ss0, zh0 = _pair_meta(s0, z0, C_BITS)
     zz1, ss1, zh1 = _pair_meta(s1, z1, C_BITS)
     zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
-    s_row = _row_steps(sr, acc_l, C_BITS, R_BITS)
+    s_row = _row_steps(sr, acc_l, R_BITS)
     row, shift = _tile_rows(page_n, tn, last, PAGED)
     s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml, not DEFER)
     p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)

@@ -211,7 +211,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
         page_nn = _tile_page(p_pt, tn + BT, last, PAGED)
         zz, ss, zh = _pair_meta(s0, z0, C_BITS)
         zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
-        s_row = _row_steps(sr, acc_l, C_BITS, R_BITS if LEAD else 0)  # the leader scores the RoPE unit
+        s_row = _row_steps(sr, acc_l, R_BITS if LEAD else 0)  # the leader scores the RoPE unit
         row, shift = _tile_rows(page_n, tn, last, PAGED)
         page_n = page_nn
         s0, z0 = _load_group(p_cs, p_cz, tn, lo, hi, 4 * HF, GC, ml, ROWS, last, shift)
