@@ -509,11 +509,7 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         outs = outs + (warpgroup_mma_init(gl.zeros([BM, 64], gl.float32, o_l)),)
     for it in range(n_all):
         st = it % 2
-        # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
-        # and the factors are free
-        outs = warpgroup_mma_wait(0, deps=outs)
-        mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
-        mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
+        # the tile's softmax runs while this warpgroup's product of the tile before is in flight
         mbarrier.wait(bars.index(S_FULL), it & 1)
         s = gl.permute(sbuf.slice(HF * HM, HM, dim=0).load(sr_l), (1, 0))  # [64 tokens, HM rows]
         _cta_barrier()
@@ -532,6 +528,13 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         alpha = gl.exp2(m_i - m_use)  # 1 where it did not move
         l_i = l_i * alpha + gl.sum(p, axis=0)
         m_i = m_new
+        # the tile's keys are in (arrived before its scores; here, a loop that keeps the softmax above the wait)
+        mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
+        # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
+        # and the factors are free
+        outs = warpgroup_mma_wait(0, deps=outs)
+        mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
+        mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
         mbarrier.wait(bars.index(P_FREE), (it + 1) & 1, pred=it > 0)
         pbuf.slice(HF * HM, HM, dim=0).store(gl.permute(p.to(pbuf.dtype), (1, 0)))
         abuf.slice(HF * HM, HM).store(alpha)
@@ -543,7 +546,6 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         if gl.max(mvbuf.load(gl.BlockedLayout([8], [32], [4], [0])), axis=0) > 0:  # some row's reference moved
             a = abuf.load(orow_l)[:, None]
             outs = (outs[0] * a, outs[1] * a, outs[2] * a, outs[3] * a)
-        mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
         pv = ()
         for u in gl.static_range(4):
             pv = pv + (warpgroup_mma(pbuf, vbuf[4 * HF + u].index(st), outs[u], is_async=True),)
