@@ -98,9 +98,9 @@ BLOCK_M = 64  # query rows per program: one score accumulator `[64 tokens, 64 ro
 # value warpgroup gets what the register file has left for it. The 4-bit scorer spilled in its loop at 152 when paged
 # (page numbers besides its words) and with 8-bit RoPE (twice its words, the steps of its rows); the 8-bit scorer,
 # whose pairs of units load half a tile ahead, does not at 152 (at 160/184 a value loop had 5 local accesses).
-REGS = {(2, 4, False): (168, 168), (4, 4, False): (168, 168), (2, 4, True): (168, 168), (4, 4, True): (168, 168),
-        (2, 8, False): (168, 168), (4, 8, False): (168, 168), (2, 8, True): (168, 168), (4, 8, True): (168, 168),
-        (8, 8, False): (168, 168), (8, 8, True): (168, 168), (16, 16, False): (176, 152), (16, 16, True): (176, 152)}
+REGS = {(2, 4, False): (176, 152), (4, 4, False): (176, 152), (2, 4, True): (176, 152), (4, 4, True): (168, 168),
+        (2, 8, False): (176, 152), (4, 8, False): (168, 168), (2, 8, True): (176, 152), (4, 8, True): (168, 168),
+        (8, 8, False): (176, 152), (8, 8, True): (176, 152), (16, 16, False): (176, 152), (16, 16, True): (176, 152)}
 
 
 def registers(fmt: CacheFormat, paged: bool) -> tuple[int, int]:
@@ -111,55 +111,36 @@ FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends
 # the mbarriers (one allocation): per key stage full and empty, then the scores', P's and the end's
 V_FULL, V_EMPTY, S_FULL, S_EMPTY, P_FULL, P_FREE, E_BAR = (_const(i) for i in (0, 2, 4, 5, 6, 7, 8))
 N_BARS = _const(9)
-INFLIGHT = _const(2)  # score units whose `wgmma`s may be in flight while the next is unpacked
 
 
 # --------------------------------------------------------------------------------------------- the scorer
 @_jit
-def _score_key(x5, acc, prevs, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr, dot_a: gl.constexpr):
+def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr, dot_a: gl.constexpr):
     """Issue one unit's score `wgmma` on the A view of its keys `x5` against its staged queries `qu: [64, 64]`; with
-    `STORE` store the keys to `dst: [64, 64]`; then wait until at most `INFLIGHT` units are in flight (`prevs`: the A
-    operands of the `INFLIGHT` units before, the latest first). `FIRST`: the tile's first unit (starts the
-    accumulator). Returns `(acc, prevs)` with this unit's operand first."""
+    `STORE` store the keys to `dst: [64, 64]`; then wait for the unit before (A operand `prev`), so that at most this
+    one is in flight. `FIRST`: the tile's first unit (starts the accumulator). Returns `(acc, a)`."""
     a = _a_view(x5, dot_a)
     acc = warpgroup_mma(a, qu.permute((1, 0)), acc, use_acc=not FIRST, is_async=True)
     if STORE:
         dst.store(a)  # the A fragments as they are (`stmatrix`): the tile's columns in `_score_channel` order
     if not FIRST:
-        warpgroup_mma_wait(INFLIGHT, deps=[prevs[INFLIGHT - 1]])
-    return acc, (a,) + prevs[:INFLIGHT - 1]
+        prev = warpgroup_mma_wait(1, deps=[prev])
+    return acc, a
 
 
 @_jit
-def _dummies(x):
-    """`INFLIGHT` placeholders for the A operands of the units before a tile's first."""
-    t = ()
-    for i in gl.static_range(INFLIGHT):
-        t = t + (x,)
-    return t
-
-
-@_jit
-def _wait_all(acc, acc2, prevs):
-    """Every score `wgmma` finished: `(acc, acc2)` waited, the units' operands `prevs` alive until then."""
-    r = warpgroup_mma_wait(0, deps=(acc, acc2) + prevs)
-    return r[0], r[1]
-
-
-@_jit
-def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prevs, qbuf, kz, vbuf, st, p_c, tn, lo, last, GC: gl.constexpr,
+def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, p_c, tn, lo, last, GC: gl.constexpr,
                 C_BITS: gl.constexpr, wc_l: gl.constexpr, wp_l: gl.constexpr, dot_a: gl.constexpr, LU: gl.constexpr):
     """Content units u and u + 1 (words `cp: [64, 4, 2 WU]`) unpacked, scored and stored to `vbuf[u][st]`,
     `vbuf[u + 1][st]`; `cp` replaced by the words of units `LU, LU + 1` of the tile at `tn` (row pointers `p_c`) once
-    both are unpacked. Returns `(acc, prevs, cp)`."""
+    both are unpacked. Returns `(acc, prev, cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5 = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
-    acc, prevs = _score_key(x5, acc, prevs, qbuf[u].index(kz), vbuf[u].index(st), u == 0, True, dot_a)
+    acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), u == 0, True, dot_a)
     x5 = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
     cp = _load_unit(p_c, tn, lo, last, LU, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
-    acc, prevs = _score_key(x5, acc, prevs, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), False, True,
-                                  dot_a)
-    return acc, prevs, cp
+    acc, prev = _score_key(x5, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), False, True, dot_a)
+    return acc, prev, cp
 
 
 @_jit
@@ -258,16 +239,16 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         else:  # each pair's words of the next tile
             p_a = pc
             t_a = tn
-        acc, prevs, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, _dummies(acc), qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
+        acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
                                      C_BITS, WC_L, WP_L, dot_a, 4 if HALF else 0)
-        acc, prevs, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prevs, qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
+        acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
                                      C_BITS, WC_L, WP_L, dot_a, 6 if HALF else 2)
         if HALF:  # the pairs just loaded are units 4-7 of this tile
             c45 = c01
             c67 = c23
-        acc, prevs, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prevs, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+        acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
                                      C_BITS, WC_L, WP_L, dot_a, 0 if HALF else 4)
-        acc, prevs, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prevs, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+        acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
                                      C_BITS, WC_L, WP_L, dot_a, 2 if HALF else 6)
         if HALF:
             c01 = c45
@@ -278,14 +259,13 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
             cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
             acc_r = warpgroup_mma(_a_view(x5, dot_a), qbuf[GC].index(kz).permute((1, 0)), acc, use_acc=False,
                                   is_async=True)
-            acc, acc_r = _wait_all(acc, acc_r, prevs)
+            acc, prev, acc_r = warpgroup_mma_wait(0, deps=[acc, prev, acc_r])
             acc = acc + acc_r * s_row[:, None]
         else:
             x5 = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, WR_L)
             cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
-            acc, prevs = _score_key(x5, acc, prevs, qbuf[GC].index(kz), qbuf[GC].index(kz), False, False,
-                                          dot_a)
-            acc, _ = _wait_all(acc, acc, prevs)
+            acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(kz), qbuf[GC].index(kz), False, False, dot_a)
+            acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
         _hand_over(acc, sbuf, bars, st, it)
 
     if i_s >= num_splits:  # a copy program: its one tile of model-dtype copies, into stage 0
@@ -295,14 +275,13 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
         slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_dt, S, R)
         acc = gl.zeros([64, BM], gl.float32, acc_l)
-        prevs = _dummies(acc)
+        prev = acc
         for u in gl.static_range(GC):
             x5 = _load_dense(p_c, slot, m_t, s_ct, u, GC, C_BITS, XL)
-            acc, prevs = _score_key(x5, acc, prevs, qbuf[u].index(0), vbuf[u].index(0), u == 0, True,
-                                          dot_a)
+            acc, prev = _score_key(x5, acc, prev, qbuf[u].index(0), vbuf[u].index(0), u == 0, True, dot_a)
         x5 = _load_dense(p_r, slot, m_t, s_rt, GC, GC, R_BITS, XL)
-        acc, prevs = _score_key(x5, acc, prevs, qbuf[GC].index(0), qbuf[GC].index(0), False, False, dot_a)
-        acc, _ = _wait_all(acc, acc, prevs)
+        acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(0), qbuf[GC].index(0), False, False, dot_a)
+        acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
         _hand_over(acc, sbuf, bars, 0, 0)
 
 
@@ -509,7 +488,11 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         outs = outs + (warpgroup_mma_init(gl.zeros([BM, 64], gl.float32, o_l)),)
     for it in range(n_all):
         st = it % 2
-        # the tile's softmax runs while this warpgroup's product of the tile before is in flight
+        # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
+        # and the factors are free
+        outs = warpgroup_mma_wait(0, deps=outs)
+        mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
+        mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
         mbarrier.wait(bars.index(S_FULL), it & 1)
         s = gl.permute(sbuf.slice(HF * HM, HM, dim=0).load(sr_l), (1, 0))  # [64 tokens, HM rows]
         _cta_barrier()
@@ -528,13 +511,6 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         alpha = gl.exp2(m_i - m_use)  # 1 where it did not move
         l_i = l_i * alpha + gl.sum(p, axis=0)
         m_i = m_new
-        # the tile's keys are in (arrived before its scores; here, a loop that keeps the softmax above the wait)
-        mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
-        # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
-        # and the factors are free
-        outs = warpgroup_mma_wait(0, deps=outs)
-        mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
-        mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
         mbarrier.wait(bars.index(P_FREE), (it + 1) & 1, pred=it > 0)
         pbuf.slice(HF * HM, HM, dim=0).store(gl.permute(p.to(pbuf.dtype), (1, 0)))
         abuf.slice(HF * HM, HM).store(alpha)
@@ -546,6 +522,7 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         if gl.max(mvbuf.load(gl.BlockedLayout([8], [32], [4], [0])), axis=0) > 0:  # some row's reference moved
             a = abuf.load(orow_l)[:, None]
             outs = (outs[0] * a, outs[1] * a, outs[2] * a, outs[3] * a)
+        mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
         pv = ()
         for u in gl.static_range(4):
             pv = pv + (warpgroup_mma(pbuf, vbuf[4 * HF + u].index(st), outs[u], is_async=True),)
