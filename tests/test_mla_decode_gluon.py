@@ -143,7 +143,7 @@ COMPILE_WIDE = COMPILE_PREFIX + textwrap.dedent(
 
 
 COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
-    """
+    r"""
     import re
     from quantmla_hf import CacheFormat, PathFormat
     from quantmla_hf.kernels import mla_decode_gluon_common as mc
