@@ -324,6 +324,8 @@ if HAVE_GLUON:  # the asm of each width (plain functions cannot be called in a k
     _META_ASM_2 = gl.constexpr(meta_asm(2))
     _META_ASM_4 = gl.constexpr(meta_asm(4))
     _META_ASM_8 = gl.constexpr(meta_asm(8))
+    # an L2 prefetch of the line at `$1` where `$2` is non-zero (`_prefetch_rows`); `$0` is a dummy
+    _PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 
 
 @_jit
@@ -509,6 +511,23 @@ def _valid_steps(s0, s1, sr, t0, lo, hi, ml: gl.constexpr):
     o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
     valid = ((o_t >= lo) & (o_t < hi))[:, None]
     return gl.where(valid, s0, 0.0), gl.where(valid, s1, 0.0), gl.where(valid, sr, 0.0)
+
+
+@_jit
+def _prefetch_rows(p_c, tn, last, ROW_WORDS: gl.constexpr, wl: gl.constexpr):
+    """Ask L2 for the code words of the tile at int32 position `tn` through its row pointers `p_c: [64, 4]` (layout
+    `SliceLayout(2, wl)`; `_row_ptrs`: quad slot q's first word of each token row of `ROW_WORDS` words, a content
+    row's quad slots in its first half), rows past the last stored position `last` left out: every 128-byte line of
+    the rows, one `prefetch.global.L2` per pointer and line. Nothing waits for a prefetch and it holds no register,
+    so the tile's own loads, which the compiler issues late in the tile before (to spare registers), find the words
+    in L2."""
+    ml: gl.constexpr = gl.SliceLayout(2, wl)
+    o_t = tn + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
+    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
+    ok = ((o_t <= last)[:, None] & (o_q >= 0)[None, :]).to(gl.int32)
+    for j in gl.static_range(2 if ROW_WORDS >= 64 else 1):
+        gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [p_c + j * (ROW_WORDS // 2), ok], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @_jit
@@ -831,6 +850,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     # contiguous planes, on the same scoreboard); the contiguous and 8-bit launches keep that form (moved, the
     # zeroing made the contiguous C4R4 and C2R4 launches 1.02-1.09x slower: docs/BENCHMARKS.md)
     DEFER: gl.constexpr = PAGED and C_BITS < 8
+    PREFETCH: gl.constexpr = C_BITS < 8
     tn = t0 + 64
     page_nn = _tile_page(p_pt, tn + 64, last, PAGED)
     if DEFER:
@@ -843,6 +863,9 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, lo, hi, last, shift, GC, ml, not DEFER)
     p_cc = _row_ptrs(p_cc, row, GC * 2 * C_BITS, 2 * C_BITS, wp_l)
     p_rc = _row_ptrs(p_rc, row, 2 * R_BITS, R_BITS // 2, wr_l)
+    if PREFETCH:
+        _prefetch_rows(p_cc, tn, last, GC * 2 * C_BITS, wp_l)
+        _prefetch_rows(p_rc, tn, last, 2 * R_BITS, wr_l)
     acc, c01, c23, c45, c67, cr = _packed_scores(
         c01, c23, c45, c67, cr, zz0, ss0, zh0, zz1, ss1, zh1, zzr, ssr, zhr, s_row, qbuf, qlo, kbuf, kz, p_cc, p_rc, tn,
         lo, last, 0, GC, True, GC, BM, Q_SPLIT, C_BITS, R_BITS, INFLIGHT, wc_l, wp_l, wr_l, acc_l, dot_a, True)
