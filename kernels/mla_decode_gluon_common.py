@@ -519,8 +519,8 @@ def _prefetch_rows(p_c, tn, last, ROW_WORDS: gl.constexpr, wl: gl.constexpr):
     `SliceLayout(2, wl)`; `_row_ptrs`: quad slot q's first word of each token row of `ROW_WORDS` words, a content
     row's quad slots in its first half), rows past the last stored position `last` left out: every 128-byte line of
     the rows, one `prefetch.global.L2` per pointer and line. Nothing waits for a prefetch and it holds no register,
-    so the tile's own loads, which the compiler issues late in the tile before (to spare registers), find the words
-    in L2."""
+    so the tile's own loads, which the compiler spreads over the tile before (the last pairs' late, to spare
+    registers), find the words in L2."""
     ml: gl.constexpr = gl.SliceLayout(2, wl)
     o_t = tn + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
     o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
@@ -850,6 +850,7 @@ def _tile_scores(c01, c23, c45, c67, cr, s0, z0, s1, z1, sr, zr, p_cs, p_cz, p_r
     # contiguous planes, on the same scoreboard); the contiguous and 8-bit launches keep that form (moved, the
     # zeroing made the contiguous C4R4 and C2R4 launches 1.02-1.09x slower: docs/BENCHMARKS.md)
     DEFER: gl.constexpr = PAGED and C_BITS < 8
+    # the next tile's words asked of L2 first (below 8 bits; docs/BENCHMARKS.md, "Code words asked of L2 a tile ahead")
     PREFETCH: gl.constexpr = C_BITS < 8
     tn = t0 + 64
     page_nn = _tile_page(p_pt, tn + 64, last, PAGED)

@@ -73,7 +73,6 @@ if HAVE_GLUON:
         _load_meta_rows,
         _load_unit,
         _pair_meta,
-        _prefetch_rows,
         _program_coords,
         _program_rows,
         _references,
@@ -121,9 +120,9 @@ def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr,
     `STORE` store the keys to `dst: [64, 64]`; then wait for the unit before (A operand `prev`), so that at most this
     one is in flight. `FIRST`: the tile's first unit (starts the accumulator). Returns `(acc, a)`."""
     a = _a_view(x5, dot_a)
+    acc = warpgroup_mma(a, qu.permute((1, 0)), acc, use_acc=not FIRST, is_async=True)
     if STORE:
         dst.store(a)  # the A fragments as they are (`stmatrix`): the tile's columns in `_score_channel` order
-    acc = warpgroup_mma(a, qu.permute((1, 0)), acc, use_acc=not FIRST, is_async=True)
     if not FIRST:
         prev = warpgroup_mma_wait(1, deps=[prev])
     return acc, a
@@ -231,9 +230,6 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, tn, 0, 0, last, shift, GC, ml, False)
         pc = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
         pr = _row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L)
-        if C_BITS < 8:  # the next tile's words, which this tile loads at its end (8 bits: half a tile ahead)
-            _prefetch_rows(pc, tn, last, RWC, WP_L)
-            _prefetch_rows(pr, tn, last, RWR, WR_L)
         # both value warpgroups have finished reading this stage's keys of two tiles ago
         mbarrier.wait(bars.index(V_EMPTY + st), ((it // 2) + 1) & 1, pred=it >= 2)
         acc = gl.zeros([64, BM], gl.float32, acc_l)

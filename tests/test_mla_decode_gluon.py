@@ -85,6 +85,11 @@ COMPILE_REGS = COMPILE_PREFIX + textwrap.dedent(
         # branch where a row's reference moves); the content keys by plain stores
         n_stm = len(re.findall(r"stmatrix", ptx))
         assert n_stm == 2 * 2, (cb, n_stm)
+        # below 8 bits the next tile's words are asked of L2 at the top of each packed tile (`_prefetch_rows`): per
+        # thread and token every 128-byte line its row pointers start, of the content row's two halves at 4 bits
+        # (one 128-byte row at 2) and of the RoPE row
+        n_pf = 2 * ((2 if cb == 4 else 1) + 1) if cb < 8 else 0
+        assert ptx.count("prefetch.global.L2") == n_pf, (cb, paged, ptx.count("prefetch.global.L2"))
         # the content keys go to eight separate buffers: no barrier between the units' stores (one buffer indexed
         # per unit took one before each store, 46 in all with Triton 3.6)
         assert ptx.count("bar.sync") <= 27, (cb, ptx.count("bar.sync"))
