@@ -401,7 +401,8 @@ def main():
                     help="the split kernel (C4R4, C2R4, C4R8, C8R8, C16R16; bf16 queries)")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     ap.add_argument("--loads", action="store_true",
-                    help="also each wide global load of the packed loop and its lead (`load_lead`)")
+                    help="also each wide global load of the packed loop (--split: the scorer's) and its lead "
+                         "(`load_lead`)")
     ap.add_argument("--waits", action="store_true",
                     help="also the packed loop's waits on its global loads' scoreboards (`scoreboard_waits`)")
     a = ap.parse_args()
@@ -498,6 +499,9 @@ def main_split(a):
         print(f"  shared memory per warpgroup and pass: {total / 1024:.1f} KiB (wgmma operands "
               f"{moved['wgmma'] / 1024:.1f}, stores {4 * moved['stores'] / 1024:.1f}, loads "
               f"{4 * moved['loads'] / 1024:.1f})")
+        if a.loads and name == "scorer":
+            print("  wide loads (instruction: first register -> instructions until first read): "
+                  + " ".join(f"{i}: R{r} -> {lead}" for i, r, lead in load_lead(loop)))
 
 
 if __name__ == "__main__":
