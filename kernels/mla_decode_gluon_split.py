@@ -115,12 +115,6 @@ N_BARS = _const(9)
 
 # --------------------------------------------------------------------------------------------- the scorer
 @_jit
-def _key_slot(vwide, u: gl.constexpr, st):
-    """Content unit u's keys of stage `st`: `[64 tokens, 64]`, the 64-column slice `u % 4` of `vwide[u // 4][st]`."""
-    return vwide[u // 4].index(st).slice(64 * (u % 4), 64, dim=1)
-
-
-@_jit
 def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr, dot_a: gl.constexpr):
     """Issue one unit's score `wgmma` on the A view of its keys `x5` against its staged queries `qu: [64, 64]`; with
     `STORE` store the keys to `dst: [64, 64]`; then wait for the unit before (A operand `prev`), so that at most this
@@ -142,10 +136,10 @@ def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, 
     both are unpacked. Returns `(acc, prev, cp)`."""
     c0, c1 = _split_units(cp, C_BITS // 2, wc_l)
     x5 = _unpack_unit(c0, zz, ss, zh, C_BITS, wc_l)
-    acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), _key_slot(vbuf, u, st), u == 0, True, dot_a)
+    acc, prev = _score_key(x5, acc, prev, qbuf[u].index(kz), vbuf[u].index(st), u == 0, True, dot_a)
     x5 = _unpack_unit(c1, zz, ss, zh, C_BITS, wc_l)
     cp = _load_unit(p_c, tn, lo, last, LU, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
-    acc, prev = _score_key(x5, acc, prev, qbuf[u + 1].index(kz), _key_slot(vbuf, u + 1, st), False, True, dot_a)
+    acc, prev = _score_key(x5, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), False, True, dot_a)
     return acc, prev, cp
 
 
@@ -284,7 +278,7 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         prev = acc
         for u in gl.static_range(GC):
             x5 = _load_dense(p_c, slot, m_t, s_ct, u, GC, C_BITS, XL)
-            acc, prev = _score_key(x5, acc, prev, qbuf[u].index(0), _key_slot(vbuf, u, 0), u == 0, True, dot_a)
+            acc, prev = _score_key(x5, acc, prev, qbuf[u].index(0), vbuf[u].index(0), u == 0, True, dot_a)
         x5 = _load_dense(p_r, slot, m_t, s_rt, GC, GC, R_BITS, XL)
         acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(0), qbuf[GC].index(0), False, False, dot_a)
         acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
@@ -301,7 +295,7 @@ def _dense_keys(vbuf, st, p_c, rows, valid, stride, GC: gl.constexpr, ld_l: gl.c
     off = (rows * stride)[:, None] + o_c[None, :]
     m = valid[:, None] & (o_c >= 0)[None, :]
     for u in gl.static_range(GC):
-        _async_load(_key_slot(vbuf, u, st), p_c + off + u * 64, mask=m)
+        _async_load(vbuf[u].index(st), p_c + off + u * 64, mask=m)
         async_copy.commit_group()  # one group per unit: its scores start as soon as it lands
 
 
@@ -319,7 +313,7 @@ def _dense_scores(vbuf, st, xr, qbuf, kz, GC: gl.constexpr, BM: gl.constexpr, ac
         async_copy.wait_group(GC - 1 - u)  # this unit's copies (the tile's only outstanding groups)
         fence_async_shared()  # the copies (generic proxy) visible to the wgmmas (async proxy) of every scorer warp
         _cta_barrier()
-        acc = warpgroup_mma(_key_slot(vbuf, u, st), qbuf[u].index(kz).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(vbuf[u].index(st), qbuf[u].index(kz).permute((1, 0)), acc, is_async=True)
     acc, a = warpgroup_mma_wait(0, deps=[acc, a])
     return acc
 
@@ -459,7 +453,7 @@ def _store_unit_in_order(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, 
 
 
 @_jit
-def _values(HF: gl.constexpr, vhalf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
+def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
             lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
             s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr,
             R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
@@ -475,8 +469,7 @@ def _values(HF: gl.constexpr, vhalf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, 
     tok_l: gl.constexpr = gl.SliceLayout(1, s_l)
     row_l: gl.constexpr = gl.SliceLayout(0, s_l)
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    w_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    orow_l: gl.constexpr = gl.SliceLayout(1, w_l)
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
 
     i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
     o_m = i_hb * BM + HF * HM + gl.arange(0, HM, layout=row_l)
@@ -490,12 +483,14 @@ def _values(HF: gl.constexpr, vhalf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, 
     o_bt = gl.arange(0, BT, layout=tok_l)
     m_i = gl.full([HM], float("-inf"), gl.float32, row_l)
     l_i = gl.zeros([HM], gl.float32, row_l)
-    out = warpgroup_mma_init(gl.zeros([BM, 256], gl.float32, w_l))  # `[64 rows, 256]`: content units `4 HF + [0, 4)`
+    outs = ()  # the output accumulators `O_u: [64 rows, 64]` of content units `4 HF + u` (as the loop leaves them)
+    for u in gl.static_range(4):
+        outs = outs + (warpgroup_mma_init(gl.zeros([BM, 64], gl.float32, o_l)),)
     for it in range(n_all):
         st = it % 2
         # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
         # and the factors are free
-        out = warpgroup_mma_wait(0, deps=[out])
+        outs = warpgroup_mma_wait(0, deps=outs)
         mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
         mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
         mbarrier.wait(bars.index(S_FULL), it & 1)
@@ -526,10 +521,13 @@ def _values(HF: gl.constexpr, vhalf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, 
         mbarrier.wait(bars.index(P_FULL), it & 1)
         if gl.max(mvbuf.load(gl.BlockedLayout([8], [32], [4], [0])), axis=0) > 0:  # some row's reference moved
             a = abuf.load(orow_l)[:, None]
-            out = out * a
+            outs = (outs[0] * a, outs[1] * a, outs[2] * a, outs[3] * a)
         mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
-        out = warpgroup_mma(pbuf, vhalf.index(st), out, is_async=True)
-    out = warpgroup_mma_wait(0, deps=[out])
+        pv = ()
+        for u in gl.static_range(4):
+            pv = pv + (warpgroup_mma(pbuf, vbuf[4 * HF + u].index(st), outs[u], is_async=True),)
+        outs = pv
+    outs = warpgroup_mma_wait(0, deps=outs)
 
     inv_l, b_lse = _finish(l_i, m_i)
     gl.store(lse_ptr + (i_b * M + o_m) * (num_splits + ND) + i_s, b_lse, mask=m_m)
@@ -537,17 +535,13 @@ def _values(HF: gl.constexpr, vhalf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, 
     _cta_barrier()
     mbarrier.arrive(bars.index(E_BAR), count=1)
     mbarrier.wait(bars.index(E_BAR), 0)
-    x = gl.permute(gl.reshape(out * ibuf.load(orow_l)[:, None], [BM, 2, 2, 64]), (0, 3, 1, 2))  # [rows, c, u // 2, u % 2]
-    x0, x1 = gl.split(x)
-    outs = gl.split(x0) + gl.split(x1)  # units 0, 2, 1, 3 of the half
-    outs = (gl.convert_layout(outs[0], o_l), gl.convert_layout(outs[2], o_l), gl.convert_layout(outs[1], o_l),
-            gl.convert_layout(outs[3], o_l))
+    inv = ibuf.load(orow_l)[:, None]
     for u in gl.static_range(4):
         if C_BITS == 16:  # the stage's columns in channel order
-            _store_unit_in_order(o_ptr, outs[u], 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM,
+            _store_unit_in_order(o_ptr, outs[u] * inv, 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM,
                                  num_splits + ND, i_s, GC, o_l)
         else:
-            _store_unit(o_ptr, outs[u], 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM, num_splits + ND, i_s,
+            _store_unit(o_ptr, outs[u] * inv, 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM, num_splits + ND, i_s,
                         C_BITS, GC)
 
 
@@ -579,9 +573,7 @@ def mla_decode_split_kernel(
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     KD: gl.constexpr = cc_ptr.dtype.element_ty if C_BITS == 16 else gl.float16  # the operands' 16-bit type
     qbuf = _unit_buffers(GC + 1, BM, k_sl, 1, KD)
-    # per value half, both stages of its four content units side by side: `[2, 64 tokens, 256]`, the B operand of one
-    # `m64n256k16` a 16-token step; unit u is the 64-column slice `u % 4` of half `u // 4`
-    vwide = (gl.allocate_shared_memory(KD, [2, BT, 256], k_sl), gl.allocate_shared_memory(KD, [2, BT, 256], k_sl))
+    vbuf = _unit_buffers(GC, BT, k_sl, 2, KD)  # one allocation per unit: the scorer's stores are seen as disjoint
     sbuf = gl.allocate_shared_memory(gl.float32, [BM, BT], s_sl)
     pbuf = gl.allocate_shared_memory(KD, [BM, BT], k_sl)
     abuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
@@ -600,13 +592,13 @@ def mla_decode_split_kernel(
     _cta_barrier()
     # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
     gl.warp_specialize([
-        (_values, (0, vwide[0], pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+        (_values, (0, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
                    len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                    s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
-        (_values, (1, vwide[1], pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+        (_values, (1, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
                    len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                    s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
-        (_scorer, (qbuf, vwide, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
+        (_scorer, (qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
                    rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
                    s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R,
                    BM, PAGED)),

@@ -172,26 +172,23 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
         return ptx
 
     mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 \{{[^}}]*\}}, "
-    wide = rf"wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 \{{[^}}]*\}}, "
     for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True), (4, 4, True), (4, 8, False), (2, 8, True),
                           (8, 8, False), (8, 8, True)):
         ptx = split_ptx(cb, rb, paged)
         # the scores with the keys in registers: 9 units x 4 k-steps in the loop and as many for the copy tile; the
-        # values from shared memory: one `m64n256k16` over a half's 4 units per 16-token step, per value warpgroup
+        # values from shared memory: 4 units x 4 k-steps per value warpgroup
         assert len(re.findall(mma + r"\{", ptx)) == 2 * 9 * 4, (cb, paged)
-        assert len(re.findall(mma + r"%rd", ptx)) == 0 and len(re.findall(wide + r"%rd", ptx)) == 2 * 4, (cb, paged)
+        assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, (cb, paged)
         assert "stmatrix.sync.aligned" in ptx  # the keys stored as their A fragments are
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
     # 16-bit planes (C16R16): the content keys copied into the value stages (cp.async, 16 bytes), scored from there;
     # only the RoPE unit's keys are register operands; nothing unpacked, no keys stored from registers
     # (paged: page pools, no copies, S = R = 0)
     mma = rf"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 \{{[^}}]*\}}, "
-    wide = rf"wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 \{{[^}}]*\}}, "
     for paged in (False, True):
         ptx = split_ptx(16, 16, paged)
         assert len(re.findall(mma + r"\{", ptx)) == 2 * 4  # the RoPE unit, in the loop and the copy tile
-        assert len(re.findall(mma + r"%rd", ptx)) == 2 * 8 * 4  # content scores, in the loop and the copy tile
-        assert len(re.findall(wide + r"%rd", ptx)) == 2 * 4  # values
+        assert len(re.findall(mma + r"%rd", ptx)) == 2 * 8 * 4 + 2 * 4 * 4  # content scores (both), values
         assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
         assert "stmatrix" not in ptx and "mul.f16x2" not in ptx
     print("compiled")
@@ -532,15 +529,15 @@ def test_sass_script_counts_both_packed_loops():
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_sass_script_reads_the_split_kernels_loops():
-    """`benchmarks/sass_decode.py --split` finds each value warpgroup's main loop (per tile: 4 k-steps of values
-    over its half's 4 units, no unpacking) and the scorer's (9 units x 4 k-steps of scores, 9 units x 16 pairs per thread: 144
+    """`benchmarks/sass_decode.py --split` finds each value warpgroup's main loop (per tile: its 4 units x 4 k-steps
+    of values, no unpacking) and the scorer's (9 units x 4 k-steps of scores, 9 units x 16 pairs per thread: 144
     unpacking multiplies; 16-bit keys: none, 8 units x 4 copies of 16 bytes per thread), and reports the
     warpgroups' registers."""
     out = _sass_script("C4R4", "--split")
     assert out.returncode == 0, out.stderr[-3000:]
     values = re.findall(r"^value loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
     scorers = re.findall(r"^scorer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
-    assert values == [("4", "0"), ("4", "0")], out.stdout
+    assert values == [("16", "0"), ("16", "0")], out.stdout
     assert scorers == [("36", "144")], out.stdout
     assert f"value worker {ms.REGS[4, 4, False][0]}, scorer {ms.REGS[4, 4, False][1]}" in out.stdout, out.stdout
     assert re.search(r"^ptxas: wgmmas not serialized, spills \d+ B stored, \d+ B loaded$", out.stdout, re.M), out.stdout
