@@ -5,6 +5,7 @@ instructions that collect most of one reason; with two reports, the second's exc
         python3 benchmarks/bench_decode.py --profile 16:1:32768:C4R4 --iters 4
     ncu -i C4R4.ncu-rep --page source --csv --print-source sass > C4R4_sass.csv
     python3 benchmarks/ncu_stalls.py C4R4_sass.csv C2R4_sass.csv [--reason stall_lg] [--top 8]
+    python3 benchmarks/ncu_stalls.py C4R4_sass.csv --loops  # each innermost hot loop's samples by reason
 
 Input: the SASS source page of one profiled kernel as CSV (a title row, a header row, one row per instruction).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import re
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -43,7 +45,7 @@ def read_source_page(path: str) -> list[dict]:
             continue
         cell = dict(zip(header, r))
         row = {"sass": cell["Source"].strip(), "samples": _number(cell[SAMPLES]),
-               "executed": _number(cell.get(EXECUTED, "0"))}
+               "executed": _number(cell.get(EXECUTED, "0")), "address": int(cell.get("Address", "0"), 16)}
         row.update({k: _number(cell[k]) for k in reasons})
         out.append(row)
     return out
@@ -54,9 +56,40 @@ def reason_totals(rows: list[dict]) -> collections.Counter:
     total = collections.Counter()
     for row in rows:
         for k, v in row.items():
-            if k != "sass":
+            if k not in ("sass", "address"):
                 total[k] += v
     return total
+
+
+def hot_loops(rows: list[dict], min_executed: float = 1000.0) -> list[tuple[int, int]]:
+    """The innermost loops of a listing: `(first, last)` row indices of each body closed by a branch back to an
+    earlier instruction of the listing that ran at least `min_executed` times, keeping only bodies that hold no other
+    such body (a warp-specialized kernel: one per warpgroup's main loop)."""
+    at = {row["address"]: i for i, row in enumerate(rows)}
+    bodies = set()
+    for i, row in enumerate(rows):
+        m = re.search(r"\bBRA (0x[0-9a-f]+)", row["sass"])
+        if m and row["executed"] >= min_executed and at.get(int(m.group(1), 16), i) < i:
+            bodies.add((at[int(m.group(1), 16)], i))
+    return sorted(b for b in bodies if not any(o != b and b[0] <= o[0] and o[1] <= b[1] for o in bodies))
+
+
+def print_loops(rows: list[dict], top: int):
+    """One line per innermost hot loop (`hot_loops`) holding at least 1% of the kernel's samples: its instructions, the `wgmma`s among them, its warp
+    instructions executed and stall samples, and its `top` commonest stall reasons with their share of its samples."""
+    total = sum(r["samples"] for r in rows)
+    print(f"| loop rows | instructions | HGMMA | executed | samples (share of the kernel's) | commonest reasons |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for first, last in hot_loops(rows):
+        body = rows[first:last + 1]
+        t = reason_totals(body)
+        if t["samples"] < 0.01 * total:
+            continue  # a barrier's retry loop or a setup loop
+        reasons = sorted((k for k in t if k.startswith("stall_")), key=lambda k: -t[k])[:top]
+        hgmma = sum("HGMMA" in r["sass"] for r in body)
+        share = ", ".join(f"{k[6:]} {t[k] / max(t['samples'], 1):.0%}" for k in reasons)
+        print(f"| {first}-{last} | {len(body)} | {hgmma} | {t['executed']:.0f} | {t['samples']:.0f} "
+              f"({t['samples'] / max(total, 1):.0%}) | {share} |")
 
 
 def main():
@@ -66,10 +99,15 @@ def main():
                                                  "(default: the reason the second page exceeds the first by most, or "
                                                  "the one page's commonest)")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--loops", action="store_true", help="per innermost hot loop of the (last) page: its samples "
+                                                         "by reason (`--top` reasons)")
     args = ap.parse_args()
     if len(args.pages) > 2:
         ap.error("give one or two source pages")
     pages = [read_source_page(p) for p in args.pages]
+    if args.loops:
+        print_loops(pages[-1], args.top)
+        return
     totals = [reason_totals(rows) for rows in pages]
     keys = ["executed", "samples"] + sorted((k for k in totals[-1] if k.startswith("stall_")),
                                             key=lambda k: -totals[-1][k])

@@ -179,6 +179,29 @@ def test_ncu_stalls_sums_reasons_and_names_the_excess(tmp_path, monkeypatch):
         ncu_stalls.read_source_page(str(tmp_path / "bad.csv"))
 
 
+def test_ncu_stalls_finds_each_innermost_hot_loop(tmp_path, monkeypatch):
+    """`--loops`: a loop's body runs from its branch's target to the branch; an enclosing loop, a retry loop with
+    almost no samples and a branch that runs rarely are left out."""
+    monkeypatch.syspath_prepend(BENCH)
+    import ncu_stalls
+
+    rows = [("MOV R1, R2", 0, 1, 10),  # 0: target of the enclosing loop
+            ("HGMMA.64x64x16.F32 R24, R84, gdesc[UR16], R24", 30, 40, 5000),  # 1: the hot loop's first instruction
+            ("LOP3.LUT R3, R4, 0xf, RZ, 0xc0, !PT", 5, 60, 5000),
+            ("@!P0 BRA 0x10", 5, 0, 5000),  # 3: back to row 1
+            ("@!P1 BRA 0x0", 1, 0, 2000),  # 4: back to row 0 (encloses the hot loop)
+            ("SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR39+0x10], R3", 0, 0, 9000),  # 5: a retry loop
+            ("@!P2 BRA 0x50", 0, 1, 9000),
+            ("@!P3 BRA 0x20", 0, 0, 10)]  # 7: rarely taken
+    page = ncu_stalls.read_source_page(_ncu_source_page(tmp_path / "l.csv", rows))
+    assert ncu_stalls.hot_loops(page) == [(1, 3), (5, 6)]
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "ncu_stalls.py"), str(tmp_path / "l.csv"), "--loops",
+                          "--top", "2"], capture_output=True, text=True, check=True).stdout
+    body = [line for line in out.splitlines() if line.startswith("| 1-3 ")]
+    assert body == ["| 1-3 | 3 | 1 | 15000 | 140 (98%) | wait 71%, lg 29% |"], out
+    assert "| 5-6 " not in out  # the retry loop: under 1% of the samples
+
+
 def test_score_precision_variants_change_only_the_packed_scores(monkeypatch):
     """`score_precision.py`: its exact variant is the reference decode; the rounding variants move the packed
     positions' scores by what their rounding says (int8 per 64 channels within half a step, fp8 e4m3 within 1/16
