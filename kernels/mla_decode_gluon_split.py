@@ -120,9 +120,9 @@ def _score_key(x5, acc, prev, qu, dst, FIRST: gl.constexpr, STORE: gl.constexpr,
     `STORE` store the keys to `dst: [64, 64]`; then wait for the unit before (A operand `prev`), so that at most this
     one is in flight. `FIRST`: the tile's first unit (starts the accumulator). Returns `(acc, a)`."""
     a = _a_view(x5, dot_a)
+    acc = warpgroup_mma(a, qu.permute((1, 0)), acc, use_acc=not FIRST, is_async=True)
     if STORE:
         dst.store(a)  # the A fragments as they are (`stmatrix`): the tile's columns in `_score_channel` order
-    acc = warpgroup_mma(a, qu.permute((1, 0)), acc, use_acc=not FIRST, is_async=True)
     if not FIRST:
         prev = warpgroup_mma_wait(1, deps=[prev])
     return acc, a
