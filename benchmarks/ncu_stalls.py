@@ -69,16 +69,18 @@ def hot_loops(rows: list[dict], min_executed: float = 1000.0) -> list[tuple[int,
     bodies = set()
     for i, row in enumerate(rows):
         m = re.search(r"\bBRA (0x[0-9a-f]+)", row["sass"])
-        if m and row["executed"] >= min_executed and at.get(int(m.group(1), 16), i) < i:
-            bodies.add((at[int(m.group(1), 16)], i))
+        target = at.get(int(m.group(1), 16), i) if m else i
+        if target < i and row["executed"] >= min_executed:
+            bodies.add((target, i))
     return sorted(b for b in bodies if not any(o != b and b[0] <= o[0] and o[1] <= b[1] for o in bodies))
 
 
 def print_loops(rows: list[dict], top: int):
-    """One line per innermost hot loop (`hot_loops`) holding at least 1% of the kernel's samples: its instructions, the `wgmma`s among them, its warp
-    instructions executed and stall samples, and its `top` commonest stall reasons with their share of its samples."""
+    """One line per innermost hot loop (`hot_loops`) holding at least 1% of the kernel's samples: its instructions,
+    the `wgmma`s among them, its warp instructions executed and stall samples, and its `top` commonest stall reasons
+    with their share of its samples."""
     total = sum(r["samples"] for r in rows)
-    print(f"| loop rows | instructions | HGMMA | executed | samples (share of the kernel's) | commonest reasons |")
+    print("| loop rows | instructions | HGMMA | executed | samples (share of the kernel's) | commonest reasons |")
     print("| --- | --- | --- | --- | --- | --- |")
     for first, last in hot_loops(rows):
         body = rows[first:last + 1]
