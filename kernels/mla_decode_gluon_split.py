@@ -98,8 +98,8 @@ BLOCK_M = 64  # query rows per program: one score accumulator `[64 tokens, 64 ro
 # value warpgroup gets what the register file has left for it. The 4-bit scorer spilled in its loop at 152 when paged
 # (page numbers besides its words) and with 8-bit RoPE (twice its words, the steps of its rows); the 8-bit scorer,
 # whose pairs of units load half a tile ahead, does not at 152 (at 160/184 a value loop had 5 local accesses).
-REGS = {(2, 4, False): (200, 112), (4, 4, False): (200, 112), (2, 4, True): (200, 112), (4, 4, True): (200, 112),
-        (2, 8, False): (200, 112), (4, 8, False): (200, 112), (2, 8, True): (200, 112), (4, 8, True): (200, 112),
+REGS = {(2, 4, False): (176, 152), (4, 4, False): (176, 152), (2, 4, True): (176, 152), (4, 4, True): (168, 168),
+        (2, 8, False): (176, 152), (4, 8, False): (168, 168), (2, 8, True): (176, 152), (4, 8, True): (168, 168),
         (8, 8, False): (176, 152), (8, 8, True): (176, 152), (16, 16, False): (176, 152), (16, 16, True): (176, 152)}
 
 
@@ -150,12 +150,6 @@ def _hand_over(acc, sbuf, bars, st, it):
     fence_async_shared()  # this warpgroup's key stores visible to the value wgmmas
     _cta_barrier()
     mbarrier.arrive(bars.index(V_FULL + st), count=1)
-    _hand_scores(acc, sbuf, bars, it)
-
-
-@_jit
-def _hand_scores(acc, sbuf, bars, it):
-    """The tile's scores `acc` to the value warpgroups, once they have taken the last ones."""
     mbarrier.wait(bars.index(S_EMPTY), (it + 1) & 1, pred=it >= 1)
     sbuf.store(gl.permute(acc, (1, 0)))  # [rows, tokens]: each row's tokens contiguous for the values' loads
     _cta_barrier()
@@ -168,12 +162,7 @@ def _scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_p
             s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, C_BITS: gl.constexpr,
             R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
     """The scorer warpgroup: `_dense_scorer` for 16-bit planes, else `_packed_scorer`."""
-    if C_BITS < 8:
-        _latent_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snr_ptr, rcr_ptr,
-                       lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct,
-                       s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R, BM,
-                       PAGED)
-    elif C_BITS == 16:
+    if C_BITS == 16:
         _dense_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, rc_ptr, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M,
                       split_target, num_splits, s_ccb, s_rcb, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb,
                       s_rcrt, pt_ptr, s_pt, GC, S, R, BM, PAGED)
@@ -294,103 +283,6 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(0), qbuf[GC].index(0), False, False, dot_a)
         acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
         _hand_over(acc, sbuf, bars, 0, 0)
-
-
-# --------------------------------------------------------------------------------------------- the latent scorer
-@_jit
-def _rope_meta(p_rs, p_rz, t0, last, shift, ml: gl.constexpr):
-    """The RoPE group's steps and stored zero points `[64, 4]` of the tile at int32 position `t0` (`_load_meta_rows`
-    without `ZERO`: the steps zeroed outside the valid positions when used, `_valid_steps`)."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    off = (gl.minimum(o_t, last) + shift)[:, None] + 0 * o_q[None, :]
-    return gl.load(p_rs + off), gl.load(p_rz + off)
-
-
-@_jit
-def _latent_scores(xr, s_row, vbuf, st, phase, qbuf, kz, bars, GC: gl.constexpr, BM: gl.constexpr,
-                   R_INT: gl.constexpr, acc_l: gl.constexpr, dot_a: gl.constexpr):
-    """`S^T: [64 tokens, BM rows]` of a tile whose RoPE keys `xr` (`[64, 4, WU, 2, E / 2]`; with `R_INT` the integer
-    codes, scored apart and added times their tokens' steps `s_row`) are in registers and whose content keys the value
-    warpgroups store to `vbuf[.][st]` (`V_FULL + st`, phase `phase`): the RoPE `wgmma`s first, then every content
-    unit's, both operands in shared memory; waited."""
-    a = _a_view(xr, dot_a)
-    acc_r = warpgroup_mma(a, qbuf[GC].index(kz).permute((1, 0)), gl.zeros([64, BM], gl.float32, acc_l),
-                          use_acc=False, is_async=True)
-    mbarrier.wait(bars.index(V_FULL + st), phase)
-    if R_INT:
-        acc = warpgroup_mma(vbuf[0].index(st), qbuf[0].index(kz).permute((1, 0)),
-                            gl.zeros([64, BM], gl.float32, acc_l), use_acc=False, is_async=True)
-    else:
-        acc = warpgroup_mma(vbuf[0].index(st), qbuf[0].index(kz).permute((1, 0)), acc_r, is_async=True)
-    for u in gl.static_range(1, GC):
-        acc = warpgroup_mma(vbuf[u].index(st), qbuf[u].index(kz).permute((1, 0)), acc, is_async=True)
-    if R_INT:
-        acc, acc_r, a = warpgroup_mma_wait(0, deps=[acc, acc_r, a])
-        acc = acc + acc_r * s_row[:, None]
-    else:
-        acc, a = warpgroup_mma_wait(0, deps=[acc, a])
-    return acc
-
-
-@_jit
-def _latent_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snr_ptr, rcr_ptr, lp_ptr,
-                   len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb, s_snct, s_snrb, s_snrt,
-                   s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr, C_BITS: gl.constexpr,
-                   R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
-    """The scorer of 2- and 4-bit content, whose keys the value warpgroups unpack (`_next_keys`): every tile of the
-    program's split, or its copy tile, scored from the RoPE keys it unpacks itself (words and metadata a tile ahead)
-    and the content keys in `vbuf` (module docstring)."""
-    BT: gl.constexpr = 64
-    ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    WR_L: gl.constexpr = words_layout(R_BITS // 2)  # the RoPE unit's words
-    XL: gl.constexpr = words_layout(16)  # the copies' 16 channels per quad slot
-    ml: gl.constexpr = gl.SliceLayout(2, WR_L)
-    RWR: gl.constexpr = 2 * R_BITS
-    R_INT: gl.constexpr = R_BITS == 8  # 8-bit RoPE: its integer codes scored exactly, times the steps after
-
-    i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
-    base, lo_valid, hi, n_tiles = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
-    p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _batch_planes(cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, i_b, s_ccb,
-                                                       s_csb, s_rcb, s_rsb)
-    lo, hi, last, p_pt, p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, row, shift = _split_rows(
-        p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, pt_ptr, s_pt, i_b, base, lo_valid, hi, n_tiles, GC, C_BITS, R_BITS, BT,
-        PAGED)
-    cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
-    sr, zr = _rope_meta(p_rs, p_rz, 0, last, shift, ml)
-    page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
-    for it in range(n_tiles):
-        st = it % 2
-        kz = it >> 30  # zero at run time, unknown to the compiler: the query descriptors are made where used
-        tn = it * BT + BT
-        page_nn = _tile_page(p_pt, tn + BT, last, PAGED)
-        sr, _, _ = _valid_steps(sr, sr, sr, it * BT, lo, hi, ml)
-        zzr, ssr, zhr = _pair_meta(sr, zr, R_BITS)
-        s_row = _rope_steps(sr, acc_l)
-        row, shift = _tile_rows(page_n, tn, last, PAGED)
-        page_n = page_nn
-        if R_INT:
-            x5 = _unpack_codes8(cr, zzr, WR_L)
-        else:
-            x5 = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, WR_L)
-        cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1,
-                        True)
-        sr, zr = _rope_meta(p_rs, p_rz, tn, last, shift, ml)
-        acc = _latent_scores(x5, s_row, vbuf, st, (it // 2) & 1, qbuf, kz, bars, GC, BM, R_INT, acc_l, dot_a)
-        _hand_scores(acc, sbuf, bars, it)
-
-    if i_s >= num_splits:  # a copy program: its one tile of model-dtype copies (content keys: the value warpgroups')
-        lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snr_ptr, snr_ptr,
-                                                             rcr_ptr, rcr_ptr, s_snrb, s_snrt, s_snrb, s_snrt, s_rcrb,
-                                                             s_rcrt, s_rcrb, s_rcrt, S, R, BT)
-        o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
-        slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_dt, S, R)
-        x5 = _load_dense(p_r, slot, m_t, s_rt, GC, GC, R_BITS, XL)
-        acc = _latent_scores(x5, gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, acc_l)), vbuf, 0, 0, qbuf, 0,
-                             bars, GC, BM, False, acc_l, dot_a)
-        _hand_scores(acc, sbuf, bars, 0)
 
 
 # --------------------------------------------------------------------------------------------- the 16-bit scorer
@@ -515,55 +407,6 @@ def _value_tiles(i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_pt
     return n_tiles, n_all, base.to(gl.int32), lo_valid.to(gl.int32), hi.to(gl.int32), c_t0, c_lo, c_hi
 
 
-@_jit
-def _half_meta(p_cs, p_cz, t0, last, shift, HF: gl.constexpr, GC: gl.constexpr, ml: gl.constexpr):
-    """Steps and stored zero points `[64, 4]` of content groups `q + 4 HF` (units `4 HF .. 4 HF + 3`) of the tile
-    at int32 position `t0` (`_load_meta_rows` without `ZERO`)."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    off = (gl.minimum(o_t, last) + shift)[:, None] * GC + (o_q + 4 * HF)[None, :]
-    return gl.load(p_cs + off), gl.load(p_cz + off)
-
-
-@_jit
-def _next_keys(ca, cb, sv, zv, page_n, j, vbuf, p_pt, p_cc, p_cs, p_cz, lo, hi, last, HF: gl.constexpr,
-               GC: gl.constexpr, C_BITS: gl.constexpr, PAGED: gl.constexpr, dot_a: gl.constexpr):
-    """Tile j's content keys of units `4 HF .. 4 HF + 3` (words `ca`, `cb: [64, 4, 2 WU]`, steps `sv` and zero
-    points `zv`, loaded a tile before) unpacked (`(code - z) * s` rounded once to fp16) and stored to `vbuf[.][j %
-    2]` as the scorer's A fragments were (`stmatrix`, columns in `_score_channel` order); tile j + 1's words and
-    metadata loaded meanwhile (`page_n`: its page). Returns `(ca, cb, sv, zv, page_n)` of tile j + 1."""
-    BT: gl.constexpr = 64
-    WC_L: gl.constexpr = words_layout(C_BITS // 2)  # one content unit's words
-    WP_L: gl.constexpr = words_layout(C_BITS)  # two units'
-    ml: gl.constexpr = gl.SliceLayout(2, WC_L)
-    RWC: gl.constexpr = GC * 2 * C_BITS  # code words per token row
-    st = j % 2
-    tn = j * BT + BT
-    sv, _, _ = _valid_steps(sv, sv, sv, j * BT, lo, hi, ml)
-    zz, ss, zh = _pair_meta(sv, zv, C_BITS)
-    page_nn = _tile_page(p_pt, tn + BT, last, PAGED)
-    row, shift = _tile_rows(page_n, tn, last, PAGED)
-    pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
-    c0, c1 = _split_units(ca, C_BITS // 2, WC_L)
-    vbuf[4 * HF].index(st).store(_a_view(_unpack_unit(c0, zz, ss, zh, C_BITS, WC_L), dot_a))
-    vbuf[4 * HF + 1].index(st).store(_a_view(_unpack_unit(c1, zz, ss, zh, C_BITS, WC_L), dot_a))
-    ca = _load_unit(pw, tn, lo, last, 4 * HF, RWC, C_BITS, GC, WP_L, 2, True)
-    c2, c3 = _split_units(cb, C_BITS // 2, WC_L)
-    vbuf[4 * HF + 2].index(st).store(_a_view(_unpack_unit(c2, zz, ss, zh, C_BITS, WC_L), dot_a))
-    vbuf[4 * HF + 3].index(st).store(_a_view(_unpack_unit(c3, zz, ss, zh, C_BITS, WC_L), dot_a))
-    cb = _load_unit(pw, tn, lo, last, 4 * HF + 2, RWC, C_BITS, GC, WP_L, 2, True)
-    sv, zv = _half_meta(p_cs, p_cz, tn, last, shift, HF, GC, ml)
-    return ca, cb, sv, zv, page_nn
-
-
-@_jit
-def _keys_ready(bars, st):
-    """This warpgroup's key stores of stage `st` visible to the `wgmma`s, and said to the scorer."""
-    fence_async_shared()
-    _cta_barrier()
-    mbarrier.arrive(bars.index(V_FULL + st), count=1)
-
-
 @_constexpr_fn
 def _run_layout(store: bool):
     """The `m64n64k16` accumulator `[64 rows, 64]` of a unit, viewed as `[64 rows, 4 q, 16]` (`_store_unit`): thread
@@ -610,11 +453,10 @@ def _store_unit_in_order(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, 
 
 
 @_jit
-def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, cc_ptr, cs_ptr, cz_ptr, snc_ptr,
-            snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb,
-            s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr,
-            C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
-            PAGED: gl.constexpr):
+def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
+            lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+            s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr,
+            R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
     """Value warpgroup `HF` (0: the default warps, 1: a worker): the softmax of rows `[HF * BM/2, + BM/2)` and the
     output channels of `vbuf[HF]` of all the program's rows over the tiles of its split (then, a copy program, its
     copy tile), its partial outputs and its rows' LSE."""
@@ -644,45 +486,13 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, c
     outs = ()  # the output accumulators `O_u: [64 rows, 64]` of content units `4 HF + u` (as the loop leaves them)
     for u in gl.static_range(4):
         outs = outs + (warpgroup_mma_init(gl.zeros([BM, 64], gl.float32, o_l)),)
-    KEYS: gl.constexpr = C_BITS < 8  # this warpgroup unpacks its units' keys (a tile ahead of its values)
-    if KEYS:
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BM, 16])
-        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-        WP_L: gl.constexpr = words_layout(C_BITS)  # two units' words
-        XL: gl.constexpr = words_layout(16)  # the copies' 16 channels per quad slot
-        RWC: gl.constexpr = GC * 2 * C_BITS
-        base, lo_valid, hi_v, n_pk = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
-        p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _batch_planes(cc_ptr, cs_ptr, cz_ptr, cc_ptr, cs_ptr, cz_ptr, i_b, s_ccb,
-                                                           s_csb, s_ccb, s_csb)
-        k_lo, k_hi, last, p_pt, p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, row, shift = _split_rows(
-            p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, pt_ptr, s_pt, i_b, base, lo_valid, hi_v, n_pk, GC, C_BITS, R_BITS, BT,
-            PAGED)
-        pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
-        ca = _load_unit(pw, 0, k_lo, last, 4 * HF, RWC, C_BITS, GC, WP_L, 2, True)
-        cb = _load_unit(pw, 0, k_lo, last, 4 * HF + 2, RWC, C_BITS, GC, WP_L, 2, True)
-        sv, zv = _half_meta(p_cs, p_cz, 0, last, shift, HF, GC, gl.SliceLayout(2, words_layout(C_BITS // 2)))
-        page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
-        if i_s >= num_splits:  # a copy program: its copy tile's keys of these units, into stage 0
-            lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr, rcc_ptr,
-                                                           rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct,
-                                                           s_rcrb, s_rcrt, S, R, BT)
-            o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
-            slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_dt, S, R)
-            for u in gl.static_range(4 * HF, 4 * HF + 4):
-                vbuf[u].index(0).store(_a_view(_load_dense(p_c, slot, m_t, s_ct, u, GC, C_BITS, XL), dot_a))
-        elif n_tiles > 0:
-            ca, cb, sv, zv, page_n = _next_keys(ca, cb, sv, zv, page_n, 0, vbuf, p_pt, p_cc, p_cs, p_cz, k_lo, k_hi,
-                                                last, HF, GC, C_BITS, PAGED, dot_a)
-        _keys_ready(bars, 0)
     for it in range(n_all):
         st = it % 2
         # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
         # and the factors are free
-        if not KEYS:
-            outs = warpgroup_mma_wait(0, deps=outs)
-            mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
-            mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
+        outs = warpgroup_mma_wait(0, deps=outs)
+        mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
+        mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
         mbarrier.wait(bars.index(S_FULL), it & 1)
         s = gl.permute(sbuf.slice(HF * HM, HM, dim=0).load(sr_l), (1, 0))  # [64 tokens, HM rows]
         _cta_barrier()
@@ -701,9 +511,6 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, c
         alpha = gl.exp2(m_i - m_use)  # 1 where it did not move
         l_i = l_i * alpha + gl.sum(p, axis=0)
         m_i = m_new
-        if KEYS:  # (the product of the tile before runs while this one's softmax does)
-            outs = warpgroup_mma_wait(0, deps=outs)
-            mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
         mbarrier.wait(bars.index(P_FREE), (it + 1) & 1, pred=it > 0)
         pbuf.slice(HF * HM, HM, dim=0).store(gl.permute(p.to(pbuf.dtype), (1, 0)))
         abuf.slice(HF * HM, HM).store(alpha)
@@ -715,18 +522,11 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, c
         if gl.max(mvbuf.load(gl.BlockedLayout([8], [32], [4], [0])), axis=0) > 0:  # some row's reference moved
             a = abuf.load(orow_l)[:, None]
             outs = (outs[0] * a, outs[1] * a, outs[2] * a, outs[3] * a)
-        if not KEYS:
-            mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
+        mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
         pv = ()
         for u in gl.static_range(4):
             pv = pv + (warpgroup_mma(pbuf, vbuf[4 * HF + u].index(st), outs[u], is_async=True),)
         outs = pv
-        if KEYS:
-            if it + 1 < n_tiles:  # the next tile's keys of this warpgroup's units (into the stage its last product
-                # read) while this product runs
-                ca, cb, sv, zv, page_n = _next_keys(ca, cb, sv, zv, page_n, it + 1, vbuf, p_pt, p_cc, p_cs, p_cz,
-                                                    k_lo, k_hi, last, HF, GC, C_BITS, PAGED, dot_a)
-                _keys_ready(bars, 1 - st)
     outs = warpgroup_mma_wait(0, deps=outs)
 
     inv_l, b_lse = _finish(l_i, m_i)
@@ -781,11 +581,8 @@ def mla_decode_split_kernel(
     ibuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
     mvbuf = gl.allocate_shared_memory(gl.int32, [8], v_sl)  # per value warp: whether a row's reference moved
     bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(N_BARS):  # the scorer's one arrival, or one of each value warpgroup (keys they unpack)
-        if i < V_EMPTY:
-            mbarrier.init(bars.index(i), count=2 if C_BITS < 8 else 1)
-        else:
-            mbarrier.init(bars.index(i), count=1 if i == S_FULL else 2)
+    for i in gl.static_range(N_BARS):  # the scorer's one arrival, or one of each value warpgroup
+        mbarrier.init(bars.index(i), count=1 if (i < V_EMPTY or i == S_FULL) else 2)
 
     _, i_hb, i_b = _program_coords(num_splits, M, BM, ND)
     f = _stage_queries(qbuf, qbuf, q_ptr + i_b * s_qb, qr_ptr + i_b * s_qrb, i_hb * BM, M, D_C, GC, BM, False, C_BITS,
@@ -795,14 +592,12 @@ def mla_decode_split_kernel(
     _cta_barrier()
     # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
     gl.warp_specialize([
-        (_values, (0, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, cc_ptr, cs_ptr, cz_ptr, snc_ptr, snr_ptr,
-                   rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb,
-                   s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S,
-                   R, BM, PAGED)),
-        (_values, (1, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, cc_ptr, cs_ptr, cz_ptr, snc_ptr, snr_ptr,
-                   rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb,
-                   s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S,
-                   R, BM, PAGED)),
+        (_values, (0, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                   s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
+        (_values, (1, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                   s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
         (_scorer, (qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
                    rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
                    s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R,
