@@ -488,8 +488,8 @@ def main_split(a):
         counts = opcode_counts(loop)
         if not any(op.startswith("HGMMA") for op in counts):
             continue  # the epilogue's waits
-        name = "scorer" if counts[UNPACK_MUL] or counts[COPY_ASYNC] else "value"  # (16-bit keys: copied)
         mma = sum(n for op, n in counts.items() if op.startswith("HGMMA"))
+        name = "scorer" if mma > 16 else "value"  # the scores: 9 units x 4 k-steps; a value warpgroup's: 4 x 4
         spills = sum(n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL"))
         print(f"{name} loop: {len(loop)} SASS instructions per warp and 64-token tile ({mma} HGMMA, "
               f"{counts[UNPACK_MUL]} unpacking multiplies, {counts[COPY_ASYNC]} key copies, {spills} local-memory)")
