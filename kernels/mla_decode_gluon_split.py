@@ -98,8 +98,8 @@ BLOCK_M = 64  # query rows per program: one score accumulator `[64 tokens, 64 ro
 # value warpgroup gets what the register file has left for it. The 4-bit scorer spilled in its loop at 152 when paged
 # (page numbers besides its words) and with 8-bit RoPE (twice its words, the steps of its rows); the 8-bit scorer,
 # whose pairs of units load half a tile ahead, does not at 152 (at 160/184 a value loop had 5 local accesses).
-REGS = {(2, 4, False): (184, 136), (4, 4, False): (184, 136), (2, 4, True): (184, 136), (4, 4, True): (184, 136),
-        (2, 8, False): (176, 152), (4, 8, False): (176, 152), (2, 8, True): (176, 152), (4, 8, True): (176, 152),
+REGS = {(2, 4, False): (176, 152), (4, 4, False): (176, 152), (2, 4, True): (176, 152), (4, 4, True): (168, 168),
+        (2, 8, False): (176, 152), (4, 8, False): (168, 168), (2, 8, True): (176, 152), (4, 8, True): (168, 168),
         (8, 8, False): (176, 152), (8, 8, True): (176, 152), (16, 16, False): (176, 152), (16, 16, True): (176, 152)}
 
 
@@ -109,8 +109,8 @@ def registers(fmt: CacheFormat, paged: bool) -> tuple[int, int]:
 LAUNCH_REGS = 168  # at launch, for all 12 warps (65,536 / 384 rounded down to 8)
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`)
 # the mbarriers (one allocation): per key stage full and empty, then the scores', P's and the end's
-V_FULL, V_EMPTY, S_FULL, S_EMPTY, P_FULL, P_FREE, E_BAR, K_FULL = (_const(i) for i in (0, 2, 4, 5, 6, 7, 8, 9))
-N_BARS = _const(11)
+V_FULL, V_EMPTY, S_FULL, S_EMPTY, P_FULL, P_FREE, E_BAR = (_const(i) for i in (0, 2, 4, 5, 6, 7, 8))
+N_BARS = _const(9)
 
 
 # --------------------------------------------------------------------------------------------- the scorer
@@ -141,17 +141,6 @@ def _score_pair(cp, u: gl.constexpr, zz, ss, zh, acc, prev, qbuf, kz, vbuf, st, 
     cp = _load_unit(p_c, tn, lo, last, LU, GC * 2 * C_BITS, C_BITS, GC, wp_l, 2, True)
     acc, prev = _score_key(x5, acc, prev, qbuf[u + 1].index(kz), vbuf[u + 1].index(st), False, True, dot_a)
     return acc, prev, cp
-
-
-@_jit
-def _shared_scores(acc, vbuf, qbuf, bars, st, phase, kz):
-    """Issue the score `wgmma`s of content units 2, 3, 6 and 7, whose keys the value warpgroups store to
-    `vbuf[.][st]` (`K_FULL + st`, phase `phase`), both operands in shared memory, into `acc` (not waited)."""
-    mbarrier.wait(bars.index(K_FULL + st), phase)
-    for u in gl.static_range(2, 8):
-        if u % 4 >= 2:
-            acc = warpgroup_mma(vbuf[u].index(st), qbuf[u].index(kz).permute((1, 0)), acc, is_async=True)
-    return acc
 
 
 @_jit
@@ -214,14 +203,14 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, pt_ptr, s_pt, i_b, base, lo_valid, hi, n_tiles, GC, C_BITS, R_BITS, BT,
         PAGED)
     pw = _row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L)
-    HALF: gl.constexpr = C_BITS == 8  # 8-bit words: two pairs in flight, each half a tile ahead (registers)
-    SHARE: gl.constexpr = C_BITS < 8  # units 2, 3, 6 and 7 unpacked by the value warpgroups (`_next_keys`)
     c01 = _load_unit(pw, 0, lo, last, 0, RWC, C_BITS, GC, WP_L, 2, True)
+    c23 = _load_unit(pw, 0, lo, last, 2, RWC, C_BITS, GC, WP_L, 2, True)
+    HALF: gl.constexpr = C_BITS == 8  # 8-bit words: two pairs in flight, each half a tile ahead (registers)
     if HALF:
-        c23 = _load_unit(pw, 0, lo, last, 2, RWC, C_BITS, GC, WP_L, 2, True)
         p_here = pw  # the row pointers of the tile being scored
     else:  # every pair's words a tile ahead
         c45 = _load_unit(pw, 0, lo, last, 4, RWC, C_BITS, GC, WP_L, 2, True)
+        c67 = _load_unit(pw, 0, lo, last, 6, RWC, C_BITS, GC, WP_L, 2, True)
     cr = _load_unit(_row_ptrs(p_rc, row, RWR, R_BITS // 2, WR_L), 0, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
     s0, z0, s1, z1, sr, zr = _load_meta_rows(p_cs, p_cz, p_rs, p_rz, 0, 0, 0, last, shift, GC, ml, False)
     page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
@@ -252,16 +241,16 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
             t_a = tn
         acc, prev, c01 = _score_pair(c01, 0, zz0, ss0, zh0, acc, acc, qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
                                      C_BITS, WC_L, WP_L, dot_a, 4 if HALF else 0)
+        acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a, 6 if HALF else 2)
         if HALF:  # the pairs just loaded are units 4-7 of this tile
-            acc, prev, c23 = _score_pair(c23, 2, zz0, ss0, zh0, acc, prev, qbuf, kz, vbuf, st, p_a, t_a, lo, last, GC,
-                                         C_BITS, WC_L, WP_L, dot_a, 6)
             c45 = c01
             c67 = c23
         acc, prev, c45 = _score_pair(c45, 4, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
                                      C_BITS, WC_L, WP_L, dot_a, 0 if HALF else 4)
+        acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
+                                     C_BITS, WC_L, WP_L, dot_a, 2 if HALF else 6)
         if HALF:
-            acc, prev, c67 = _score_pair(c67, 6, zz1, ss1, zh1, acc, prev, qbuf, kz, vbuf, st, pc, tn, lo, last, GC,
-                                         C_BITS, WC_L, WP_L, dot_a, 2)
             c01 = c45
             c23 = c67
             p_here = pc
@@ -270,16 +259,12 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
             cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
             acc_r = warpgroup_mma(_a_view(x5, dot_a), qbuf[GC].index(kz).permute((1, 0)), acc, use_acc=False,
                                   is_async=True)
+            acc, prev, acc_r = warpgroup_mma_wait(0, deps=[acc, prev, acc_r])
+            acc = acc + acc_r * s_row[:, None]
         else:
             x5 = _unpack_unit(cr, zzr, ssr, zhr, R_BITS, WR_L)
             cr = _load_unit(pr, tn, lo, last, GC, RWR, R_BITS, GC, WR_L, 1, True)
             acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(kz), qbuf[GC].index(kz), False, False, dot_a)
-        if SHARE:
-            acc = _shared_scores(acc, vbuf, qbuf, bars, st, (it // 2) & 1, kz)
-        if R_INT:
-            acc, prev, acc_r = warpgroup_mma_wait(0, deps=[acc, prev, acc_r])
-            acc = acc + acc_r * s_row[:, None]
-        else:
             acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
         _hand_over(acc, sbuf, bars, st, it)
 
@@ -292,13 +277,10 @@ def _packed_scorer(qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_pt
         acc = gl.zeros([64, BM], gl.float32, acc_l)
         prev = acc
         for u in gl.static_range(GC):
-            if (not SHARE) or (u % 4 < 2):
-                x5 = _load_dense(p_c, slot, m_t, s_ct, u, GC, C_BITS, XL)
-                acc, prev = _score_key(x5, acc, prev, qbuf[u].index(0), vbuf[u].index(0), u == 0, True, dot_a)
+            x5 = _load_dense(p_c, slot, m_t, s_ct, u, GC, C_BITS, XL)
+            acc, prev = _score_key(x5, acc, prev, qbuf[u].index(0), vbuf[u].index(0), u == 0, True, dot_a)
         x5 = _load_dense(p_r, slot, m_t, s_rt, GC, GC, R_BITS, XL)
         acc, prev = _score_key(x5, acc, prev, qbuf[GC].index(0), qbuf[GC].index(0), False, False, dot_a)
-        if SHARE:
-            acc = _shared_scores(acc, vbuf, qbuf, bars, 0, 0, 0)
         acc, prev = warpgroup_mma_wait(0, deps=[acc, prev])
         _hand_over(acc, sbuf, bars, 0, 0)
 
@@ -425,51 +407,6 @@ def _value_tiles(i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_pt
     return n_tiles, n_all, base.to(gl.int32), lo_valid.to(gl.int32), hi.to(gl.int32), c_t0, c_lo, c_hi
 
 
-@_jit
-def _half_meta(p_cs, p_cz, t0, last, shift, HF: gl.constexpr, GC: gl.constexpr, ml: gl.constexpr):
-    """Steps and stored zero points `[64, 4]` of content groups `q + 4 HF` (units `4 HF .. 4 HF + 3`) of the tile
-    at int32 position `t0` (`_load_meta_rows` without `ZERO`)."""
-    o_t = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ml))
-    o_q = gl.arange(0, 4, layout=gl.SliceLayout(0, ml))
-    off = (gl.minimum(o_t, last) + shift)[:, None] * GC + (o_q + 4 * HF)[None, :]
-    return gl.load(p_cs + off), gl.load(p_cz + off)
-
-
-@_jit
-def _next_keys(cw, sv, zv, page_n, j, vbuf, p_pt, p_cc, p_cs, p_cz, lo, hi, last, HF: gl.constexpr,
-               GC: gl.constexpr, C_BITS: gl.constexpr, PAGED: gl.constexpr, dot_a: gl.constexpr):
-    """Tile j's content keys of units `4 HF + 2` and `4 HF + 3` (words `cw: [64, 4, 2 WU]`, steps `sv` and zero
-    points `zv`, loaded a tile before) unpacked as the scorer unpacks its units and stored to `vbuf[.][j % 2]` as its
-    A fragments are (`stmatrix`, columns in `_score_channel` order); tile j + 1's words and metadata loaded
-    (`page_n`: its page). Returns `(cw, sv, zv, page_n)` of tile j + 1."""
-    BT: gl.constexpr = 64
-    WC_L: gl.constexpr = words_layout(C_BITS // 2)  # one content unit's words
-    WP_L: gl.constexpr = words_layout(C_BITS)  # two units'
-    ml: gl.constexpr = gl.SliceLayout(2, WC_L)
-    RWC: gl.constexpr = GC * 2 * C_BITS  # code words per token row
-    st = j % 2
-    tn = j * BT + BT
-    sv, _, _ = _valid_steps(sv, sv, sv, j * BT, lo, hi, ml)
-    zz, ss, zh = _pair_meta(sv, zv, C_BITS)
-    page_nn = _tile_page(p_pt, tn + BT, last, PAGED)
-    row, shift = _tile_rows(page_n, tn, last, PAGED)
-    c0, c1 = _split_units(cw, C_BITS // 2, WC_L)
-    vbuf[4 * HF + 2].index(st).store(_a_view(_unpack_unit(c0, zz, ss, zh, C_BITS, WC_L), dot_a))
-    vbuf[4 * HF + 3].index(st).store(_a_view(_unpack_unit(c1, zz, ss, zh, C_BITS, WC_L), dot_a))
-    cw = _load_unit(_row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L), tn, lo, last, 4 * HF + 2, RWC, C_BITS, GC, WP_L, 2,
-                    True)
-    sv, zv = _half_meta(p_cs, p_cz, tn, last, shift, HF, GC, ml)
-    return cw, sv, zv, page_nn
-
-
-@_jit
-def _keys_ready(bars, st):
-    """This warpgroup's key stores of stage `st` visible to the `wgmma`s, and said to the scorer (`K_FULL`)."""
-    fence_async_shared()
-    _cta_barrier()
-    mbarrier.arrive(bars.index(K_FULL + st), count=1)
-
-
 @_constexpr_fn
 def _run_layout(store: bool):
     """The `m64n64k16` accumulator `[64 rows, 64]` of a unit, viewed as `[64 rows, 4 q, 16]` (`_store_unit`): thread
@@ -516,11 +453,10 @@ def _store_unit_in_order(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, 
 
 
 @_jit
-def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, cc_ptr, cs_ptr, cz_ptr, snc_ptr,
-            snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb,
-            s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC: gl.constexpr,
-            C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
-            PAGED: gl.constexpr):
+def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
+            lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+            s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr,
+            R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
     """Value warpgroup `HF` (0: the default warps, 1: a worker): the softmax of rows `[HF * BM/2, + BM/2)` and the
     output channels of `vbuf[HF]` of all the program's rows over the tiles of its split (then, a copy program, its
     copy tile), its partial outputs and its rows' LSE."""
@@ -550,36 +486,6 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, c
     outs = ()  # the output accumulators `O_u: [64 rows, 64]` of content units `4 HF + u` (as the loop leaves them)
     for u in gl.static_range(4):
         outs = outs + (warpgroup_mma_init(gl.zeros([BM, 64], gl.float32, o_l)),)
-    KEYS: gl.constexpr = C_BITS < 8  # this warpgroup unpacks units 4 HF + 2 and + 3 (the scorer's `SHARE`)
-    if KEYS:
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BM, 16])
-        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-        WP_L: gl.constexpr = words_layout(C_BITS)  # two units' words
-        XL: gl.constexpr = words_layout(16)  # the copies' 16 channels per quad slot
-        RWC: gl.constexpr = GC * 2 * C_BITS
-        base, lo_valid, hi_v, n_pk = _split_range(i_s, num_splits, length, split_target, lp, S, R, BT, C_BITS)
-        p_cc, p_rc, p_cs, p_cz, p_rs, p_rz = _batch_planes(cc_ptr, cs_ptr, cz_ptr, cc_ptr, cs_ptr, cz_ptr, i_b, s_ccb,
-                                                           s_csb, s_ccb, s_csb)
-        k_lo, k_hi, last, p_pt, p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, row, shift = _split_rows(
-            p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, pt_ptr, s_pt, i_b, base, lo_valid, hi_v, n_pk, GC, C_BITS, R_BITS, BT,
-            PAGED)
-        cw = _load_unit(_row_ptrs(p_cc, row, RWC, 2 * C_BITS, WP_L), 0, k_lo, last, 4 * HF + 2, RWC, C_BITS, GC,
-                        WP_L, 2, True)
-        sv, zv = _half_meta(p_cs, p_cz, 0, last, shift, HF, GC, gl.SliceLayout(2, words_layout(C_BITS // 2)))
-        page_n = _tile_page(p_pt, BT, last, PAGED)  # tile 1's page (each later one is loaded a tile ahead)
-        if i_s >= num_splits:  # a copy program: its copy tile's keys of these units, into stage 0
-            lo_c, hi_c, sink, p_c, p_r, s_ct, s_rt = _copy_tile(i_s, num_splits, length, i_c, snc_ptr, snr_ptr,
-                                                                 rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb, s_snrt,
-                                                                 s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, BT)
-            o_dt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))).to(gl.int64)
-            slot, m_t = _copy_slots(lo_c, hi_c, sink, lp, length, o_dt, S, R)
-            for u in gl.static_range(4 * HF + 2, 4 * HF + 4):
-                vbuf[u].index(0).store(_a_view(_load_dense(p_c, slot, m_t, s_ct, u, GC, C_BITS, XL), dot_a))
-        elif n_tiles > 0:
-            cw, sv, zv, page_n = _next_keys(cw, sv, zv, page_n, 0, vbuf, p_pt, p_cc, p_cs, p_cz, k_lo, k_hi, last, HF,
-                                            GC, C_BITS, PAGED, dot_a)
-        _keys_ready(bars, 0)
     for it in range(n_all):
         st = it % 2
         # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
@@ -587,11 +493,6 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, c
         outs = warpgroup_mma_wait(0, deps=outs)
         mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
         mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
-        if KEYS:
-            if it + 1 < n_tiles:  # the next tile's keys of this warpgroup's two units, into the stage just freed
-                cw, sv, zv, page_n = _next_keys(cw, sv, zv, page_n, it + 1, vbuf, p_pt, p_cc, p_cs, p_cz, k_lo, k_hi,
-                                                last, HF, GC, C_BITS, PAGED, dot_a)
-                _keys_ready(bars, 1 - st)
         mbarrier.wait(bars.index(S_FULL), it & 1)
         s = gl.permute(sbuf.slice(HF * HM, HM, dim=0).load(sr_l), (1, 0))  # [64 tokens, HM rows]
         _cta_barrier()
@@ -691,14 +592,12 @@ def mla_decode_split_kernel(
     _cta_barrier()
     # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
     gl.warp_specialize([
-        (_values, (0, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, cc_ptr, cs_ptr, cz_ptr, snc_ptr, snr_ptr,
-                   rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb,
-                   s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S,
-                   R, BM, PAGED)),
-        (_values, (1, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, cc_ptr, cs_ptr, cz_ptr, snc_ptr, snr_ptr,
-                   rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_ccb, s_csb,
-                   s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S,
-                   R, BM, PAGED)),
+        (_values, (0, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                   s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
+        (_values, (1, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+                   s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
         (_scorer, (qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
                    rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
                    s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, pt_ptr, s_pt, GC, C_BITS, R_BITS, S, R,

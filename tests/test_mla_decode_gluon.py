@@ -175,12 +175,10 @@ COMPILE_SPLIT = COMPILE_PREFIX + textwrap.dedent(
     for cb, rb, paged in ((2, 4, False), (4, 4, False), (2, 4, True), (4, 4, True), (4, 8, False), (2, 8, True),
                           (8, 8, False), (8, 8, True)):
         ptx = split_ptx(cb, rb, paged)
-        # the scores with the keys in registers: the scorer's units (content 0, 1, 4, 5 and RoPE below 8-bit content,
-        # all 9 at 8 bits) x 4 k-steps in the loop and as many for the copy tile; from shared memory: the units the
-        # value warpgroups unpack (2, 3, 6, 7; none at 8 bits), and the values, 4 units x 4 k-steps per value warpgroup
-        shared_units = 4 if cb < 8 else 0
-        assert len(re.findall(mma + r"\{", ptx)) == 2 * (9 - shared_units) * 4, (cb, paged)
-        assert len(re.findall(mma + r"%rd", ptx)) == 2 * shared_units * 4 + 2 * 4 * 4, (cb, paged)
+        # the scores with the keys in registers: 9 units x 4 k-steps in the loop and as many for the copy tile; the
+        # values from shared memory: 4 units x 4 k-steps per value warpgroup
+        assert len(re.findall(mma + r"\{", ptx)) == 2 * 9 * 4, (cb, paged)
+        assert len(re.findall(mma + r"%rd", ptx)) == 2 * 4 * 4, (cb, paged)
         assert "stmatrix.sync.aligned" in ptx  # the keys stored as their A fragments are
         assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
     # 16-bit planes (C16R16): the content keys copied into the value stages (cp.async, 16 bytes), scored from there;
@@ -243,8 +241,8 @@ def test_split_kernel_compiles_for_sm90_scorer_and_value_warpgroups():
 def test_split_shared_memory_and_formats():
     c2r4 = CacheFormat(PathFormat(512, 2, 64), PathFormat(64, 4, 64))
     # queries (9 units x 64 rows x 64 fp16) + content keys (2 stages x 8 units x 64 x 64 fp16) + scores (64 x 64 fp32)
-    # + P (64 x 64 fp16) + three row factors, 8 votes, 11 barriers + 1 KB scratch: under the 227 KB of one program
-    assert ms.smem_bytes(c2r4, False) == 9 * 8192 + 2 * 8 * 8192 + 64 * 64 * 6 + 3 * 256 + 32 + 88 + 1024
+    # + P (64 x 64 fp16) + three row factors, 8 votes, 9 barriers + 1 KB scratch: under the 227 KB of one program
+    assert ms.smem_bytes(c2r4, False) == 9 * 8192 + 2 * 8 * 8192 + 64 * 64 * 6 + 3 * 256 + 32 + 72 + 1024
     assert ms.smem_bytes(c2r4, False) <= mc.SMEM_LIMIT
     for c, r in ((2, 4), (4, 4), (4, 8), (2, 8)):  # 8-bit RoPE: its integer codes scored apart
         f = CacheFormat(PathFormat(512, c, 64), PathFormat(64, r, 64))
@@ -532,14 +530,15 @@ def test_sass_script_counts_both_packed_loops():
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_sass_script_reads_the_split_kernels_loops():
     """`benchmarks/sass_decode.py --split` finds each value warpgroup's main loop (per tile: its 4 units x 4 k-steps
-    of values, two units unpacked) and the scorer's (9 units x 4 k-steps of scores, 5 units unpacked; 16-bit keys:
-    none, 8 units x 4 copies of 16 bytes per thread), and reports the warpgroups' registers."""
+    of values, no unpacking) and the scorer's (9 units x 4 k-steps of scores, 9 units x 16 pairs per thread: 144
+    unpacking multiplies; 16-bit keys: none, 8 units x 4 copies of 16 bytes per thread), and reports the
+    warpgroups' registers."""
     out = _sass_script("C4R4", "--split")
     assert out.returncode == 0, out.stderr[-3000:]
     values = re.findall(r"^value loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
     scorers = re.findall(r"^scorer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
-    assert values == [("16", "32"), ("16", "32")], out.stdout  # two units' keys each: 2 x 16 pairs per thread
-    assert scorers == [("36", "80")], out.stdout  # content units 0, 1, 4, 5 and RoPE: 5 x 16
+    assert values == [("16", "0"), ("16", "0")], out.stdout
+    assert scorers == [("36", "144")], out.stdout
     assert f"value worker {ms.REGS[4, 4, False][0]}, scorer {ms.REGS[4, 4, False][1]}" in out.stdout, out.stdout
     assert re.search(r"^ptxas: wgmmas not serialized, spills \d+ B stored, \d+ B loaded$", out.stdout, re.M), out.stdout
     dense = _sass_script("C16R16", "--split")  # 16-bit keys: copied into the value stages (32 cp.async a thread)
