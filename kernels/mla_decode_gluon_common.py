@@ -711,16 +711,15 @@ def _lane_sums(p):
 
 
 @_jit
-def _references(b_s, m_i, TOKENS: gl.constexpr = 0):
-    """Lazy rescaling of scores `b_s: [64, BM]` (base 2; with `TOKENS` 1 `[BM, 64]`: the tokens on axis `TOKENS`)
-    against references `m_i: [BM]`: `(move, m_new, m_use, p)`, a row's reference moved to the tile's maximum where
-    that passes it by more than 8 (RESCALE_LOG2; true for every row's first finite scores, `m_i = -inf`), `m_use` the
-    reference with -inf as 0, `p = 2**(b_s - m_use)`."""
-    m_tile = gl.max(b_s, axis=TOKENS)
+def _references(b_s, m_i):
+    """Lazy rescaling of scores `b_s: [64, BM]` (base 2) against references `m_i: [BM]`: `(move, m_new, m_use, p)`,
+    a row's reference moved to the tile's maximum where that passes it by more than 8 (RESCALE_LOG2; true for every
+    row's first finite scores, `m_i = -inf`), `m_use` the reference with -inf as 0, `p = 2**(b_s - m_use)`."""
+    m_tile = gl.max(b_s, axis=0)
     move = m_tile > m_i + 8.0
     m_new = gl.where(move, m_tile, m_i)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    return move, m_new, m_use, gl.exp2(b_s - gl.expand_dims(m_use, TOKENS))
+    return move, m_new, m_use, gl.exp2(b_s - m_use[None, :])
 
 
 @_jit

@@ -109,9 +109,8 @@ def registers(fmt: CacheFormat, paged: bool) -> tuple[int, int]:
 LAUNCH_REGS = 168  # at launch, for all 12 warps (65,536 / 384 rounded down to 8)
 FILL_PER_SM = 1  # programs per multiprocessor the splits provide (`ops.backends.fill_splits`)
 # the mbarriers (one allocation): per key stage full and empty, then the scores', P's and the end's
-V_FULL, V_EMPTY, S_FULL, S_EMPTY = (_const(i) for i in (0, 2, 4, 5))
-N_BARS = _const(6)
-RESCALE_VOTE = _const(0)
+V_FULL, V_EMPTY, S_FULL, S_EMPTY, P_FULL, P_FREE, E_BAR = (_const(i) for i in (0, 2, 4, 5, 6, 7, 8))
+N_BARS = _const(9)
 
 
 # --------------------------------------------------------------------------------------------- the scorer
@@ -454,41 +453,48 @@ def _store_unit_in_order(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, 
 
 
 @_jit
-def _values(HF: gl.constexpr, vbuf, sbuf, fbuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
-            lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt,
-            GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
-            BM: gl.constexpr, PAGED: gl.constexpr):
-    """Value warpgroup `HF` (0: the default warps, 1: a worker): the softmax of all the program's rows and the output
-    channels of `vbuf[4 HF .. 4 HF + 3]` over the tiles of its split (then, a copy program, its copy tile), its
-    partial outputs and (`HF` 0) the rows' LSE. Both warpgroups run the same softmax on the same scores, so they
-    agree without exchanging anything."""
+def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr,
+            lp_ptr, len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+            s_rcct, s_rcrb, s_rcrt, GC: gl.constexpr, C_BITS: gl.constexpr, R_BITS: gl.constexpr, S: gl.constexpr,
+            R: gl.constexpr, BM: gl.constexpr, PAGED: gl.constexpr):
+    """Value warpgroup `HF` (0: the default warps, 1: a worker): the softmax of rows `[HF * BM/2, + BM/2)` and the
+    output channels of `vbuf[HF]` of all the program's rows over the tiles of its split (then, a copy program, its
+    copy tile), its partial outputs and its rows' LSE."""
     BT: gl.constexpr = 64
+    HM: gl.constexpr = BM // 2
+    D_C: gl.constexpr = GC * 64
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
+    sr_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [HM rows, 64 tokens] as loaded
+    s_l: gl.constexpr = gl.BlockedLayout([16, 1], [4, 8], [1, 4], [0, 1])  # its transpose, [64 tokens, HM rows]
+    tok_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_l: gl.constexpr = gl.SliceLayout(0, s_l)
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)  # P as the A operand
-    row_l: gl.constexpr = gl.SliceLayout(1, o_l)  # per row
-    tok_l: gl.constexpr = gl.SliceLayout(0, o_l)  # per token
-    KD: gl.constexpr = vbuf[0].dtype
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
 
     i_s, i_hb, i_b, length, lp, i_c = _program_rows(num_splits, M, len_ptr, lp_ptr, BM, ND, PAGED)
-    o_m = i_hb * BM + gl.arange(0, BM, layout=row_l)
+    o_m = i_hb * BM + HF * HM + gl.arange(0, HM, layout=row_l)
     m_m = o_m < M
     lim_m = (length - Tq + (o_m % Tq) + 1).to(gl.int32)  # query t of Tq sees positions < length - Tq + t + 1
     lim_all = (length - Tq + 1).to(gl.int32)  # positions every query sees
-    f = fbuf.load(row_l)
+    f = fbuf.slice(HF * HM, HM).load(row_l)
     n_tiles, n_all, t_base, lo, hi, c_t0, c_lo, c_hi = _value_tiles(
         i_s, num_splits, length, split_target, lp, i_c, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, s_sncb, s_snct, s_snrb,
         s_snrt, s_rccb, s_rcct, s_rcrb, s_rcrt, S, R, C_BITS)
     o_bt = gl.arange(0, BT, layout=tok_l)
-    m_i = gl.full([BM], float("-inf"), gl.float32, row_l)
-    l_i = gl.zeros([BM], gl.float32, row_l)
+    m_i = gl.full([HM], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([HM], gl.float32, row_l)
     outs = ()  # the output accumulators `O_u: [64 rows, 64]` of content units `4 HF + u` (as the loop leaves them)
     for u in gl.static_range(4):
-        outs = outs + (gl.zeros([BM, 64], gl.float32, o_l),)
+        outs = outs + (warpgroup_mma_init(gl.zeros([BM, 64], gl.float32, o_l)),)
     for it in range(n_all):
         st = it % 2
+        # this warpgroup's product of the tile before has finished: its key stage and (once the other's has too) P
+        # and the factors are free
+        outs = warpgroup_mma_wait(0, deps=outs)
+        mbarrier.arrive(bars.index(V_EMPTY + 1 - st), count=1, pred=it > 0)
+        mbarrier.arrive(bars.index(P_FREE), count=1, pred=it > 0)
         mbarrier.wait(bars.index(S_FULL), it & 1)
-        s = sbuf.load(o_l)  # [64 rows, 64 tokens]
+        s = gl.permute(sbuf.slice(HF * HM, HM, dim=0).load(sr_l), (1, 0))  # [64 tokens, HM rows]
         _cta_barrier()
         mbarrier.arrive(bars.index(S_EMPTY), count=1)
         packed = it < n_tiles
@@ -496,35 +502,40 @@ def _values(HF: gl.constexpr, vbuf, sbuf, fbuf, bars, snc_ptr, snr_ptr, rcc_ptr,
         p_lo = gl.where(packed, lo, c_lo)
         p_hi = gl.where(packed, hi, c_hi)
         if (t0 >= p_lo) & (t0 + BT <= gl.minimum(p_hi, lim_all)):  # every position visible to every row
-            b_s = s * f[:, None]  # (rows past M: zero queries, finite scores, never stored)
+            b_s = s * f[None, :]  # (rows past M: zero queries, finite scores, never stored)
         else:
             p_t = t0 + o_bt
-            m_valid = (((p_t >= p_lo) & (p_t < p_hi))[None, :] & m_m[:, None]) & (p_t[None, :] < lim_m[:, None])
-            b_s = gl.where(m_valid, s * f[:, None], float("-inf"))
-        move, m_new, m_use, p32 = _references(b_s, m_i, 1)  # lazy: a row's reference moves by more than 8 or not
+            m_valid = (((p_t >= p_lo) & (p_t < p_hi))[:, None] & m_m[None, :]) & (p_t[:, None] < lim_m[None, :])
+            b_s = gl.where(m_valid, s * f[None, :], float("-inf"))
+        move, m_new, m_use, p = _references(b_s, m_i)  # lazy: a row's reference moves by more than 8 or not at all
         alpha = gl.exp2(m_i - m_use)  # 1 where it did not move
-        l_i = l_i * alpha + gl.sum(p32, axis=1)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
         m_i = m_new
-        if RESCALE_VOTE:
-            if gl.max(move.to(gl.int32), axis=0) > 0:  # some row's reference moved
-                a = alpha[:, None]
-                outs = (outs[0] * a, outs[1] * a, outs[2] * a, outs[3] * a)
-        else:
-            a = alpha[:, None]
-            outs = (outs[0] * a, outs[1] * a, outs[2] * a, outs[3] * a)  # (times 1, exactly, where it did not move)
-        p = gl.convert_layout(p32.to(KD), p_a)
+        mbarrier.wait(bars.index(P_FREE), (it + 1) & 1, pred=it > 0)
+        pbuf.slice(HF * HM, HM, dim=0).store(gl.permute(p.to(pbuf.dtype), (1, 0)))
+        abuf.slice(HF * HM, HM).store(alpha)
+        mvbuf.slice(4 * HF, 4).store(gl.max(gl.reshape(move.to(gl.int32), [4, HM // 4]), axis=1))  # per warp
+        fence_async_shared()  # P visible to the wgmmas
+        _cta_barrier()
+        mbarrier.arrive(bars.index(P_FULL), count=1)
+        mbarrier.wait(bars.index(P_FULL), it & 1)
+        if gl.max(mvbuf.load(gl.BlockedLayout([8], [32], [4], [0])), axis=0) > 0:  # some row's reference moved
+            a = abuf.load(orow_l)[:, None]
+            outs = (outs[0] * a, outs[1] * a, outs[2] * a, outs[3] * a)
         mbarrier.wait(bars.index(V_FULL + st), (it // 2) & 1)
         pv = ()
         for u in gl.static_range(4):
-            pv = pv + (warpgroup_mma(p, vbuf[4 * HF + u].index(st), outs[u], is_async=True),)
-        o0, o1, o2, o3, p = warpgroup_mma_wait(0, deps=[pv[0], pv[1], pv[2], pv[3], p])
-        outs = (o0, o1, o2, o3)
-        mbarrier.arrive(bars.index(V_EMPTY + st), count=1)  # this warpgroup is done with the stage's keys
+            pv = pv + (warpgroup_mma(pbuf, vbuf[4 * HF + u].index(st), outs[u], is_async=True),)
+        outs = pv
+    outs = warpgroup_mma_wait(0, deps=outs)
 
     inv_l, b_lse = _finish(l_i, m_i)
-    if HF == 0:
-        gl.store(lse_ptr + (i_b * M + o_m) * (num_splits + ND) + i_s, b_lse, mask=m_m)
-    inv = inv_l[:, None]
+    gl.store(lse_ptr + (i_b * M + o_m) * (num_splits + ND) + i_s, b_lse, mask=m_m)
+    ibuf.slice(HF * HM, HM).store(inv_l)
+    _cta_barrier()
+    mbarrier.arrive(bars.index(E_BAR), count=1)
+    mbarrier.wait(bars.index(E_BAR), 0)
+    inv = ibuf.load(orow_l)[:, None]
     for u in gl.static_range(4):
         if C_BITS == 16:  # the stage's columns in channel order
             _store_unit_in_order(o_ptr, outs[u] * inv, 4 * HF + u, i_b * M + i_hb * BM, M - i_hb * BM,
@@ -557,18 +568,18 @@ def mla_decode_split_kernel(
     D_C: gl.constexpr = GC * 64
     ND: gl.constexpr = (S + BT - 1) // BT + (R + BT - 1) // BT
     k_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    # the scores `[64 rows, 64 tokens]` row by row, token bit 3 flipped by row bit 1 and token bit 4 by row bits 0
-    # and 2: the scorer's 4-byte stores (rows 2q + e, 8 tokens) hit 32 banks, each half warp of the values' 8-byte
-    # loads (4 rows, 4 token pairs) 16 distinct pairs of banks
-    s_sl: gl.constexpr = gl.SharedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [1, 16], [2, 8],
-                                                [4, 16], [8, 0], [16, 0], [32, 0]])
+    s_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
     v_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     KD: gl.constexpr = cc_ptr.dtype.element_ty if C_BITS == 16 else gl.float16  # the operands' 16-bit type
     qbuf = _unit_buffers(GC + 1, BM, k_sl, 1, KD)
     vbuf = _unit_buffers(GC, BT, k_sl, 2, KD)  # one allocation per unit: the scorer's stores are seen as disjoint
     sbuf = gl.allocate_shared_memory(gl.float32, [BM, BT], s_sl)
+    pbuf = gl.allocate_shared_memory(KD, [BM, BT], k_sl)
+    abuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
     fbuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
+    ibuf = gl.allocate_shared_memory(gl.float32, [BM], v_sl)
+    mvbuf = gl.allocate_shared_memory(gl.int32, [8], v_sl)  # per value warp: whether a row's reference moved
     bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(N_BARS):  # the scorer's one arrival, or one of each value warpgroup
         mbarrier.init(bars.index(i), count=1 if (i < V_EMPTY or i == S_FULL) else 2)
@@ -581,11 +592,11 @@ def mla_decode_split_kernel(
     _cta_barrier()
     # (the argument tuples are written out: a tuple held in a variable would turn the constexprs into tensors)
     gl.warp_specialize([
-        (_values, (0, vbuf, sbuf, fbuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
-                   lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+        (_values, (0, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                    s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
-        (_values, (1, vbuf, sbuf, fbuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr, len_ptr, o_ptr,
-                   lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
+        (_values, (1, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, snc_ptr, snr_ptr, rcc_ptr, rcr_ptr, lp_ptr,
+                   len_ptr, o_ptr, lse_ptr, M, Tq, split_target, num_splits, s_sncb, s_snct, s_snrb, s_snrt, s_rccb,
                    s_rcct, s_rcrb, s_rcrt, GC, C_BITS, R_BITS, S, R, BM, PAGED)),
         (_scorer, (qbuf, vbuf, sbuf, bars, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, snc_ptr, snr_ptr,
                    rcc_ptr, rcr_ptr, lp_ptr, len_ptr, M, split_target, num_splits, s_ccb, s_csb, s_rcb, s_rsb, s_sncb,
@@ -597,11 +608,11 @@ def mla_decode_split_kernel(
 # --------------------------------------------------------------------------------------------- host side
 def smem_bytes(fmt: CacheFormat, q_split: bool) -> int:
     """Shared memory of one program: queries `[GC + 1, 64, 64]` fp16, two stages of content keys `[GC, 64, 64]`
-    fp16, scores `[64, 64]` fp32, the rows' score factors `[64]` fp32 and the barriers, plus 1 KB of compiler
-    scratch."""
+    fp16, scores `[64, 64]` fp32, P `[64, 64]` fp16, three `[64]` fp32 row factors, 8 votes and the barriers, plus
+    1 KB of compiler scratch."""
     gc = fmt.content.dim // GROUP  # content units (of 16-bit planes too)
-    return ((gc + 1) * BLOCK_M * GROUP * 2 + 2 * gc * BLOCK_T * GROUP * 2 + BLOCK_T * BLOCK_M * 4 + BLOCK_M * 4
-            + N_BARS * 8 + 1024)
+    return ((gc + 1) * BLOCK_M * GROUP * 2 + 2 * gc * BLOCK_T * GROUP * 2 + BLOCK_T * BLOCK_M * (4 + 2)
+            + 3 * BLOCK_M * 4 + 8 * 4 + N_BARS * 8 + 1024)
 
 
 def split_handles(fmt: CacheFormat) -> bool:
