@@ -116,7 +116,7 @@ def compile_quant_pack(bits: int, width: int, slots: bool):
 
 def compile_combine(block_d: int, n_tail: int):
     """`combine_kernel` compiled for sm_90 over d_c 512 in `block_d`-column programs with `n_tail` copy slots."""
-    const = dict(D_C=512, BLOCK_S=combine.CHUNK, BLOCK_D=block_d, N_TAIL=n_tail)
+    const = dict(D_C=512, BLOCK_S=combine.CHUNK, BLOCK_D=block_d, N_TAIL=n_tail, LSE_BLOCK=combine.LSE_BLOCK)
     ptr = dict(o_part_ptr="*fp32", lse_part_ptr="*fp32", o_ptr="*fp32", lse_ptr="*fp32")
     return _compile_triton(combine.combine_kernel, const, ptr, "i32", dict(num_warps=4))
 

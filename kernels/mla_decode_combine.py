@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 8  # packed splits merged per step (fixed: the summation order must not follow the grid)
+LSE_BLOCK = 256  # split LSEs read per step of the first pass (the Gluon grids have at most 2 programs per SM)
 BLOCK_D = 512  # latent columns per program at most
 MIN_BLOCK_D = 64  # and at least
 SMS_PER_PROGRAM = 2  # columns are split while the grid has fewer programs than half the multiprocessors
@@ -22,11 +23,13 @@ SMS_PER_PROGRAM = 2  # columns are split while the grid has fewer programs than 
 
 @triton.jit(do_not_specialize=["NSP"])
 def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, N_TAIL: tl.constexpr = 1):
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, N_TAIL: tl.constexpr, LSE_BLOCK: tl.constexpr):
     """Log-sum-exp merge of the splits of one (batch row, query row) and block of d_c columns; a row with no
-    visible position gives zeros and lse -inf. The packed splits `0 .. NSP-N_TAIL-1` are summed in chunks of a
-    fixed `BLOCK_S`, their partials read only where non-empty, then the `N_TAIL` copy slots one by one: trailing
-    empty splits add exact zeros, so the result does not depend on `NSP`."""
+    visible position gives zeros and lse -inf. A first pass reads the packed splits' LSEs `LSE_BLOCK` at a time for
+    their maximum and the last non-empty one; the packed splits up to it are then summed in chunks of a fixed
+    `BLOCK_S` (each chunk's LSEs and partials loaded together, an empty split's partial, whatever it holds, selected
+    away), then the `N_TAIL` copy slots one by one: the empty splits after the last add nothing, so the result does
+    not depend on `NSP`."""
     i_bm = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     n_packed = NSP - N_TAIL
@@ -39,21 +42,26 @@ def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.conste
         m = tl.full((), float("-inf"), tl.float32)
     for j in tl.static_range(1, N_TAIL):
         m = tl.maximum(m, tl.load(p_lse + n_packed + j))
-    for s0 in range(0, n_packed, BLOCK_S):
-        o_s = s0 + tl.arange(0, BLOCK_S)
-        m = tl.maximum(m, tl.max(tl.load(p_lse + o_s, mask=o_s < n_packed, other=float("-inf")), axis=0))
+    last = tl.full((), -1, tl.int32)  # the last non-empty packed split
+    for s0 in range(0, n_packed, LSE_BLOCK):
+        o_l = s0 + tl.arange(0, LSE_BLOCK)
+        b_lse = tl.load(p_lse + o_l, mask=o_l < n_packed, other=float("-inf"))
+        m = tl.maximum(m, tl.max(b_lse, axis=0))
+        last = tl.maximum(last, tl.max(tl.where(b_lse > float("-inf"), o_l, -1), axis=0))
+    n_used = last + 1
     m_use = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros((1,), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for s0 in range(0, n_packed, BLOCK_S):
+    for s0 in range(0, n_used, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
-        b_lse = tl.load(p_lse + o_s, mask=o_s < n_packed, other=float("-inf"))
+        m_s = o_s < n_used
+        b_lse = tl.load(p_lse + o_s, mask=m_s, other=float("-inf"))
+        b_o = tl.load(o_part_ptr + (i_bm * NSP + o_s[:, None]) * D_C + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
+                      other=0.0)
         has = b_lse > float("-inf")
         w = tl.where(has, tl.exp(b_lse - m_use), 0.0)
-        b_o = tl.load(o_part_ptr + (i_bm * NSP + o_s[:, None]) * D_C + o_d[None, :], mask=has[:, None] & m_d[None, :],
-                      other=0.0)
         total += tl.sum(w, axis=0)
-        acc += tl.sum(b_o * w[:, None], axis=0)
+        acc += tl.sum(tl.where(has[:, None], b_o * w[:, None], 0.0), axis=0)
     for j in tl.static_range(N_TAIL):
         lse_dense = tl.load(p_lse + n_packed + j)
         w_d = tl.where(lse_dense > float("-inf"), tl.exp(lse_dense - m_use), 0.0)
@@ -89,7 +97,7 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
         o, lse = out
     block_d = column_block(B * M, D_C, sms)
     combine_kernel[(B * M, triton.cdiv(D_C, block_d))](
-        o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=CHUNK, BLOCK_D=block_d, N_TAIL=n_tail,
+        o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=CHUNK, BLOCK_D=block_d, N_TAIL=n_tail, LSE_BLOCK=LSE_BLOCK,
     )
     return o, lse
 

@@ -43,6 +43,9 @@ SMEM_PER_SM = 233472  # bytes of shared memory of one sm_90 multiprocessor (228 
 
 _jit = gluon.jit if HAVE_GLUON else (lambda fn: fn)
 _constexpr_fn = gluon.constexpr_function if HAVE_GLUON else (lambda fn: fn)  # called in a kernel at compile time
+# the split minimums as the kernels read them: a constexpr global enters the kernels' cache key, a plain int does not
+_MIN_TILES, _MIN_TILES_8BIT = ((gl.constexpr(MIN_SPLIT_TILES), gl.constexpr(MIN_SPLIT_TILES_8BIT)) if HAVE_GLUON
+                               else (MIN_SPLIT_TILES, MIN_SPLIT_TILES_8BIT))
 
 
 def _jit_dynamic(fn):
@@ -108,7 +111,7 @@ def _split_range(i_s, num_splits, length, split_target, lp, S: gl.constexpr, R: 
     `[lo_valid, hi)` are valid; the copy programs (`i_s >= num_splits`) get no packed tiles."""
     covered = gl.maximum(length - R, 0)
     tokens_per_split = (covered + split_target - 1) // split_target
-    MIN_TILES: gl.constexpr = 2 if C_BITS == 8 else 4  # min_split_tiles
+    MIN_TILES: gl.constexpr = _MIN_TILES_8BIT if C_BITS == 8 else _MIN_TILES  # min_split_tiles
     tokens_per_split = gl.maximum((tokens_per_split + BT - 1) // BT * BT, MIN_TILES * BT)
     base = i_s * tokens_per_split
     lo = gl.maximum(base, S)

@@ -270,8 +270,9 @@ def test_reads_a_real_cache_layer():
 
 @pytest.mark.parametrize("n_tail", [0, 1, 3])
 def test_combine_matches_its_reference_and_ignores_trailing_empty_splits(n_tail):
-    """Tail slots (the copies; none for a paged 16-bit cache) merged after the packed splits; trailing empty packed
-    splits add exact zeros, so a wider grid gives the same bits; a row with every split empty gives zeros and -inf."""
+    """Tail slots (the copies; none for a paged 16-bit cache) merged after the packed splits; empty packed splits add
+    nothing whatever their partials hold, so a wider grid gives the same bits; a row with every split empty gives
+    zeros and -inf."""
     if "triton" not in AVAILABLE:
         pytest.skip("needs the Triton kernels")
     g = torch.Generator().manual_seed(n_tail)
@@ -281,10 +282,15 @@ def test_combine_matches_its_reference_and_ignores_trailing_empty_splits(n_tail)
     ro, rl = combine_ref(o_part, lse_part)
     assert_close("o", ro, o, 1e-6)
     assert torch.isinf(lse[0, 0]) and not o[0, 0].any()
-    wide_o = torch.cat([o_part[:, :, :5], torch.zeros(2, 3, 11, 64), o_part[:, :, 5:]], 2)
+    wide_o = torch.cat([o_part[:, :, :5], torch.full((2, 3, 11, 64), float("nan")), o_part[:, :, 5:]], 2)
     wide_l = torch.cat([lse_part[:, :, :5], torch.full((2, 3, 11), float("-inf")), lse_part[:, :, 5:]], 2)
     o2, lse2 = to_device(combine(*to_device((wide_o, wide_l)), n_tail), "cpu")
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    # an empty split between non-empty ones (left padding) adds nothing, whatever its partial holds
+    hole_o, hole_l = o_part.clone(), lse_part.clone()
+    hole_o[:, :, 2], hole_l[:, :, 2] = float("nan"), float("-inf")
+    o3, _ = to_device(combine(*to_device((hole_o, hole_l)), n_tail), "cpu")
+    assert_close("o, a split empty", combine_ref(hole_o.nan_to_num(0.0), hole_l)[0], o3, 1e-6)
 
 
 def test_bad_inputs_get_clear_errors():
