@@ -83,6 +83,18 @@ def test_other_gpus_and_cpu(gpu, monkeypatch, f, rows, batch, dtype, want):
     assert md.select_backend(f, rows, batch, dtype, "cpu") == portable
 
 
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason="needs Gluon (Triton >= 3.5)")
+def test_gluon_kernels_read_the_hosts_split_minimums_as_constexpr():
+    """The kernels cut splits by the minimums the host plans the grid with, read as `constexpr` globals: those enter
+    a kernel's cache key, so a changed minimum recompiles instead of launching kernels cut for the old one."""
+    from triton.experimental.gluon import language as gl
+
+    assert isinstance(mc._MIN_TILES, gl.constexpr) and isinstance(mc._MIN_TILES_8BIT, gl.constexpr)
+    assert (mc._MIN_TILES.value, mc._MIN_TILES_8BIT.value) == (mc.MIN_SPLIT_TILES, mc.MIN_SPLIT_TILES_8BIT)
+    assert [mc.min_split_tiles(fmt(c, r)) for c, r in ((4, 4), (2, 4), (4, 8), (8, 8))] == [
+        mc.MIN_SPLIT_TILES, mc.MIN_SPLIT_TILES, mc.MIN_SPLIT_TILES, mc.MIN_SPLIT_TILES_8BIT]
+
+
 def test_split_plan_and_fill_splits():
     c4r4 = fmt(4, 4)
     # the portable kernel: programs_per_sm of its rows (1 per SM at one row, 2 at five, 8 from 17 on), bounded by
