@@ -122,6 +122,27 @@ def test_split_plan_and_fill_splits():
         assert B * hb * n <= per * sms < B * hb * (n + 1)
 
 
+def test_split_kernel_starts_its_copy_programs_in_the_first_wave():
+    """`gluon_split` (one program per SM) takes `sms // (B * hb) - copies` splits where that keeps 7/8 of the fill:
+    then every packed and copy program of the launch starts at once; else the fill rule's splits."""
+    c4r4, copies = fmt(4, 4), 3  # 4 sink + 128 recent tokens: one sink tile and two recent tiles
+    assert mc.copy_programs(c4r4) == copies
+    # 128 heads (2 blocks of 64 rows): 63 splits at batch 1 (not 66), 30 at batch 2 (not 33), the fill from batch 4
+    assert [md.split_plan("gluon_split", B, 2, 32768, c4r4, 132) for B in (1, 2, 4, 8, 32)] == [
+        (63, 63), (30, 30), (16, 16), (8, 8), (2, 2)]
+    assert md.split_plan("gluon_split", 1, 2, 4096, c4r4, 132) == (63, 16)  # the capacity still bounds the grid
+    assert md.split_plan("gluon_split", 1, 1, 32768, fmt(16, 16), 132) == (129, 128)  # 64 heads, C16R16
+    assert md.split_plan("gluon_split", 1, 2, 32768, c4r4, 132, num_splits=66) == (66, 66)  # an override stays
+    assert md.split_plan("gluon_regs", 1, 1, 32768, c4r4, 132)[0] == 264  # two resident programs: the fill rule
+    for B, hb, sms in ((1, 2, 132), (2, 2, 132), (1, 1, 132), (3, 2, 114), (1, 2, 78), (4, 2, 132), (8, 2, 132)):
+        fill = md.fill_splits(B, hb, sms, 1)
+        n = md.one_wave_splits(B, hb, sms, copies, fill)
+        if n != fill:
+            assert B * hb * (n + copies) <= sms and 8 * n >= 7 * fill  # all programs in one wave, few splits lost
+        else:
+            assert 8 * (sms // (B * hb) - copies) < 7 * fill
+
+
 def test_portable_launch_and_operands(monkeypatch):
     """The portable kernel's launch by format (16-bit content: 64-token tiles, 2 stages; packed: 32-token tiles, 1
     stage up to 32 rows, 2 above) and which launches keep the model dtype's operands (`NATIVE`; bf16 not in the
