@@ -158,7 +158,8 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
 
     `split_target` (or `num_splits`) depends on static sizes other than the capacity: the portable kernel
     `programs_per_sm(B * head_blocks)` programs per multiprocessor (1 to 8, the paged kernel's rule), the Gluon
-    kernels `fill_splits` of their resident slots. The kernels cut the
+    kernels `fill_splits` of their resident slots (`gluon_split`: `one_wave_splits`, room for its copy programs in
+    the same wave). The kernels cut the
     positions the device-side length holds, `n = length - R - first` (`first`: `S` for the portable kernel, 0 for
     the tile-aligned Gluon kernels), into `tokens_per_split = max(min_tiles * block_t, round_up(cdiv(n,
     split_target), block_t))` each (`min_tiles` 2 for the portable kernel, `min_split_tiles(fmt)` for the Gluon
