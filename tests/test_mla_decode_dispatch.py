@@ -136,7 +136,7 @@ def test_split_kernel_starts_its_copy_programs_in_the_first_wave():
     assert md.split_plan("gluon_regs", 1, 1, 32768, c4r4, 132)[0] == 264  # two resident programs: the fill rule
     for B, hb, sms in ((1, 2, 132), (2, 2, 132), (1, 1, 132), (3, 2, 114), (1, 2, 78), (4, 2, 132), (8, 2, 132)):
         fill = md.fill_splits(B, hb, sms, 1)
-        n = md.one_wave_splits(B, hb, sms, copies, fill)
+        n = md.one_wave_splits(fill, copies)
         if n != fill:
             assert B * hb * (n + copies) <= sms and 8 * n >= 7 * fill  # all programs in one wave, few splits lost
         else:

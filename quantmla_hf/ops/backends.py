@@ -142,14 +142,13 @@ def fill_splits(B: int, head_blocks: int, sms: int, programs_per_sm: int) -> int
     return max(1, (programs_per_sm * sms) // max(1, B * head_blocks))
 
 
-def one_wave_splits(B: int, head_blocks: int, sms: int, copies: int, target: int) -> int:
-    """Packed splits per (batch row, head block) of a kernel with one program per multiprocessor: `sms // (B *
-    head_blocks) - copies`, so that the packed and the `copies` copy programs of every (row, head block) start
-    together, where that keeps at least 7/8 of `target`; else `target`. A copy program that waits for a slot adds
-    its whole time (query staging, one tile, a partial) to the step: at 128 heads and batch 1 the splits that fill
-    every multiprocessor left the last copy programs for a second wave (docs/KERNELS.md, "Grid and splits")."""
-    one_wave = sms // max(1, B * head_blocks) - copies
-    return one_wave if 8 * one_wave >= 7 * target else target
+def one_wave_splits(fill: int, copies: int) -> int:
+    """Packed splits per (batch row, head block) of a kernel with one program per multiprocessor, whose `fill`
+    (`fill_splits`) takes every multiprocessor: `fill - copies`, so that the packed and the `copies` copy programs of
+    every (row, head block) start together, where that keeps at least 7/8 of `fill`; else `fill`. A copy program that
+    waits for a slot adds its whole time (query staging, one tile, a partial) to the step: at 128 heads and batch 1
+    the filled grid left the last copy programs for a second wave (docs/KERNELS.md, "Grid and splits")."""
+    return fill - copies if 8 * (fill - copies) >= 7 * fill else fill
 
 
 def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: CacheFormat, sms: int,
@@ -173,7 +172,7 @@ def split_plan(backend: str, B: int, head_blocks: int, capacity: int, fmt: Cache
         first, block_t, min_tiles = 0, GLUON_BLOCK_T, min_split_tiles(fmt)
         target = fill_splits(B, head_blocks, sms, GLUON_KERNELS[backend][1])
         if backend == "gluon_split":  # one program per SM: the copy programs too in the first wave, if that is cheap
-            target = one_wave_splits(B, head_blocks, sms, copy_programs(fmt), target)
+            target = one_wave_splits(target, copy_programs(fmt))
         if fmt.content.bits == 8:  # splits of 2 tiles (`min_split_tiles`), at most one per SM (docs/KERNELS.md)
             target = min(target, sms)
     target = max(1, int(num_splits or target))
