@@ -5,7 +5,8 @@ fetched separately and never committed) and the stock transformers step (`--stoc
 
     python benchmarks/bench_decode.py --check [--backends default,gluon_regs,gluon_wide,gluon_split,triton]
         every backend vs the fp64 reference at real sizes (d_c 512, 16/128 heads, B 1-64, up to 128K, Tq up to 16,
-        bf16/fp32 queries, bf16/fp16/fp32 models, B x N x 576 > 2^31), and capacity invariance (bitwise)
+        bf16/fp32 queries, bf16/fp16/fp32 models, B x N x 576 > 2^31), each launch replayed from a CUDA graph as
+        well (bitwise the eager result), and capacity invariance (bitwise)
     python benchmarks/bench_decode.py --bench [--graph] [--points H:B:N,...] [--formats C4R4,...] --out DIR
         timing table with the copy-bandwidth ceiling
     python benchmarks/bench_decode.py --repeat ROUNDS --points H:B:N,... --formats C4R4,... [--baseline-path DIR]
@@ -206,7 +207,8 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
     """Each backend vs the fp64 reference on rows 0 and B-1 (the kernel runs on the whole batch) of every
     `check_cases` case (`CheckCase`): queries in bf16 (what the attention swap passes), fp32 (high/low split) and
     bf16 x 1e6 (the per-row power of two); model dtypes bf16, fp16 and fp32 (the exact fp32 path). A backend that
-    does not take a case says so and is skipped. The output is held to the exact reference; the LSE to the reference
+    does not take a case says so and is skipped. On a GPU each launch replayed from a CUDA graph must give the eager
+    result bit for bit. The output is held to the exact reference; the LSE to the reference
     that scores as the backend does (`score_rounding`: the Gluon kernels round packed keys below 8 bits once to
     fp16), with `lse_vs_exact` beside it, that rounding's effect (`--rounding-effect` shows it per path).
 
@@ -232,6 +234,15 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
                 out_lines.append(f"check {label} {name} H={H} B={B} N={N} Tq={Tq} q={qdt}: ERROR {str(e)[:300]}")
                 print(out_lines[-1], flush=True)
                 continue
+            if DEVICE == "cuda":  # the same launch replayed from a CUDA graph (its dependent merge included)
+                run = decode_fn(backend, N, N + spare)
+                replayed = replay_once(lambda: run(*args))
+                same = torch.equal(o, replayed[0]) and torch.equal(lse, replayed[1])
+                all_ok = all_ok and same
+                out_lines.append(f"check {label} {name} H={H} B={B} N={N} Tq={Tq} q={qdt}: CUDA-graph replay "
+                                 f"{'bitwise identical' if same else 'DIFFERS'}")
+                print(out_lines[-1], flush=True)
+                del replayed
             for b, (ref_o, ref_lse) in exact.items():
                 rel = ((o[b : b + 1] - ref_o).norm() / ref_o.norm()).item()
                 lse_exact = (lse[b : b + 1] - ref_lse).abs().max().item()
@@ -325,6 +336,21 @@ def graphed(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def replay_once(fn):
+    """`fn()`'s result as a CUDA graph that captured it computes it, replayed once on a poisoned output (the
+    graph's own output tensors, filled with NaN first)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    for t in result:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return result
 
 
 def copy_ceiling():

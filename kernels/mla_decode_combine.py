@@ -6,9 +6,16 @@
 
 The last `n_tail` slots hold the sink/recent copies. The result, to the bit, depends on the non-empty partials
 only, not on the grid (`combine_kernel`): a growing cache and a static one of any capacity agree exactly.
+
+On Hopper and newer the merge is a programmatic dependent launch of the decode kernel before it (`dependent_launch`):
+its launch is set up while the decode runs, and its programs wait (`griddepcontrol.wait`) for the decode grid's
+partials before reading any (docs/KERNELS.md, "Grid and splits").
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -23,13 +30,17 @@ SMS_PER_PROGRAM = 2  # columns are split while the grid has fewer programs than 
 
 @triton.jit(do_not_specialize=["NSP"])
 def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, N_TAIL: tl.constexpr, LSE_BLOCK: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, N_TAIL: tl.constexpr, LSE_BLOCK: tl.constexpr,
+                   DEPENDENT: tl.constexpr):
     """Log-sum-exp merge of the splits of one (batch row, query row) and block of d_c columns; a row with no
     visible position gives zeros and lse -inf. A first pass reads the packed splits' LSEs `LSE_BLOCK` at a time for
     their maximum and the last non-empty one; the packed splits up to it are then summed in chunks of a fixed
     `BLOCK_S` (each chunk's LSEs and partials loaded together, an empty split's partial, whatever it holds, selected
     away), then the `N_TAIL` copy slots one by one: the empty splits after the last add nothing, so the result does
-    not depend on `NSP`."""
+    not depend on `NSP`. `DEPENDENT`: launched as a programmatic dependent of the decode kernel, so every read waits
+    for that grid's partials (`gdc_wait`)."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
     i_bm = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     n_packed = NSP - N_TAIL
@@ -76,6 +87,18 @@ def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.conste
         tl.store(lse_ptr + i_bm, tl.where(tot > 0, m_use + tl.log(tot), float("-inf")))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether the merge on `device` launches as a programmatic dependent of the kernel before it (CUDA graphs keep
+    the dependency): a CUDA device of compute capability 9.0 or newer, outside the Triton interpreter."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and _sm90_or_newer(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 def column_block(rows: int, d_c: int, sms: int) -> int:
     """Latent columns per combine program: the whole row (up to `BLOCK_D`), halved down to `MIN_BLOCK_D` while the
     programs are fewer than half the multiprocessors (else few programs would read hundreds of partials each)."""
@@ -96,8 +119,11 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
     else:
         o, lse = out
     block_d = column_block(B * M, D_C, sms)
+    dependent = dependent_launch(o_part.device)
+    launch = {"launch_pdl": True} if dependent else {}
     combine_kernel[(B * M, triton.cdiv(D_C, block_d))](
         o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=CHUNK, BLOCK_D=block_d, N_TAIL=n_tail, LSE_BLOCK=LSE_BLOCK,
+        DEPENDENT=dependent, **launch,
     )
     return o, lse
 

@@ -6,7 +6,8 @@ fp32 model's launch once paired fp16 operands with fp32 IEEE dots and failed to 
 counts shared memory (a paged launch once needed 253,952 bytes of the 232,448 a program may use, and failed on the
 H200 only). This compiles the launches `launch_triton` and `mla_decode_paged` make (their tiling, warps and
 stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; its paged launch in bf16), the
-quantize-and-pack kernel's two ways of addressing rows and the paged cache's one-launch layer write ahead of time
+quantize-and-pack kernel's two ways of addressing rows, the paged cache's one-launch layer write and the merge of the
+split partials (as a programmatic dependent launch: its wait before its first load, and without) ahead of time
 for sm_90 (Triton's own ptxas, no driver), in a subprocess because the test session runs Triton in interpreter mode.
 """
 
@@ -85,6 +86,21 @@ SCRIPT = textwrap.dedent(
         src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         assert ".target sm_90" in kernel.asm["ptx"]
+
+    # the merge, as the dependent launch it is on Hopper (waits for the decode grid before its first read) and not
+    from quantmla_hf.kernels import mla_decode_combine as mc
+
+    fn = mc.combine_kernel
+    for dependent in (True, False):
+        const = dict(D_C=512, BLOCK_S=mc.CHUNK, BLOCK_D=64, N_TAIL=3, LSE_BLOCK=mc.LSE_BLOCK, DEPENDENT=dependent)
+        ptr = dict(o_part_ptr="*fp32", lse_part_ptr="*fp32", o_ptr="*fp32", lse_ptr="*fp32")
+        sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in fn.arg_names}
+        src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, launch_pdl=dependent))
+        ptx = kernel.asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == dependent and kernel.metadata.launch_pdl == dependent
+        if dependent:  # the wait comes before any global load
+            assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
     print("compiled")
     """
 )

@@ -293,6 +293,19 @@ def test_combine_matches_its_reference_and_ignores_trailing_empty_splits(n_tail)
     assert_close("o, a split empty", combine_ref(hole_o.nan_to_num(0.0), hole_l)[0], o3, 1e-6)
 
 
+def test_merge_is_a_dependent_launch_on_hopper_only(monkeypatch):
+    """The merge waits on the decode grid through a programmatic dependent launch on compute capability 9.0 and
+    newer; never on the CPU, an older GPU or in the interpreter (which has no `griddepcontrol`)."""
+    from quantmla_hf.kernels import mla_decode_combine as mcomb
+
+    monkeypatch.setattr(mcomb, "_sm90_or_newer", lambda index: index == 0)  # device 0 a Hopper, device 1 an Ampere
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert mcomb.dependent_launch(torch.device("cuda", 0)) and not mcomb.dependent_launch(torch.device("cuda", 1))
+    assert not mcomb.dependent_launch(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not mcomb.dependent_launch(torch.device("cuda", 0))
+
+
 def test_bad_inputs_get_clear_errors():
     args = list(random_case(1, 30, 2, 1, 64, 16, 4, 4, 2, 4, torch.float32, [0], seed=2))
     with pytest.raises(ValueError, match="one-element tensor"):
