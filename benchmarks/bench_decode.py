@@ -328,24 +328,25 @@ def bench(fn, slow=False):
     return do_bench(fn, warmup=5 if slow else 25, rep=30 if slow else 100, return_mode="median")
 
 
-def graphed(fn):
-    """`fn` captured once in a CUDA graph: the returned callable replays it (no Python or launch overhead)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def replay_once(fn):
-    """`fn()`'s result as a CUDA graph that captured it computes it, replayed once on a poisoned output (the
-    graph's own output tensors, filled with NaN first)."""
+def capture(fn):
+    """`fn` run once, then captured in a CUDA graph: `(graph, the captured call's result)`."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         result = fn()
+    return graph, result
+
+
+def graphed(fn):
+    """`fn` captured once in a CUDA graph: the returned callable replays it (no Python or launch overhead)."""
+    return capture(fn)[0].replay
+
+
+def replay_once(fn):
+    """`fn()`'s result as a CUDA graph that captured it computes it, replayed once on a poisoned output (the
+    graph's own output tensors, filled with NaN first)."""
+    graph, result = capture(fn)
     for t in result:
         t.fill_(float("nan"))
     graph.replay()

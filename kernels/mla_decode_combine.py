@@ -15,11 +15,12 @@ partials before reading any (docs/KERNELS.md, "Grid and splits").
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .mla_decode_triton import interpreting
 
 CHUNK = 8  # packed splits merged per step (fixed: the summation order must not follow the grid)
 LSE_BLOCK = 256  # split LSEs read per step of the first pass (the Gluon grids have at most 2 programs per SM)
@@ -95,7 +96,7 @@ def _sm90_or_newer(device_index: int) -> bool:
 def dependent_launch(device: torch.device) -> bool:
     """Whether the merge on `device` launches as a programmatic dependent of the kernel before it (CUDA graphs keep
     the dependency): a CUDA device of compute capability 9.0 or newer, outside the Triton interpreter."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return (device.type == "cuda" and not interpreting()
             and _sm90_or_newer(device.index if device.index is not None else torch.cuda.current_device()))
 
 
@@ -120,10 +121,9 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
         o, lse = out
     block_d = column_block(B * M, D_C, sms)
     dependent = dependent_launch(o_part.device)
-    launch = {"launch_pdl": True} if dependent else {}
     combine_kernel[(B * M, triton.cdiv(D_C, block_d))](
         o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=CHUNK, BLOCK_D=block_d, N_TAIL=n_tail, LSE_BLOCK=LSE_BLOCK,
-        DEPENDENT=dependent, **launch,
+        DEPENDENT=dependent, launch_pdl=dependent,
     )
     return o, lse
 
