@@ -514,6 +514,9 @@ def before_after_generate(layers, heads, fmt, points, rounds, new_tokens, baseli
       is the only one not cached and every forward is a one-token step (on CUDA replayed from a CUDA graph after the
       first); the median interval between generate's steps (`StepClock`, the capturing step left out) and 20 bare
       replays of the captured step; the cache set back to `N` positions after each call;
+    - the greedy tokens of each variant's first call, each on the history `fill_cache` writes (refilled: a call's
+      steps overwrite the oldest positions of the recent ring, which setting the length back does not restore),
+      compared (`same_tokens`, `first_token_differing`: the first step at which some row's token differs);
     - per variant after the rounds: GPU time per step by kernel family (`step_profile`) over an eager call
       (`disable_compile=True`: the kernels a replay runs), hence the attention's share of the step.
 
@@ -553,22 +556,27 @@ def before_after_generate(layers, heads, fmt, points, rounds, new_tokens, baseli
             cache.set_host_length(N)
             return out
 
-        step, replay = {v: [] for v in variants}, {v: [] for v in variants}
+        step, replay, tokens = {v: [] for v in variants}, {v: [] for v in variants}, {}
         calls_before = baseline.calls
         for r in range(rounds):
             for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
                 release_decode_graphs()
+                if r == 0:  # the same history for each variant's first call: a call overwrites the recent ring
+                    cache.set_host_length(0)
+                    fill_cache(cache, model.config, B, N, model.dtype)
                 with routed_decode(variants[v]):
                     clock = StepClock()
-                    call(new_tokens, clock)
+                    tokens.setdefault(v, call(new_tokens, clock)[:, N + 1:].cpu())
                     step[v].append(clock.step_ms())
                     captured = list(graphs_of(cache).entries.values())
                     if cuda and captured:
                         replay[v].append(replay_ms(captured[0].graph))
                         cache.set_host_length(N)
         release_decode_graphs()
+        differ = (tokens["new"] != tokens["before"]).any(0).nonzero()
         row = dict(heads=model.config.num_attention_heads, layers=layers, B=B, N=N, format=fmt, rounds=rounds,
-                   step_ms=step, replay_ms=replay, baseline_calls=baseline.calls - calls_before)
+                   step_ms=step, replay_ms=replay, baseline_calls=baseline.calls - calls_before,
+                   same_tokens=not len(differ), first_token_differing=int(differ[0]) if len(differ) else None)
         for name, times in (("step", step), ("replay", replay)):
             if all(times.values()):  # "before" first: each "new" round's ratio is new / before
                 before, new = summarize_rounds({"before": times["before"], "new": times["new"]})[0]
@@ -588,7 +596,8 @@ def before_after_generate(layers, heads, fmt, points, rounds, new_tokens, baseli
         if cuda:
             torch.cuda.empty_cache()
     print(f"\n{'heads':>5s} {'B':>3s} {'N':>6s} {'fmt':6s} {'step ms new':>22s} {'before':>22s} "
-          f"{'new/before':>22s} {'replay new/before':>22s} {'attention ms (share) new / before':>36s}")
+          f"{'new/before':>22s} {'replay new/before':>22s} {'attention ms (share) new / before':>36s} "
+          f"{'greedy tokens':>13s}")
     def text(c):
         return f"{c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]" if c else "-"
 
@@ -597,8 +606,9 @@ def before_after_generate(layers, heads, fmt, points, rounds, new_tokens, baseli
         ratios = [text(r.get(k)) for k in ("step_ratio", "replay_ratio")]
         prof = r.get("profile", {})
         att = " / ".join(f"{p['attention_ms']:.2f} ({100 * p['attention_share']:.0f}%)" for p in prof.values())
+        same = "same" if r["same_tokens"] else f"differ at {r['first_token_differing']}"
         print(f"{r['heads']:5d} {r['B']:3d} {r['N']:6d} {r['format']:6s} {cells[0]:>22s} {cells[1]:>22s} "
-              f"{ratios[0]:>22s} {ratios[1]:>22s} {att or '-':>36s}")
+              f"{ratios[0]:>22s} {ratios[1]:>22s} {att or '-':>36s} {same:>13s}")
     return rows
 
 

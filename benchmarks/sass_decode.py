@@ -114,11 +114,14 @@ def compile_quant_pack(bits: int, width: int, slots: bool):
     return _compile_triton(fn, const, ptr, "i64", dict(num_warps=4))
 
 
-def compile_combine(block_d: int, n_tail: int):
-    """`combine_kernel` compiled for sm_90 over d_c 512 in `block_d`-column programs with `n_tail` copy slots."""
-    const = dict(D_C=512, BLOCK_S=combine.CHUNK, BLOCK_D=block_d, N_TAIL=n_tail, LSE_BLOCK=combine.LSE_BLOCK)
-    ptr = dict(o_part_ptr="*fp32", lse_part_ptr="*fp32", o_ptr="*fp32", lse_ptr="*fp32")
-    return _compile_triton(combine.combine_kernel, const, ptr, "i32", dict(num_warps=4))
+def compile_combine(block_d: int, n_tail: int, partials: str = "fp16"):
+    """`combine_kernel` compiled for sm_90 as it launches there (a dependent launch) over d_c 512 in `block_d`-column
+    programs with `n_tail` copy slots, of `partials` (fp16: the Gluon kernels' over quantized content, or fp32)."""
+    unscale = 1.0 / combine.partial_scale(torch.float16 if partials == "fp16" else torch.float32)
+    const = dict(D_C=512, BLOCK_S=combine.CHUNK, BLOCK_D=block_d, N_TAIL=n_tail, LSE_BLOCK=combine.LSE_BLOCK,
+                 DEPENDENT=True, UNSCALE=unscale)
+    ptr = dict(o_part_ptr=f"*{partials}", lse_part_ptr="*fp32", o_ptr="*fp32", lse_ptr="*fp32")
+    return _compile_triton(combine.combine_kernel, const, ptr, "i32", dict(num_warps=4, launch_pdl=True))
 
 
 def _compile_triton(fn, const: dict, ptr: dict, default: str, options: dict):
@@ -197,8 +200,8 @@ def _compile(fn, const: dict, q_split: bool, options: dict, index_ptrs: dict | N
     qd = "*fp32" if q_split else "*bf16"
     ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32", rs_ptr="*fp16",
                rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16", lp_ptr="*i64",
-               len_ptr="*i64", pt_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
-    ptr.update(index_ptrs or {})
+               len_ptr="*i64", pt_ptr="*i64", o_ptr="*fp16" if const["C_BITS"] < 16 else "*fp32", lse_ptr="*fp32")
+    ptr.update(index_ptrs or {})  # partials: `backends.partial_dtype`
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # multiples of 16 at DeepSeek widths
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides if n in fn.arg_names}

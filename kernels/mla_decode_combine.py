@@ -4,6 +4,13 @@
     o_part [B, M, NSP, d_c] fp32 (each split normalised by its own sum), lse_part [B, M, NSP] fp32 (natural log,
     -inf for an empty split)  ->  o [B, M, d_c] = sum_s exp(lse_s - lse) o_s,  lse [B, M] = logsumexp_s lse_s
 
+or `o_part` fp16 holding `o_s * FP16_PARTIAL_SCALE` (`partial_scale`): the Gluon kernels' partials of a quantized
+content path, half the bytes to write and read. A split's partial is a convex combination of the content values
+it saw, and a quantized path holds none larger than `(2**8 - 1) * 65504` (an 8-bit code times the largest fp16
+step, `quant_pack_ref`) nor its copies one more than half a step above that, all below `65504 /
+FP16_PARTIAL_SCALE`; the scale keeps fp16's 11 significant bits for `|o_s| >= 2**-6` (below that, an absolute
+error of at most 2**-17).
+
 The last `n_tail` slots hold the sink/recent copies. The result, to the bit, depends on the non-empty partials
 only, not on the grid (`combine_kernel`): a growing cache and a static one of any capacity agree exactly.
 
@@ -20,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .mla_decode_ref import partial_scale
 from .mla_decode_triton import interpreting
 
 CHUNK = 8  # packed splits merged per step (fixed: the summation order must not follow the grid)
@@ -32,7 +40,7 @@ SMS_PER_PROGRAM = 2  # columns are split while the grid has fewer programs than 
 @triton.jit(do_not_specialize=["NSP"])
 def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, N_TAIL: tl.constexpr, LSE_BLOCK: tl.constexpr,
-                   DEPENDENT: tl.constexpr):
+                   DEPENDENT: tl.constexpr, UNSCALE: tl.constexpr):
     """Log-sum-exp merge of the splits of one (batch row, query row) and block of d_c columns; a row with no
     visible position gives zeros and lse -inf. A first pass reads the packed splits' LSEs `LSE_BLOCK` at a time for
     their maximum and the last non-empty one; the packed splits up to it are then summed in chunks of a fixed
@@ -82,6 +90,8 @@ def combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, NSP, D_C: tl.conste
         total += w_d
         acc += b_od * w_d
     tot = tl.sum(total, axis=0)
+    if UNSCALE != 1.0:
+        acc = acc * UNSCALE
     out = acc / tl.where(tot > 0, tot, 1.0)
     tl.store(o_ptr + i_bm * D_C + o_d, out, mask=m_d)
     if i_d == 0:
@@ -111,8 +121,9 @@ def column_block(rows: int, d_c: int, sms: int) -> int:
 
 def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
             out: tuple[torch.Tensor, torch.Tensor] | None = None, sms: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merge above (`o [B, M, d_c]`, `lse [B, M]`), written into `out` (contiguous tensors of `B * M * d_c` and
-    `B * M` elements, any shape) when given. `sms`: the device's multiprocessors, for `column_block` (0: whole rows)."""
+    """The merge above (`o [B, M, d_c]` fp32, `lse [B, M]`) of fp32 or scaled fp16 partials, written into `out`
+    (contiguous tensors of `B * M * d_c` and `B * M` elements, any shape) when given. `sms`: the device's
+    multiprocessors, for `column_block` (0: whole rows)."""
     B, M, NSP, D_C = o_part.shape
     if out is None:
         o = torch.empty((B, M, D_C), dtype=torch.float32, device=o_part.device)
@@ -123,7 +134,7 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, n_tail: int = 1,
     dependent = dependent_launch(o_part.device)
     combine_kernel[(B * M, triton.cdiv(D_C, block_d))](
         o_part, lse_part, o, lse, NSP, D_C=D_C, BLOCK_S=CHUNK, BLOCK_D=block_d, N_TAIL=n_tail, LSE_BLOCK=LSE_BLOCK,
-        DEPENDENT=dependent, launch_pdl=dependent,
+        DEPENDENT=dependent, UNSCALE=1.0 / partial_scale(o_part.dtype), launch_pdl=dependent,
     )
     return o, lse
 

@@ -33,6 +33,8 @@ except ImportError:  # a Triton without Gluon (< 3.5): the portable Triton kerne
 
 from quantmla_hf.format import CacheFormat
 
+from .mla_decode_ref import FP16_PARTIAL_SCALE
+
 GROUP = 64  # elements per quantization group the kernels take (content and RoPE)
 BLOCK_T = 64  # tokens per tile: the M of one warpgroup's wgmma
 MIN_SPLIT_TILES = 4  # fewest tiles in a split of 2/4-bit content (`_split_range`)
@@ -46,6 +48,7 @@ _constexpr_fn = gluon.constexpr_function if HAVE_GLUON else (lambda fn: fn)  # c
 # the split minimums as the kernels read them: a constexpr global enters the kernels' cache key, a plain int does not
 _MIN_TILES, _MIN_TILES_8BIT = ((gl.constexpr(MIN_SPLIT_TILES), gl.constexpr(MIN_SPLIT_TILES_8BIT)) if HAVE_GLUON
                                else (MIN_SPLIT_TILES, MIN_SPLIT_TILES_8BIT))
+_FP16_PARTIAL_SCALE = gl.constexpr(FP16_PARTIAL_SCALE) if HAVE_GLUON else FP16_PARTIAL_SCALE
 
 
 def _jit_dynamic(fn):
@@ -207,12 +210,20 @@ def _split_rows(p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, pt_ptr, s_pt, i_b, base, lo_
     return lo, hi, last, p_pt, p_cc, p_rc, p_cs, p_cz, p_rs, p_rz, row, shift
 
 
+@_constexpr_fn
+def _partial_scale(element_ty):
+    """The factor partials of this element type hold `o_s` times (`mla_decode_ref.partial_scale`)."""
+    return _FP16_PARTIAL_SCALE if element_ty == gl.float16 else 1.0
+
+
 @_jit
-def _finish(l_i, m_i):
-    """Row sums `l_i: [BM]` and reference maxima `m_i: [BM]` (base 2) -> `(1 / l, natural-log LSE)`, `(0, -inf)`
-    for a row with no visible position."""
+def _finish(l_i, m_i, o_ptr):
+    """Row sums `l_i: [BM]` and reference maxima `m_i: [BM]` (base 2) -> `(scale / l, natural-log LSE)`, `(0,
+    -inf)` for a row with no visible position; `scale`: the factor of partials stored through `o_ptr`
+    (`_partial_scale`: fp16 partials are scaled, fp32 ones are not)."""
+    SCALE: gl.constexpr = _partial_scale(o_ptr.dtype.element_ty)
     has = l_i > 0
-    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    inv_l = gl.where(has, SCALE / gl.where(has, l_i, 1.0), 0.0)
     return inv_l, gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
 

@@ -210,7 +210,7 @@ def mla_decode_gluon_kernel(
                                 C_BITS, R_BITS, INFLIGHT, XL, acc_l, dot_a)
             m_i, l_p, outs = _softmax_pv(acc, kbuf, pbuf, f, m_valid, m_i, l_p, outs, kz, vbuf)
 
-        inv_l, b_lse = _finish(gl.sum(l_p, axis=0), m_i)
+        inv_l, b_lse = _finish(gl.sum(l_p, axis=0), m_i, o_ptr)
         o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
         for u in gl.static_range(GC):
             _store_o(o_ptr, o_row, m_m, outs[u], inv_l, u, GC, D_C, C_BITS)

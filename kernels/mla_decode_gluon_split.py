@@ -529,7 +529,7 @@ def _values(HF: gl.constexpr, vbuf, pbuf, sbuf, abuf, mvbuf, fbuf, ibuf, bars, s
         outs = pv
     outs = warpgroup_mma_wait(0, deps=outs)
 
-    inv_l, b_lse = _finish(l_i, m_i)
+    inv_l, b_lse = _finish(l_i, m_i, o_ptr)
     gl.store(lse_ptr + (i_b * M + o_m) * (num_splits + ND) + i_s, b_lse, mask=m_m)
     ibuf.slice(HF * HM, HM).store(inv_l)
     _cta_barrier()

@@ -244,7 +244,7 @@ def _half_program(LEAD: gl.constexpr, fbuf, qbuf, qlo, kbuf, pbuf, sbuf, abuf, i
 
     o_row = (i_b * M + o_m) * (num_splits + ND) + i_s
     l_i = gl.convert_layout(gl.sum(gl.reshape(l_p, [32, HM]), axis=0), col_h)  # the lanes' sums (`_lane_sums`)
-    inv_lh, b_lse = _finish(l_i, m_i)
+    inv_lh, b_lse = _finish(l_i, m_i, o_ptr)
     gl.store(lse_ptr + (i_b * M + o_mh) * (num_splits + ND) + i_s, b_lse, mask=m_mh)
     ibuf.slice(HF * HM, HM).store(inv_lh)
     _cta_barrier()

@@ -21,6 +21,15 @@ from quantmla_hf.format import CacheFormat, PathFormat
 
 from .quant_pack_ref import dequantize_ref
 
+FP16_PARTIAL_SCALE = 2.0**-8  # fp16 split partials hold o_s times this (`mla_decode_combine`'s docstring)
+
+
+def partial_scale(dtype: torch.dtype) -> float:
+    """The factor split partials of `dtype` hold `o_s` multiplied by: `FP16_PARTIAL_SCALE` for fp16, else 1."""
+    if dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"decode partials are fp32 or fp16, got {dtype}")
+    return FP16_PARTIAL_SCALE if dtype == torch.float16 else 1.0
+
 
 def history_ref(
     planes: dict[str, torch.Tensor], fmt: PathFormat, sink: torch.Tensor, recent: torch.Tensor,
@@ -150,8 +159,9 @@ def mla_decode_paged_ref(q_lat, q_rot, content, rope, fmt: CacheFormat, sink_con
 
 
 def combine_ref(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`mla_decode_combine.combine` (shapes: its module docstring); zeros and -inf where every split is empty."""
+    """`mla_decode_combine.combine` (shapes: its module docstring, fp16 partials scaled as it says); zeros and -inf
+    where every split is empty."""
     lse_part = lse_part.float()
     lse = torch.logsumexp(lse_part, dim=-1)
     w = torch.exp(lse_part - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return (w.unsqueeze(-1) * o_part.float()).sum(-2), lse
+    return (w.unsqueeze(-1) * o_part.float()).sum(-2) / partial_scale(o_part.dtype), lse

@@ -126,7 +126,8 @@ def test_generate_benchmark_runs_and_fits_a_largest_batch(tmp_path):
 def test_generate_before_after_runs_the_older_trees_decode_in_its_turns(monkeypatch):
     """`bench_generate.py --baseline-path`: the "before" calls decode through the other tree's kernels (here this
     tree's own files loaded a second time, interpreted), one call per layer and one-token step, the "new" calls
-    through this tree's; the route is undone afterwards and every variant has its time in every round."""
+    through this tree's; the route is undone afterwards, every variant has its time in every round, and the greedy
+    tokens of the two are compared."""
     monkeypatch.syspath_prepend(BENCH)
     import bench_generate
     import quantmla_hf.ops.decode as decode_module
@@ -139,6 +140,7 @@ def test_generate_before_after_runs_the_older_trees_decode_in_its_turns(monkeypa
     assert row["baseline_calls"] == 2 * 4 * 2  # rounds x one-token forwards x layers, all in the "before" turns
     assert [len(row["step_ms"][v]) for v in ("new", "before")] == [2, 2]
     assert row["step_ratio"]["low"] <= row["step_ratio"]["value"] <= row["step_ratio"]["high"]
+    assert row["same_tokens"] and row["first_token_differing"] is None  # the same kernels: the same greedy tokens
 
 
 def test_a_baseline_path_without_kernels_says_what_to_pass(tree_compare, tmp_path):

@@ -7,8 +7,9 @@ counts shared memory (a paged launch once needed 253,952 bytes of the 232,448 a 
 H200 only). This compiles the launches `launch_triton` and `mla_decode_paged` make (their tiling, warps and
 stages: C4R4 and C16R16 in bf16, C4R4 in fp32, C16R16 at 128 heads; its paged launch in bf16), the
 quantize-and-pack kernel's two ways of addressing rows, the paged cache's one-launch layer write and the merge of the
-split partials (as a programmatic dependent launch: its wait before its first load, and without) ahead of time
-for sm_90 (Triton's own ptxas, no driver), in a subprocess because the test session runs Triton in interpreter mode.
+split partials (fp16 ones as a programmatic dependent launch: its wait before its first load; fp32 ones without)
+ahead of time for sm_90 (Triton's own ptxas, no driver), in a subprocess because the test session runs Triton in
+interpreter mode.
 """
 
 import os
@@ -91,9 +92,10 @@ SCRIPT = textwrap.dedent(
     from quantmla_hf.kernels import mla_decode_combine as mc
 
     fn = mc.combine_kernel
-    for dependent in (True, False):
-        const = dict(D_C=512, BLOCK_S=mc.CHUNK, BLOCK_D=64, N_TAIL=3, LSE_BLOCK=mc.LSE_BLOCK, DEPENDENT=dependent)
-        ptr = dict(o_part_ptr="*fp32", lse_part_ptr="*fp32", o_ptr="*fp32", lse_ptr="*fp32")
+    for dependent, partials, unscale in ((True, "*fp16", 256.0), (False, "*fp32", 1.0)):
+        const = dict(D_C=512, BLOCK_S=mc.CHUNK, BLOCK_D=64, N_TAIL=3, LSE_BLOCK=mc.LSE_BLOCK, DEPENDENT=dependent,
+                     UNSCALE=unscale)
+        ptr = dict(o_part_ptr=partials, lse_part_ptr="*fp32", o_ptr="*fp32", lse_ptr="*fp32")
         sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in fn.arg_names}
         src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, launch_pdl=dependent))

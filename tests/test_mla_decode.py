@@ -293,6 +293,32 @@ def test_combine_matches_its_reference_and_ignores_trailing_empty_splits(n_tail)
     assert_close("o, a split empty", combine_ref(hole_o.nan_to_num(0.0), hole_l)[0], o3, 1e-6)
 
 
+def test_combine_of_scaled_fp16_partials():
+    """fp16 partials hold `o_s * FP16_PARTIAL_SCALE` (the Gluon kernels' over quantized content): the merge and its
+    reference unscale them, to fp16's precision over the whole range a quantized content path holds (up to an 8-bit
+    code times the largest fp16 step); fp32 and fp16 are the partials' only dtypes."""
+    if "triton" not in AVAILABLE:
+        pytest.skip("needs the Triton kernels")
+    from quantmla_hf.kernels.mla_decode_ref import FP16_PARTIAL_SCALE, partial_scale
+
+    g = torch.Generator().manual_seed(7)
+    o_exact = torch.randn(2, 3, 6, 64, generator=g) * torch.logspace(-3, 0, 64)
+    o_exact[1, 2, :, 0] = 255 * 65504.0  # the largest value a quantized path holds
+    lse_part = torch.randn(2, 3, 6, generator=g)
+    o_half = (o_exact * FP16_PARTIAL_SCALE).half()
+    assert torch.isfinite(o_half).all()
+    o, lse = to_device(combine(*to_device((o_half, lse_part)), 2), "cpu")
+    ro, rl = combine_ref(o_exact, lse_part)
+    assert (lse - rl).abs().max() < 1e-5
+    w = torch.exp(lse_part - rl.unsqueeze(-1)).unsqueeze(-1)  # each element within fp16's rounding of its partials
+    bound = (w * o_exact.abs()).sum(-2) * (2**-11 + 1e-6) + 2**-17
+    assert ((o - ro).abs() <= bound).all()
+    assert_close("o vs the reference of the same partials", combine_ref(o_half, lse_part)[0], o, 1e-6)
+    assert partial_scale(torch.float32) == 1.0 and partial_scale(torch.float16) == FP16_PARTIAL_SCALE
+    with pytest.raises(ValueError, match="fp32 or fp16"):
+        partial_scale(torch.bfloat16)
+
+
 def test_merge_is_a_dependent_launch_on_hopper_only(monkeypatch):
     """The merge waits on the decode grid through a programmatic dependent launch on compute capability 9.0 and
     newer; never on the CPU, an older GPU or in the interpreter (which has no `griddepcontrol`)."""

@@ -129,6 +129,16 @@ def score_rounding(backend: str, fmt: CacheFormat) -> tuple[bool, bool]:
     return False, False
 
 
+def partial_dtype(backend: str, fmt: CacheFormat) -> torch.dtype:
+    """The dtype of `backend`'s split partials `o_part` over format `fmt`: fp16, scaled so that every value a
+    quantized content path holds fits (`mla_decode_combine`'s docstring), for the Gluon kernels of 64 rows a program
+    (`gluon_wide`, `gluon_split`) over quantized content, whose partials are as many bytes as the cache or more (at
+    128 heads, batch 1, 32K: 17 MB of fp32 partials written and read against 10 MB of C4R4 cache); fp32 for
+    `gluon_regs` (16 rows a program, where fp16 partials were slower at batch 8: docs/KERNELS.md, "Grid and splits"),
+    the portable kernel and 16-bit content, whose values have no bound."""
+    return torch.float16 if backend in ("gluon_wide", "gluon_split") and fmt.content.quantized else torch.float32
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     """Multiprocessors of CUDA device `device_index` (read once)."""
@@ -294,7 +304,7 @@ def mla_decode_static(
     NSP = NS + n_tail  # partial slots: packed splits, then the sink/recent copies
     q = q_lat.reshape(B, M, D_C).contiguous()
     qr = q_rot.reshape(B, M, q_rot.shape[-1]).contiguous()
-    o_part = torch.empty((B, M, NSP, D_C), dtype=torch.float32, device=q.device)
+    o_part = torch.empty((B, M, NSP, D_C), dtype=partial_dtype(backend, fmt), device=q.device)
     lse_part = torch.empty((B, M, NSP), dtype=torch.float32, device=q.device)
     lp = left_padding if left_padding.dtype == torch.int64 else left_padding.to(torch.int64)
     launch = portable.launch_triton if backend == "triton" else gluon_launch(backend)
@@ -328,7 +338,7 @@ def _decode_gluon(backend, q_lat, q_rot, content, rope, fmt, sink_content, sink_
     sms = num_sms(q_lat.device.index or 0)
     target, NS = split_plan(backend, n, -(-H // GLUON_KERNELS[backend][0]), longest, fmt, sms, num_splits)
     NSP = NS + copy_programs(fmt)
-    o_part = torch.empty((n, H, NSP, d_c), dtype=torch.float32, device=q_lat.device)
+    o_part = torch.empty((n, H, NSP, d_c), dtype=partial_dtype(backend, fmt), device=q_lat.device)
     lse_part = torch.empty((n, H, NSP), dtype=torch.float32, device=q_lat.device)
     gluon_launch(backend)(q_lat.contiguous(), q_rot.contiguous(), content, rope, fmt, sink_content, sink_rope,
                           recent_content, recent_rope, rows.to(torch.int32), seq_lens.to(torch.int32), o_part,
