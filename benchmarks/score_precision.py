@@ -17,6 +17,9 @@ the prefill are the exact reference's):
     fp16_keys    the keys of both paths `(code - z) * s` rounded once to fp16 for the scores, the values exact: what
                  the Gluon kernels' scores compute with 2- or 4-bit RoPE (`score_rounding`), here at any width
     fp16_content_keys  the content keys rounded so, the RoPE keys exact: what they compute with 8-bit RoPE
+    fp16_partials  the exact scores and values, the positions cut into splits of `PARTIAL_SPLIT` (each a normalised
+                 partial output stored as fp16 `o_s * 2**-8`, its LSE in fp32) merged by `combine_ref`: what the
+                 64-row Gluon kernels store (`backends.partial_dtype`), here over every position, copies included
 
 Each variant is scored with `benchmarks/accuracy.py`'s windows (teacher-forced decode, `--chunk` tokens a step), KL
 per window against the unquantized cache, and its ratio to the exact decode's KL with a paired 95% bootstrap interval
@@ -39,11 +42,13 @@ from quantmla_hf import QuantMLAConfig  # noqa: E402
 from quantmla_hf.embedded import REFERENCE_MODEL  # noqa: E402
 from quantmla_hf.evaluation.intervals import bootstrap, ratio_of_means  # noqa: E402
 from quantmla_hf.kernels import mla_decode_ref as ref  # noqa: E402
+from quantmla_hf.kernels.mla_decode_ref import FP16_PARTIAL_SCALE, combine_ref  # noqa: E402
 from quantmla_hf.kernels.quant_pack_ref import dequantize_ref  # noqa: E402
 from quantmla_hf.ops import decode as decode_op  # noqa: E402
 
-VARIANTS = ("exact", "bf16_keys", "int8_q64", "fp8_q_row", "fp16_keys", "fp16_content_keys")
+VARIANTS = ("exact", "bf16_keys", "int8_q64", "fp8_q_row", "fp16_keys", "fp16_content_keys", "fp16_partials")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+PARTIAL_SPLIT = 256  # positions per simulated split: the Gluon kernels' shortest (4 tiles of 64)
 
 
 def int8_per_group(q: torch.Tensor, group: int = 64) -> torch.Tensor:
@@ -57,6 +62,21 @@ def fp8_per_row(q: torch.Tensor) -> torch.Tensor:
     """`q: [..., D]` scaled per row into float8 e4m3's range, rounded to it and scaled back."""
     scale = q.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
     return (q / scale).to(torch.float8_e4m3fn).to(q.dtype) * scale
+
+
+def fp16_split_merge(scores: torch.Tensor, values: torch.Tensor, split: int = PARTIAL_SPLIT):
+    """Attention of masked `scores: [B, H, Tq, N]` (-inf where not visible) over `values: [B, N, d]` as split-K with
+    fp16 partials: per `split` positions a normalised output rounded as `o_s * 2**-8` to fp16 and its LSE, merged by
+    `combine_ref`. Returns `(o [B, H, Tq, d], lse [B, H, Tq])` in the scores' dtype."""
+    parts, lses = [], []
+    for j in range(0, scores.shape[-1], split):
+        s = scores[..., j:j + split]
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+        parts.append(((p @ values[:, None, j:j + split]) * FP16_PARTIAL_SCALE).half())
+        lses.append(lse)
+    o, lse = combine_ref(torch.stack(parts, -2), torch.stack(lses, -1))
+    return o.to(scores.dtype), lse.to(scores.dtype)
 
 
 calls = [0]  # decodes run by the current variant
@@ -80,7 +100,7 @@ def decode_variant(variant: str):
         slot = pos[None, :] - left_padding.reshape(B, 1)
         packed = (pos[None, :] < n) & (pos[None, :] < n - R) & ~((slot >= 0) & (slot < S))  # [B, N]
         values = c
-        if variant != "exact" and fmt.content.quantized:
+        if variant not in ("exact", "fp16_partials") and fmt.content.quantized:
             pc = dequantize_ref(content["codes"], content["scale"], content["zero"], fmt.content, dtype)[:, :capacity]
             pr = dequantize_ref(rope["codes"], rope["scale"], rope["zero"], fmt.rope, dtype)[:, :capacity]
             if variant == "bf16_keys":
@@ -97,9 +117,12 @@ def decode_variant(variant: str):
         limit = n - Tq + 1 + torch.arange(Tq, device=c.device)
         visible = (pos[None, None, :] >= left_padding.reshape(B, 1, 1)) & (pos[None, None, :] < limit[None, :, None])
         scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-        o, lse = (probs @ values.unsqueeze(1)).float(), lse.float()
+        if variant == "fp16_partials":
+            o, lse = fp16_split_merge(scores, values)
+        else:
+            lse = torch.logsumexp(scores, dim=-1)
+            o = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0) @ values.unsqueeze(1)
+        o, lse = o.float(), lse.float()
         if out is not None:
             out[0].copy_(o)
             out[1].copy_(lse)

@@ -4,12 +4,12 @@
     o_part [B, M, NSP, d_c] fp32 (each split normalised by its own sum), lse_part [B, M, NSP] fp32 (natural log,
     -inf for an empty split)  ->  o [B, M, d_c] = sum_s exp(lse_s - lse) o_s,  lse [B, M] = logsumexp_s lse_s
 
-or `o_part` fp16 holding `o_s * FP16_PARTIAL_SCALE` (`partial_scale`): the Gluon kernels' partials of a quantized
-content path, half the bytes to write and read. A split's partial is a convex combination of the content values
-it saw, and a quantized path holds none larger than `(2**8 - 1) * 65504` (an 8-bit code times the largest fp16
-step, `quant_pack_ref`) nor its copies one more than half a step above that, all below `65504 /
-FP16_PARTIAL_SCALE`; the scale keeps fp16's 11 significant bits for `|o_s| >= 2**-6` (below that, an absolute
-error of at most 2**-17).
+or `o_part` fp16 holding `o_s * FP16_PARTIAL_SCALE` (`partial_scale`; `backends.partial_dtype` says which launches
+write it): half the bytes to write and read. A split's partial is a convex combination of the content values it
+saw. A quantized content path dequantizes to at most `(2**8 - 1) * 65504` in magnitude (an 8-bit code distance
+times the largest fp16 step, `quant_pack_ref`), and its sink/recent copies lie within half a step of their
+packed values, so every partial stays below `65504 / FP16_PARTIAL_SCALE`. The scale keeps fp16's 11 significant bits
+for `|o_s| >= 2**-6`; below that the error is at most 2**-17 absolute.
 
 The last `n_tail` slots hold the sink/recent copies. The result, to the bit, depends on the non-empty partials
 only, not on the grid (`combine_kernel`): a growing cache and a static one of any capacity agree exactly.

@@ -424,7 +424,7 @@ def _store_unit(o_ptr, o, u: gl.constexpr, row0, n_rows, n_slots, i_s, C_BITS: g
     """Unit u's normalised output `o: [64 rows, 64]` (columns in `_score_channel` order: column `2 q + e + 8 j` is
     channel `_unit_base(u, q) + (j // N) 2N + j % N + N e`, `N = 16 / bits`) to rows `row0 + [0, min(64,
     n_rows))` of the partials (`n_slots` a row, this split's `i_s`): thread q's 16 channels of a row contiguous,
-    four 16-byte stores."""
+    four 16-byte stores of fp32 partials, four 8-byte ones of fp16 (`backends.partial_dtype`)."""
     N: gl.constexpr = 16 // C_BITS
     x = gl.reshape(o, [64, 8 // N, N, 4, 2])  # [row, j // N, j % N, q, e]
     x = gl.permute(x, (0, 3, 1, 4, 2))  # [row, q, j // N, e, j % N]: channel (j // N) 2N + N e + j % N

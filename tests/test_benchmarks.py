@@ -207,7 +207,8 @@ def test_ncu_stalls_finds_each_innermost_hot_loop(tmp_path, monkeypatch):
 def test_score_precision_variants_change_only_the_packed_scores(monkeypatch):
     """`score_precision.py`: its exact variant is the reference decode; the rounding variants move the packed
     positions' scores by what their rounding says (int8 per 64 channels within half a step, fp8 e4m3 within 1/16
-    relative, half a subnormal step at most) and leave a cache of copies only untouched."""
+    relative, half a subnormal step at most) and leave a cache of copies only untouched; fp16 partials round each
+    split's output once, the LSE not at all."""
     monkeypatch.syspath_prepend(BENCH)
     import score_precision as sp
 
@@ -235,6 +236,15 @@ def test_score_precision_variants_change_only_the_packed_scores(monkeypatch):
     for variant in ("bf16_keys", "int8_q64", "fp8_q_row"):
         o, lse = sp.decode_variant(variant)(*args)
         assert not torch.equal(lse, exact[1]) and (lse - exact[1]).abs().max() < 0.5
+    o, lse = sp.decode_variant("fp16_partials")(*args)  # the scores exact, the output rounded once to fp16
+    assert (lse - exact[1]).abs().max() < 1e-5 and not torch.equal(o, exact[0])
+    assert ((o - exact[0]).abs() <= exact[0].abs() * 2**-11 + 2**-17).all()
+    scores = torch.randn(2, 3, 4, 50, generator=g)  # several splits, one of them empty
+    scores[..., 16:32] = float("-inf")
+    values = torch.randn(2, 50, 8, generator=g)
+    o, lse = sp.fp16_split_merge(scores, values, split=16)
+    assert (lse - torch.logsumexp(scores, -1)).abs().max() < 1e-5
+    assert ((o - scores.softmax(-1) @ values[:, None]).abs() <= values.abs().max() * 2**-11).all()
     short = list(args)
     short[10], short[11] = torch.tensor([10]), 10  # 10 positions: 2 sink + 8 recent, nothing packed
     short[9] = torch.tensor([0, 0])
