@@ -174,13 +174,13 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
 
 def compile_split(content_bits: int, rope_bits: int, paged: bool = False):
     """The split kernel (`kernels/mla_decode_gluon_split.py`: a scorer and two value warpgroups, 64 rows) compiled for
-    sm_90 at DeepSeek widths with its registers."""
+    sm_90 at DeepSeek widths with its registers and partials (`backends.partial_dtype`)."""
     v_regs, s_regs = ms.registers(CacheFormat(PathFormat(512, content_bits, 64), PathFormat(64, rope_bits, 64)), paged)
     copies = (0, 0) if content_bits == 16 and paged else (4, 128)  # the paged 16-bit cache keeps no copies
     const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=copies[0], R=copies[1], BM=ms.BLOCK_M, Q_SPLIT=False,
                  PAGED=paged, V_REGS=v_regs, S_REGS=s_regs)
     index = "*i32" if paged else "*i64"
-    ptrs = dict(lp_ptr=index, len_ptr=index, pt_ptr=index)
+    ptrs = dict(lp_ptr=index, len_ptr=index, pt_ptr=index, o_ptr="*fp32" if content_bits == 16 else "*fp16")
     if content_bits == 16:  # bf16 planes (C16R16); the steps' and zero points' pointers are the planes'
         ptrs.update({n: "*bf16" for n in ("cc_ptr", "cs_ptr", "cz_ptr", "rc_ptr", "rs_ptr", "rz_ptr")})
     return _compile(ms.mla_decode_split_kernel, const, False, {"num_warps": 4, "maxnreg": ms.LAUNCH_REGS}, ptrs)
@@ -200,8 +200,8 @@ def _compile(fn, const: dict, q_split: bool, options: dict, index_ptrs: dict | N
     qd = "*fp32" if q_split else "*bf16"
     ptr = dict(q_ptr=qd, qr_ptr=qd, cc_ptr="*i32", cs_ptr="*fp16", cz_ptr="*i8", rc_ptr="*i32", rs_ptr="*fp16",
                rz_ptr="*i8", snc_ptr="*bf16", snr_ptr="*bf16", rcc_ptr="*bf16", rcr_ptr="*bf16", lp_ptr="*i64",
-               len_ptr="*i64", pt_ptr="*i64", o_ptr="*fp16" if const["C_BITS"] < 16 else "*fp32", lse_ptr="*fp32")
-    ptr.update(index_ptrs or {})  # partials: `backends.partial_dtype`
+               len_ptr="*i64", pt_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
+    ptr.update(index_ptrs or {})
     strides = [n for n in fn.arg_names if n.startswith("s_")]  # multiples of 16 at DeepSeek widths
     sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptr) + strides if n in fn.arg_names}

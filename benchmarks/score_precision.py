@@ -19,7 +19,7 @@ the prefill are the exact reference's):
     fp16_content_keys  the content keys rounded so, the RoPE keys exact: what they compute with 8-bit RoPE
     fp16_partials  the exact scores and values, the positions cut into splits of `PARTIAL_SPLIT` (each a normalised
                  partial output stored as fp16 `o_s * 2**-8`, its LSE in fp32) merged by `combine_ref`: what the
-                 64-row Gluon kernels store (`backends.partial_dtype`), here over every position, copies included
+                 split kernel stores (`backends.partial_dtype`), here over every position, copies included
 
 Each variant is scored with `benchmarks/accuracy.py`'s windows (teacher-forced decode, `--chunk` tokens a step), KL
 per window against the unquantized cache, and its ratio to the exact decode's KL with a paired 95% bootstrap interval

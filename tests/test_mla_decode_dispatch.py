@@ -96,16 +96,14 @@ def test_gluon_kernels_read_the_hosts_split_minimums_as_constexpr():
 
 
 def test_partials_are_fp16_for_the_gluon_kernels_over_quantized_content():
-    """Half-width partials where the content values are bounded by the format (fp16 holding `o_s * 2**-8`,
-    `mla_decode_combine`, a constexpr of the kernels) from 64 rows a program; fp32 for `gluon_regs`, the portable
-    kernel and 16-bit content."""
+    """Half-width partials in the split kernel where the content values are bounded by the format (fp16 holding `o_s
+    * 2**-8`, `mla_decode_combine`, a constexpr of the kernels); fp32 for the other kernels and 16-bit content."""
     from triton.experimental.gluon import language as gl
 
-    for backend in ("gluon_wide", "gluon_split"):
-        for c, r in ((4, 4), (2, 4), (4, 8), (8, 8)):
-            assert md.partial_dtype(backend, fmt(c, r)) == torch.float16
-        assert md.partial_dtype(backend, fmt(16, 16)) == torch.float32
-    assert md.partial_dtype("gluon_regs", fmt(4, 4)) == md.partial_dtype("triton", fmt(4, 4)) == torch.float32
+    for c, r in ((4, 4), (2, 4), (4, 8), (8, 8)):
+        assert md.partial_dtype("gluon_split", fmt(c, r)) == torch.float16
+        assert {md.partial_dtype(b, fmt(c, r)) for b in ("gluon_regs", "gluon_wide", "triton")} == {torch.float32}
+    assert md.partial_dtype("gluon_split", fmt(16, 16)) == torch.float32
     assert isinstance(mc._FP16_PARTIAL_SCALE, gl.constexpr) and mc._FP16_PARTIAL_SCALE.value == 2.0**-8
 
 

@@ -131,12 +131,12 @@ def score_rounding(backend: str, fmt: CacheFormat) -> tuple[bool, bool]:
 
 def partial_dtype(backend: str, fmt: CacheFormat) -> torch.dtype:
     """The dtype of `backend`'s split partials `o_part` over format `fmt`: fp16, scaled so that every value a
-    quantized content path holds fits (`mla_decode_combine`'s docstring), for the Gluon kernels of 64 rows a program
-    (`gluon_wide`, `gluon_split`) over quantized content, whose partials are as many bytes as the cache or more (at
-    128 heads, batch 1, 32K: 17 MB of fp32 partials written and read against 10 MB of C4R4 cache); fp32 for
-    `gluon_regs` (16 rows a program, where fp16 partials were slower at batch 8: docs/KERNELS.md, "Grid and splits"),
-    the portable kernel and 16-bit content, whose values have no bound."""
-    return torch.float16 if backend in ("gluon_wide", "gluon_split") and fmt.content.quantized else torch.float32
+    quantized content path holds fits (`mla_decode_combine`'s docstring), for the split kernel (`gluon_split`, 64
+    rows a program) over quantized content, whose partials are as many bytes as the cache or more (at 128 heads,
+    batch 1, 32K: 17 MB of fp32 partials written and read against 10 MB of C4R4 cache); fp32 for `gluon_regs` (16
+    rows a program, where fp16 partials were slower at batch 8: docs/KERNELS.md, "Grid and splits"), `gluon_wide`
+    (not timed with them), the portable kernel and 16-bit content, whose values have no bound."""
+    return torch.float16 if backend == "gluon_split" and fmt.content.quantized else torch.float32
 
 
 @functools.lru_cache(maxsize=None)
