@@ -561,7 +561,7 @@ def before_after_generate(layers, heads, fmt, points, rounds, new_tokens, baseli
         for r in range(rounds):
             for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
                 release_decode_graphs()
-                if r == 0:  # the same history for each variant's first call: a call overwrites the recent ring
+                if r == 0 and tokens:  # the first call's history again: its steps overwrote the recent ring
                     cache.set_host_length(0)
                     fill_cache(cache, model.config, B, N, model.dtype)
                 with routed_decode(variants[v]):

@@ -116,7 +116,7 @@ def compile_quant_pack(bits: int, width: int, slots: bool):
 
 def compile_combine(block_d: int, n_tail: int, partials: str = "fp16"):
     """`combine_kernel` compiled for sm_90 as it launches there (a dependent launch) over d_c 512 in `block_d`-column
-    programs with `n_tail` copy slots, of `partials` (fp16: the Gluon kernels' over quantized content, or fp32)."""
+    programs with `n_tail` copy slots, of `partials` (fp16: the split kernel's over quantized content, or fp32)."""
     unscale = 1.0 / combine.partial_scale(torch.float16 if partials == "fp16" else torch.float32)
     const = dict(D_C=512, BLOCK_S=combine.CHUNK, BLOCK_D=block_d, N_TAIL=n_tail, LSE_BLOCK=combine.LSE_BLOCK,
                  DEPENDENT=True, UNSCALE=unscale)

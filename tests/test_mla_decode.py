@@ -294,7 +294,7 @@ def test_combine_matches_its_reference_and_ignores_trailing_empty_splits(n_tail)
 
 
 def test_combine_of_scaled_fp16_partials():
-    """fp16 partials hold `o_s * FP16_PARTIAL_SCALE` (the Gluon kernels' over quantized content): the merge and its
+    """fp16 partials hold `o_s * FP16_PARTIAL_SCALE` (the split kernel's over quantized content): the merge and its
     reference unscale them, to fp16's precision over the whole range a quantized content path holds (up to an 8-bit
     code times the largest fp16 step); fp32 and fp16 are the partials' only dtypes."""
     if "triton" not in AVAILABLE:

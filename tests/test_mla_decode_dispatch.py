@@ -95,7 +95,7 @@ def test_gluon_kernels_read_the_hosts_split_minimums_as_constexpr():
         mc.MIN_SPLIT_TILES, mc.MIN_SPLIT_TILES, mc.MIN_SPLIT_TILES, mc.MIN_SPLIT_TILES_8BIT]
 
 
-def test_partials_are_fp16_for_the_gluon_kernels_over_quantized_content():
+def test_partials_are_fp16_for_the_split_kernel_over_quantized_content():
     """Half-width partials in the split kernel where the content values are bounded by the format (fp16 holding `o_s
     * 2**-8`, `mla_decode_combine`, a constexpr of the kernels); fp32 for the other kernels and 16-bit content."""
     from triton.experimental.gluon import language as gl
