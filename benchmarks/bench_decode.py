@@ -210,7 +210,10 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
     does not take a case says so and is skipped. On a GPU each launch replayed from a CUDA graph must give the eager
     result bit for bit. The output is held to the exact reference; the LSE to the reference
     that scores as the backend does (`score_rounding`: the Gluon kernels round packed keys below 8 bits once to
-    fp16), with `lse_vs_exact` beside it, that rounding's effect (`--rounding-effect` shows it per path).
+    fp16), with `lse_vs_exact` beside it, that rounding's effect (`--rounding-effect` shows it per path). With |q| ~
+    1e6 the softmax picks one token, and the keys' rounding (a relative 1e-4 of the scores) can pick the other token
+    of a near tie: that row's output is held to the rounding reference too, with `out_vs_exact` beside it (random
+    C8R8 caches flip a head in about one row in 80 at 48 heads and 9000 positions).
 
     An fp32 reference is itself off by ~1e-4 in the LSE when scores reach ~100 (C8R8 with random codes)."""
     worst_o, worst_lse, all_ok = 0.0, 0.0, True
@@ -244,7 +247,9 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
                 print(out_lines[-1], flush=True)
                 del replayed
             for b, (ref_o, ref_lse) in exact.items():
-                rel = ((o[b : b + 1] - ref_o).norm() / ref_o.norm()).item()
+                out_ref = design[b][0] if qdt == "bf16x1e6" else ref_o
+                rel = ((o[b : b + 1] - out_ref).norm() / out_ref.norm()).item()
+                rel_exact = ((o[b : b + 1] - ref_o).norm() / ref_o.norm()).item()
                 lse_exact = (lse[b : b + 1] - ref_lse).abs().max().item()
                 lse_err = (lse[b : b + 1] - design[b][1]).abs().max().item()
                 lse_tol = 1e-4 * max(1.0, ref_lse.abs().max().item() / 100) if qdt == "bf16x1e6" else 1e-4
@@ -255,7 +260,8 @@ def run_check(out_lines, cases=None, R=128, backends=("default",)):
                 all_ok = all_ok and ok
                 line = (f"check {label:18s} {name:6s} H={H:3d} B={B:2d} N={N:6d} Tq={Tq:2d} q={qdt:8s} "
                         f"copies={str(dtype)[6:]:8s} row={b:2d} out_rel={rel:.2e} lse_abs={lse_err:.2e} "
-                        f"lse_vs_exact={lse_exact:.2e} {'OK' if ok else 'FAIL'}")
+                        f"lse_vs_exact={lse_exact:.2e} "
+                        + (f"out_vs_exact={rel_exact:.2e} " if qdt == "bf16x1e6" else "") + ("OK" if ok else "FAIL"))
                 print(line, flush=True)
                 out_lines.append(line)
             del o, lse

@@ -29,6 +29,32 @@ def test_decode_check_passes_at_tiny_sizes(bench_decode):
     assert lines[-1].startswith("check worst")
 
 
+def test_decode_check_holds_one_hot_rows_to_the_rounding_the_backend_does(bench_decode, monkeypatch):
+    """With |q| ~ 1e6 rounding the keys to fp16 (what the Gluon kernels do by design) can pick the other token of a
+    near tie: on this C8R8 cache it moves row 0's output by 0.3 of its norm from the exact one. A backend computing
+    exactly that arithmetic (a stand-in for `gluon_wide`, the fp64 rounding reference) passes `--check`; its output
+    against the exact reference is printed beside."""
+    from quantmla_hf.kernels.mla_decode_ref import mla_decode_ref
+
+    def rounding_backend(backend, N, capacity=None):
+        def run(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, n, scaling):
+            o, lse = mla_decode_ref(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, n, scaling, dtype=torch.float64,
+                                    score_rounding=bench_decode.score_rounding(backend, fmt))
+            return o.float(), lse.float()
+        return run
+
+    monkeypatch.setattr(bench_decode, "decode_fn", rounding_backend)
+    case = bench_decode.CheckCase("C8R8", 16, 2, 300, 1, "bf16x1e6", torch.bfloat16, R=16)
+    exact, rounded = case.reference(), case.reference((True, False))
+    assert ((rounded[0][0] - exact[0][0]).norm() / exact[0][0].norm()).item() > 0.2  # a near tie flipped
+    lines = []
+    assert bench_decode.run_check(lines, cases=[("C4R4", 4, 1, 100, 1), ("C8R8", 16, 2, 300, 1)], R=16,
+                                  backends=("gluon_wide",))
+    one_hot = [line for line in lines if "bf16x1e6" in line]
+    assert len(one_hot) == 2 and all(line.endswith(" OK") and "out_vs_exact=" in line for line in one_hot)
+    assert float(one_hot[0].split("out_vs_exact=")[1].split()[0]) > 0.2
+
+
 def test_rounding_effect_shows_each_paths_rounding(bench_decode):
     """`--rounding-effect`: one row per case with bf16 queries (and the 1e6-scaled one), the LSE shift of rounding
     each path's packed keys to fp16; none on a BF16 cache, some on the packed paths of C4R8."""
