@@ -135,7 +135,7 @@ def partial_dtype(backend: str, fmt: CacheFormat) -> torch.dtype:
     rows a program) over quantized content, whose partials are as many bytes as the cache or more (at 128 heads,
     batch 1, 32K: 17 MB of fp32 partials written and read against 10 MB of C4R4 cache); fp32 for `gluon_regs` (16
     rows a program, where fp16 partials were slower at batch 8: docs/KERNELS.md, "Grid and splits"), `gluon_wide`
-    (not timed with them), the portable kernel and 16-bit content, whose values have no bound."""
+    (slower with them at batches 1 and 2), the portable kernel and 16-bit content, whose values have no bound."""
     return torch.float16 if backend == "gluon_split" and fmt.content.quantized else torch.float32
 
 
