@@ -148,6 +148,8 @@ CHECK_CASES = [  # (format, heads, batch, length, query tokens)
     ("C4R8", 16, 8, 32768, 1), ("C4R8", 128, 4, 20000, 1), ("C4R8", 16, 3, 9000, 16), ("C4R8", 16, 2, 150, 1),
     ("C4R4", 16, 3, 100, 1), ("C2R4", 16, 2, 197, 4),  # shorter than sink + recent; a few packed positions
 ]
+# the default cases whose queries are also scaled by 1e6 (one query token): one per Gluon launch at 16, 48 and 128 heads
+ONE_HOT_CASES = [("C4R4", 16, 64, 4133), ("C8R8", 48, 2, 9000), ("C4R8", 128, 4, 20000), ("C8R8", 128, 4, 32768)]
 
 
 class CheckCase:
@@ -189,18 +191,19 @@ class CheckCase:
 
 def check_cases(cases=None) -> list[tuple]:
     """`(format, H, B, N, Tq, query kind, copies dtype)` of `run_check`: each case with bf16 queries, the first four
-    with fp32, the second with 1e6-scaled bf16 (one query token), and fp16 and fp32 models: for the default cases
-    C4R4 and C16R16 at 16 heads and C16R16 at 128 in fp16 (the split kernel's fp16 planes), for given cases each
-    C16R16 case in fp16."""
+    with fp32, 1e6-scaled bf16 (one query token) on `ONE_HOT_CASES` by default or on the second given case, and fp16
+    and fp32 models: for the default cases C4R4 and C16R16 at 16 heads and C16R16 at 128 in fp16 (the split kernel's
+    fp16 planes), for given cases each C16R16 case in fp16."""
     if cases:  # a 16-bit case also in an fp16 model: its planes are in the model's dtype
         models = [c[:5] + ("model", torch.float16) for c in cases if c[0] == "C16R16"]
     else:
         models = ([(f, 16, 3, 1000, 1, "model", dt) for f in ("C4R4", "C16R16")
                    for dt in (torch.float16, torch.float32)]
                   + [("C16R16", 128, 2, 1000, 1, "model", torch.float16)])  # fp16 planes on the split kernel
+    one_hot = [cases[min(1, len(cases) - 1)][:4]] if cases else ONE_HOT_CASES
     cases = cases or CHECK_CASES
     return ([c + ("bf16", torch.bfloat16) for c in cases] + [c + ("fp32", torch.bfloat16) for c in cases[:4]]
-            + [cases[min(1, len(cases) - 1)][:4] + (1, "bf16x1e6", torch.bfloat16)] + models)
+            + [c + (1, "bf16x1e6", torch.bfloat16) for c in one_hot] + models)
 
 
 def run_check(out_lines, cases=None, R=128, backends=("default",)):

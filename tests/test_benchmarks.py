@@ -55,6 +55,16 @@ def test_decode_check_holds_one_hot_rows_to_the_rounding_the_backend_does(bench_
     assert float(one_hot[0].split("out_vs_exact=")[1].split()[0]) > 0.2
 
 
+def test_check_scales_queries_by_1e6_through_every_gluon_launch(bench_decode):
+    """The default check scales one case's queries by 1e6 for each Gluon launch (16 rows: `gluon_regs`, 48:
+    `gluon_wide`, 128: `gluon_split`, 4- and 8-bit content); given cases, the second one."""
+    one_hot = [c[:4] for c in bench_decode.check_cases() if c[5] == "bf16x1e6"]
+    assert one_hot == bench_decode.ONE_HOT_CASES
+    assert {h for _, h, _, _ in one_hot} == {16, 48, 128} and {f for f, *_ in one_hot} >= {"C4R4", "C8R8"}
+    given = [("C4R4", 4, 1, 100, 1), ("C8R8", 16, 2, 300, 1), ("C2R4", 4, 1, 90, 1)]
+    assert [c[:5] for c in bench_decode.check_cases(given) if c[5] == "bf16x1e6"] == [("C8R8", 16, 2, 300, 1)]
+
+
 def test_rounding_effect_shows_each_paths_rounding(bench_decode):
     """`--rounding-effect`: one row per case with bf16 queries (and the 1e6-scaled one), the LSE shift of rounding
     each path's packed keys to fp16; none on a BF16 cache, some on the packed paths of C4R8."""
