@@ -5,8 +5,8 @@ fetched separately and never committed) and the stock transformers step (`--stoc
 
     python benchmarks/bench_decode.py --check [--backends default,gluon_regs,gluon_wide,gluon_split,triton]
         every backend vs the fp64 reference at real sizes (d_c 512, 16/128 heads, B 1-64, up to 128K, Tq up to 16,
-        bf16/fp32 queries, bf16/fp16/fp32 models, B x N x 576 > 2^31), each launch replayed from a CUDA graph as
-        well (bitwise the eager result), and capacity invariance (bitwise)
+        bf16/fp32/1e6-scaled queries, bf16/fp16/fp32 models, B x N x 576 > 2^31), each launch replayed from a CUDA
+        graph as well (bitwise the eager result), and capacity invariance (bitwise)
     python benchmarks/bench_decode.py --bench [--graph] [--points H:B:N,...] [--formats C4R4,...] --out DIR
         timing table with the copy-bandwidth ceiling
     python benchmarks/bench_decode.py --repeat ROUNDS --points H:B:N,... --formats C4R4,... [--baseline-path DIR]
@@ -16,7 +16,8 @@ fetched separately and never committed) and the stock transformers step (`--stoc
         backend with `--repeat-backend NAME`, e.g. `triton` for the portable kernel; `--also-backends A,B`: those
         backends beside the default on the same cache, e.g. `gluon_wide,gluon_regs`; `--paged`:
         the paged kernels, the default choice and the others that take the case, on the same cache laid out in pages
-        of 64)
+        of 64). The interval is over the rounds: where each tree's buffers land is not in it, and two trees running
+        the same launch measured up to 3% apart at batch 1 (docs/BENCHMARKS.md, "Copy programs in the first wave")
     python benchmarks/bench_decode.py --repeat ROUNDS --placements K --points H:B:N,... --formats C4R4,C2R4
         each format's default decode on K caches allocated one after the other, in turns: the spread between
         allocations of the same kernel (which one allocation's rounds do not show) and each format's ratio to the
