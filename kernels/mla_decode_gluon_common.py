@@ -952,11 +952,12 @@ def flat_grid(NS: int, fmt: CacheFormat, M: int, block_m: int, B: int) -> tuple[
 def launch_flat(kernel, what: str, smem_bytes, fallback: str, block_m: int, q, qr, cp, rp, fmt: CacheFormat,
                 sink_c, sink_r, recent_c, recent_r, lp, length, o_part, lse_part, M, Tq, split_target, NS, qk_scale,
                 page_table=None, **meta):
-    """Launch a Gluon decode kernel on `flat_grid`: queries `[B, M, d_c]` / `[B, M, d_R]`, code planes (read as int32
-    words), copies, left padding, device-side length, partials `[B, M, NS + copy_programs(fmt), d_c]` (fp32, or fp16
-    scaled: `backends.partial_dtype`) and `[B, M, NS + copy_programs(fmt)]` fp32, the kernel's own constexprs and options `meta`. `page_table` (int32 `[B, max_pages]`):
-    the `PAGED` launch, planes `[P, 64, width]` page pools, `lp` the requests' copy rows, `length` their lengths
-    `[B]`. Refuses a format needing more than `SMEM_LIMIT` bytes of shared memory, naming `fallback`."""
+    """Launch a Gluon decode kernel on `flat_grid`: queries `[B, M, d_c]` / `[B, M, d_R]`, code planes (read as
+    int32 words), copies, left padding, device-side length, partials `[B, M, NS + copy_programs(fmt), d_c]` (fp32,
+    or fp16 scaled: `backends.partial_dtype`) and `[B, M, NS + copy_programs(fmt)]` fp32, the kernel's own
+    constexprs and options `meta`. `page_table` (int32 `[B, max_pages]`): the `PAGED` launch, planes `[P, 64,
+    width]` page pools, `lp` the requests' copy rows, `length` their lengths `[B]`. Refuses a format needing more
+    than `SMEM_LIMIT` bytes of shared memory, naming `fallback`."""
     q_split = q.dtype == torch.float32 or qr.dtype == torch.float32
     smem_need = smem_bytes(fmt, q_split)
     if smem_need > SMEM_LIMIT:
