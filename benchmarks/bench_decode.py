@@ -31,6 +31,9 @@ fetched separately and never committed) and the stock transformers step (`--stoc
         format's ratio to FlashMLA with its interval, and the outputs compared (`--bench` gets a FlashMLA row too)
     python benchmarks/bench_decode.py --profile H:B:N:FORMAT [--backends B] [--iters 20] [--paged]
         one point run a few times for a profiler to attach (`ncu -k regex:mla_decode -s 2 -c 1 ...`)
+    python benchmarks/bench_decode.py --kernel-times H:B:N:FORMAT,... [--flashmla DIR] [--iters 50]
+        each kernel a decode step launches (eager, `torch.profiler`) with its device time per step: the decode
+        kernel and the merge, and FlashMLA's two on the same history where `--flashmla` is given
     python benchmarks/bench_decode.py --rounding-effect [--check-cases FORMAT:H:B:N:Tq,...]
         no kernel: the LSE shift that rounding the packed score keys once to fp16 (the Gluon kernels below 8 bits,
         `score_rounding`) causes on the --check cases, per path, against the exact fp64 reference (CPU or GPU)
@@ -839,6 +842,55 @@ def run_profile(point: str, backend: str, iters: int, flashmla_path: str = "", p
     print(f"profile {name} H={H} B={B} N={N} {backend} ({chosen}{', paged' if paged else ''}): {iters} calls")
 
 
+def kernel_times(step, iters: int) -> dict[str, float]:
+    """Device time per call of each kernel `step()` launches, in µs, `{kernel name: µs}` in launch order: `iters`
+    eager calls under `torch.profiler` after 3 unprofiled ones, each kernel's time summed and divided by `iters`.
+    Without CUDA, the CPU operators `step()` calls itself instead (a smoke run: no nested operator counts twice)."""
+    for _ in range(3):
+        step()
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(iters):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        on_device = e.device_type == torch.autograd.DeviceType.CUDA
+        if on_device if cuda else e.cpu_parent is None:
+            times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us() / iters
+    return times
+
+
+def run_kernel_times(out_lines, points: list[str], iters: int, flashmla=None) -> list[dict]:
+    """`kernel_times` of the default decode at each `H:B:N:FORMAT` point (the `--profile` cache and queries) and,
+    with `flashmla` (the loaded extension), of FlashMLA on the same history: one line per kernel, each method's
+    total last."""
+    rows = []
+    for point in points:
+        H, B, N, name = point.split(":")
+        H, B, N = int(H), int(B), int(N)
+        q_lat, q_rot, lp = _queries(B, H)
+        fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
+        args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+        run = decode_fn("default", N)
+        methods = [(select_backend(fmt, H, B, sc.dtype, DEVICE), lambda: run(*args))]
+        if flashmla is not None:
+            methods.append(("flashmla", flashmla_fn(flashmla, q_lat, q_rot,
+                                                    *flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N))[0]))
+        for method, step in methods:
+            times = kernel_times(step, iters)
+            for kernel, us in list(times.items()) + [("total", sum(times.values()))]:
+                out_lines.append(f"kernels H={H:3d} B={B:2d} N={N:6d} {name:6s} {method:11s} {us:9.2f} us  "
+                                 f"{kernel[:70]}")
+                print(out_lines[-1], flush=True)
+                rows.append(dict(H=H, B=B, N=N, format=name, method=method, kernel=kernel, us=us))
+    return rows
+
+
 def run_tiny():
     """The script's CPU code paths at toy sizes (the decode through the Triton interpreter)."""
     fmt, cp, rp, sc, sr, rc, rr = make_cache("C4R4", 2, 300, R=8, device="cpu")
@@ -857,6 +909,8 @@ def run_tiny():
     print(f"tiny paged layout ok ({err:.1e})")
     assert check_paged([], cases=[("C4R4", 4, 3, 300)])
     q = torch.randn(2, 4, D_C + D_R, dtype=torch.bfloat16)
+    times = run_kernel_times([], ["4:1:300:C4R4"], iters=1)
+    print("tiny kernel times", len(times), "rows")
     print("tiny torch absorbed", tuple(torch_absorbed(q, torch.randn(2, 64, D_C + D_R, dtype=torch.bfloat16), 0.1).shape))
 
 
@@ -884,7 +938,8 @@ def main():
     ap.add_argument("--bf16-kernel", default=os.environ.get("BF16_MLA_KERNEL", ""),
                     help="path to a local copy of vLLM's triton_decode_attention.py (not part of this repository)")
     ap.add_argument("--flashmla", default="",
-                    help="--repeat/--bench: folder where FlashMLA was built (flash_mla_cuda*.so; not part of this repository)")
+                    help="--repeat/--bench/--kernel-times: folder where FlashMLA was built (flash_mla_cuda*.so; "
+                    "not part of this repository)")
     ap.add_argument("--repeat", type=int, default=0, help="ROUNDS of every method in turns (CUDA-graph replays)")
     ap.add_argument("--paged", action="store_true",
                     help="--repeat: also the paged kernels on the same cache in pages; --check: also check them; "
@@ -898,7 +953,9 @@ def main():
     ap.add_argument("--placements", type=int, default=0,
                     help="--repeat: instead, each format on this many separately allocated caches (the placement spread)")
     ap.add_argument("--profile", default="", help="H:B:N:FORMAT: run one point --iters times (first of --backends)")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20, help="--profile: calls; --kernel-times: profiled calls")
+    ap.add_argument("--kernel-times", default="",
+                    help="H:B:N:FORMAT,...: each kernel's device time per decode step (and FlashMLA's, --flashmla)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the script itself (interpreter, tiny sizes)")
     a = ap.parse_args()
@@ -919,6 +976,9 @@ def main():
     cases = parse_cases(a.check_cases)
     if a.rounding_effect:
         run_rounding_effect(lines, cases or None)
+    if a.kernel_times:
+        result["kernel_times"] = run_kernel_times(lines, [p for p in a.kernel_times.split(",") if p], a.iters,
+                                                  load_flashmla(a.flashmla))
     if a.check:
         result["check_ok"] = run_check(lines, cases=cases or None, backends=backends)
         result["capacity_ok"] = check_capacity_invariance(lines, backends)

@@ -65,6 +65,22 @@ def test_check_scales_queries_by_1e6_through_every_gluon_launch(bench_decode):
     assert [c[:5] for c in bench_decode.check_cases(given) if c[5] == "bf16x1e6"] == [("C8R8", 16, 2, 300, 1)]
 
 
+def test_kernel_times_counts_each_operation_once_per_call(bench_decode):
+    """`--kernel-times`' sum per kernel (here CPU operators: the ones the step calls, none nested in them twice)."""
+    times = bench_decode.kernel_times(lambda: torch.ones(4096).add(1).mul(2), iters=3)
+    assert list(times) == ["aten::ones", "aten::add", "aten::mul"]
+    assert all(us > 0 for us in times.values())
+
+
+def test_kernel_times_rows_end_with_each_methods_total(bench_decode):
+    lines = []
+    rows = bench_decode.run_kernel_times(lines, ["4:1:300:C4R4"], iters=1)
+    assert len(lines) == len(rows) and rows[-1]["kernel"] == "total"
+    assert rows[-1]["us"] == pytest.approx(sum(r["us"] for r in rows[:-1]))
+    assert {r["method"] for r in rows} == {bench_decode.select_backend(
+        bench_decode.make_cache("C4R4", 1, 8)[0], 4, 1, torch.bfloat16, bench_decode.DEVICE)}
+
+
 def test_rounding_effect_shows_each_paths_rounding(bench_decode):
     """`--rounding-effect`: one row per case with bf16 queries (and the 1e6-scaled one), the LSE shift of rounding
     each path's packed keys to fp16; none on a BF16 cache, some on the packed paths of C4R8."""
