@@ -718,7 +718,7 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
                                  f"out_rel={rel:.2e} lse_abs={lse_err:.2e}")
                 print(out_lines[-1], flush=True)
                 if "flashmla-bf16" not in replays:
-                    step, _ = flashmla_fn(flashmla, q_lat, q_rot, *flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N))
+                    step = flashmla_step(flashmla, args)
                     keep.append(step)
                     replays["flashmla-bf16"] = graphed(step)
         kv = torch.randn(B, N, D_C + D_R, device=DEVICE, dtype=torch.bfloat16)
@@ -814,21 +814,32 @@ def run_placements(out_lines, points, formats, allocations, rounds):
     return out
 
 
+def point_args(point: str):
+    """`H:B:N:FORMAT` -> `(H, B, N, FORMAT, args)`: `make_cache`'s cache and `_queries`' queries at that point as the
+    arguments of `decode_fn`'s step (`--profile`, `--kernel-times`)."""
+    H, B, N, name = point.split(":")
+    H, B, N = int(H), int(B), int(N)
+    q_lat, q_rot, lp = _queries(B, H)
+    fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
+    return H, B, N, name, (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+
+
+def flashmla_step(flash_mla_cuda, args):
+    """FlashMLA's step (`flashmla_fn`) on the history that `decode_fn`'s `args` attend to."""
+    q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, _ = args
+    return flashmla_fn(flash_mla_cuda, q_lat, q_rot, *flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N))[0]
+
+
 def run_profile(point: str, backend: str, iters: int, flashmla_path: str = "", paged: bool = False):
     """`H:B:N:FORMAT` decoded `iters` times through `backend` (eager launches, synchronised at the end); backend
     "flashmla": FlashMLA (built in `flashmla_path`) on the same history as a BF16 page pool; `paged`: the same
     cache in pages through the paged launch (`paged_fn`; backend "default" is `select_paged_backend`'s)."""
     if backend == "flashmla" and not flashmla_path:
         raise SystemExit("--profile with backend flashmla needs --flashmla DIR (FlashMLA's build folder)")
-    H, B, N, name = point.split(":")
-    H, B, N = int(H), int(B), int(N)
-    q_lat, q_rot, lp = _queries(B, H)
-    fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
-    args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+    H, B, N, name, args = point_args(point)
+    fmt, sc = args[4], args[5]
     if backend == "flashmla":
-        history = flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N)
-        step, _ = flashmla_fn(load_flashmla(flashmla_path), q_lat, q_rot, *history)
-        del history
+        step = flashmla_step(load_flashmla(flashmla_path), args)
     elif paged:
         step = paged_fn(args, backend=None if backend == "default" else backend)
     else:
@@ -871,16 +882,11 @@ def run_kernel_times(out_lines, points: list[str], iters: int, flashmla=None) ->
     total last."""
     rows = []
     for point in points:
-        H, B, N, name = point.split(":")
-        H, B, N = int(H), int(B), int(N)
-        q_lat, q_rot, lp = _queries(B, H)
-        fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
-        args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
+        H, B, N, name, args = point_args(point)
         run = decode_fn("default", N)
-        methods = [(select_backend(fmt, H, B, sc.dtype, DEVICE), lambda: run(*args))]
+        methods = [(select_backend(args[4], H, B, args[5].dtype, DEVICE), lambda: run(*args))]
         if flashmla is not None:
-            methods.append(("flashmla", flashmla_fn(flashmla, q_lat, q_rot,
-                                                    *flashmla_history(fmt, cp, rp, sc, sr, rc, rr, lp, N))[0]))
+            methods.append(("flashmla", flashmla_step(flashmla, args)))
         for method, step in methods:
             times = kernel_times(step, iters)
             for kernel, us in list(times.items()) + [("total", sum(times.values()))]:
@@ -909,8 +915,7 @@ def run_tiny():
     print(f"tiny paged layout ok ({err:.1e})")
     assert check_paged([], cases=[("C4R4", 4, 3, 300)])
     q = torch.randn(2, 4, D_C + D_R, dtype=torch.bfloat16)
-    times = run_kernel_times([], ["4:1:300:C4R4"], iters=1)
-    print("tiny kernel times", len(times), "rows")
+    print("tiny kernel times", len(run_kernel_times([], ["4:1:300:C4R4"], iters=1)), "rows")
     print("tiny torch absorbed", tuple(torch_absorbed(q, torch.randn(2, 64, D_C + D_R, dtype=torch.bfloat16), 0.1).shape))
 
 
