@@ -12,6 +12,7 @@ fetched separately and never committed) and the stock transformers step (`--stoc
     python benchmarks/bench_decode.py --repeat ROUNDS --points H:B:N,... --formats C4R4,... [--baseline-path DIR]
         every method replayed from a CUDA graph, in turns, ROUNDS times: 95% intervals of each time and of the
         ratio new / baseline (`--baseline-path`: the kernels of an older tree, e.g. `git archive REV | tar -x -C DIR`,
+        or of several, `DIR,DIR,...` (the variants `split_ceilings.py` writes, say), each row named by its folder,
         imported side by side in the same process and run through that tree's dispatch, or both trees through one
         backend with `--repeat-backend NAME`, e.g. `triton` for the portable kernel; `--also-backends A,B`: those
         backends beside the default on the same cache, e.g. `gluon_wide,gluon_regs`; `--paged`:
@@ -74,7 +75,7 @@ from quantmla_hf.format import CacheFormat, PathFormat
 from quantmla_hf.evaluation.intervals import t_interval
 from quantmla_hf.kernels.mla_decode_ref import mla_decode_paged_ref
 from quantmla_hf.kernels.mla_decode_ref import history_ref, mla_decode_ref
-from tree_compare import load_baseline_decode, ratio_word, summarize_rounds
+from tree_compare import BASELINE_PACKAGE, load_baseline_decode, ratio_word, summarize_rounds
 
 D_C, D_R, D_NOPE, D_V, HIDDEN = 512, 64, 128, 128, 2048
 SCALING = (D_NOPE + D_R) ** -0.5
@@ -124,10 +125,10 @@ def decode_fn(backend, N, capacity=None):
     return run
 
 
-def load_baseline(path):
-    """The decode operation of another tree at `path` (`tree_compare.load_baseline_decode`), run beside this tree's:
-    a `decode_fn`-like factory, with the tree's paged decode (or None) as its `paged`."""
-    decode = load_baseline_decode(path)
+def load_baseline(path, package=BASELINE_PACKAGE):
+    """The decode operation of another tree at `path` (`tree_compare.load_baseline_decode`, under `package`), run
+    beside this tree's: a `decode_fn`-like factory, with the tree's paged decode (or None) as its `paged`."""
+    decode = load_baseline_decode(path, package)
 
     def factory(N, capacity=None, backend=None):
         length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
@@ -141,6 +142,19 @@ def load_baseline(path):
 
     factory.paged = decode.paged
     return factory
+
+
+def load_baselines(paths: str) -> list[tuple[str, object]]:
+    """`--baseline-path DIR[,DIR...]` -> `[(label, load_baseline factory)]`, each tree under a package of its own:
+    one tree is "old"; several are "old-NAME" by their folders' names, which must differ."""
+    roots = [p for p in paths.split(",") if p]
+    if len(roots) == 1:
+        return [("old", load_baseline(roots[0]))]
+    names = [os.path.basename(os.path.normpath(p)) for p in roots]
+    if len(set(names)) < len(names):
+        raise SystemExit(f"--baseline-path: the trees' folders {names} share names; each tree's rows are named by its "
+                         "folder, so give them folders of different names")
+    return [(f"old-{n}", load_baseline(p, f"{BASELINE_PACKAGE}_{i}")) for i, (n, p) in enumerate(zip(names, roots))]
 
 
 CHECK_CASES = [  # (format, heads, batch, length, query tokens)
@@ -657,18 +671,19 @@ def _against(got, want):
     return ((o.float() - o_w.float()).norm() / o_w.float().norm()).item(), (lse - lse_w).abs().max().item()
 
 
-def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=None, paged=False, backend="default",
+def run_repeats(out_lines, points, formats, baselines=(), rounds=10, target=None, paged=False, backend="default",
                 flashmla=None, also=()):
-    """Per point: the default dispatch (or the named `backend`) for each format (`new-FMT`), the baseline tree's
-    (`old-FMT`, given `baseline`; the same named backend), the paged kernel on the same cache in pages (`paged-FMT`, given `paged`; with a baseline tree that
-    has a paged decode also its `old-paged-FMT`) and the torch bmm on a
-    BF16 latent, each captured once in a CUDA graph, the replays timed `rounds` times in turns (the order rotated
-    each round) in one process; reported by `summarize_rounds` (ratios to the first method) and, per format, the
-    ratio new / old with its interval and a verdict. `flashmla` (the `flash_mla_cuda` module): FlashMLA on the first
-    format's history as a BF16 page pool (`flashmla-bf16`), each format's ratio to it with its interval, and each
-    format's output against FlashMLA's on its own history. `also`: backends timed beside the default on the same
-    cache (`BACKEND-FMT`, and with `paged` their paged launch, `paged-BACKEND-FMT`), where they take the case, each
-    output against the default's on the same inputs."""
+    """Per point: the default dispatch (or the named `backend`) for each format (`new-FMT`), each baseline tree's
+    (`baselines`: `load_baselines`' `(label, factory)` pairs, `LABEL-FMT`; the same named backend), the paged kernel on
+    the same cache in pages (`paged-FMT`, given `paged`; with a baseline tree that has a paged decode also its
+    `LABEL-paged-FMT`) and the torch bmm on a BF16 latent, each captured once in a CUDA graph, the replays timed
+    `rounds` times in turns (the order rotated each round) in one process; reported by `summarize_rounds` (ratios to
+    the first method) and, per format and baseline tree, the ratio new / LABEL with its interval and a verdict.
+    `flashmla` (the `flash_mla_cuda` module): FlashMLA on the first format's history as a BF16 page pool
+    (`flashmla-bf16`), each format's ratio to it with its interval, and each format's output against FlashMLA's on its
+    own history. `also`: backends timed beside the default on the same cache (`BACKEND-FMT`, and with `paged` their
+    paged launch, `paged-BACKEND-FMT`), where they take the case, each output against the default's on the same
+    inputs."""
     out = []
     for H, B, N in points:
         q_lat, q_rot, lp = _queries(B, H)
@@ -676,8 +691,8 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
         for name in formats:
             fmt, cp, rp, sc, sr, rc, rr = make_cache(name, B, N)
             args = (q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, N, SCALING)
-            old = baseline(N, backend=None if backend == "default" else backend) if baseline else None
-            makers = [("new", decode_fn(backend, N))] + ([("old", old)] if baseline else [])
+            named = None if backend == "default" else backend
+            makers = [("new", decode_fn(backend, N))] + [(label, tree(N, backend=named)) for label, tree in baselines]
             for tag, fn in makers:
                 keep.append((fn, args))  # a graph reads the tensors it was captured with
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
@@ -700,7 +715,7 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
                 others = {"gluon_split": ("gluon_wide",), "gluon_wide": ("gluon_regs", "triton"),
                           "gluon_regs": ("triton",)}.get(choice, ())
                 others = others + tuple(b for b in also if b != choice and b not in others)
-                old_paged = [("old-paged", None, baseline.paged)] if baseline and baseline.paged else []
+                old_paged = [(f"{label}-paged", None, tree.paged) for label, tree in baselines if tree.paged]
                 # (not named `backend`: that is the contiguous decode's, for every later format and point)
                 for tag, paged_backend, decode in [("paged", None, None)] + old_paged + [(f"paged-{b}", b, None)
                                                                                          for b in others]:
@@ -737,15 +752,16 @@ def run_repeats(out_lines, points, formats, baseline=None, rounds=10, target=Non
             print(out_lines[-1], flush=True)
             out.append(dict(method=row["method"], H=H, B=B, N=N, ms=row["ms"].to_dict(),
                             ratio_to_first=row["ratio"].to_dict(), times=times[row["method"]]))
-        pairs = [(name, name, "new", "old") for name in formats] + [
-            (f"paged {name}", name, "paged", "old-paged") for name in formats if f"old-paged-{name}" in times]
-        for label, name, new_tag, old_tag in pairs if baseline else ():
+        pairs = [(tag, name, name, "new", tag) for tag, _ in baselines for name in formats] + [
+            (tag, f"paged {name}", name, "paged", f"{tag}-paged") for tag, _ in baselines for name in formats
+            if f"{tag}-paged-{name}" in times]
+        for tag, label, name, new_tag, old_tag in pairs:
             new, old = (torch.tensor(times[f"{t}-{name}"], dtype=torch.float64) for t in (new_tag, old_tag))
             ratio = t_interval(new / old)
             word = ratio_word(ratio)
-            out_lines.append(f"new/old H={H:3d} B={B:2d} N={N:6d} {label:12s} x{ratio.fmt(3)}: {word}")
+            out_lines.append(f"new/{tag} H={H:3d} B={B:2d} N={N:6d} {label:12s} x{ratio.fmt(3)}: {word}")
             print(out_lines[-1], flush=True)
-            out.append(dict(method=f"new/old-{label.replace(' ', '-')}", H=H, B=B, N=N, ratio=ratio.to_dict(),
+            out.append(dict(method=f"new/{tag}-{label.replace(' ', '-')}", H=H, B=B, N=N, ratio=ratio.to_dict(),
                             verdict=word))
         for name in formats if "flashmla-bf16" in times else ():
             ours, theirs = (torch.tensor(times[k], dtype=torch.float64) for k in (f"new-{name}", "flashmla-bf16"))
@@ -949,7 +965,8 @@ def main():
     ap.add_argument("--paged", action="store_true",
                     help="--repeat: also the paged kernels on the same cache in pages; --check: also check them; "
                     "--profile: the paged launch instead")
-    ap.add_argument("--baseline-path", default="", help="--repeat: root of an older tree whose kernels to compare")
+    ap.add_argument("--baseline-path", default="",
+                    help="--repeat: root of an older tree whose kernels to compare (several: DIR,DIR,...)")
     ap.add_argument("--repeat-backend", default="default",
                     help="--repeat: the backend both trees run (default: each tree's own dispatch)")
     ap.add_argument("--target-ms", type=float, default=None, help="--repeat: where the first method stands")
@@ -991,9 +1008,8 @@ def main():
     if a.repeat and a.placements:
         result["placements"] = run_placements(lines, points, formats, a.placements, a.repeat)
     elif a.repeat:
-        baseline = load_baseline(a.baseline_path) if a.baseline_path else None
-        result["repeats"] = run_repeats(lines, points, formats, baseline, a.repeat, a.target_ms, a.paged,
-                                        a.repeat_backend, load_flashmla(a.flashmla),
+        result["repeats"] = run_repeats(lines, points, formats, load_baselines(a.baseline_path), a.repeat,
+                                        a.target_ms, a.paged, a.repeat_backend, load_flashmla(a.flashmla),
                                         tuple(b for b in a.also_backends.split(",") if b))
     if a.bench:
         bf16 = load_bf16_kernel(a.bf16_kernel)

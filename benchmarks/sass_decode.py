@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib
 import io
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -47,6 +49,7 @@ from quantmla_hf.kernels import mla_decode_gluon_wide as mw
 from quantmla_hf.kernels import mla_decode_triton as portable
 from quantmla_hf.kernels import quant_pack
 from quantmla_hf.kernels.quant_pack_ref import SCALE_MIN
+import tree_compare
 
 FORMATS = {"C4R4": (4, 4), "C2R4": (2, 4), "C4R8": (4, 8), "C8R8": (8, 8), "C16R16": (16, 16)}
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+[^;]*;", re.M)  # one SASS instruction line
@@ -172,18 +175,29 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
     return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=True)
 
 
-def compile_split(content_bits: int, rope_bits: int, paged: bool = False):
-    """The split kernel (`kernels/mla_decode_gluon_split.py`: a scorer and two value warpgroups, 64 rows) compiled for
-    sm_90 at DeepSeek widths with its registers and partials (`backends.partial_dtype`)."""
-    v_regs, s_regs = ms.registers(CacheFormat(PathFormat(512, content_bits, 64), PathFormat(64, rope_bits, 64)), paged)
+def compile_split(content_bits: int, rope_bits: int, paged: bool = False, module=ms):
+    """The split kernel (`kernels/mla_decode_gluon_split.py`: a scorer and two value warpgroups, 64 rows; `module`:
+    another tree's, `split_module`) compiled for sm_90 at DeepSeek widths with its registers and partials
+    (`backends.partial_dtype`)."""
+    fmt = CacheFormat(PathFormat(512, content_bits, 64), PathFormat(64, rope_bits, 64))
+    v_regs, s_regs = module.registers(fmt, paged)
     copies = (0, 0) if content_bits == 16 and paged else (4, 128)  # the paged 16-bit cache keeps no copies
-    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=copies[0], R=copies[1], BM=ms.BLOCK_M, Q_SPLIT=False,
-                 PAGED=paged, V_REGS=v_regs, S_REGS=s_regs)
+    const = dict(GC=8, C_BITS=content_bits, R_BITS=rope_bits, S=copies[0], R=copies[1], BM=module.BLOCK_M,
+                 Q_SPLIT=False, PAGED=paged, V_REGS=v_regs, S_REGS=s_regs)
     index = "*i32" if paged else "*i64"
     ptrs = dict(lp_ptr=index, len_ptr=index, pt_ptr=index, o_ptr="*fp32" if content_bits == 16 else "*fp16")
     if content_bits == 16:  # bf16 planes (C16R16); the steps' and zero points' pointers are the planes'
         ptrs.update({n: "*bf16" for n in ("cc_ptr", "cs_ptr", "cz_ptr", "rc_ptr", "rs_ptr", "rz_ptr")})
-    return _compile(ms.mla_decode_split_kernel, const, False, {"num_warps": 4, "maxnreg": ms.LAUNCH_REGS}, ptrs)
+    return _compile(module.mla_decode_split_kernel, const, False, {"num_warps": 4, "maxnreg": module.LAUNCH_REGS},
+                    ptrs)
+
+
+def split_module(tree: str):
+    """The split kernel's module of the tree at `tree` (an older tree, or a variant `split_ceilings.py` wrote),
+    imported beside this tree's (`tree_compare.load_baseline_decode`, a package of its own for each call)."""
+    package = f"quantmla_sass_tree_{sum(m.startswith('quantmla_sass_tree_') and '.' not in m for m in sys.modules)}"
+    tree_compare.load_baseline_decode(tree, package)
+    return importlib.import_module(package + ".kernels.mla_decode_gluon_split")
 
 
 def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide, groups=8):
@@ -402,6 +416,9 @@ def main():
     ap.add_argument("--wide", action="store_true", help="the two-warpgroup kernel")
     ap.add_argument("--split", action="store_true",
                     help="the split kernel (C4R4, C2R4, C4R8, C8R8, C16R16; bf16 queries)")
+    ap.add_argument("--tree", default="",
+                    help="--split: the split kernel of the tree at this folder (an older tree, or a variant "
+                    "split_ceilings.py wrote) instead of this one's")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     ap.add_argument("--loads", action="store_true",
                     help="also each wide global load of the packed loop (--split: the scorer's) and its lead "
@@ -415,6 +432,8 @@ def main():
     if a.wide:
         main_wide(a)
         return
+    if a.tree and not a.split:
+        ap.error("--tree: only with --split (the split kernel of another tree)")
     if a.split:
         if a.fp32_queries:
             ap.error("--split: the split kernel takes bf16/fp16 queries")
@@ -432,7 +451,8 @@ def main():
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
     print(ptxas_facts(kernel))
     print(f"packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
-          f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements)")
+          f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements); issue floor {issue_floor(controls)} "
+          "cycles")
     for op, n in counts.most_common():
         print(f"{op:28s} {n:5d}")
     if a.loads:
@@ -465,29 +485,40 @@ def main_wide(a):
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16)))
 
 
-def main_loops(sass: str, min_len: int = 100) -> list[list[str]]:
+def main_loops(sass: str, min_len: int = 100, controls: bool = False) -> list:
     """The loops of at least `min_len` instructions that hold no other such loop, in address order (the short
     loops inside them are mbarrier waits). A loop ends in a conditional branch: the unconditional one back from an
-    mbarrier wait's retry code (placed after the kernel's body) is no loop."""
-    ins, _, loops = _instructions_and_loops(sass)
+    mbarrier wait's retry code (placed after the kernel's body) is no loop. `controls`: each loop as `(instructions,
+    control bits)` (`_instructions_and_loops`)."""
+    ins, bits, loops = _instructions_and_loops(sass)
     big = [(s, e) for s, e in loops if e - s + 1 >= min_len and ins[e].startswith("@")]
     inner = [(s, e) for s, e in big if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in big)]
-    return [ins[s:e + 1] for s, e in sorted(set(inner))]
+    spans = sorted(set(inner))
+    return [(ins[s:e + 1], bits[s:e + 1]) for s, e in spans] if controls else [ins[s:e + 1] for s, e in spans]
+
+
+def issue_floor(controls: list[int]) -> int:
+    """The cycles one warp takes to issue a loop once with nothing to wait for: the sum of the stall counts ptxas
+    encodes in the instructions' control bits (bits 0-3: cycles before the warp's next instruction may issue, the
+    fixed latencies it schedules around). Waits on scoreboards (loads, shared memory, `wgmma`s), barriers and other
+    warps' issue slots come on top, so a loop that takes much longer than its floor is bound by those waits."""
+    return sum(c & 15 for c in controls)
 
 
 def main_split(a):
     cb, rb = FORMATS[a.format]
-    kernel = compile_split(cb, rb, paged=a.paged)
+    module = split_module(a.tree) if a.tree else ms
+    kernel = compile_split(cb, rb, paged=a.paged, module=module)
     sass = disassemble(kernel.asm["cubin"], "-sass")
-    v_regs, s_regs = ms.registers(CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64)), a.paged)
-    print(f"triton {triton.__version__} | {a.format} split | {ms.BLOCK_M} rows | "
-          f"{'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
-    print(f"registers: launch {ms.LAUNCH_REGS}, value worker {v_regs}, scorer {s_regs}; setmaxnreg "
+    v_regs, s_regs = module.registers(CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64)), a.paged)
+    print(f"triton {triton.__version__} | {a.format} split{' of ' + a.tree if a.tree else ''} | {module.BLOCK_M} "
+          f"rows | {'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
+    print(f"registers: launch {module.LAUNCH_REGS}, value worker {v_regs}, scorer {s_regs}; setmaxnreg "
           + " ".join(f"{k} {n}" for k, n in SETMAXNREG.findall(kernel.asm["ptx"])))
     local = len(re.findall(r"\b(?:LDL|STL)\b", sass))
     print(f"local memory instructions in the kernel: {local}")
     print(ptxas_facts(kernel))
-    for loop in main_loops(sass):
+    for loop, controls in main_loops(sass, controls=True):
         counts = opcode_counts(loop)
         if not any(op.startswith("HGMMA") for op in counts):
             continue  # the epilogue's waits
@@ -495,7 +526,8 @@ def main_split(a):
         name = "scorer" if mma > 16 else "value"  # the scores: 9 units x 4 k-steps; a value warpgroup's: 4 x 4
         spills = sum(n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL"))
         print(f"{name} loop: {len(loop)} SASS instructions per warp and 64-token tile ({mma} HGMMA, "
-              f"{counts[UNPACK_MUL]} unpacking multiplies, {counts[COPY_ASYNC]} key copies, {spills} local-memory)")
+              f"{counts[UNPACK_MUL]} unpacking multiplies, {counts[COPY_ASYNC]} key copies, {spills} local-memory); "
+              f"issue floor {issue_floor(controls)} cycles")
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16)))
         moved = shared_bytes(loop)
         total = moved["wgmma"] + 4 * (moved["stores"] + moved["loads"])

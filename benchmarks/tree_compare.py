@@ -1,7 +1,8 @@
 """Another tree's decode beside this one's, in one process, and times taken in turns summarised as intervals.
 
-- `load_baseline_decode(path)`: the decode operation of an older tree (`git archive REV | tar -x -C DIR`) imported
-  beside this tree's: its `mla_decode_static` (and `mla_decode_paged`, where it has one) with this tree's signature.
+- `load_baseline_decode(path, package)`: the decode operation of an older tree (`git archive REV | tar -x -C DIR`)
+  imported beside this tree's, under a package name of its own (several trees side by side): its `mla_decode_static`
+  (and `mla_decode_paged`, where it has one) with this tree's signature.
 - `routed_decode(baseline)`: a context in which this tree's model decode (`quantmla_hf.ops.decode`) calls the older
   tree's contiguous decode instead of its own; the rest of the model (projections, cache writes, generate) is this
   tree's.
@@ -51,27 +52,32 @@ class BaselineDecode:
                   capacity, scaling, **kw)
 
 
-def load_baseline_decode(path: str) -> BaselineDecode:
-    """The decode operation of the tree at `path`: its `kernels/` imported as the package `BASELINE_PACKAGE.kernels`
-    (their own relative imports; `quantmla_hf.format` is this tree's, the same byte layout) and its
-    `mla_decode_static` from where that tree keeps the operation: `quantmla_hf/ops/backends.py` (this layout),
-    `quantmla_hf/decode.py` (the flat package before it), or, in trees that kept the operation in `kernels/`, as
-    their `ops.py` chose it: `kernels/mla_decode_fast.py` where its `fast_supported` says so, else
-    `kernels/mla_decode.py`."""
+def load_baseline_decode(path: str, package: str = BASELINE_PACKAGE) -> BaselineDecode:
+    """The decode operation of the tree at `path`: its `kernels/` imported as the package `package.kernels` (their
+    own relative imports; `quantmla_hf.format` is this tree's, the same byte layout) and its `mla_decode_static` from
+    where that tree keeps the operation: `quantmla_hf/ops/backends.py` (this layout), `quantmla_hf/decode.py` (the
+    flat package before it), or, in trees that kept the operation in `kernels/`, as their `ops.py` chose it:
+    `kernels/mla_decode_fast.py` where its `fast_supported` says so, else `kernels/mla_decode.py`. Each tree loaded
+    beside another takes a package name of its own: a name that holds another tree already is refused (its modules
+    would be that tree's)."""
     if not os.path.isdir(os.path.join(path, "kernels")):
         raise SystemExit(f"--baseline-path {path!r} has no kernels/ folder: pass the root of an extracted tree "
                          "(mkdir -p before && git archive REV | tar -x -C before)")
-    root = types.ModuleType(BASELINE_PACKAGE)
+    loaded = sys.modules.get(package)
+    if loaded is not None and loaded.__path__ != [os.path.join(path, "quantmla_hf")]:
+        raise ValueError(f"{package!r} already holds the tree at {os.path.dirname(loaded.__path__[0])!r}: load "
+                         f"{path!r} under another package name")
+    root = types.ModuleType(package)
     root.__path__ = [os.path.join(path, "quantmla_hf")]
-    sys.modules[BASELINE_PACKAGE] = root
-    sys.modules[BASELINE_PACKAGE + ".format"] = quantmla_hf.format
+    sys.modules[package] = root
+    sys.modules[package + ".format"] = quantmla_hf.format
     folder = os.path.join(path, "kernels")
     init = os.path.join(folder, "__init__.py")  # absent from this layout on: a namespace package
     if os.path.exists(init):
-        spec = importlib.util.spec_from_file_location(BASELINE_PACKAGE + ".kernels", init,
+        spec = importlib.util.spec_from_file_location(package + ".kernels", init,
                                                       submodule_search_locations=[folder])
     else:
-        spec = importlib.machinery.ModuleSpec(BASELINE_PACKAGE + ".kernels", None, is_package=True)
+        spec = importlib.machinery.ModuleSpec(package + ".kernels", None, is_package=True)
         spec.submodule_search_locations = [folder]
     kernels = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = kernels
@@ -81,13 +87,13 @@ def load_baseline_decode(path: str) -> BaselineDecode:
                    if os.path.exists(os.path.join(path, "quantmla_hf", f))), None)
     in_package = module is not None
     if module == ".ops.backends":  # its package, without running the tree's quantmla_hf/ops/__init__ imports
-        ops = types.ModuleType(BASELINE_PACKAGE + ".ops")
+        ops = types.ModuleType(package + ".ops")
         ops.__path__ = [os.path.join(path, "quantmla_hf", "ops")]
         sys.modules[ops.__name__] = ops
-    op = importlib.import_module(BASELINE_PACKAGE + (module if in_package else ".kernels.mla_decode"))
+    op = importlib.import_module(package + (module if in_package else ".kernels.mla_decode"))
     fast = None  # trees before the one decode module: `mla_decode_fast` took the cases its `fast_supported` named
     if not in_package and os.path.exists(os.path.join(path, "kernels", "mla_decode_fast.py")):
-        fast = importlib.import_module(BASELINE_PACKAGE + ".kernels.mla_decode_fast")
+        fast = importlib.import_module(package + ".kernels.mla_decode_fast")
     return BaselineDecode(op.mla_decode_static, fast, getattr(op, "mla_decode_paged", None))
 
 

@@ -427,6 +427,8 @@ def test_sass_script_counts_the_packed_loop():
     out = _sass_script("C4R4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "(144 unpacking multiplies" in out.stdout, out.stdout
+    floor = re.search(r"^packed loop: (\d+) SASS .*; issue floor (\d+) cycles$", out.stdout, re.M)
+    assert floor and int(floor.group(2)) >= int(floor.group(1)), out.stdout  # a stall count of at least 1 each
     assert re.search(r"^HGMMA\.64x16x16\s+68$", out.stdout, re.M), out.stdout
     # barriers per tile: the first unit's (the previous tile's value reads), P's, the vote's read-back and its rare
     # branch; none between the units' key stores (11 per tile with one key buffer indexed per unit, Triton 3.6)
@@ -492,6 +494,18 @@ def test_scoreboard_waits_cover_every_load_pending_on_the_scoreboard():
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_issue_floor_sums_the_stall_counts_alone():
+    """`sass_decode.issue_floor`: the cycles a warp needs to issue a loop with nothing to wait for are the stall
+    counts (bits 0-3 of the control bits), whatever scoreboards the instructions set or wait on."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import sass_decode as sd
+
+    controls = [_control(stall=1), _control(wb=2, stall=4), _control(wait=0b101001, rb=3, stall=15), _control()]
+    assert sd.issue_floor(controls) == 1 + 4 + 15 + 1
+    assert sd.issue_floor([c | 1 << 4 for c in controls]) == 21  # the yield bit is no stall
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
 def test_sass_dump_writes_comparable_sass(tmp_path):
     """`sass_decode.py --dump` (how two trees' kernels are compared without a GPU) writes one file per launch with
     the instruction addresses removed, so that the same code compiled twice gives identical files."""
@@ -535,6 +549,8 @@ def test_sass_script_reads_the_split_kernels_loops():
     warpgroups' registers."""
     out = _sass_script("C4R4", "--split")
     assert out.returncode == 0, out.stderr[-3000:]
+    floors = re.findall(r"^\w+ loop: (\d+) SASS .*; issue floor (\d+) cycles$", out.stdout, re.M)
+    assert len(floors) == 3 and all(int(c) >= int(n) for n, c in floors), out.stdout
     values = re.findall(r"^value loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
     scorers = re.findall(r"^scorer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking", out.stdout, re.M)
     assert values == [("16", "0"), ("16", "0")], out.stdout

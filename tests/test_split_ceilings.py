@@ -1,0 +1,157 @@
+"""`benchmarks/split_ceilings.py`: the split kernel's timing-only variants are this tree's kernel with exactly their
+edits, load beside this tree and each other for `bench_decode.py --repeat --baseline-path`, stop where the kernel no
+longer holds the text an edit names, and compile for sm_90 without the work they take out."""
+
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import triton
+
+from quantmla_hf.kernels import mla_decode_gluon_common as mc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+@pytest.fixture
+def ceilings(monkeypatch):
+    """The script's module; the trees a test loads (`quantmla_baseline*` packages) are unloaded after it, so that a
+    later test may load another tree under the same names."""
+    monkeypatch.syspath_prepend(BENCH)
+    import split_ceilings
+
+    before = set(sys.modules)
+    yield split_ceilings
+    for name in set(sys.modules) - before:
+        if name.startswith("quantmla_baseline"):
+            del sys.modules[name]
+
+
+def _changed_files(tree: str) -> set[str]:
+    """The files of `tree` that differ from this tree's (relative paths under kernels/ and quantmla_hf/)."""
+    changed = set()
+    for folder in ("kernels", "quantmla_hf"):
+        for base, _, files in os.walk(os.path.join(tree, folder)):
+            for name in files:
+                rel = os.path.relpath(os.path.join(base, name), tree)
+                if not filecmp.cmp(os.path.join(tree, rel), os.path.join(ROOT, rel), shallow=False):
+                    changed.add(rel)
+    return changed
+
+
+def test_each_variant_is_this_trees_kernel_with_its_edits(ceilings, tmp_path):
+    """Every variant (and a combination) changes only the files its edits name, and each edit is in them: the
+    2- and 4-bit unpacking replaced by register moves, the scorer's key stores off, the values' softmax gone."""
+    trees = {spec: ceilings.write_variant(spec, str(tmp_path))
+             for spec in ("no_unpack", "no_key_stores", "no_softmax", "no_unpack+no_key_stores")}
+    assert os.path.basename(trees["no_unpack+no_key_stores"]) == "no_unpack_and_no_key_stores"
+    assert _changed_files(trees["no_unpack"]) == {ceilings.COMMON}
+    assert _changed_files(trees["no_key_stores"]) == {ceilings.SPLIT}
+    assert _changed_files(trees["no_softmax"]) == {ceilings.SPLIT}
+    assert _changed_files(trees["no_unpack+no_key_stores"]) == {ceilings.COMMON, ceilings.SPLIT}
+    assert not os.path.exists(os.path.join(trees["no_unpack"], "quantmla_hf", "assets"))
+
+    common = open(os.path.join(trees["no_unpack"], ceilings.COMMON)).read()
+    assert "half_asm(4))" not in common and "half_asm(2))" not in common
+    assert repr(ceilings.moved_words_asm(4)) in common and "lop3" not in ceilings.moved_words_asm(4)
+    # the moves keep half_asm's operands: E outputs, then the word
+    assert ceilings.moved_words_asm(2).count("mov.b32") == 8 and "$16;" in ceilings.moved_words_asm(2)
+    assert ceilings.moved_words_asm(4).count("mov.b32") == 4 and "$8;" in ceilings.moved_words_asm(4)
+    split = open(os.path.join(trees["no_key_stores"], ceilings.SPLIT)).read()
+    assert "vbuf[u].index(st), u == 0, False, dot_a)" in split and "vbuf[u + 1].index(st), False, False, dot_a)" in split
+    assert "index(st), u == 0, True" not in split and "index(st), False, True" not in split  # (copy tiles still store)
+    values = open(os.path.join(trees["no_softmax"], ceilings.SPLIT)).read()
+    body = values[values.index("def _values("):values.index("def mla_decode_split_kernel(")]
+    assert "_references(" not in body and "sbuf.slice(" not in body
+    assert body.count("mbarrier.arrive(bars.index(S_EMPTY), count=1)") == 1  # the scorer is still released
+
+
+def test_variants_load_beside_this_tree_and_each_other(ceilings, tmp_path, monkeypatch):
+    """`bench_decode.py --baseline-path A,B`: each tree under a package of its own, its rows named by its folder;
+    folders of one name are refused, and so is a package name that holds another tree already."""
+    monkeypatch.syspath_prepend(BENCH)
+    import bench_decode
+    import tree_compare
+
+    a = ceilings.write_variant("no_unpack", str(tmp_path))
+    b = ceilings.write_variant("no_softmax", str(tmp_path))
+    trees = bench_decode.load_baselines(f"{a},{b}")
+    assert [label for label, _ in trees] == ["old-no_unpack", "old-no_softmax"]
+    packages = [f"{tree_compare.BASELINE_PACKAGE}_{i}" for i in range(2)]
+    for package, tree in zip(packages, (a, b)):
+        module = sys.modules[package + ".kernels.mla_decode_gluon_split"]
+        assert module.__file__ == os.path.join(tree, ceilings.SPLIT)
+    assert [label for label, _ in bench_decode.load_baselines(a)] == ["old"]
+
+    twin = os.path.join(tmp_path, "elsewhere", "no_unpack")
+    shutil.copytree(a, twin)
+    with pytest.raises(SystemExit, match="folders of different names"):
+        bench_decode.load_baselines(f"{a},{twin}")
+    with pytest.raises(ValueError, match="under another package name"):
+        tree_compare.load_baseline_decode(twin, packages[0])
+
+
+def test_an_edit_the_kernel_no_longer_matches_says_which_to_update(ceilings, tmp_path):
+    """A kernel whose text an edit names has changed: the script stops and names the edit, rather than writing a
+    variant that is this tree's kernel unchanged (a ceiling of nothing)."""
+    root = tmp_path / "tree"
+    for folder in ("kernels", "quantmla_hf"):
+        shutil.copytree(os.path.join(ROOT, folder), root / folder, ignore=shutil.ignore_patterns("assets"))
+    split = root / ceilings.SPLIT
+    split.write_text(split.read_text().replace("vbuf[u + 1].index(st), False, True, dot_a)", "vbuf[u + 1].index(st))"))
+    with pytest.raises(SystemExit, match=r"bring EDITS\['no_key_stores'\] up to date"):
+        ceilings.write_variant("no_key_stores", str(tmp_path / "out"), root=str(root))
+    with pytest.raises(SystemExit, match="unknown variant 'no_scores'"):
+        ceilings.write_variant("no_scores", str(tmp_path / "out"))
+
+
+COMPILE = textwrap.dedent(
+    r"""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import sass_decode as sd
+
+    loops = {}
+    for tree in sys.argv[2:]:
+        module = sd.split_module(tree)
+        sass = sd.disassemble(sd.compile_split(4, 4, module=module).asm["cubin"], "-sass")
+        counts = [sd.opcode_counts(loop) for loop in sd.main_loops(sass)]
+        loops[tree] = [{op: n for op, n in c.items()} for c in counts if any(op.startswith("HGMMA") for op in c)]
+    print(json.dumps(loops))
+    """
+)
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon, Triton >= 3.5)")
+def test_variants_compile_for_sm90_without_the_work_they_take_out(ceilings, tmp_path):
+    """Each variant's C4R4 split kernel, compiled for sm_90 (`sass_decode.py --split --tree`): the scorer of
+    `no_unpack` has no unpacking multiply, that of `no_key_stores` no `stmatrix`, the value loops of `no_softmax` no
+    exponential, and every loop keeps its `wgmma`s (36 in the scorer, 16 in each value warpgroup)."""
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no bundled cuobjdump")
+    trees = [ceilings.write_variant(v, str(tmp_path)) for v in ("no_unpack", "no_key_stores", "no_softmax")]
+    out = subprocess.run([sys.executable, "-c", COMPILE, BENCH, *trees], capture_output=True, text=True, cwd="/",
+                         env=dict(os.environ, TRITON_INTERPRET="0"), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loops = json.loads(out.stdout.splitlines()[-1])
+
+    def parts(tree):
+        mma = lambda c: sum(n for op, n in c.items() if op.startswith("HGMMA"))  # noqa: E731
+        scorer = [c for c in loops[tree] if mma(c) == 36]
+        values = [c for c in loops[tree] if mma(c) == 16]
+        assert len(scorer) == 1 and len(values) == 2, (tree, [mma(c) for c in loops[tree]])
+        return scorer[0], values
+
+    scorer, values = parts(trees[0])
+    assert scorer.get("HMUL2", 0) == 0 and all(c.get("MUFU.EX2", 0) > 0 for c in values)
+    scorer, _ = parts(trees[1])
+    assert scorer.get("HMUL2", 0) == 144 and not any(op.startswith("STSM") for op in scorer)
+    scorer, values = parts(trees[2])
+    assert scorer.get("HMUL2", 0) == 144 and any(op.startswith("STSM") for op in scorer)
+    assert all(c.get("MUFU.EX2", 0) == 0 for c in values)
