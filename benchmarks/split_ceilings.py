@@ -18,6 +18,9 @@ kernel no longer holds that text exactly once, the script stops and says which e
   they were: the scorer without its shared-memory stores.
 - `no_softmax`: the value warpgroups keep every barrier, wait and product but load no scores and run no softmax (P a
   constant): the value chain without its softmax.
+- `no_fence`: the scorer hands a tile's keys and scores over without the proxy fence before it
+  (`fence_async_shared`, which compiles to `MEMBAR.ALL.CTA` and `FENCE.VIEW.ASYNC.S` right after the next tile's
+  code-word loads are issued): what the fence and any wait it makes on those loads cost.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ EDITS = {
         (SPLIT, "vbuf[u + 1].index(st), False, True, dot_a)", "vbuf[u + 1].index(st), False, False, dot_a)"),
     ],
     "no_softmax": [(SPLIT, (_SOFTMAX_START, _SOFTMAX_END), _NO_SOFTMAX)],
+    "no_fence": [(SPLIT, "    fence_async_shared()  # this warpgroup's key stores visible to the value wgmmas\n", "")],
 }
 
 
@@ -106,7 +110,7 @@ def write_variant(spec: str, out: str, root: str = ROOT) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder to write the variants' trees into")
-    ap.add_argument("--variants", default="no_unpack,no_key_stores,no_softmax,no_unpack+no_key_stores",
+    ap.add_argument("--variants", default="no_unpack,no_key_stores,no_softmax,no_fence,no_unpack+no_key_stores",
                     help="comma list of variants, each EDITS names joined by '+'")
     a = ap.parse_args()
     trees = [write_variant(v, a.out) for v in a.variants.split(",") if v]

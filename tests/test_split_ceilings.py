@@ -19,18 +19,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 
 
+def _unload_trees():
+    """Forget every tree loaded beside this one (`quantmla_baseline*` packages), so that a test may load another tree
+    under the same names (a name that holds a tree is not given to another)."""
+    for name in [m for m in sys.modules if m.startswith("quantmla_baseline")]:
+        del sys.modules[name]
+
+
 @pytest.fixture
 def ceilings(monkeypatch):
-    """The script's module; the trees a test loads (`quantmla_baseline*` packages) are unloaded after it, so that a
-    later test may load another tree under the same names."""
+    """The script's module, with no tree loaded beside this one before or after the test."""
     monkeypatch.syspath_prepend(BENCH)
     import split_ceilings
 
-    before = set(sys.modules)
+    _unload_trees()
     yield split_ceilings
-    for name in set(sys.modules) - before:
-        if name.startswith("quantmla_baseline"):
-            del sys.modules[name]
+    _unload_trees()
 
 
 def _changed_files(tree: str) -> set[str]:
@@ -49,11 +53,12 @@ def test_each_variant_is_this_trees_kernel_with_its_edits(ceilings, tmp_path):
     """Every variant (and a combination) changes only the files its edits name, and each edit is in them: the
     2- and 4-bit unpacking replaced by register moves, the scorer's key stores off, the values' softmax gone."""
     trees = {spec: ceilings.write_variant(spec, str(tmp_path))
-             for spec in ("no_unpack", "no_key_stores", "no_softmax", "no_unpack+no_key_stores")}
+             for spec in ("no_unpack", "no_key_stores", "no_softmax", "no_fence", "no_unpack+no_key_stores")}
     assert os.path.basename(trees["no_unpack+no_key_stores"]) == "no_unpack_and_no_key_stores"
     assert _changed_files(trees["no_unpack"]) == {ceilings.COMMON}
     assert _changed_files(trees["no_key_stores"]) == {ceilings.SPLIT}
     assert _changed_files(trees["no_softmax"]) == {ceilings.SPLIT}
+    assert _changed_files(trees["no_fence"]) == {ceilings.SPLIT}
     assert _changed_files(trees["no_unpack+no_key_stores"]) == {ceilings.COMMON, ceilings.SPLIT}
     assert not os.path.exists(os.path.join(trees["no_unpack"], "quantmla_hf", "assets"))
 
@@ -64,12 +69,16 @@ def test_each_variant_is_this_trees_kernel_with_its_edits(ceilings, tmp_path):
     assert ceilings.moved_words_asm(2).count("mov.b32") == 8 and "$16;" in ceilings.moved_words_asm(2)
     assert ceilings.moved_words_asm(4).count("mov.b32") == 4 and "$8;" in ceilings.moved_words_asm(4)
     split = open(os.path.join(trees["no_key_stores"], ceilings.SPLIT)).read()
-    assert "vbuf[u].index(st), u == 0, False, dot_a)" in split and "vbuf[u + 1].index(st), False, False, dot_a)" in split
+    assert "vbuf[u].index(st), u == 0, False, dot_a)" in split
+    assert "vbuf[u + 1].index(st), False, False, dot_a)" in split
     assert "index(st), u == 0, True" not in split and "index(st), False, True" not in split  # (copy tiles still store)
     values = open(os.path.join(trees["no_softmax"], ceilings.SPLIT)).read()
     body = values[values.index("def _values("):values.index("def mla_decode_split_kernel(")]
     assert "_references(" not in body and "sbuf.slice(" not in body
     assert body.count("mbarrier.arrive(bars.index(S_EMPTY), count=1)") == 1  # the scorer is still released
+    fenced = open(os.path.join(ROOT, ceilings.SPLIT)).read()
+    unfenced = open(os.path.join(trees["no_fence"], ceilings.SPLIT)).read()
+    assert unfenced.count("fence_async_shared()") == fenced.count("fence_async_shared()") - 1
 
 
 def test_variants_load_beside_this_tree_and_each_other(ceilings, tmp_path, monkeypatch):
@@ -132,10 +141,11 @@ COMPILE = textwrap.dedent(
 def test_variants_compile_for_sm90_without_the_work_they_take_out(ceilings, tmp_path):
     """Each variant's C4R4 split kernel, compiled for sm_90 (`sass_decode.py --split --tree`): the scorer of
     `no_unpack` has no unpacking multiply, that of `no_key_stores` no `stmatrix`, the value loops of `no_softmax` no
-    exponential, and every loop keeps its `wgmma`s (36 in the scorer, 16 in each value warpgroup)."""
+    exponential, the scorer of `no_fence` no `MEMBAR`, and every loop keeps its `wgmma`s (36 in the scorer, 16 in
+    each value warpgroup)."""
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("this Triton has no bundled cuobjdump")
-    trees = [ceilings.write_variant(v, str(tmp_path)) for v in ("no_unpack", "no_key_stores", "no_softmax")]
+    trees = [ceilings.write_variant(v, str(tmp_path)) for v in ("no_unpack", "no_key_stores", "no_softmax", "no_fence")]
     out = subprocess.run([sys.executable, "-c", COMPILE, BENCH, *trees], capture_output=True, text=True, cwd="/",
                          env=dict(os.environ, TRITON_INTERPRET="0"), timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -148,10 +158,13 @@ def test_variants_compile_for_sm90_without_the_work_they_take_out(ceilings, tmp_
         assert len(scorer) == 1 and len(values) == 2, (tree, [mma(c) for c in loops[tree]])
         return scorer[0], values
 
+    membar = lambda c: sum(n for op, n in c.items() if op.startswith("MEMBAR"))  # noqa: E731
     scorer, values = parts(trees[0])
-    assert scorer.get("HMUL2", 0) == 0 and all(c.get("MUFU.EX2", 0) > 0 for c in values)
+    assert scorer.get("HMUL2", 0) == 0 and all(c.get("MUFU.EX2", 0) > 0 for c in values) and membar(scorer) == 1
     scorer, _ = parts(trees[1])
     assert scorer.get("HMUL2", 0) == 144 and not any(op.startswith("STSM") for op in scorer)
     scorer, values = parts(trees[2])
     assert scorer.get("HMUL2", 0) == 144 and any(op.startswith("STSM") for op in scorer)
     assert all(c.get("MUFU.EX2", 0) == 0 for c in values)
+    scorer, values = parts(trees[3])
+    assert membar(scorer) == 0 and scorer.get("HMUL2", 0) == 144 and all(membar(c) == 1 for c in values)
