@@ -139,32 +139,23 @@ COMPILE = textwrap.dedent(
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason="this Triton has no Gluon (triton.experimental.gluon, Triton >= 3.5)")
 def test_variants_compile_for_sm90_without_the_work_they_take_out(ceilings, tmp_path):
-    """Each variant's C4R4 split kernel, compiled for sm_90 (`sass_decode.py --split --tree`): the scorer of
-    `no_unpack` has no unpacking multiply, that of `no_key_stores` no `stmatrix`, the value loops of `no_softmax` no
-    exponential, the scorer of `no_fence` no `MEMBAR`, and every loop keeps its `wgmma`s (36 in the scorer, 16 in
-    each value warpgroup)."""
+    """Every variant at once, its C4R4 split kernel compiled for sm_90 (`sass_decode.py --split --tree`): a scorer
+    with no unpacking multiply (this tree's has 144 a tile), no `stmatrix` and no `MEMBAR`, value loops with no
+    exponential but their own fences, and every loop keeps its `wgmma`s (36 in the scorer, 16 in each value
+    warpgroup)."""
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("this Triton has no bundled cuobjdump")
-    trees = [ceilings.write_variant(v, str(tmp_path)) for v in ("no_unpack", "no_key_stores", "no_softmax", "no_fence")]
-    out = subprocess.run([sys.executable, "-c", COMPILE, BENCH, *trees], capture_output=True, text=True, cwd="/",
+    tree = ceilings.write_variant("+".join(ceilings.EDITS), str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", COMPILE, BENCH, tree], capture_output=True, text=True, cwd="/",
                          env=dict(os.environ, TRITON_INTERPRET="0"), timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    loops = json.loads(out.stdout.splitlines()[-1])
+    loops = json.loads(out.stdout.splitlines()[-1])[tree]
 
-    def parts(tree):
-        mma = lambda c: sum(n for op, n in c.items() if op.startswith("HGMMA"))  # noqa: E731
-        scorer = [c for c in loops[tree] if mma(c) == 36]
-        values = [c for c in loops[tree] if mma(c) == 16]
-        assert len(scorer) == 1 and len(values) == 2, (tree, [mma(c) for c in loops[tree]])
-        return scorer[0], values
+    def count(c, prefix):
+        return sum(n for op, n in c.items() if op.startswith(prefix))
 
-    membar = lambda c: sum(n for op, n in c.items() if op.startswith("MEMBAR"))  # noqa: E731
-    scorer, values = parts(trees[0])
-    assert scorer.get("HMUL2", 0) == 0 and all(c.get("MUFU.EX2", 0) > 0 for c in values) and membar(scorer) == 1
-    scorer, _ = parts(trees[1])
-    assert scorer.get("HMUL2", 0) == 144 and not any(op.startswith("STSM") for op in scorer)
-    scorer, values = parts(trees[2])
-    assert scorer.get("HMUL2", 0) == 144 and any(op.startswith("STSM") for op in scorer)
-    assert all(c.get("MUFU.EX2", 0) == 0 for c in values)
-    scorer, values = parts(trees[3])
-    assert membar(scorer) == 0 and scorer.get("HMUL2", 0) == 144 and all(membar(c) == 1 for c in values)
+    assert sorted(count(c, "HGMMA") for c in loops) == [16, 16, 36], loops
+    (scorer,) = [c for c in loops if count(c, "HGMMA") == 36]
+    values = [c for c in loops if count(c, "HGMMA") == 16]
+    assert count(scorer, "HMUL2") == count(scorer, "STSM") == count(scorer, "MEMBAR") == 0, scorer
+    assert all(count(c, "MUFU.EX2") == 0 and count(c, "MEMBAR") == 1 for c in values), values
