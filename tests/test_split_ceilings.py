@@ -159,3 +159,38 @@ def test_variants_compile_for_sm90_without_the_work_they_take_out(ceilings, tmp_
     values = [c for c in loops if count(c, "HGMMA") == 16]
     assert count(scorer, "HMUL2") == count(scorer, "STSM") == count(scorer, "MEMBAR") == 0, scorer
     assert all(count(c, "MUFU.EX2") == 0 and count(c, "MEMBAR") == 1 for c in values), values
+
+
+def test_repeat_times_several_trees_in_turns_and_names_each_ratio(ceilings, tmp_path, monkeypatch):
+    """`bench_decode.py --repeat --baseline-path A,B`: every round times this tree and each tree in turn on the same
+    cache, and each tree gets its own rows and its own new / tree ratio (here on the CPU: a replay is the call itself
+    and each method's clock reads a time of its own, in the order the methods are captured)."""
+    monkeypatch.syspath_prepend(BENCH)
+    import bench_decode
+
+    a = ceilings.write_variant("no_unpack", str(tmp_path))
+    b = ceilings.write_variant("no_softmax", str(tmp_path))
+    trees = bench_decode.load_baselines(f"{a},{b}")
+    clock = iter([0.2, 0.1, 0.4, 1.0])  # this tree, no_unpack, no_softmax, the torch bmm
+    calls = []
+
+    def captured(fn):
+        ms = next(clock)
+
+        def replay():
+            calls.append(ms)
+            fn()
+            return ms
+        return replay
+
+    monkeypatch.setattr(bench_decode, "graphed", captured)
+    monkeypatch.setattr(bench_decode, "bench", lambda replay: replay())
+    lines = []
+    rows = bench_decode.run_repeats(lines, [(4, 1, 200)], ["C4R4"], baselines=trees, rounds=3)
+    timed = {r["method"]: r["ms"]["value"] for r in rows if "ms" in r}
+    assert timed == pytest.approx({"new-C4R4": 0.2, "old-no_unpack-C4R4": 0.1, "old-no_softmax-C4R4": 0.4,
+                                   "torch-bmm-bf16": 1.0})
+    assert sorted(calls) == sorted([0.2, 0.1, 0.4, 1.0] * 3)  # every method once a round
+    ratios = {r["method"]: r["ratio"]["value"] for r in rows if r["method"].startswith("new/")}
+    assert ratios == pytest.approx({"new/old-no_unpack-C4R4": 2.0, "new/old-no_softmax-C4R4": 0.5})
+    assert any(line.startswith("new/old-no_unpack H=  4") and "x2.000" in line for line in lines), lines
