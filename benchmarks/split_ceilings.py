@@ -9,8 +9,8 @@ part does not set the kernel's time. Their outputs are wrong (they skip work the
     python benchmarks/sass_decode.py C4R4 --split --tree DIR/no_unpack        # a variant's loops, compiled on the CPU
 
 Each variant is a set of edits of this tree's kernel sources (`EDITS`), `a+b` several at once, written as a tree
-(`kernels/` and `quantmla_hf/`) in `DIR/a+b` with `+` spelled `_and_`. An edit names the text it replaces; where the
-kernel no longer holds that text exactly once, the script stops and says which edit to bring up to date.
+(`kernels/` and `quantmla_hf/`) in `DIR/a` (`DIR/a_and_b`). An edit names the text it replaces; where the kernel no
+longer holds that text exactly once, the script stops and says which edit to bring up to date.
 
 - `no_unpack`: the scorer's 2- and 4-bit code words go into the key registers as they are, no `lop3`, `sub`, `fma`
   or `mul` (`half_asm` replaced by register moves): the scorer with free unpacking.
