@@ -485,16 +485,15 @@ def main_wide(a):
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16)))
 
 
-def main_loops(sass: str, min_len: int = 100, controls: bool = False) -> list:
+def main_loops(sass: str, min_len: int = 100) -> list[tuple[list[str], list[int]]]:
     """The loops of at least `min_len` instructions that hold no other such loop, in address order (the short
-    loops inside them are mbarrier waits). A loop ends in a conditional branch: the unconditional one back from an
-    mbarrier wait's retry code (placed after the kernel's body) is no loop. `controls`: each loop as `(instructions,
-    control bits)` (`_instructions_and_loops`)."""
+    loops inside them are mbarrier waits), each as `(instructions, control bits)` (`_instructions_and_loops`). A loop
+    ends in a conditional branch: the unconditional one back from an mbarrier wait's retry code (placed after the
+    kernel's body) is no loop."""
     ins, bits, loops = _instructions_and_loops(sass)
     big = [(s, e) for s, e in loops if e - s + 1 >= min_len and ins[e].startswith("@")]
     inner = [(s, e) for s, e in big if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in big)]
-    spans = sorted(set(inner))
-    return [(ins[s:e + 1], bits[s:e + 1]) for s, e in spans] if controls else [ins[s:e + 1] for s, e in spans]
+    return [(ins[s:e + 1], bits[s:e + 1]) for s, e in sorted(set(inner))]
 
 
 def issue_floor(controls: list[int]) -> int:
@@ -518,7 +517,7 @@ def main_split(a):
     local = len(re.findall(r"\b(?:LDL|STL)\b", sass))
     print(f"local memory instructions in the kernel: {local}")
     print(ptxas_facts(kernel))
-    for loop, controls in main_loops(sass, controls=True):
+    for loop, controls in main_loops(sass):
         counts = opcode_counts(loop)
         if not any(op.startswith("HGMMA") for op in counts):
             continue  # the epilogue's waits

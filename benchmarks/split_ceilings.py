@@ -70,14 +70,14 @@ EDITS = {
 
 def apply_edit(text: str, old, new: str, variant: str, path: str) -> str:
     """`text` with one edit of `variant` applied (`EDITS`); stops where the kernel no longer holds its text once."""
-    first, last = (old, old) if isinstance(old, str) else old
-    if text.count(first) != 1 or (first is not last and text.count(last, text.find(first)) < 1):
+    first, last = (old, "") if isinstance(old, str) else old  # a region: from `first` through the next `last`
+    start = text.find(first)
+    end = text.find(last, start + len(first))
+    if text.count(first) != 1 or end < 0:
         raise SystemExit(f"split_ceilings: {path} no longer holds the text that variant {variant!r} edits "
                          f"({first.strip()[:60]!r}, {text.count(first)} times): bring EDITS[{variant!r}] up to date "
                          "with the kernel")
-    start = text.index(first)
-    end = start + len(first) if first is last else text.index(last, start) + len(last)
-    return text[:start] + new + text[end:]
+    return text[:start] + new + text[end + len(last):]
 
 
 def folder_name(spec: str) -> str:

@@ -63,12 +63,13 @@ def load_baseline_decode(path: str, package: str = BASELINE_PACKAGE) -> Baseline
     if not os.path.isdir(os.path.join(path, "kernels")):
         raise SystemExit(f"--baseline-path {path!r} has no kernels/ folder: pass the root of an extracted tree "
                          "(mkdir -p before && git archive REV | tar -x -C before)")
+    source = os.path.join(os.path.abspath(path), "quantmla_hf")
     loaded = sys.modules.get(package)
-    if loaded is not None and loaded.__path__ != [os.path.join(path, "quantmla_hf")]:
+    if loaded is not None and loaded.__path__ != [source]:
         raise ValueError(f"{package!r} already holds the tree at {os.path.dirname(loaded.__path__[0])!r}: load "
                          f"{path!r} under another package name")
     root = types.ModuleType(package)
-    root.__path__ = [os.path.join(path, "quantmla_hf")]
+    root.__path__ = [source]
     sys.modules[package] = root
     sys.modules[package + ".format"] = quantmla_hf.format
     folder = os.path.join(path, "kernels")
