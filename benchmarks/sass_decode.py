@@ -349,14 +349,19 @@ def load_lead(loop: list[str]) -> list[tuple[int, int, int | None]]:
 GLOBAL_LOAD = re.compile(r"\bLDG(\.[\w.]+)?\b")
 
 
-def scoreboard_waits(loop: list[str], controls: list[int]) -> list[tuple[int, list[tuple[int, str]], int]]:
-    """The instructions of a loop that wait on a scoreboard some global load of the loop set (sm_70+ control bits:
-    stall 0-3, yield 4, write scoreboard 5-7, read scoreboard 8-10, wait mask 11-16; 7 is none): per such
-    instruction `(index, loads, lead)`, the loads `(index, opcode)` whose scoreboard it waits on that are still
-    pending there (set since that scoreboard was last waited on, going round the loop: the steady state) and how many
-    instructions after the youngest of them it comes. A wait covers every operation pending on its scoreboard, so
-    an instruction that needs one load waits for every load set on the same scoreboard before it."""
+def scoreboard_waits(loop: list[str], controls: list[int], operands: bool = False
+                     ) -> list[tuple[int, list[tuple[int, str]], int]]:
+    """The instructions of a loop that wait for some global load of the loop (sm_70+ control bits: stall 0-3, yield
+    4, write scoreboard 5-7, read scoreboard 8-10, wait mask 11-16; 7 is none): per such instruction `(index, loads,
+    lead)`, the loads `(index, opcode)` still pending on the scoreboards it waits on (set since each was last waited
+    on, going round the loop: the steady state) and how many instructions after the youngest of them it comes. A
+    load sets its write scoreboard, released when its data arrives (a memory latency), and may set a read scoreboard,
+    released once its address registers are read (tens of cycles, so that they may be overwritten). `operands`
+    False: the waits for the data (write scoreboards); True: the waits for the address registers (read scoreboards).
+    A wait covers every operation pending on its scoreboard, so an instruction that needs one load waits for every
+    load set on the same scoreboard before it."""
     n = len(loop)
+    field_shift = 8 if operands else 5
     pending = {j: [] for j in range(6)}
     out = []
     for rnd in range(2):
@@ -370,9 +375,9 @@ def scoreboard_waits(loop: list[str], controls: list[int]) -> list[tuple[int, li
                 loads = [(p, m.group(0)) for p in covered if (m := GLOBAL_LOAD.search(loop[p]))]
                 if rnd and loads:
                     out.append((i, sorted(loads), min((i - p) % n for p, _ in loads)))
-            for field in ((c >> 5) & 7, (c >> 8) & 7):
-                if field != 7:
-                    pending[field].append(i)
+            field = (c >> field_shift) & 7
+            if field != 7:
+                pending[field].append(i)
     return out
 
 
@@ -424,7 +429,8 @@ def main():
                     help="also each wide global load of the packed loop (--split: the scorer's) and its lead "
                          "(`load_lead`)")
     ap.add_argument("--waits", action="store_true",
-                    help="also the packed loop's waits on its global loads' scoreboards (`scoreboard_waits`)")
+                    help="also the packed loop's (--split: the scorer's) waits for its global loads' data and, "
+                         "apart, for their address registers (`scoreboard_waits`)")
     a = ap.parse_args()
     if a.dump:
         dump(a.dump)
@@ -459,10 +465,18 @@ def main():
         print("wide loads (instruction: first register -> instructions until first read):")
         print(" ".join(f"{i}: R{r} -> {lead}" for i, r, lead in load_lead(loop)))
     if a.waits:
-        print("waits on global loads (instruction: loads covered; instructions since the youngest of them):")
-        for i, loads, lead in scoreboard_waits(loop, controls):
+        print_waits(loop, controls, "")
+
+
+def print_waits(loop: list[str], controls: list[int], indent: str) -> None:
+    """The loop's waits for its global loads (`scoreboard_waits`): for their data, then for their address
+    registers."""
+    for operands, what in ((False, "data"), (True, "address registers")):
+        print(f"{indent}waits for global loads' {what} (instruction: loads covered; instructions since the youngest "
+              "of them):")
+        for i, loads, lead in scoreboard_waits(loop, controls, operands):
             kinds = collections.Counter(op for _, op in loads)
-            print(f"{i} {loop[i].split()[0]}: " + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))
+            print(f"{indent}{i} {loop[i].split()[0]}: " + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))
                   + f"; {lead} since the youngest")
 
 
@@ -536,6 +550,8 @@ def main_split(a):
         if a.loads and name == "scorer":
             print("  wide loads (instruction: first register -> instructions until first read): "
                   + " ".join(f"{i}: R{r} -> {lead}" for i, r, lead in load_lead(loop)))
+        if a.waits and name == "scorer":
+            print_waits(loop, controls, "  ")
 
 
 if __name__ == "__main__":

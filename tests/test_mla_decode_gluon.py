@@ -477,15 +477,19 @@ def _control(wb=7, rb=7, wait=0, stall=1):
 def test_scoreboard_waits_cover_every_load_pending_on_the_scoreboard():
     """`sass_decode.scoreboard_waits`: a wait on a scoreboard covers every global load set on it since it was last
     waited on, going round the loop (the load at the end of the loop is pending at the next pass's wait); a wait on
-    a shared load's scoreboard is not reported; the lead counts from the youngest load covered."""
+    a shared load's scoreboard is not reported; the lead counts from the youngest load covered. The waits for the
+    loads' data (write scoreboards) and for their address registers (read scoreboards) are told apart."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
     import sass_decode as sd
 
     loop = ["LDG.E.U16 R5, desc[UR4][R2.64]", "@!P4 LDG.E.128 R8, desc[UR4][R3.64]", "IADD3 R1, R1, 0x1, RZ",
-            "SEL R5, R5, RZ, P0", "LDS R9, [R4]", "FADD R9, R9, R1", "LDG.E.64 R12, desc[UR4][R6.64]"]
+            "SEL R5, R5, RZ, P0", "LDS R9, [R4]", "FADD R9, R9, R1", "LDG.E.64 R12, desc[UR4][R6.64]",
+            "IADD3 R6, R6, 0x40, RZ"]
     controls = [_control(wb=5), _control(wb=5), _control(), _control(wait=1 << 5), _control(wb=0),
-                _control(wait=1), _control(wb=5, rb=1)]
+                _control(wait=1), _control(wb=5, rb=1), _control(wait=1 << 1)]
     assert sd.scoreboard_waits(loop, controls) == [(3, [(0, "LDG.E.U16"), (1, "LDG.E.128"), (6, "LDG.E.64")], 2)]
+    # the last instruction overwrites load 6's address register: it waits for that load's read scoreboard only
+    assert sd.scoreboard_waits(loop, controls, operands=True) == [(7, [(6, "LDG.E.64")], 1)]
     # the same loop in `cuobjdump -sass` form (each instruction's high encoding bits on the line after it)
     sass = "\n".join(f"        /*{16 * i:04x}*/  {t} ;  /* 0x{i:016x} */\n  /* 0x{c << 41:016x} */"
                      for i, (t, c) in enumerate(zip(loop + ["HMUL2 R1, R2, R3", "BRA 0x0"], controls + [0, 0])))
@@ -546,8 +550,9 @@ def test_sass_script_reads_the_split_kernels_loops():
     """`benchmarks/sass_decode.py --split` finds each value warpgroup's main loop (per tile: its 4 units x 4 k-steps
     of values, no unpacking) and the scorer's (9 units x 4 k-steps of scores, 9 units x 16 pairs per thread: 144
     unpacking multiplies; 16-bit keys: none, 8 units x 4 copies of 16 bytes per thread), and reports the
-    warpgroups' registers."""
-    out = _sass_script("C4R4", "--split")
+    warpgroups' registers; with `--waits`, the scorer's waits for its code words' data and, apart, for their
+    address registers."""
+    out = _sass_script("C4R4", "--split", "--waits")
     assert out.returncode == 0, out.stderr[-3000:]
     floors = re.findall(r"^\w+ loop: (\d+) SASS .*; issue floor (\d+) cycles$", out.stdout, re.M)
     assert len(floors) == 3 and all(int(c) >= int(n) for n, c in floors), out.stdout
@@ -557,6 +562,11 @@ def test_sass_script_reads_the_split_kernels_loops():
     assert scorers == [("36", "144")], out.stdout
     assert f"value worker {ms.REGS[4, 4, False][0]}, scorer {ms.REGS[4, 4, False][1]}" in out.stdout, out.stdout
     assert re.search(r"^ptxas: wgmmas not serialized, spills \d+ B stored, \d+ B loaded$", out.stdout, re.M), out.stdout
+    scorer = out.stdout[out.stdout.index("scorer loop:"):]
+    data = scorer.index("  waits for global loads' data")
+    addresses = scorer.index("  waits for global loads' address registers")
+    assert data < addresses and re.search(r"^  \d+ \S+: .*LDG\.E\.128 x\d+.*; \d+ since the youngest$",
+                                          scorer[data:addresses], re.M), out.stdout
     dense = _sass_script("C16R16", "--split")  # 16-bit keys: copied into the value stages (32 cp.async a thread)
     assert dense.returncode == 0, dense.stderr[-3000:]
     assert re.findall(r"^scorer loop: \d+ .*\((\d+) HGMMA, (\d+) unpacking multiplies, (\d+) key copies", dense.stdout,
