@@ -112,15 +112,17 @@ def cache_bytes(fmt, B, N):
     return B * (packed * fmt.packed_bytes_per_token() + (N - packed) * fmt.dense_bytes_per_token())
 
 
-def decode_fn(backend, N, capacity=None):
+def decode_fn(backend, N, capacity=None, num_splits=None):
     """`(args of mla_decode_ref) -> (o, lse)` through `mla_decode_static` with a device-side length `N` and the planes'
-    `capacity` (default N): `backend` "default" takes `select_backend`'s choice."""
+    `capacity` (default N): `backend` "default" takes `select_backend`'s choice; `num_splits` overrides the split
+    target (`split_plan`)."""
     length = torch.tensor([N], dtype=torch.int64, device=DEVICE)
     cap = capacity or N
     chosen = None if backend == "default" else backend
 
     def run(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, n, scaling):
-        return mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling, backend=chosen)
+        return mla_decode_static(q_lat, q_rot, cp, rp, fmt, sc, sr, rc, rr, lp, length, cap, scaling, backend=chosen,
+                                 num_splits=num_splits)
 
     return run
 
@@ -672,7 +674,7 @@ def _against(got, want):
 
 
 def run_repeats(out_lines, points, formats, baselines=(), rounds=10, target=None, paged=False, backend="default",
-                flashmla=None, also=()):
+                flashmla=None, also=(), splits=()):
     """Per point: the default dispatch (or the named `backend`) for each format (`new-FMT`), each baseline tree's
     (`baselines`: `load_baselines`' `(label, factory)` pairs, `LABEL-FMT`; the same named backend), the paged kernel on
     the same cache in pages (`paged-FMT`, given `paged`; with a baseline tree that has a paged decode also its
@@ -683,7 +685,8 @@ def run_repeats(out_lines, points, formats, baselines=(), rounds=10, target=None
     (`flashmla-bf16`), each format's ratio to it with its interval, and each format's output against FlashMLA's on its
     own history. `also`: backends timed beside the default on the same cache (`BACKEND-FMT`, and with `paged` their
     paged launch, `paged-BACKEND-FMT`), where they take the case, each output against the default's on the same
-    inputs."""
+    inputs. `splits`: split targets timed beside the default's (`splitsN-FMT`, the `num_splits` override of
+    `split_plan`), each output against the default's and each time's ratio to the default's with its interval."""
     out = []
     for H, B, N in points:
         q_lat, q_rot, lp = _queries(B, H)
@@ -696,7 +699,7 @@ def run_repeats(out_lines, points, formats, baselines=(), rounds=10, target=None
             for tag, fn in makers:
                 keep.append((fn, args))  # a graph reads the tensors it was captured with
                 replays[f"{tag}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
-            want = decode_fn(backend, N)(*args) if also else None  # what each `also` backend is held against
+            want = decode_fn(backend, N)(*args) if also or splits else None  # what `also` and `splits` are held to
             for extra in also:
                 fn = decode_fn(extra, N)
                 try:  # (`graphed` runs it once before capturing: a backend that does not take the case raises)
@@ -708,6 +711,14 @@ def run_repeats(out_lines, points, formats, baselines=(), rounds=10, target=None
                 keep.append((fn, args))
                 rel, lse_err = _against(fn(*args), want)
                 out_lines.append(f"repeat H={H:3d} B={B:2d} N={N:6d} {extra}-{name} against {backend}: "
+                                 f"out_rel={rel:.2e} lse_abs={lse_err:.2e}")
+                print(out_lines[-1], flush=True)
+            for count in splits:
+                fn = decode_fn(backend, N, num_splits=count)
+                replays[f"splits{count}-{name}"] = graphed(lambda fn=fn, args=args: fn(*args))
+                keep.append((fn, args))
+                rel, lse_err = _against(fn(*args), want)
+                out_lines.append(f"repeat H={H:3d} B={B:2d} N={N:6d} splits{count}-{name} against {backend}: "
                                  f"out_rel={rel:.2e} lse_abs={lse_err:.2e}")
                 print(out_lines[-1], flush=True)
             if paged:  # the default paged kernel, and the other ones that take the case
@@ -763,6 +774,16 @@ def run_repeats(out_lines, points, formats, baselines=(), rounds=10, target=None
             print(out_lines[-1], flush=True)
             out.append(dict(method=f"new/{tag}-{label.replace(' ', '-')}", H=H, B=B, N=N, ratio=ratio.to_dict(),
                             verdict=word))
+        for name in formats:
+            for count in splits:
+                split, default = (torch.tensor(times[k], dtype=torch.float64) for k in (f"splits{count}-{name}",
+                                                                                         f"new-{name}"))
+                ratio = t_interval(split / default)
+                word = ratio_word(ratio)
+                out_lines.append(f"splits/default H={H:3d} B={B:2d} N={N:6d} {name:6s} target {count:4d} "
+                                 f"x{ratio.fmt(3)}: {word}")
+                print(out_lines[-1], flush=True)
+                out.append(dict(method=f"splits{count}/new-{name}", H=H, B=B, N=N, ratio=ratio.to_dict(), verdict=word))
         for name in formats if "flashmla-bf16" in times else ():
             ours, theirs = (torch.tensor(times[k], dtype=torch.float64) for k in (f"new-{name}", "flashmla-bf16"))
             ratio = t_interval(ours / theirs)
@@ -972,6 +993,8 @@ def main():
     ap.add_argument("--target-ms", type=float, default=None, help="--repeat: where the first method stands")
     ap.add_argument("--also-backends", default="",
                     help="--repeat: comma list of backends timed beside the default on the same cache (and paged)")
+    ap.add_argument("--splits", default="",
+                    help="--repeat: comma list of split targets timed beside the default's (the num_splits override)")
     ap.add_argument("--placements", type=int, default=0,
                     help="--repeat: instead, each format on this many separately allocated caches (the placement spread)")
     ap.add_argument("--profile", default="", help="H:B:N:FORMAT: run one point --iters times (first of --backends)")
@@ -1010,7 +1033,8 @@ def main():
     elif a.repeat:
         result["repeats"] = run_repeats(lines, points, formats, load_baselines(a.baseline_path), a.repeat,
                                         a.target_ms, a.paged, a.repeat_backend, load_flashmla(a.flashmla),
-                                        tuple(b for b in a.also_backends.split(",") if b))
+                                        tuple(b for b in a.also_backends.split(",") if b),
+                                        tuple(int(s) for s in a.splits.split(",") if s))
     if a.bench:
         bf16 = load_bf16_kernel(a.bf16_kernel)
         lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")

@@ -129,6 +129,36 @@ def test_a_named_backends_output_is_held_against_the_defaults(bench_decode):
     assert lse_err == pytest.approx(0.25)
 
 
+def test_split_targets_are_timed_beside_the_default_and_held_to_its_output(bench_decode, monkeypatch):
+    """`--repeat --splits 2,5`: each split target reaches the decode as its `num_splits` override, its output is held
+    to the default's, and each gets its time's ratio to the default's (here on the CPU: a replay is the call itself
+    and each method's clock reads a time of its own, in the order the methods are captured)."""
+    passed = []
+    decode = bench_decode.mla_decode_static
+
+    def recording(*args, num_splits=None, **kw):
+        passed.append(num_splits)
+        return decode(*args, num_splits=num_splits, **kw)
+
+    clock = iter([0.2, 0.1, 0.3, 1.0])  # the default, target 2, target 5, the torch bmm
+
+    def captured(fn):
+        ms = next(clock)
+        return lambda: (fn(), ms)[1]
+
+    monkeypatch.setattr(bench_decode, "mla_decode_static", recording)
+    monkeypatch.setattr(bench_decode, "graphed", captured)
+    monkeypatch.setattr(bench_decode, "bench", lambda replay: replay())
+    lines = []
+    rows = bench_decode.run_repeats(lines, [(4, 1, 300)], ["C4R4"], rounds=3, splits=(2, 5))
+    assert {2, 5} <= set(passed) and None in passed
+    held = [line for line in lines if " against default: " in line]
+    assert [line.split(" against ")[0].split()[-1] for line in held] == ["splits2-C4R4", "splits5-C4R4"], lines
+    assert all(float(line.split("out_rel=")[1].split()[0]) < 1e-3 for line in held), held
+    ratios = {r["method"]: r["ratio"]["value"] for r in rows if r["method"].startswith("splits") and "/" in r["method"]}
+    assert ratios == pytest.approx({"splits2/new-C4R4": 0.5, "splits5/new-C4R4": 1.5})
+
+
 def test_placements_pool_the_allocations_and_pair_them(bench_decode):
     """`--placements`' summary: a format's mean over all its allocations' rounds, its allocation means, and the ratio
     to the first format's taken allocation against allocation, with an interval over the allocations."""
