@@ -913,10 +913,13 @@ def kernel_times(step, iters: int) -> dict[str, float]:
     return times
 
 
-def run_kernel_times(out_lines, points: list[str], iters: int, flashmla=None) -> list[dict]:
+def run_kernel_times(out_lines, points: list[str], iters: int, flashmla=None, replays: bool | None = None
+                     ) -> list[dict]:
     """`kernel_times` of the default decode at each `H:B:N:FORMAT` point (the `--profile` cache and queries) and,
-    with `flashmla` (the loaded extension), of FlashMLA on the same history: one line per kernel, each method's
-    total last."""
+    with `flashmla` (the loaded extension), of FlashMLA on the same history: one line per kernel, then each method's
+    total. With `replays` (default: on CUDA) also the step's CUDA-graph replay time (`bench`, as `--repeat` times it)
+    and what of it lies outside the kernels (the replay less their total: launch gaps and the graph's own cost)."""
+    replays = DEVICE == "cuda" if replays is None else replays
     rows = []
     for point in points:
         H, B, N, name, args = point_args(point)
@@ -926,7 +929,12 @@ def run_kernel_times(out_lines, points: list[str], iters: int, flashmla=None) ->
             methods.append(("flashmla", flashmla_step(flashmla, args)))
         for method, step in methods:
             times = kernel_times(step, iters)
-            for kernel, us in list(times.items()) + [("total", sum(times.values()))]:
+            total = sum(times.values())
+            entries = list(times.items()) + [("total", total)]
+            if replays:
+                replay = 1e3 * bench(graphed(step))
+                entries += [("graph replay", replay), ("outside the kernels", replay - total)]
+            for kernel, us in entries:
                 out_lines.append(f"kernels H={H:3d} B={B:2d} N={N:6d} {name:6s} {method:11s} {us:9.2f} us  "
                                  f"{kernel[:70]}")
                 print(out_lines[-1], flush=True)

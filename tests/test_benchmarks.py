@@ -81,6 +81,19 @@ def test_kernel_times_rows_end_with_each_methods_total(bench_decode):
         bench_decode.make_cache("C4R4", 1, 8)[0], 4, 1, torch.bfloat16, bench_decode.DEVICE)}
 
 
+def test_kernel_times_give_the_replay_and_what_lies_outside_the_kernels(bench_decode, monkeypatch):
+    """With `replays`, each method's rows end with its CUDA-graph replay time and the replay less the kernels' total
+    (here on the CPU: the replay is the call itself and its clock reads 1 ms)."""
+    monkeypatch.setattr(bench_decode, "graphed", lambda fn: fn)
+    monkeypatch.setattr(bench_decode, "bench", lambda replay: (replay(), 1.0)[1])
+    lines = []
+    rows = bench_decode.run_kernel_times(lines, ["4:1:300:C4R4"], iters=1, replays=True)
+    assert [r["kernel"] for r in rows[-3:]] == ["total", "graph replay", "outside the kernels"]
+    total, replay, outside = (r["us"] for r in rows[-3:])
+    assert replay == pytest.approx(1000.0) and outside == pytest.approx(1000.0 - total)
+    assert lines[-1].endswith("outside the kernels")
+
+
 def test_rounding_effect_shows_each_paths_rounding(bench_decode):
     """`--rounding-effect`: one row per case with bf16 queries (and the 1e6-scaled one), the LSE shift of rounding
     each path's packed keys to fp16; none on a BF16 cache, some on the packed paths of C4R8."""
