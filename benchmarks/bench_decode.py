@@ -969,6 +969,14 @@ def parse_cases(text: str) -> list[tuple]:
     return [(f, *(int(x) for x in rest)) for f, *rest in (c.split(":") for c in text.split(",") if c)]
 
 
+def split_targets(text: str) -> tuple[int, ...]:
+    """`--splits`' comma list as split targets, each at least 1 (`split_plan` takes 0 for its default)."""
+    parts = [s.strip() for s in text.split(",") if s.strip()]
+    if not all(s.isdigit() and int(s) >= 1 for s in parts):
+        raise ValueError(f"--splits takes split targets of at least 1, comma-separated (e.g. 8,16,32), got {text!r}")
+    return tuple(int(s) for s in parts)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -1012,6 +1020,12 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the script itself (interpreter, tiny sizes)")
     a = ap.parse_args()
+    if a.splits and (not a.repeat or a.placements):
+        ap.error("--splits: only with --repeat ROUNDS (without --placements)")
+    try:
+        splits = split_targets(a.splits)
+    except ValueError as e:
+        ap.error(str(e))
     if a.tiny:
         run_tiny()
         return
@@ -1042,7 +1056,7 @@ def main():
         result["repeats"] = run_repeats(lines, points, formats, load_baselines(a.baseline_path), a.repeat,
                                         a.target_ms, a.paged, a.repeat_backend, load_flashmla(a.flashmla),
                                         tuple(b for b in a.also_backends.split(",") if b),
-                                        tuple(int(s) for s in a.splits.split(",") if s))
+                                        splits)
     if a.bench:
         bf16 = load_bf16_kernel(a.bf16_kernel)
         lines.append(f"BF16 Triton kernel: {a.bf16_kernel if bf16 else 'not given'}")

@@ -170,6 +170,10 @@ def test_split_targets_are_timed_beside_the_default_and_held_to_its_output(bench
     assert all(float(line.split("out_rel=")[1].split()[0]) < 1e-3 for line in held), held
     ratios = {r["method"]: r["ratio"]["value"] for r in rows if r["method"].startswith("splits") and "/" in r["method"]}
     assert ratios == pytest.approx({"splits2/new-C4R4": 0.5, "splits5/new-C4R4": 1.5})
+    assert bench_decode.split_targets("8, 16,32") == (8, 16, 32) and bench_decode.split_targets("") == ()
+    for bad in ("0,8", "8,x", "-4"):  # 0 would silently be the default's target
+        with pytest.raises(ValueError, match="split targets of at least 1"):
+            bench_decode.split_targets(bad)
 
 
 def test_placements_pool_the_allocations_and_pair_them(bench_decode):
