@@ -15,7 +15,8 @@ fetched separately and never committed) and the stock transformers step (`--stoc
         or of several, `DIR,DIR,...` (the variants `split_ceilings.py` writes, say), each row named by its folder,
         imported side by side in the same process and run through that tree's dispatch, or both trees through one
         backend with `--repeat-backend NAME`, e.g. `triton` for the portable kernel; `--also-backends A,B`: those
-        backends beside the default on the same cache, e.g. `gluon_wide,gluon_regs`; `--paged`:
+        backends beside the default on the same cache, e.g. `gluon_wide,gluon_regs`; `--splits 8,16`: the default
+        decode with those split targets beside it; `--paged`:
         the paged kernels, the default choice and the others that take the case, on the same cache laid out in pages
         of 64). The interval is over the rounds: where each tree's buffers land is not in it, and two trees running
         the same launch measured up to 3% apart at batch 1 (docs/BENCHMARKS.md, "Copy programs in the first wave")

@@ -435,11 +435,11 @@ def main():
     if a.dump:
         dump(a.dump)
         return
+    if a.tree and not a.split:
+        ap.error("--tree: only with --split (the split kernel of another tree)")
     if a.wide:
         main_wide(a)
         return
-    if a.tree and not a.split:
-        ap.error("--tree: only with --split (the split kernel of another tree)")
     if a.split:
         if a.fp32_queries:
             ap.error("--split: the split kernel takes bf16/fp16 queries")
