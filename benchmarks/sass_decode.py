@@ -9,10 +9,12 @@ shared memory it moves (`shared_bytes`). Each also prints what ptxas said (`ptxa
 wgmmas (each waiting for the one before, which a kernel short of registers gets without failing) and the spill bytes.
 
     python benchmarks/sass_decode.py [C4R4|C2R4|C4R8|C8R8|C16R16] [--fp32-queries] [--inflight N] [--paged]
-        [--wide|--split]
+        [--wide|--split] [--tree DIR] [--loads] [--waits]
     python benchmarks/sass_decode.py --dump DIR
 
-`--paged`: the paged launch (`PAGED`: page pools read through a page table) of any of them. `--dump DIR`: the whole
+`--paged`: the paged launch (`PAGED`: page pools read through a page table) of any of them. `--tree DIR`: that
+kernel of the tree at DIR (`kernels/` and `quantmla_hf/`: an older tree, a variant `split_ceilings.py` wrote, or a
+copy with a change, to see what it does to the loop before timing it) with that tree's settings. `--dump DIR`: the whole
 SASS (addresses removed) of every Gluon launch in `DUMP_LAUNCHES` and `SPLIT_LAUNCHES` and every portable Triton
 launch in `PORTABLE_LAUNCHES`, one file each, so that two trees' kernels can be compared with `diff -r` (a change
 whose SASS is identical needs no timing). It prints each launch's ptxas facts beside its instruction count.
@@ -163,16 +165,18 @@ def ptxas_facts(kernel) -> str:
 
 
 def compile_regs(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = 1, paged: bool = False,
-                 groups: int = 8):
+                 groups: int = 8, modules=None):
     """The kernel's one-warpgroup program compiled for sm_90 at DeepSeek widths (`groups` = 8 content groups, 4 sink
-    + 128 recent tokens, 16 rows)."""
-    return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=False, groups=groups)
+    + 128 recent tokens, 16 rows). `modules`: another tree's `(regs, wide)` kernel modules (`tree_modules`)."""
+    return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=False, groups=groups,
+                          modules=modules)
 
 
 def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, inflight: int = mw.INFLIGHT,
-                 paged: bool = False):
-    """The kernel's two-warpgroup program compiled for sm_90 at DeepSeek widths with its registers."""
-    return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=True)
+                 paged: bool = False, modules=None):
+    """The kernel's two-warpgroup program compiled for sm_90 at DeepSeek widths with its registers (`modules`: as
+    `compile_regs`)."""
+    return _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide=True, modules=modules)
 
 
 def compile_split(content_bits: int, rope_bits: int, paged: bool = False, module=ms):
@@ -192,22 +196,31 @@ def compile_split(content_bits: int, rope_bits: int, paged: bool = False, module
                     ptrs)
 
 
-def split_module(tree: str):
-    """The split kernel's module of the tree at `tree` (an older tree, or a variant `split_ceilings.py` wrote),
-    imported beside this tree's (`tree_compare.load_baseline_decode`, a package of its own for each call)."""
+def tree_modules(tree: str) -> tuple:
+    """The Gluon kernel modules `(regs, wide, split)` of the tree at `tree` (an older tree, a variant
+    `split_ceilings.py` wrote, or a copy with a change to compile before timing it), imported beside this tree's
+    (`tree_compare.load_baseline_decode`, a package of its own for each call)."""
     package = f"quantmla_sass_tree_{sum(m.startswith('quantmla_sass_tree_') and '.' not in m for m in sys.modules)}"
     tree_compare.load_baseline_decode(tree, package)
-    return importlib.import_module(package + ".kernels.mla_decode_gluon_split")
+    return tuple(importlib.import_module(f"{package}.kernels.mla_decode_gluon_{name}")
+                 for name in ("regs", "wide", "split"))
 
 
-def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide, groups=8):
-    regs = mw.REGS[content_bits] if wide else 0
-    const = dict(GC=groups, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128, BM=mw.BLOCK_M if wide else mr.BLOCK_M,
-                 Q_SPLIT=q_split, INFLIGHT=inflight, WIDE=wide, W_REGS=regs, PAGED=paged)
+def split_module(tree: str):
+    """The split kernel's module of the tree at `tree` (`tree_modules`)."""
+    return tree_modules(tree)[2]
+
+
+def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide, groups=8, modules=None):
+    regs_m, wide_m = modules or (mr, mw)
+    regs = wide_m.REGS[content_bits] if wide else 0
+    const = dict(GC=groups, C_BITS=content_bits, R_BITS=rope_bits, S=4, R=128,
+                 BM=wide_m.BLOCK_M if wide else regs_m.BLOCK_M, Q_SPLIT=q_split, INFLIGHT=inflight, WIDE=wide,
+                 W_REGS=regs, PAGED=paged)
     index = "*i32" if paged else "*i64"  # the paged launch's lengths, copy rows and page numbers
-    options = {"num_warps": 4, "maxnreg": min(regs, mw.MAX_REGS)} if wide else {"num_warps": 4}
-    return _compile(mr.mla_decode_gluon_kernel, const, q_split, options, dict(lp_ptr=index, len_ptr=index,
-                                                                              pt_ptr=index))
+    options = {"num_warps": 4, "maxnreg": min(regs, wide_m.MAX_REGS)} if wide else {"num_warps": 4}
+    return _compile(regs_m.mla_decode_gluon_kernel, const, q_split, options, dict(lp_ptr=index, len_ptr=index,
+                                                                                  pt_ptr=index))
 
 
 def _compile(fn, const: dict, q_split: bool, options: dict, index_ptrs: dict | None = None):
@@ -298,6 +311,11 @@ def opcode_counts(instructions: list[str]) -> collections.Counter:
 HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32(?:\.BF16)?\s+R\d+,\s+(R\d+|gdesc)")  # M, N, K, A operand
 SHARED_ACCESS = re.compile(r"\b(STS|LDS)(?:\.U?(8|16|32|64|128))?\b")  # a shared store/load and its width in bits
 STMATRIX = re.compile(r"\bSTSM\.16\.M88(?:\.(\d))?\b")  # `stmatrix`: 1, 2 or 4 8x8 fp16 matrices a warp
+
+
+def local_accesses(counts: collections.Counter) -> int:
+    """Local-memory loads and stores (`LDL`, `STL`: spilled registers) among `opcode_counts`."""
+    return sum(n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL"))
 
 
 def shared_bytes(instructions: list[str]) -> dict:
@@ -422,8 +440,8 @@ def main():
     ap.add_argument("--split", action="store_true",
                     help="the split kernel (C4R4, C2R4, C4R8, C8R8, C16R16; bf16 queries)")
     ap.add_argument("--tree", default="",
-                    help="--split: the split kernel of the tree at this folder (an older tree, or a variant "
-                    "split_ceilings.py wrote) instead of this one's")
+                    help="the kernels of the tree at this folder (an older tree, a variant split_ceilings.py wrote, "
+                    "or a copy with a change) instead of this one's")
     ap.add_argument("--dump", default="", help="write the SASS of every launch (DUMP_LAUNCHES) to this directory")
     ap.add_argument("--loads", action="store_true",
                     help="also each wide global load of the packed loop (--split: the scorer's) and its lead "
@@ -435,10 +453,9 @@ def main():
     if a.dump:
         dump(a.dump)
         return
-    if a.tree and not a.split:
-        ap.error("--tree: only with --split (the split kernel of another tree)")
+    modules = tree_modules(a.tree)[:2] if a.tree and not a.split else None
     if a.wide:
-        main_wide(a)
+        main_wide(a, modules)
         return
     if a.split:
         if a.fp32_queries:
@@ -447,18 +464,21 @@ def main():
         return
     if a.format == "C16R16":
         ap.error("C16R16: only the split kernel (--split) takes 16-bit planes")
-    a.inflight = mr.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
-    kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, paged=a.paged)
+    regs_m = (modules or (mr,))[0]
+    a.inflight = regs_m.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
+    kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, paged=a.paged,
+                          modules=modules)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     loop, controls = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
     counts = opcode_counts(loop)
-    print(f"triton {triton.__version__} | {a.format} | {'fp32' if a.fp32_queries else 'bf16'} queries | "
-          f"inflight {a.inflight} | {'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
+    print(f"triton {triton.__version__} | {a.format}{' of ' + a.tree if a.tree else ''} | "
+          f"{'fp32' if a.fp32_queries else 'bf16'} queries | inflight {a.inflight} | "
+          f"{'paged' if a.paged else 'contiguous'} | shared memory {kernel.metadata.shared} B")
     print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)))
     print(ptxas_facts(kernel))
     print(f"packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
-          f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements); issue floor {issue_floor(controls)} "
-          "cycles")
+          f"({counts[UNPACK_MUL]} unpacking multiplies, one per pair of elements, {local_accesses(counts)} "
+          f"local-memory); issue floor {issue_floor(controls)} cycles")
     for op, n in counts.most_common():
         print(f"{op:28s} {n:5d}")
     if a.loads:
@@ -480,12 +500,15 @@ def print_waits(loop: list[str], controls: list[int], indent: str) -> None:
                   + f"; {lead} since the youngest")
 
 
-def main_wide(a):
-    inflight = mw.INFLIGHT if a.inflight is None else a.inflight
-    kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight, paged=a.paged)
+def main_wide(a, modules=None):
+    wide_m = (modules or (mr, mw))[1]
+    inflight = wide_m.INFLIGHT if a.inflight is None else a.inflight
+    kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight, paged=a.paged,
+                          modules=modules)
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     sass = disassemble(kernel.asm["cubin"], "-sass")
-    print(f"triton {triton.__version__} | {a.format} two warpgroups | {mw.BLOCK_M} rows | "
+    print(f"triton {triton.__version__} | {a.format} two warpgroups{' of ' + a.tree if a.tree else ''} | "
+          f"{wide_m.BLOCK_M} rows | "
           f"{'fp32' if a.fp32_queries else 'bf16'} queries | inflight {inflight} | "
           f"{'paged' if a.paged else 'contiguous'} | shared memory "
           f"{kernel.metadata.shared} B")
@@ -495,7 +518,7 @@ def main_wide(a):
     for name, loop in zip(("leader", "worker"), loops):
         counts = opcode_counts(loop)
         print(f"{name} packed loop: {len(loop)} SASS instructions per warp and 64-token tile "
-              f"({counts[UNPACK_MUL]} unpacking multiplies)")
+              f"({counts[UNPACK_MUL]} unpacking multiplies, {local_accesses(counts)} local-memory)")
         print("  " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16)))
 
 
@@ -537,7 +560,7 @@ def main_split(a):
             continue  # the epilogue's waits
         mma = sum(n for op, n in counts.items() if op.startswith("HGMMA"))
         name = "scorer" if mma > 16 else "value"  # the scores: 9 units x 4 k-steps; a value warpgroup's: 4 x 4
-        spills = sum(n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL"))
+        spills = local_accesses(counts)
         print(f"{name} loop: {len(loop)} SASS instructions per warp and 64-token tile ({mma} HGMMA, "
               f"{counts[UNPACK_MUL]} unpacking multiplies, {counts[COPY_ASYNC]} key copies, {spills} local-memory); "
               f"issue floor {issue_floor(controls)} cycles")

@@ -13,6 +13,7 @@ reference.
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -434,6 +435,29 @@ def test_sass_script_counts_the_packed_loop():
     # branch; none between the units' key stores (11 per tile with one key buffer indexed per unit, Triton 3.6)
     bars = re.search(r"^BAR\.SYNC\s+(\d+)$", out.stdout, re.M)
     assert bars and int(bars.group(1)) <= 5, out.stdout
+    assert "| C4R4 | bf16 queries | inflight 0 |" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
+def test_sass_script_compiles_the_register_kernel_of_another_tree(tmp_path):
+    """`benchmarks/sass_decode.py --tree DIR` (how a change is compiled before it is timed) compiles the register
+    kernel of the tree at DIR with that tree's own settings: here a copy whose 4-bit launch keeps one score unit in
+    flight (this tree's keeps none)."""
+    assert mr.INFLIGHT[4] == 0
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    tree = tmp_path / "tree"
+    for folder in ("kernels", "quantmla_hf"):
+        shutil.copytree(os.path.join(root, folder), tree / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    regs = tree / "kernels" / "mla_decode_gluon_regs.py"
+    text = regs.read_text()
+    assert text.count("INFLIGHT = {4: 0,") == 1
+    regs.write_text(text.replace("INFLIGHT = {4: 0,", "INFLIGHT = {4: 1,"))
+    out = _sass_script("C4R4", "--tree", str(tree))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"C4R4 of {tree} | bf16 queries | inflight 1 |" in out.stdout, out.stdout
+    assert re.search(r"^packed loop: \d+ .*\(144 unpacking multiplies, .*, \d+ local-memory\)", out.stdout, re.M), \
+        out.stdout
 
 
 @pytest.mark.skipif(not mc.HAVE_GLUON, reason=NO_GLUON)
@@ -538,9 +562,9 @@ def test_sass_script_counts_both_packed_loops():
     issues their 20 score `wgmma`s, the worker 4 units (64, 16), each plus the 16 value `wgmma`s of its units."""
     out = _sass_script("C4R4", "--wide")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"^leader packed loop: \d+ .*\(80 unpacking multiplies\)\n.*HGMMA\.64x32x16 36", out.stdout, re.M), \
+    assert re.search(r"^leader packed loop: \d+ .*\(80 unpacking multiplies, 0 local-memory\)\n.*HGMMA\.64x32x16 36", out.stdout, re.M), \
         out.stdout
-    assert re.search(r"^worker packed loop: \d+ .*\(64 unpacking multiplies\)\n.*HGMMA\.64x32x16 32", out.stdout, re.M), \
+    assert re.search(r"^worker packed loop: \d+ .*\(64 unpacking multiplies, 0 local-memory\)\n.*HGMMA\.64x32x16 32", out.stdout, re.M), \
         out.stdout
     assert "STACK:0" in out.stdout, out.stdout
 
