@@ -181,7 +181,7 @@ def compile_wide(content_bits: int, rope_bits: int, q_split: bool = False, infli
 
 def compile_split(content_bits: int, rope_bits: int, paged: bool = False, module=ms):
     """The split kernel (`kernels/mla_decode_gluon_split.py`: a scorer and two value warpgroups, 64 rows; `module`:
-    another tree's, `split_module`) compiled for sm_90 at DeepSeek widths with its registers and partials
+    another tree's, `tree_modules`) compiled for sm_90 at DeepSeek widths with its registers and partials
     (`backends.partial_dtype`)."""
     fmt = CacheFormat(PathFormat(512, content_bits, 64), PathFormat(64, rope_bits, 64))
     v_regs, s_regs = module.registers(fmt, paged)
@@ -204,11 +204,6 @@ def tree_modules(tree: str) -> tuple:
     tree_compare.load_baseline_decode(tree, package)
     return tuple(importlib.import_module(f"{package}.kernels.mla_decode_gluon_{name}")
                  for name in ("regs", "wide", "split"))
-
-
-def split_module(tree: str):
-    """The split kernel's module of the tree at `tree` (`tree_modules`)."""
-    return tree_modules(tree)[2]
 
 
 def _compile_gluon(content_bits, rope_bits, q_split, inflight, paged, wide, groups=8, modules=None):
@@ -453,21 +448,20 @@ def main():
     if a.dump:
         dump(a.dump)
         return
-    modules = tree_modules(a.tree)[:2] if a.tree and not a.split else None
+    regs_m, wide_m, split_m = tree_modules(a.tree) if a.tree else (mr, mw, ms)
     if a.wide:
-        main_wide(a, modules)
+        main_wide(a, (regs_m, wide_m))
         return
     if a.split:
         if a.fp32_queries:
             ap.error("--split: the split kernel takes bf16/fp16 queries")
-        main_split(a)
+        main_split(a, split_m)
         return
     if a.format == "C16R16":
         ap.error("C16R16: only the split kernel (--split) takes 16-bit planes")
-    regs_m = (modules or (mr,))[0]
     a.inflight = regs_m.INFLIGHT[FORMATS[a.format][0]] if a.inflight is None else a.inflight
     kernel = compile_regs(*FORMATS[a.format], q_split=a.fp32_queries, inflight=a.inflight, paged=a.paged,
-                          modules=modules)
+                          modules=(regs_m, wide_m))
     usage = disassemble(kernel.asm["cubin"], "-res-usage")
     loop, controls = packed_loop(disassemble(kernel.asm["cubin"], "-sass"))
     counts = opcode_counts(loop)
@@ -500,8 +494,8 @@ def print_waits(loop: list[str], controls: list[int], indent: str) -> None:
                   + f"; {lead} since the youngest")
 
 
-def main_wide(a, modules=None):
-    wide_m = (modules or (mr, mw))[1]
+def main_wide(a, modules):
+    wide_m = modules[1]
     inflight = wide_m.INFLIGHT if a.inflight is None else a.inflight
     kernel = compile_wide(*FORMATS[a.format], q_split=a.fp32_queries, inflight=inflight, paged=a.paged,
                           modules=modules)
@@ -541,9 +535,8 @@ def issue_floor(controls: list[int]) -> int:
     return sum(c & 15 for c in controls)
 
 
-def main_split(a):
+def main_split(a, module):
     cb, rb = FORMATS[a.format]
-    module = split_module(a.tree) if a.tree else ms
     kernel = compile_split(cb, rb, paged=a.paged, module=module)
     sass = disassemble(kernel.asm["cubin"], "-sass")
     v_regs, s_regs = module.registers(CacheFormat(PathFormat(512, cb, 64), PathFormat(64, rb, 64)), a.paged)

@@ -553,10 +553,10 @@ def test_sass_script_counts_both_packed_loops():
     issues their 20 score `wgmma`s, the worker 4 units (64, 16), each plus the 16 value `wgmma`s of its units."""
     out = _sass_script("C4R4", "--wide")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"^leader packed loop: \d+ .*\(80 unpacking multiplies, 0 local-memory\)\n.*HGMMA\.64x32x16 36", out.stdout, re.M), \
-        out.stdout
-    assert re.search(r"^worker packed loop: \d+ .*\(64 unpacking multiplies, 0 local-memory\)\n.*HGMMA\.64x32x16 32", out.stdout, re.M), \
-        out.stdout
+    assert re.search(r"^leader packed loop: \d+ .*\(80 unpacking multiplies, 0 local-memory\)\n.*HGMMA\.64x32x16 36",
+                     out.stdout, re.M), out.stdout
+    assert re.search(r"^worker packed loop: \d+ .*\(64 unpacking multiplies, 0 local-memory\)\n.*HGMMA\.64x32x16 32",
+                     out.stdout, re.M), out.stdout
     assert "STACK:0" in out.stdout, out.stdout
 
 

@@ -128,7 +128,7 @@ COMPILE = textwrap.dedent(
 
     loops = {}
     for tree in sys.argv[2:]:
-        module = sd.split_module(tree)
+        module = sd.tree_modules(tree)[2]
         sass = sd.disassemble(sd.compile_split(4, 4, module=module).asm["cubin"], "-sass")
         counts = [sd.opcode_counts(loop) for loop, _ in sd.main_loops(sass)]
         loops[tree] = [{op: n for op, n in c.items()} for c in counts if any(op.startswith("HGMMA") for op in c)]
